@@ -1,0 +1,579 @@
+//! The closed op set. Every `match` over [`Op`] is exhaustive: adding a variant makes the compiler
+//! list each place that must handle it (shape inference, CPU kernel, gradient, text form, codegen).
+
+use crate::{DType, Shape, TensorType};
+use serde::{Deserialize, Serialize};
+
+/// An f64 attribute stored as its bits, so that [`Op`] can be `Eq + Hash + Ord` (the e-graph needs it).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct F64Bits(pub u64);
+
+impl F64Bits {
+    /// Wraps a float.
+    pub fn new(v: f64) -> F64Bits {
+        F64Bits(v.to_bits())
+    }
+    /// The float value.
+    pub fn get(self) -> f64 {
+        f64::from_bits(self.0)
+    }
+}
+
+impl std::fmt::Debug for F64Bits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.get())
+    }
+}
+
+impl From<f64> for F64Bits {
+    fn from(v: f64) -> F64Bits {
+        F64Bits::new(v)
+    }
+}
+
+/// Elementwise functions of one tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum UnaryOp {
+    /// -x
+    Neg,
+    /// |x|
+    Abs,
+    /// e^x
+    Exp,
+    /// ln x
+    Log,
+    /// √x
+    Sqrt,
+    /// 1/√x
+    Rsqrt,
+    /// 1/x
+    Reciprocal,
+    /// sin x
+    Sin,
+    /// cos x
+    Cos,
+    /// tanh x
+    Tanh,
+    /// 1/(1+e^-x)
+    Sigmoid,
+    /// max(x, 0)
+    Relu,
+    /// x·Φ(x) with the exact erf.
+    GeluErf,
+    /// GELU's tanh approximation.
+    GeluTanh,
+    /// x·sigmoid(x)
+    Silu,
+    /// -1, 0 or 1
+    Sign,
+    /// ⌊x⌋
+    Floor,
+    /// ⌈x⌉
+    Ceil,
+    /// Round half to even.
+    Round,
+    /// Logical not (bool only).
+    Not,
+    /// x is NaN (bool result).
+    IsNan,
+    /// x is ±∞ (bool result).
+    IsInf,
+    /// x is finite (bool result).
+    IsFinite,
+}
+
+/// Elementwise functions of two tensors, with numpy broadcasting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum BinaryOp {
+    /// a + b
+    Add,
+    /// a - b
+    Sub,
+    /// a · b
+    Mul,
+    /// a / b (integer division truncates; division by zero is an error-free 0 for integers)
+    Div,
+    /// a ^ b
+    Pow,
+    /// max(a, b) (NaN propagates)
+    Maximum,
+    /// min(a, b) (NaN propagates)
+    Minimum,
+    /// a == b (bool result)
+    Eq,
+    /// a != b (bool result)
+    Ne,
+    /// a < b (bool result)
+    Lt,
+    /// a <= b (bool result)
+    Le,
+    /// a > b (bool result)
+    Gt,
+    /// a >= b (bool result)
+    Ge,
+    /// a && b (bool only)
+    And,
+    /// a || b (bool only)
+    Or,
+}
+
+impl BinaryOp {
+    /// Whether the result is bool (comparisons and logic).
+    pub fn is_predicate(self) -> bool {
+        matches!(
+            self,
+            BinaryOp::Eq
+                | BinaryOp::Ne
+                | BinaryOp::Lt
+                | BinaryOp::Le
+                | BinaryOp::Gt
+                | BinaryOp::Ge
+                | BinaryOp::And
+                | BinaryOp::Or
+        )
+    }
+}
+
+/// What a [`Op::Reduce`] computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum ReduceKind {
+    /// Σ
+    Sum,
+    /// Σ / n
+    Mean,
+    /// max (NaN propagates)
+    Max,
+    /// min (NaN propagates)
+    Min,
+    /// Π
+    Prod,
+    /// Any true (bool only).
+    Any,
+    /// All true (bool only).
+    All,
+}
+
+/// Which index [`Op::ArgReduce`] returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum ArgKind {
+    /// Index of the first maximum.
+    ArgMax,
+    /// Index of the first minimum.
+    ArgMin,
+}
+
+/// A pooling function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum PoolKind {
+    /// Max over the window (padding never wins).
+    Max,
+    /// Average over the window.
+    Avg {
+        /// Whether padded positions count in the divisor (PyTorch's `count_include_pad`).
+        count_include_pad: bool,
+    },
+}
+
+/// Causal masking of attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Causal {
+    /// No causal mask.
+    None,
+    /// Query i sees keys j <= i (PyTorch's `is_causal`).
+    TopLeft,
+    /// Query i sees keys j <= i + (Sk - Sq) (FlashAttention's; decoding with a KV cache).
+    BottomRight,
+}
+
+/// The extra mask input of attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum AttnMask {
+    /// No mask input.
+    None,
+    /// A float mask added to the scores, broadcast to [B,H,Sq,Sk].
+    Additive,
+    /// A bool mask (true = keep), broadcast to [B,H,Sq,Sk].
+    Bool,
+}
+
+/// Reduction of a loss over its batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Reduction {
+    /// Mean over the counted elements.
+    Mean,
+    /// Sum.
+    Sum,
+    /// One loss per element.
+    None,
+}
+
+/// The activation of a matmul epilogue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Activation {
+    /// Identity.
+    None,
+    /// ReLU.
+    Relu,
+    /// GELU, erf form.
+    GeluErf,
+    /// GELU, tanh form.
+    GeluTanh,
+}
+
+/// Convolution / pooling geometry, one entry per spatial dim.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ConvGeom {
+    /// Stride per spatial dim.
+    pub stride: Vec<usize>,
+    /// Symmetric zero padding per spatial dim.
+    pub padding: Vec<usize>,
+    /// Dilation per spatial dim.
+    pub dilation: Vec<usize>,
+}
+
+/// One instruction of a fused elementwise kernel: an elementwise op over earlier values.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct FusedInstr {
+    /// The elementwise op (`Unary`, `Binary`, `Where`, `Cast` or a scalar `Full`).
+    pub op: Op,
+    /// Operands: `i < n_inputs` reads kernel input `i`, otherwise instruction `i - n_inputs`.
+    pub args: Vec<u32>,
+    /// The instruction's result type (its shape is the kernel's output shape).
+    pub dtype: DType,
+}
+
+/// A fused elementwise kernel: inputs broadcast to the output shape, a straight-line program.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct FusedKernel {
+    /// Number of kernel inputs.
+    pub n_inputs: u32,
+    /// The program; the last instruction is the result.
+    pub instrs: Vec<FusedInstr>,
+    /// Output type.
+    pub out: TensorType,
+}
+
+/// The closed set of tensor operations. Attributes are part of the op (floats as bits, axes
+/// normalized to non-negative and sorted), so equal ops compare equal.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Op {
+    // ---- leaves ----
+    /// The graph's `index`-th input.
+    Input {
+        /// Position among the graph's inputs.
+        index: u32,
+        /// Declared type.
+        ty: TensorType,
+    },
+    /// The graph's `index`-th parameter (or optimizer state).
+    Param {
+        /// Position among the graph's parameters.
+        index: u32,
+        /// Declared type.
+        ty: TensorType,
+    },
+    /// The graph's `index`-th constant tensor (data held by the graph).
+    Constant {
+        /// Position among the graph's constants.
+        index: u32,
+        /// Type.
+        ty: TensorType,
+    },
+    /// A tensor filled with one value (rank 0 for scalars).
+    Full {
+        /// The value.
+        value: F64Bits,
+        /// Type.
+        ty: TensorType,
+    },
+    /// Indices 0..n along `axis`, broadcast over the other dims.
+    Iota {
+        /// The counting axis.
+        axis: usize,
+        /// Type.
+        ty: TensorType,
+    },
+    /// Seeded uniform random values in [low, high).
+    RandUniform {
+        /// Lower bound.
+        low: F64Bits,
+        /// Upper bound.
+        high: F64Bits,
+        /// Seed.
+        seed: u64,
+        /// Type.
+        ty: TensorType,
+    },
+    /// Seeded normal random values.
+    RandNormal {
+        /// Mean.
+        mean: F64Bits,
+        /// Standard deviation.
+        std: F64Bits,
+        /// Seed.
+        seed: u64,
+        /// Type.
+        ty: TensorType,
+    },
+
+    // ---- elementwise ----
+    /// Elementwise function of one tensor.
+    Unary(UnaryOp),
+    /// Elementwise function of two broadcast tensors.
+    Binary(BinaryOp),
+    /// `cond ? a : b`, all three broadcast.
+    Where,
+    /// Conversion to another dtype.
+    Cast {
+        /// Target dtype.
+        to: DType,
+    },
+
+    // ---- reductions ----
+    /// Reduction over a set of axes.
+    Reduce {
+        /// What to compute.
+        kind: ReduceKind,
+        /// Axes (normalized, sorted, unique).
+        axes: Vec<usize>,
+        /// Keep reduced dims as size 1.
+        keep_dims: bool,
+    },
+    /// Index of the max/min along one axis (i64 result).
+    ArgReduce {
+        /// Max or min.
+        kind: ArgKind,
+        /// The axis.
+        axis: usize,
+        /// Keep the reduced dim as size 1.
+        keep_dims: bool,
+    },
+
+    // ---- linear algebra ----
+    /// Matrix product over the last two dims, batch dims broadcast.
+    Matmul {
+        /// Use Aᵀ (swap A's last two dims).
+        trans_a: bool,
+        /// Use Bᵀ.
+        trans_b: bool,
+    },
+    /// `act(A·B + bias)` as one library call (cuBLASLt's epilogue shape); inputs a, b, [bias].
+    MatmulEpilogue {
+        /// Use Aᵀ.
+        trans_a: bool,
+        /// Use Bᵀ.
+        trans_b: bool,
+        /// Whether a 1-D bias over the last dim is the third input.
+        bias: bool,
+        /// Activation.
+        act: Activation,
+    },
+
+    // ---- movement ----
+    /// Same elements, new shape.
+    Reshape {
+        /// The new shape.
+        shape: Shape,
+    },
+    /// Dim permutation.
+    Permute {
+        /// `out.dims[i] = in.dims[perm[i]]`.
+        perm: Vec<usize>,
+    },
+    /// Broadcast to a larger shape.
+    Expand {
+        /// The target shape.
+        shape: Shape,
+    },
+    /// Strided slice of every dim: `start..end` by `step`.
+    Slice {
+        /// Start per dim.
+        starts: Vec<usize>,
+        /// End per dim (exclusive).
+        ends: Vec<usize>,
+        /// Step per dim (>= 1).
+        steps: Vec<usize>,
+    },
+    /// Concatenation along an axis.
+    Concat {
+        /// The axis.
+        axis: usize,
+    },
+    /// Constant padding: `(before, after)` per dim.
+    Pad {
+        /// Padding per dim.
+        pads: Vec<(usize, usize)>,
+        /// The fill value.
+        value: F64Bits,
+    },
+
+    // ---- normalization ----
+    /// Softmax along an axis.
+    Softmax {
+        /// The axis.
+        axis: usize,
+    },
+    /// Log-softmax along an axis.
+    LogSoftmax {
+        /// The axis.
+        axis: usize,
+    },
+    /// LayerNorm over the last dim; inputs x, [weight], [bias].
+    LayerNorm {
+        /// Epsilon.
+        eps: F64Bits,
+        /// Whether a weight input follows.
+        weight: bool,
+        /// Whether a bias input follows.
+        bias: bool,
+    },
+    /// RMSNorm over the last dim; inputs x, [weight].
+    RmsNorm {
+        /// Epsilon.
+        eps: F64Bits,
+        /// Whether a weight input follows.
+        weight: bool,
+    },
+
+    // ---- indexing ----
+    /// `out[..i..] = x[..index[..i..]..]` along `axis` (torch.gather); inputs x, index.
+    Gather {
+        /// The axis.
+        axis: usize,
+    },
+    /// Inverse of gather: `out = base; out[..index[i]..] += src[i]`; inputs base, index, src.
+    ScatterAdd {
+        /// The axis.
+        axis: usize,
+    },
+    /// Rows of `x` picked by a 1-D index along `axis` (embedding is axis 0); inputs x, index.
+    IndexSelect {
+        /// The axis.
+        axis: usize,
+    },
+    /// Inverse of index_select: `out = base; out[index[i]] += src[i]` along axis; inputs base, index, src.
+    IndexAdd {
+        /// The axis.
+        axis: usize,
+    },
+
+    // ---- convolution and pooling ----
+    /// N-d convolution (NCW / NCHW / NCDHW), inputs x, w, [bias].
+    Conv {
+        /// Geometry.
+        geom: ConvGeom,
+        /// Groups.
+        groups: usize,
+        /// Whether a bias input follows.
+        bias: bool,
+    },
+    /// Gradient of a convolution with respect to its input; inputs grad_out, w.
+    ConvGradInput {
+        /// Geometry.
+        geom: ConvGeom,
+        /// Groups.
+        groups: usize,
+        /// The input's shape.
+        input_shape: Shape,
+    },
+    /// Gradient of a convolution with respect to its weight; inputs x, grad_out.
+    ConvGradWeight {
+        /// Geometry.
+        geom: ConvGeom,
+        /// Groups.
+        groups: usize,
+        /// The weight's shape.
+        weight_shape: Shape,
+    },
+    /// N-d pooling over the trailing spatial dims of NC...
+    Pool {
+        /// Max or average.
+        kind: PoolKind,
+        /// Window per spatial dim.
+        kernel: Vec<usize>,
+        /// Stride and padding (dilation 1).
+        geom: ConvGeom,
+    },
+    /// Gradient of pooling; inputs x, grad_out.
+    PoolGrad {
+        /// Max or average.
+        kind: PoolKind,
+        /// Window per spatial dim.
+        kernel: Vec<usize>,
+        /// Stride and padding.
+        geom: ConvGeom,
+    },
+
+    // ---- attention ----
+    /// Scaled dot-product attention, inputs q [B,H,Sq,D], k [B,H,Sk,D], v [B,H,Sk,Dv], [mask].
+    /// A fully masked row yields zeros.
+    Attention {
+        /// Causal masking.
+        causal: Causal,
+        /// The mask input.
+        mask: AttnMask,
+        /// Score scale (usually 1/√D).
+        scale: F64Bits,
+    },
+    /// Gradient of attention with respect to input `wrt` (0 = q, 1 = k, 2 = v);
+    /// inputs q, k, v, [mask], grad_out.
+    AttentionGrad {
+        /// Causal masking.
+        causal: Causal,
+        /// The mask input.
+        mask: AttnMask,
+        /// Score scale.
+        scale: F64Bits,
+        /// Which input's gradient.
+        wrt: u8,
+    },
+
+    // ---- losses ----
+    /// Cross entropy from logits [N,C] and integer targets [N].
+    CrossEntropy {
+        /// Batch reduction.
+        reduction: Reduction,
+        /// Targets equal to this are ignored (not counted in the mean).
+        ignore_index: i64,
+    },
+    /// Gradient of cross entropy with respect to the logits; inputs logits, targets, grad_out.
+    CrossEntropyGrad {
+        /// Batch reduction.
+        reduction: Reduction,
+        /// Ignored target.
+        ignore_index: i64,
+    },
+
+    // ---- fused ----
+    /// A fused elementwise kernel (made by the fusion pass).
+    Fused(Box<FusedKernel>),
+}
+
+impl Op {
+    /// The op's family name, as used in error messages and the IR text (`matmul`, `reduce_sum`...).
+    pub fn name(&self) -> &'static str {
+        crate::text::op_name(self)
+    }
+
+    /// Whether this op is a leaf (no inputs).
+    pub fn is_leaf(&self) -> bool {
+        matches!(
+            self,
+            Op::Input { .. }
+                | Op::Param { .. }
+                | Op::Constant { .. }
+                | Op::Full { .. }
+                | Op::Iota { .. }
+                | Op::RandUniform { .. }
+                | Op::RandNormal { .. }
+        )
+    }
+
+    /// Whether this op is elementwise over broadcast inputs (fusable into one kernel).
+    pub fn is_elementwise(&self) -> bool {
+        matches!(
+            self,
+            Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } | Op::Fused(_)
+        )
+    }
+}
