@@ -1,1 +1,13 @@
-//! placeholder
+//! RustyTorch's compiler: the [`Graph`] IR on petgraph, the [`GraphBuilder`]/[`Tensor`] builder
+//! API, the verifier, autodiff, the e-graph optimizer, fusion, memory planning, the IR text format
+//! and graph files.
+
+pub mod autodiff;
+pub mod builder;
+pub mod error;
+pub mod graph;
+
+pub use autodiff::grad;
+pub use builder::{ConvOpts, GraphBuilder, Tensor};
+pub use error::{CompileError, Result};
+pub use graph::{Graph, Init, InputDef, Node, NodeId, ParamDef};
