@@ -1,18 +1,387 @@
-//! (family under construction)
+//! Normalization ops: softmax and log-softmax along an axis, LayerNorm and RMSNorm over the last
+//! dim. Kernels run in f64 for f64 tensors and in f32 otherwise (f16/bf16 rounded once at the end),
+//! rows in parallel for large tensors. Gradients are written with primitive ops.
+//!
+//! This file also holds the small float-compute helpers ([`Real`], [`compute_view`],
+//! [`from_compute`]) that the index, loss and attention kernels share.
 
-use crate::{HostTensor, Op, OpError, Result, TensorType, Value, VjpCtx};
+use crate::util::{arity, attr_err, dtype_err, shape_err, PAR_THRESHOLD};
+use crate::{
+    DType, Element, HostElement, HostTensor, Op, ReduceKind, Result, Shape, TensorType, UnaryOp,
+    Value, VjpCtx,
+};
+use rayon::prelude::*;
+use std::borrow::Cow;
+use std::ops::{Add, AddAssign, Div, Mul, Neg, Sub};
+
+/// A float compute type of the CPU kernels (f32 or f64).
+pub(crate) trait Real:
+    HostElement
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+    + Neg<Output = Self>
+    + AddAssign
+{
+    /// 0
+    const ZERO: Self;
+    /// 1
+    const ONE: Self;
+    /// -∞
+    const NEG_INF: Self;
+    /// e^x
+    fn exp(self) -> Self;
+    /// ln x
+    fn ln(self) -> Self;
+    /// √x
+    fn sqrt(self) -> Self;
+    /// A count as a float.
+    fn from_usize(n: usize) -> Self;
+    /// x is NaN.
+    fn is_nan(self) -> bool;
+}
+
+macro_rules! real {
+    ($t:ty) => {
+        impl Real for $t {
+            const ZERO: Self = 0.0;
+            const ONE: Self = 1.0;
+            const NEG_INF: Self = <$t>::NEG_INFINITY;
+            #[inline(always)]
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            #[inline(always)]
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            #[inline(always)]
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            #[inline(always)]
+            fn from_usize(n: usize) -> Self {
+                n as $t
+            }
+            #[inline(always)]
+            fn is_nan(self) -> bool {
+                <$t>::is_nan(self)
+            }
+        }
+    };
+}
+real!(f32);
+real!(f64);
+
+/// The elements of a float tensor in compute type `C`: borrowed when the dtype is `C`, converted
+/// once otherwise (f16/bf16 to f32 is exact).
+pub(crate) fn compute_view<C: Real>(t: &HostTensor) -> Cow<'_, [C]> {
+    match C::view(t.data()) {
+        Some(s) => Cow::Borrowed(s),
+        None => Cow::Owned(
+            crate::with_data!(t.data(), v => v.iter().map(|x| C::from_f64(Element::to_f64(*x))).collect()),
+        ),
+    }
+}
+
+/// A tensor of type `ty` from values computed in `C`, each rounded once to `ty.dtype`.
+pub(crate) fn from_compute<C: Real>(v: Vec<C>, ty: &TensorType) -> Result<HostTensor> {
+    if ty.dtype == C::DTYPE {
+        return HostTensor::from_data(C::wrap(v), ty.shape.clone());
+    }
+    let data = crate::with_dtype!(ty.dtype, T => <T as HostElement>::wrap(
+        v.iter().map(|&c| <T as Element>::from_f64(c.to_f64())).collect()
+    ));
+    HostTensor::from_data(data, ty.shape.clone())
+}
+
+/// Splits `dims` around `axis`: (product before, the axis, product after).
+pub(crate) fn split_axis(dims: &[usize], axis: usize) -> (usize, usize, usize) {
+    let outer = dims[..axis].iter().product();
+    let inner = dims[axis + 1..].iter().product();
+    (outer, dims[axis], inner)
+}
 
 /// Output type.
-pub fn infer(op: &Op, _inputs: &[&TensorType]) -> Result<TensorType> {
-    Err(OpError::Runtime { op: op.name(), reason: "not implemented".into() })
+pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
+    match op {
+        Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+            arity(op, inputs, 1)?;
+            let x = inputs[0];
+            if !x.dtype.is_float() {
+                return Err(dtype_err(op, inputs, "input must be a float tensor"));
+            }
+            if *axis >= x.shape.rank() {
+                return Err(attr_err(
+                    op,
+                    format!("axis {axis} out of range for rank {}", x.shape.rank()),
+                ));
+            }
+            Ok(x.clone())
+        }
+        Op::LayerNorm { weight, bias, .. } => {
+            let n = 1 + *weight as usize + *bias as usize;
+            norm_infer(op, inputs, n)
+        }
+        Op::RmsNorm { weight, .. } => norm_infer(op, inputs, 1 + *weight as usize),
+        _ => Err(attr_err(op, "not a normalization op")),
+    }
+}
+
+/// Inference of LayerNorm / RMSNorm: x float of rank >= 1, each affine input `[last_dim]` of x's dtype.
+fn norm_infer(op: &Op, inputs: &[&TensorType], n: usize) -> Result<TensorType> {
+    arity(op, inputs, n)?;
+    let x = inputs[0];
+    if !x.dtype.is_float() {
+        return Err(dtype_err(op, inputs, "input must be a float tensor"));
+    }
+    if x.shape.rank() == 0 {
+        return Err(shape_err(op, inputs, "input must have rank >= 1"));
+    }
+    let d = *x.shape.dims().last().expect("rank >= 1");
+    for p in &inputs[1..] {
+        if p.dtype != x.dtype {
+            return Err(dtype_err(
+                op,
+                inputs,
+                "weight and bias must have the input's dtype",
+            ));
+        }
+        if p.shape.dims() != [d] {
+            return Err(shape_err(
+                op,
+                inputs,
+                format!("weight and bias must have shape [{d}] (the last dim)"),
+            ));
+        }
+    }
+    Ok(x.clone())
 }
 
 /// CPU kernel.
-pub fn cpu(op: &Op, _inputs: &[&HostTensor], _out: &TensorType) -> Result<HostTensor> {
-    Err(OpError::Runtime { op: op.name(), reason: "not implemented".into() })
+pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTensor> {
+    if out.dtype == DType::F64 {
+        cpu_in::<f64>(op, inputs, out)
+    } else {
+        cpu_in::<f32>(op, inputs, out)
+    }
+}
+
+fn cpu_in<C: Real>(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTensor> {
+    let x = compute_view::<C>(inputs[0]);
+    let dims = inputs[0].dims();
+    let mut y = vec![C::ZERO; x.len()];
+    match op {
+        Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+            let log = matches!(op, Op::LogSoftmax { .. });
+            let (_, n, inner) = split_axis(dims, *axis);
+            let block = n * inner;
+            if block > 0 {
+                let f = |(xb, yb): (&[C], &mut [C])| softmax_block(xb, yb, n, inner, log);
+                if x.len() >= PAR_THRESHOLD {
+                    x.par_chunks(block).zip(y.par_chunks_mut(block)).for_each(f);
+                } else {
+                    x.chunks(block).zip(y.chunks_mut(block)).for_each(f);
+                }
+            }
+        }
+        Op::LayerNorm { eps, weight, .. } | Op::RmsNorm { eps, weight } => {
+            let centered = matches!(op, Op::LayerNorm { .. });
+            let has_bias = matches!(op, Op::LayerNorm { bias: true, .. });
+            let w = weight.then(|| compute_view::<C>(inputs[1]));
+            let b = has_bias.then(|| compute_view::<C>(inputs[1 + *weight as usize]));
+            let d = *dims.last().expect("rank >= 1");
+            let eps = C::from_f64(eps.get());
+            if d > 0 {
+                let f = |(xr, yr): (&[C], &mut [C])| {
+                    norm_row(xr, yr, w.as_deref(), b.as_deref(), eps, centered)
+                };
+                if x.len() >= PAR_THRESHOLD {
+                    x.par_chunks(d).zip(y.par_chunks_mut(d)).for_each(f);
+                } else {
+                    x.chunks(d).zip(y.chunks_mut(d)).for_each(f);
+                }
+            }
+        }
+        _ => return Err(attr_err(op, "not a normalization op")),
+    }
+    from_compute(y, out)
+}
+
+/// Softmax (or log-softmax) of a `[n, inner]` block along its first dim, max-subtracted.
+fn softmax_block<C: Real>(x: &[C], y: &mut [C], n: usize, inner: usize, log: bool) {
+    let mut m = vec![C::NEG_INF; inner];
+    for row in x.chunks(inner) {
+        for (mk, &v) in m.iter_mut().zip(row) {
+            if v > *mk || v.is_nan() {
+                *mk = v;
+            }
+        }
+    }
+    let mut s = vec![C::ZERO; inner];
+    for (xr, yr) in x.chunks(inner).zip(y.chunks_mut(inner)) {
+        for k in 0..inner {
+            let e = (xr[k] - m[k]).exp();
+            yr[k] = e;
+            s[k] += e;
+        }
+    }
+    if log {
+        let ls: Vec<C> = s.iter().map(|&v| v.ln()).collect();
+        for (xr, yr) in x.chunks(inner).zip(y.chunks_mut(inner)) {
+            for k in 0..inner {
+                yr[k] = xr[k] - m[k] - ls[k];
+            }
+        }
+    } else {
+        let inv: Vec<C> = s.iter().map(|&v| C::ONE / v).collect();
+        for yr in y.chunks_mut(inner) {
+            for k in 0..inner {
+                yr[k] = yr[k] * inv[k];
+            }
+        }
+    }
+    debug_assert_eq!(x.len(), n * inner);
+}
+
+/// One row of LayerNorm (`centered`) or RMSNorm, with optional weight and bias.
+fn norm_row<C: Real>(
+    x: &[C],
+    y: &mut [C],
+    w: Option<&[C]>,
+    b: Option<&[C]>,
+    eps: C,
+    centered: bool,
+) {
+    let n = C::from_usize(x.len());
+    let mean = if centered {
+        let mut s = C::ZERO;
+        for &v in x {
+            s += v;
+        }
+        s / n
+    } else {
+        C::ZERO
+    };
+    let mut ss = C::ZERO;
+    for &v in x {
+        let c = v - mean;
+        ss += c * c;
+    }
+    let rstd = C::ONE / (ss / n + eps).sqrt();
+    for (k, (yk, &v)) in y.iter_mut().zip(x).enumerate() {
+        let mut r = (v - mean) * rstd;
+        if let Some(w) = w {
+            r = r * w[k];
+        }
+        if let Some(b) = b {
+            r += b[k];
+        }
+        *yk = r;
+    }
 }
 
 /// Gradient rule.
 pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
-    Err(OpError::Runtime { op: cx.op.name(), reason: "not implemented".into() })
+    let x = cx.inputs[0];
+    let g = cx.grad;
+    match cx.op.clone() {
+        Op::Softmax { axis } => {
+            // dx = y · (g − Σ g·y)
+            let y = cx.output;
+            let gy = cx.mul(g, y)?;
+            let s = cx.sum(gy, vec![axis], true)?;
+            let d = cx.sub(g, s)?;
+            Ok(vec![Some(cx.mul(y, d)?)])
+        }
+        Op::LogSoftmax { axis } => {
+            // dx = g − softmax · Σ g
+            let y = cx.output;
+            let p = cx.unary(UnaryOp::Exp, y)?;
+            let s = cx.sum(g, vec![axis], true)?;
+            let ps = cx.mul(p, s)?;
+            Ok(vec![Some(cx.sub(g, ps)?)])
+        }
+        Op::LayerNorm { eps, weight, bias } => {
+            let (xhat, rstd) = normalized(cx, x, eps.get(), true)?;
+            let gy = if weight { cx.mul(g, cx.inputs[1])? } else { g };
+            // dx = rstd · (gy − mean(gy) − x̂ · mean(gy · x̂))
+            let axis = cx.ty(x).shape.rank() - 1;
+            let m1 = mean_last(cx, gy, axis)?;
+            let gx = cx.mul(gy, xhat)?;
+            let m2 = mean_last(cx, gx, axis)?;
+            let t = cx.mul(xhat, m2)?;
+            let d = cx.sub(gy, m1)?;
+            let d = cx.sub(d, t)?;
+            let dx = cx.mul(rstd, d)?;
+            let mut out = vec![Some(dx)];
+            if weight {
+                out.push(Some(affine_grad(cx, g, Some(xhat), cx.inputs[1])?));
+            }
+            if bias {
+                let b = cx.inputs[1 + weight as usize];
+                out.push(Some(affine_grad(cx, g, None, b)?));
+            }
+            Ok(out)
+        }
+        Op::RmsNorm { eps, weight } => {
+            let (xhat, rstd) = normalized(cx, x, eps.get(), false)?;
+            let gy = if weight { cx.mul(g, cx.inputs[1])? } else { g };
+            // dx = rstd · (gy − x̂ · mean(gy · x̂))
+            let axis = cx.ty(x).shape.rank() - 1;
+            let gx = cx.mul(gy, xhat)?;
+            let m2 = mean_last(cx, gx, axis)?;
+            let t = cx.mul(xhat, m2)?;
+            let d = cx.sub(gy, t)?;
+            let dx = cx.mul(rstd, d)?;
+            let mut out = vec![Some(dx)];
+            if weight {
+                out.push(Some(affine_grad(cx, g, Some(xhat), cx.inputs[1])?));
+            }
+            Ok(out)
+        }
+        op => Err(attr_err(&op, "not a normalization op")),
+    }
+}
+
+/// Mean over `axis`, keeping it as size 1.
+fn mean_last(cx: &mut VjpCtx<'_>, v: Value, axis: usize) -> Result<Value> {
+    cx.emit(
+        Op::Reduce {
+            kind: ReduceKind::Mean,
+            axes: vec![axis],
+            keep_dims: true,
+        },
+        &[v],
+    )
+}
+
+/// Recomputes `(x̂, rstd)` of LayerNorm (`centered`) or RMSNorm from `x`; rstd keeps the last dim as 1.
+fn normalized(cx: &mut VjpCtx<'_>, x: Value, eps: f64, centered: bool) -> Result<(Value, Value)> {
+    let ty = cx.ty(x);
+    let axis = ty.shape.rank() - 1;
+    let xc = if centered {
+        let m = mean_last(cx, x, axis)?;
+        cx.sub(x, m)?
+    } else {
+        x
+    };
+    let sq = cx.mul(xc, xc)?;
+    let var = mean_last(cx, sq, axis)?;
+    let e = cx.scalar(eps, ty.dtype)?;
+    let ve = cx.add(var, e)?;
+    let rstd = cx.unary(UnaryOp::Rsqrt, ve)?;
+    let xhat = cx.mul(xc, rstd)?;
+    Ok((xhat, rstd))
+}
+
+/// Gradient of a weight (`g · x̂`) or bias (`g`) of shape `[d]`: summed over every leading dim.
+fn affine_grad(cx: &mut VjpCtx<'_>, g: Value, xhat: Option<Value>, param: Value) -> Result<Value> {
+    let v = match xhat {
+        Some(xh) => cx.mul(g, xh)?,
+        None => g,
+    };
+    let shape: Shape = cx.ty(param).shape;
+    cx.sum_to(v, &shape)
 }
