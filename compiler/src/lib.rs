@@ -11,3 +11,8 @@ pub use autodiff::grad;
 pub use builder::{ConvOpts, GraphBuilder, Tensor};
 pub use error::{CompileError, Result};
 pub use graph::{Graph, Init, InputDef, Node, NodeId, ParamDef};
+pub mod format;
+pub mod fuse;
+pub mod optimize;
+pub mod plan;
+pub mod text;
