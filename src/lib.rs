@@ -1,1 +1,85 @@
-//! placeholder
+//! RustyTorch: a graph-compiling deep-learning runtime.
+//!
+//! Build a lazy graph with [`GraphBuilder`] and [`Tensor`] handles (or load a graph file), compile
+//! it for a [`Device`], and run it with host tensors:
+//!
+//! ```
+//! use rustytorch::prelude::*;
+//!
+//! let g = GraphBuilder::new();
+//! let x = g.input("x", DType::F32, [2, 3]);
+//! let w = g.param("w", [3, 4], Init::kaiming_uniform(3, 1));
+//! let b = g.param("b", [4], Init::zeros());
+//! let y = x.matmul(&w).add(&b).gelu();
+//! let mut exe = rustytorch::compile(&g, &[&y], Device::Cpu).unwrap();
+//! let out = exe.run(&[("x", HostTensor::from_vec(vec![1.0f32; 6], [2, 3]).unwrap())]).unwrap();
+//! assert_eq!(out[0].dims(), &[2, 4]);
+//! ```
+
+pub mod executable;
+pub mod npy;
+
+pub use executable::{
+    compile, compile_graph, compile_with, CompileOptions, Executable, NonFinitePolicy, Outputs,
+};
+pub use rustytorch_codegen as codegen;
+pub use rustytorch_compiler as compiler;
+pub use rustytorch_compiler::{
+    AdamW, CompileError, Graph, GraphBuilder, Init, Optimizer, Sgd, StepOptions, Tensor, TrainStep,
+};
+pub use rustytorch_ops as ops;
+pub use rustytorch_ops::{DType, HostTensor, Shape, TensorType};
+pub use rustytorch_runtime as runtime;
+pub use rustytorch_runtime::Device;
+
+/// What a program using RustyTorch usually needs.
+pub mod prelude {
+    pub use crate::{
+        compile, compile_graph, compile_with, AdamW, CompileOptions, DType, Device, Executable,
+        Graph, GraphBuilder, HostTensor, Init, NonFinitePolicy, Sgd, Shape, StepOptions, Tensor,
+    };
+    pub use rustytorch_compiler::ConvOpts;
+    pub use rustytorch_ops::{Activation, AttnMask, Causal, Reduction};
+}
+
+/// Errors of the public API.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Building, verifying or transforming the graph failed.
+    #[error(transparent)]
+    Compile(#[from] rustytorch_compiler::CompileError),
+    /// Lowering failed.
+    #[error(transparent)]
+    Codegen(#[from] rustytorch_codegen::CodegenError),
+    /// Execution failed.
+    #[error(transparent)]
+    Runtime(#[from] rustytorch_runtime::RuntimeError),
+    /// An op-level error.
+    #[error(transparent)]
+    Op(#[from] rustytorch_ops::OpError),
+    /// A value given to `run` does not fit the graph.
+    #[error("input `{name}`: {reason}")]
+    Input {
+        /// The input's name.
+        name: String,
+        /// What was expected.
+        reason: String,
+    },
+    /// A gradient was NaN or infinite; the step's updates were not applied.
+    #[error("non-finite gradient for parameter `{param}`: the update was not applied")]
+    NonFinite {
+        /// The parameter.
+        param: String,
+    },
+    /// A file could not be read or written.
+    #[error("{path}: {reason}")]
+    File {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+/// The public API's result.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,1 +1,173 @@
-//! placeholder
+//! RustyTorch's codegen: lowers an optimized, fused [`Graph`] into a backend-neutral [`Plan`] — a
+//! straight list of kernel steps over dense value ids, with the leaves resolved (inputs, parameters,
+//! constants; generator leaves such as `Full`/`Iota`/`Rand*` evaluated once at lowering time) and
+//! each value's last use recorded so backends free buffers as soon as possible.
+
+use rustytorch_compiler::{Graph, NodeId};
+use rustytorch_ops::{eval_cpu, HostTensor, Op, OpError, TensorType};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Errors of lowering.
+#[derive(Debug, thiserror::Error)]
+pub enum CodegenError {
+    /// The graph is not lowerable.
+    #[error("codegen: {0}")]
+    Invalid(String),
+    /// Evaluating a generator leaf failed.
+    #[error(transparent)]
+    Op(#[from] OpError),
+    /// The graph failed verification.
+    #[error(transparent)]
+    Compile(#[from] rustytorch_compiler::CompileError),
+}
+
+/// The codegen crate's result.
+pub type Result<T, E = CodegenError> = std::result::Result<T, E>;
+
+/// A dense value id in a [`Plan`].
+pub type ValueId = usize;
+
+/// Where a value comes from.
+#[derive(Clone, Debug)]
+pub enum Source {
+    /// The plan's `i`-th input.
+    Input(usize),
+    /// The `i`-th parameter/state tensor.
+    Param(usize),
+    /// A tensor known at lowering time (constants and evaluated generator leaves).
+    Const(Arc<HostTensor>),
+    /// Computed by step `i`.
+    Step(usize),
+}
+
+/// One kernel launch: `op` over `inputs` into `output`.
+#[derive(Clone, Debug)]
+pub struct Step {
+    /// The kernel's op (a library op, a fused kernel, or a reference op).
+    pub op: Op,
+    /// Operand values.
+    pub inputs: Vec<ValueId>,
+    /// Result value.
+    pub output: ValueId,
+    /// Values whose last use is this step (free them after it).
+    pub frees: Vec<ValueId>,
+}
+
+/// A lowered program.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// Type of every value.
+    pub types: Vec<TensorType>,
+    /// Origin of every value.
+    pub sources: Vec<Source>,
+    /// The steps, in execution order.
+    pub steps: Vec<Step>,
+    /// Named inputs: (name, type), by input index.
+    pub inputs: Vec<(String, TensorType)>,
+    /// Named outputs: (name, value).
+    pub outputs: Vec<(String, ValueId)>,
+    /// State updates: (param index, value).
+    pub updates: Vec<(usize, ValueId)>,
+    /// Guards: (name, bool scalar value).
+    pub guards: Vec<(String, ValueId)>,
+}
+
+impl Plan {
+    /// Number of kernel launches.
+    pub fn kernel_count(&self) -> usize {
+        self.steps.len()
+    }
+}
+
+/// Lowers a verified graph into a plan (the CPU and every backend share this form).
+pub fn lower(graph: &Graph) -> Result<Plan> {
+    let _span = tracing::debug_span!("lower", nodes = graph.len()).entered();
+    let order = graph.live_order();
+    let mut ids: HashMap<NodeId, ValueId> = HashMap::new();
+    let mut plan = Plan {
+        types: vec![],
+        sources: vec![],
+        steps: vec![],
+        inputs: graph
+            .inputs
+            .iter()
+            .map(|i| (i.name.clone(), i.ty.clone()))
+            .collect(),
+        outputs: vec![],
+        updates: vec![],
+        guards: vec![],
+    };
+    for n in order {
+        let node = graph.node(n)?;
+        let src = match &node.op {
+            Op::Input { index, .. } => Source::Input(*index as usize),
+            Op::Param { index, .. } => Source::Param(*index as usize),
+            Op::Constant { index, .. } => Source::Const(Arc::new(
+                graph
+                    .constants
+                    .get(*index as usize)
+                    .cloned()
+                    .ok_or_else(|| CodegenError::Invalid(format!("missing constant #{index}")))?,
+            )),
+            Op::Full { .. } | Op::Iota { .. } | Op::RandUniform { .. } | Op::RandNormal { .. } => {
+                Source::Const(Arc::new(eval_cpu(&node.op, &[])?))
+            }
+            _ => {
+                let inputs = node.inputs.iter().map(|i| ids[i]).collect();
+                plan.steps.push(Step {
+                    op: node.op.clone(),
+                    inputs,
+                    output: plan.types.len(),
+                    frees: vec![],
+                });
+                Source::Step(plan.steps.len() - 1)
+            }
+        };
+        ids.insert(n, plan.types.len());
+        plan.types.push(node.ty.clone());
+        plan.sources.push(src);
+    }
+    plan.outputs = graph
+        .outputs
+        .iter()
+        .map(|(name, n)| (name.clone(), ids[n]))
+        .collect();
+    plan.updates = graph
+        .updates
+        .iter()
+        .map(|(p, n)| (*p as usize, ids[n]))
+        .collect();
+    plan.guards = graph
+        .guards
+        .iter()
+        .map(|(name, n)| (name.clone(), ids[n]))
+        .collect();
+
+    // Last uses: a computed value is freed after its last reader unless a root keeps it.
+    let mut keep = vec![false; plan.types.len()];
+    for &v in plan
+        .outputs
+        .iter()
+        .map(|(_, v)| v)
+        .chain(plan.updates.iter().map(|(_, v)| v))
+        .chain(plan.guards.iter().map(|(_, v)| v))
+    {
+        keep[v] = true;
+    }
+    let mut last: HashMap<ValueId, usize> = HashMap::new();
+    for (s, step) in plan.steps.iter().enumerate() {
+        for &v in &step.inputs {
+            last.insert(v, s);
+        }
+    }
+    for (v, s) in last {
+        if !keep[v] && matches!(plan.sources[v], Source::Step(_)) {
+            plan.steps[s].frees.push(v);
+        }
+    }
+    for s in &mut plan.steps {
+        s.frees.sort_unstable();
+    }
+    Ok(plan)
+}

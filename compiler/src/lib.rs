@@ -6,11 +6,14 @@ pub mod autodiff;
 pub mod builder;
 pub mod error;
 pub mod graph;
+pub mod optim;
+pub mod passes;
 
 pub use autodiff::grad;
 pub use builder::{ConvOpts, GraphBuilder, Tensor};
 pub use error::{CompileError, Result};
 pub use graph::{Graph, Init, InputDef, Node, NodeId, ParamDef};
+pub use optim::{AdamW, Optimizer, Sgd, StepOptions, TrainStep};
 pub mod format;
 pub mod fuse;
 pub mod optimize;

@@ -1,0 +1,241 @@
+//! Training in the graph: gradients, global-norm clipping, finiteness guards and optimizer updates
+//! (SGD with momentum and weight decay, AdamW) written as ordinary ops whose results are recorded as
+//! state updates (`param ← new value`). The learning rate and the step counter are state tensors
+//! too, so a schedule can change the rate between runs without recompiling; the fusion pass turns
+//! each parameter's update into one elementwise kernel.
+
+use crate::builder::{GraphBuilder, Tensor};
+use crate::graph::Init;
+use crate::{autodiff, CompileError, Result};
+use rustytorch_ops::{DType, Op, Shape, TensorType};
+
+/// An optimizer.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Optimizer {
+    /// Stochastic gradient descent.
+    Sgd(Sgd),
+    /// Adam with decoupled weight decay.
+    AdamW(AdamW),
+}
+
+/// SGD: `buf ← momentum·buf + g + wd·p; p ← p − lr·buf` (no buffer when momentum is 0).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sgd {
+    /// Learning rate.
+    pub lr: f64,
+    /// Momentum.
+    pub momentum: f64,
+    /// L2 weight decay added to the gradient.
+    pub weight_decay: f64,
+}
+
+impl Sgd {
+    /// Plain SGD.
+    pub fn new(lr: f64) -> Sgd {
+        Sgd {
+            lr,
+            momentum: 0.0,
+            weight_decay: 0.0,
+        }
+    }
+    /// With momentum.
+    pub fn momentum(mut self, m: f64) -> Sgd {
+        self.momentum = m;
+        self
+    }
+    /// With weight decay.
+    pub fn weight_decay(mut self, wd: f64) -> Sgd {
+        self.weight_decay = wd;
+        self
+    }
+}
+
+/// AdamW (Loshchilov & Hutter), with PyTorch's defaults.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdamW {
+    /// Learning rate.
+    pub lr: f64,
+    /// β1.
+    pub beta1: f64,
+    /// β2.
+    pub beta2: f64,
+    /// ε.
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+}
+
+impl AdamW {
+    /// AdamW with β = (0.9, 0.999), ε = 1e-8, weight decay 0.01.
+    pub fn new(lr: f64) -> AdamW {
+        AdamW {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+    /// With weight decay.
+    pub fn weight_decay(mut self, wd: f64) -> AdamW {
+        self.weight_decay = wd;
+        self
+    }
+}
+
+impl From<Sgd> for Optimizer {
+    fn from(s: Sgd) -> Optimizer {
+        Optimizer::Sgd(s)
+    }
+}
+
+impl From<AdamW> for Optimizer {
+    fn from(a: AdamW) -> Optimizer {
+        Optimizer::AdamW(a)
+    }
+}
+
+/// Options of a training step.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct StepOptions {
+    /// Clip gradients to this global L2 norm.
+    pub clip_norm: Option<f64>,
+}
+
+/// Handles to what a training step computes.
+#[derive(Clone, Debug)]
+pub struct TrainStep {
+    /// Gradient of each trainable parameter, by parameter name.
+    pub grads: Vec<(String, Tensor)>,
+    /// The global L2 norm of the gradients (before clipping).
+    pub grad_norm: Tensor,
+}
+
+fn scalar_state(b: &GraphBuilder, name: &str, value: f64) -> Tensor {
+    b.param_typed(
+        name,
+        TensorType::new(DType::F32, Shape::scalar()),
+        Init::Full(value),
+        false,
+    )
+}
+
+impl GraphBuilder {
+    /// Adds to the graph the gradients of `loss` for every trainable parameter, a finiteness guard
+    /// per gradient (named `grad:<param>`; a run whose gradients are not finite applies no update
+    /// and reports the parameter), optional global-norm clipping, and the optimizer's updates.
+    pub fn train_step(
+        &self,
+        loss: &Tensor,
+        opt: impl Into<Optimizer>,
+        opts: &StepOptions,
+    ) -> Result<TrainStep> {
+        let opt = opt.into();
+        let loss_id = loss.node()?;
+        self.check()?;
+        let params: Vec<(String, crate::NodeId, TensorType)> = self.with_graph(|g| {
+            g.params
+                .iter()
+                .filter(|p| p.trainable)
+                .map(|p| (p.name.clone(), p.node, p.ty.clone()))
+                .collect()
+        });
+        if params.is_empty() {
+            return Err(CompileError::Grad("the graph has no trainable parameters".into()));
+        }
+        let wrt: Vec<crate::NodeId> = params.iter().map(|p| p.1).collect();
+        let gids = self.with_graph(|g| autodiff::grad(g, loss_id, &wrt))?;
+        let grads: Vec<Tensor> = gids.iter().map(|&id| self.tensor(id)).collect();
+
+        // Global norm (in f32) and per-parameter finiteness guards.
+        let mut sq: Option<Tensor> = None;
+        for (g, (name, _, _)) in grads.iter().zip(&params) {
+            let ok = g.all_finite();
+            let gid = ok.node()?;
+            self.with_graph(|gr| gr.guards.push((format!("grad:{name}"), gid)));
+            let s = g.cast(DType::F32).mul(&g.cast(DType::F32)).sum_all();
+            sq = Some(match sq {
+                Some(a) => a.add(&s),
+                None => s,
+            });
+        }
+        let grad_norm = sq.expect("at least one parameter").sqrt();
+        let scale = opts.clip_norm.map(|max| {
+            grad_norm
+                .add_scalar(1e-6)
+                .reciprocal()
+                .mul_scalar(max)
+                .minimum_scalar(1.0)
+        });
+
+        let lr = scalar_state(self, "optim.lr", lr_of(&opt));
+        let t = scalar_state(self, "optim.step", 0.0);
+        let t1 = t.add_scalar(1.0);
+        self.update(&t, &t1);
+
+        let mut out = Vec::new();
+        for (g, (name, pid, ty)) in grads.into_iter().zip(params) {
+            let p = self.tensor(pid);
+            let dt = ty.dtype;
+            let g = match &scale {
+                Some(s) => g.mul(&s.cast(dt)),
+                None => g,
+            };
+            let lr_p = lr.cast(dt);
+            let new_p = match &opt {
+                Optimizer::Sgd(s) => {
+                    let mut d = g.clone();
+                    if s.weight_decay != 0.0 {
+                        d = d.add(&p.mul_scalar(s.weight_decay));
+                    }
+                    if s.momentum != 0.0 {
+                        let buf = self.param_typed(
+                            &format!("optim.momentum.{name}"),
+                            ty.clone(),
+                            Init::zeros(),
+                            false,
+                        );
+                        let nb = buf.mul_scalar(s.momentum).add(&d);
+                        self.update(&buf, &nb);
+                        d = nb;
+                    }
+                    p.sub(&d.mul(&lr_p))
+                }
+                Optimizer::AdamW(a) => {
+                    let m = self.param_typed(&format!("optim.m.{name}"), ty.clone(), Init::zeros(), false);
+                    let v = self.param_typed(&format!("optim.v.{name}"), ty.clone(), Init::zeros(), false);
+                    let m1 = m.mul_scalar(a.beta1).add(&g.mul_scalar(1.0 - a.beta1));
+                    let v1 = v.mul_scalar(a.beta2).add(&g.mul(&g).mul_scalar(1.0 - a.beta2));
+                    self.update(&m, &m1);
+                    self.update(&v, &v1);
+                    // Bias corrections 1 − βᵗ as scalars.
+                    let bc1 = self.scalar(a.beta1, DType::F32).pow(&t1).neg().add_scalar(1.0);
+                    let bc2 = self.scalar(a.beta2, DType::F32).pow(&t1).neg().add_scalar(1.0);
+                    let step_size = lr.div(&bc1).cast(dt);
+                    let denom = v1.div(&bc2.cast(dt)).sqrt().add_scalar(a.eps);
+                    let decayed = p.mul(&lr_p.mul_scalar(a.weight_decay).neg().add_scalar(1.0));
+                    decayed.sub(&m1.div(&denom).mul(&step_size))
+                }
+            };
+            self.update(&p, &new_p);
+            out.push((name, g));
+        }
+        self.check()?;
+        Ok(TrainStep {
+            grads: out,
+            grad_norm,
+        })
+    }
+}
+
+fn lr_of(opt: &Optimizer) -> f64 {
+    match opt {
+        Optimizer::Sgd(s) => s.lr,
+        Optimizer::AdamW(a) => a.lr,
+    }
+}
+
+/// Whether an op is an optimizer-state write target (used by printers to label state).
+pub fn is_state(op: &Op) -> bool {
+    matches!(op, Op::Param { .. })
+}

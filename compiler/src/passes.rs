@@ -1,0 +1,140 @@
+//! The compile pipeline: the one place that lists the passes in order. Each pass is a plain
+//! function over the graph, timed in a `tracing` span, verified after it runs, and dumpable as IR
+//! text (`RUSTYTORCH_DUMP=optimize,fuse` or `all` prints the graph after those passes to stderr).
+//!
+//! verify → optimize (e-graph) → fuse → plan memory
+
+use crate::fuse::{fuse, FuseReport};
+use crate::graph::Graph;
+use crate::optimize::{optimize, OptimizeConfig, OptimizeReport};
+use crate::plan::{plan, MemoryPlan};
+use crate::Result;
+use std::time::Instant;
+
+/// Pipeline options.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Run the e-graph optimizer.
+    pub optimize: bool,
+    /// Run fusion.
+    pub fuse: bool,
+    /// Limits of the e-graph run.
+    pub optimize_config: OptimizeConfig,
+    /// Passes whose output to keep as text (`all` for every pass); defaults to `RUSTYTORCH_DUMP`.
+    pub dump: Vec<String>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            optimize: true,
+            fuse: true,
+            optimize_config: OptimizeConfig::default(),
+            dump: std::env::var("RUSTYTORCH_DUMP")
+                .map(|s| s.split(',').map(|p| p.trim().to_string()).collect())
+                .unwrap_or_default(),
+        }
+    }
+}
+
+/// One pass's timing.
+#[derive(Clone, Debug)]
+pub struct PassTiming {
+    /// Pass name.
+    pub name: &'static str,
+    /// Wall time in milliseconds.
+    pub millis: f64,
+    /// Nodes in the graph after the pass.
+    pub nodes: usize,
+}
+
+/// What the pipeline did.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    /// Each pass, in order.
+    pub passes: Vec<PassTiming>,
+    /// The e-graph run.
+    pub optimize: Option<OptimizeReport>,
+    /// Fusion.
+    pub fuse: Option<FuseReport>,
+    /// The static memory plan.
+    pub memory: Option<MemoryPlan>,
+    /// IR text after each requested pass: (pass, text).
+    pub dumps: Vec<(String, String)>,
+}
+
+/// The pipeline's result.
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    /// The final graph.
+    pub graph: Graph,
+    /// What happened.
+    pub report: Report,
+}
+
+fn step(
+    report: &mut Report,
+    opts: &Options,
+    name: &'static str,
+    g: Graph,
+    f: impl FnOnce(&Graph) -> Result<Graph>,
+) -> Result<Graph> {
+    let span = tracing::info_span!("pass", name);
+    let _e = span.enter();
+    let t = Instant::now();
+    let out = f(&g)?;
+    let millis = t.elapsed().as_secs_f64() * 1e3;
+    if cfg!(debug_assertions) {
+        out.verify()?;
+    }
+    tracing::debug!(pass = name, millis, nodes = out.len(), "pass done");
+    report.passes.push(PassTiming {
+        name,
+        millis,
+        nodes: out.len(),
+    });
+    if opts.dump.iter().any(|d| d == name || d == "all") {
+        let text = crate::text::print(&out);
+        eprintln!("=== after {name} ===\n{text}");
+        report.dumps.push((name.to_string(), text));
+    }
+    Ok(out)
+}
+
+/// Runs the passes in order.
+pub fn run(graph: &Graph, opts: &Options) -> Result<Compiled> {
+    let mut report = Report::default();
+    let mut g = step(&mut report, opts, "verify", graph.clone(), |g| {
+        g.verify()?;
+        let mut g = g.clone();
+        g.remove_dead();
+        Ok(g)
+    })?;
+    if opts.optimize {
+        let mut rep = None;
+        g = step(&mut report, opts, "optimize", g, |g| {
+            let (out, r) = optimize(g, &opts.optimize_config)?;
+            rep = Some(r);
+            Ok(out)
+        })?;
+        report.optimize = rep;
+    }
+    if opts.fuse {
+        let mut rep = None;
+        g = step(&mut report, opts, "fuse", g, |g| {
+            let (out, r) = fuse(g)?;
+            rep = Some(r);
+            Ok(out)
+        })?;
+        report.fuse = rep;
+    }
+    let t = Instant::now();
+    let mem = plan(&g)?;
+    report.passes.push(PassTiming {
+        name: "plan",
+        millis: t.elapsed().as_secs_f64() * 1e3,
+        nodes: g.len(),
+    });
+    report.memory = Some(mem);
+    Ok(Compiled { graph: g, report })
+}
