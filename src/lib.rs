@@ -16,8 +16,10 @@
 //! assert_eq!(out[0].dims(), &[2, 4]);
 //! ```
 
+pub mod data;
 pub mod executable;
 pub mod npy;
+pub mod stats;
 
 pub use executable::{
     compile, compile_graph, compile_with, CompileOptions, Executable, NonFinitePolicy, Outputs,

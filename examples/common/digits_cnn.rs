@@ -1,0 +1,98 @@
+// The digits CNN shared by the `digits` example and the training test.
+use rustytorch::prelude::*;
+
+/// Builds the classifier for `batch` 8×8 images; returns (images input, logits). Parameters are
+/// named, so executables of different batch sizes can exchange them.
+pub fn digits_cnn(g: &GraphBuilder, batch: usize) -> (Tensor, Tensor) {
+    let x = g.input("x", DType::F32, [batch, 1, 8, 8]);
+    let c1 = g.param("conv1.w", [16, 1, 3, 3], Init::kaiming_uniform(9, 11));
+    let b1 = g.param("conv1.b", [16], Init::kaiming_uniform(9, 12));
+    let c2 = g.param("conv2.w", [32, 16, 3, 3], Init::kaiming_uniform(144, 13));
+    let b2 = g.param("conv2.b", [32], Init::kaiming_uniform(144, 14));
+    let w3 = g.param("fc1.w", [512, 64], Init::kaiming_uniform(512, 15));
+    let b3 = g.param("fc1.b", [64], Init::kaiming_uniform(512, 16));
+    let w4 = g.param("fc2.w", [64, 10], Init::kaiming_uniform(64, 17));
+    let b4 = g.param("fc2.b", [10], Init::kaiming_uniform(64, 18));
+    let same = ConvOpts::default().padding(&[1]);
+    let h = x.conv(&c1, Some(&b1), &same).relu();
+    let h = h.conv(&c2, Some(&b2), &same).relu();
+    let h = h.max_pool(&[2], &[2], &[0]); // [B, 32, 4, 4]
+    let h = h.reshape([batch, 512]);
+    let h = h.matmul(&w3).add(&b3).gelu();
+    let logits = h.matmul(&w4).add(&b4);
+    (x, logits)
+}
+
+/// One batch of images and labels as host tensors.
+#[allow(dead_code)]
+pub fn batch_tensors(d: &rustytorch::data::Dataset, idx: &[usize]) -> (HostTensor, HostTensor) {
+    let b = d.select(idx);
+    let n = idx.len();
+    (
+        HostTensor::from_vec(b.x, [n, 1, 8, 8]).expect("sizes match"),
+        HostTensor::from_vec(b.y, [n]).expect("sizes match"),
+    )
+}
+
+/// Trains for `epochs` and returns (train executable, final mean loss of the last epoch). Calls
+/// `progress(epoch, step, loss)` after every step.
+#[allow(dead_code)]
+pub fn train_digits(
+    train: &rustytorch::data::Dataset,
+    batch: usize,
+    epochs: usize,
+    mut progress: impl FnMut(usize, usize, f32),
+) -> rustytorch::Result<(Executable, f32)> {
+    let g = GraphBuilder::new();
+    let (_, logits) = digits_cnn(&g, batch);
+    let y = g.input("y", DType::I64, [batch]);
+    let loss = logits.cross_entropy(&y);
+    g.train_step(&loss, AdamW::new(2e-3).weight_decay(1e-4), &StepOptions::default())?;
+    let mut exe = compile(&g, &[&loss], Device::Cpu)?;
+    let steps = train.len() / batch;
+    let mut last = 0.0;
+    for epoch in 0..epochs {
+        // A fresh seeded order each epoch.
+        let (shuffled, _) = train.split(0, 1000 + epoch as u64);
+        let mut sum = 0.0;
+        for s in 0..steps {
+            let idx: Vec<usize> = (s * batch..(s + 1) * batch).collect();
+            let (xb, yb) = batch_tensors(&shuffled, &idx);
+            let out = exe.run(&[("x", xb), ("y", yb)])?;
+            let l = out[0].to_vec::<f32>()?[0];
+            sum += l;
+            progress(epoch, s, l);
+        }
+        last = sum / steps as f32;
+    }
+    Ok((exe, last))
+}
+
+/// Accuracy of the trained parameters of `trained` on `test` (evaluated in batches of `batch`,
+/// the last partial batch padded).
+#[allow(dead_code)]
+pub fn accuracy(
+    trained: &Executable,
+    test: &rustytorch::data::Dataset,
+    batch: usize,
+) -> rustytorch::Result<f64> {
+    let g = GraphBuilder::new();
+    let (_, logits) = digits_cnn(&g, batch);
+    let pred = logits.argmax(-1, false);
+    let mut eval = compile_with(&g, &[&pred], Device::Cpu, &CompileOptions::inference())?;
+    eval.copy_params_from(trained);
+    let mut correct = 0;
+    let mut start = 0;
+    while start < test.len() {
+        let idx: Vec<usize> = (start..start + batch).map(|i| i.min(test.len() - 1)).collect();
+        let (xb, _) = batch_tensors(test, &idx);
+        let p = eval.run(&[("x", xb)])?[0].to_vec::<i64>()?;
+        for (k, &i) in idx.iter().enumerate() {
+            if start + k < test.len() && p[k] == test.y[i] {
+                correct += 1;
+            }
+        }
+        start += batch;
+    }
+    Ok(correct as f64 / test.len() as f64)
+}

@@ -1,0 +1,81 @@
+//! Trains a small CNN on the UCI handwritten digits (8×8 images) on the CPU, reports test
+//! accuracy, saves the trained classifier as a graph file with its weights, and prints the runner
+//! command that classifies images with it.
+//!
+//! cargo run --release --example digits -- [EPOCHS] [OUT_DIR]
+
+#[path = "common/digits_cnn.rs"]
+mod digits_cnn;
+
+use digits_cnn::{accuracy, batch_tensors, digits_cnn, train_digits};
+use indicatif::{ProgressBar, ProgressStyle};
+use rustytorch::compiler::format::{save, ParamStorage};
+use rustytorch::prelude::*;
+use std::path::PathBuf;
+use std::time::Instant;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    let epochs: usize = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(20);
+    let out_dir = PathBuf::from(args.get(2).cloned().unwrap_or_else(|| "target/digits".into()));
+    std::fs::create_dir_all(&out_dir)?;
+
+    let data_path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/data/digits.csv.gz");
+    let data = rustytorch::data::load_digits(&data_path)?;
+    let (train, test) = data.split(360, 42);
+    println!(
+        "digits: {} train / {} test images (8x8), {} epochs",
+        train.len(),
+        test.len(),
+        epochs
+    );
+
+    let batch = 32;
+    let steps = train.len() / batch;
+    let bar = ProgressBar::new((epochs * steps) as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")?
+            .progress_chars("=> "),
+    );
+    let t0 = Instant::now();
+    let mut ema = None::<f32>;
+    let (exe, last_loss) = train_digits(&train, batch, epochs, |epoch, _, loss| {
+        let e = ema.map_or(loss, |m| 0.95 * m + 0.05 * loss);
+        ema = Some(e);
+        bar.set_message(format!("epoch {} loss {e:.4}", epoch + 1));
+        bar.inc(1);
+    })?;
+    bar.finish();
+    let train_secs = t0.elapsed().as_secs_f64();
+    let train_acc = accuracy(&exe, &train, 256)?;
+    let test_acc = accuracy(&exe, &test, 256)?;
+    println!(
+        "trained in {train_secs:.1} s: last-epoch loss {last_loss:.4}, train accuracy {:.2}%, test accuracy {:.2}%",
+        100.0 * train_acc,
+        100.0 * test_acc
+    );
+
+    // The classifier as a graph file: 16 images in, class and probabilities out.
+    let n = 16;
+    let g = GraphBuilder::new();
+    let (_, logits) = digits_cnn(&g, n);
+    g.output("class", &logits.argmax(-1, false));
+    g.output("probs", &logits.softmax(-1));
+    let mut classify = compile_graph(&g.graph()?, Device::Cpu, &CompileOptions::inference())?;
+    classify.copy_params_from(&exe);
+    let model = out_dir.join("digits.rtg");
+    save(&classify.export_graph(), &model, ParamStorage::Embedded)?;
+    let idx: Vec<usize> = (0..n).collect();
+    let (xb, _) = batch_tensors(&test, &idx);
+    let sample = out_dir.join("digits_sample.npy");
+    rustytorch::npy::write_npy(&sample, &xb)?;
+    println!("labels of the sample: {:?}", &test.y[..n]);
+    println!("saved {} and {}", model.display(), sample.display());
+    println!(
+        "classify with: cargo run --release --bin rustytorch -- run {} --input x={} --out {}",
+        model.display(),
+        sample.display(),
+        out_dir.display()
+    );
+    Ok(())
+}
