@@ -328,7 +328,7 @@ pub(crate) trait Real:
     fn round_even(self) -> Self;
     fn abs(self) -> Self;
     fn powf(self, e: Self) -> Self;
-    fn erf(self) -> Self;
+    fn erfc(self) -> Self;
     fn is_nan(self) -> bool;
     fn is_infinite(self) -> bool;
     fn is_finite(self) -> bool;
@@ -408,8 +408,8 @@ macro_rules! real_impl {
                 $t::powf(self, e)
             }
             #[inline(always)]
-            fn erf(self) -> Self {
-                erf(self as f64) as $t
+            fn erfc(self) -> Self {
+                erfc(self as f64) as $t
             }
             #[inline(always)]
             fn is_nan(self) -> bool {
@@ -449,7 +449,8 @@ fn relu<F: Real>(x: F) -> F {
 }
 #[inline(always)]
 fn gelu_erf<F: Real>(x: F) -> F {
-    F::lit(0.5) * x * (F::ONE + (x * F::lit(std::f64::consts::FRAC_1_SQRT_2)).erf())
+    // 0.5·x·(1 + erf(x/√2)), written with erfc to keep full relative accuracy for negative x.
+    F::lit(0.5) * x * (-x * F::lit(std::f64::consts::FRAC_1_SQRT_2)).erfc()
 }
 #[inline(always)]
 fn gelu_tanh<F: Real>(x: F) -> F {
@@ -491,131 +492,134 @@ fn minimum<F: Real>(a: F, b: F) -> F {
     }
 }
 
-/// The error function, to within about one ulp (a port of FreeBSD's `s_erf.c`, as in musl and
-/// the `libm` crate).
-///
-/// Copyright (C) 1993 by Sun Microsystems, Inc. All rights reserved. Developed at SunPro, a Sun
-/// Microsystems, Inc. business. Permission to use, copy, modify, and distribute this software is
-/// freely granted, provided that this notice is preserved.
-pub fn erf(x: f64) -> f64 {
-    const ERX: f64 = 8.45062911510467529297e-01;
-    const EFX8: f64 = 1.02703333676410069053e+00;
-    const PP: [f64; 5] = [
-        1.28379167095512558561e-01,
-        -3.25042107247001499370e-01,
-        -2.84817495755985104766e-02,
-        -5.77027029648944159157e-03,
-        -2.37630166566501626084e-05,
-    ];
-    const QQ: [f64; 5] = [
-        3.97917223959155352819e-01,
-        6.50222499887672944485e-02,
-        5.08130628187576562776e-03,
-        1.32494738004321644526e-04,
-        -3.96022827877536812320e-06,
-    ];
-    const PA: [f64; 7] = [
-        -2.36211856075265944077e-03,
-        4.14856118683748331666e-01,
-        -3.72207876035701323847e-01,
-        3.18346619901161753674e-01,
-        -1.10894694282396677476e-01,
-        3.54783043256182359371e-02,
-        -2.16637559486879084300e-03,
-    ];
-    const QA: [f64; 6] = [
-        1.06420880400844228286e-01,
-        5.40397917702171048937e-01,
-        7.18286544141962662868e-02,
-        1.26171219808761642112e-01,
-        1.36370839120290507362e-02,
-        1.19844998467991074170e-02,
-    ];
-    const RA: [f64; 8] = [
-        -9.86494403484714822705e-03,
-        -6.93858572707181764372e-01,
-        -1.05586262253232909814e+01,
-        -6.23753324503260060396e+01,
-        -1.62396669462573470355e+02,
-        -1.84605092906711035994e+02,
-        -8.12874355063065934246e+01,
-        -9.81432934416914548592e+00,
-    ];
-    const SA: [f64; 8] = [
-        1.96512716674392571292e+01,
-        1.37657754143519042600e+02,
-        4.34565877475229228821e+02,
-        6.45387271733267880336e+02,
-        4.29008140027567833386e+02,
-        1.08635005541779435134e+02,
-        6.57024977031928170135e+00,
-        -6.04244152148580987438e-02,
-    ];
-    const RB: [f64; 7] = [
-        -9.86494292470009928597e-03,
-        -7.99283237680523006574e-01,
-        -1.77579549177547519889e+01,
-        -1.60636384855821916062e+02,
-        -6.37566443368389627722e+02,
-        -1.02509513161107724954e+03,
-        -4.83519191608651397019e+02,
-    ];
-    const SB: [f64; 7] = [
-        3.03380607434824582924e+01,
-        3.25792512996573918826e+02,
-        1.53672958608443695994e+03,
-        3.19985821950859553908e+03,
-        2.55305040643316442583e+03,
-        4.74528541206955367215e+02,
-        -2.24409524465858183362e+01,
-    ];
-    /// Horner evaluation of `c[0] + z*c[1] + ...`.
-    fn poly(z: f64, c: &[f64]) -> f64 {
-        c.iter().rev().fold(0.0, |acc, &k| acc * z + k)
-    }
+// The error function and its complement, to within about one ulp: a port of FreeBSD's `s_erf.c`
+// (as in musl and the `libm` crate).
+//
+// Copyright (C) 1993 by Sun Microsystems, Inc. All rights reserved. Developed at SunPro, a Sun
+// Microsystems, Inc. business. Permission to use, copy, modify, and distribute this software is
+// freely granted, provided that this notice is preserved.
 
+const ERX: f64 = 8.45062911510467529297e-01;
+const EFX8: f64 = 1.02703333676410069053e+00;
+const PP: [f64; 5] = [
+    1.28379167095512558561e-01,
+    -3.25042107247001499370e-01,
+    -2.84817495755985104766e-02,
+    -5.77027029648944159157e-03,
+    -2.37630166566501626084e-05,
+];
+const QQ: [f64; 5] = [
+    3.97917223959155352819e-01,
+    6.50222499887672944485e-02,
+    5.08130628187576562776e-03,
+    1.32494738004321644526e-04,
+    -3.96022827877536812320e-06,
+];
+const PA: [f64; 7] = [
+    -2.36211856075265944077e-03,
+    4.14856118683748331666e-01,
+    -3.72207876035701323847e-01,
+    3.18346619901161753674e-01,
+    -1.10894694282396677476e-01,
+    3.54783043256182359371e-02,
+    -2.16637559486879084300e-03,
+];
+const QA: [f64; 6] = [
+    1.06420880400844228286e-01,
+    5.40397917702171048937e-01,
+    7.18286544141962662868e-02,
+    1.26171219808761642112e-01,
+    1.36370839120290507362e-02,
+    1.19844998467991074170e-02,
+];
+const RA: [f64; 8] = [
+    -9.86494403484714822705e-03,
+    -6.93858572707181764372e-01,
+    -1.05586262253232909814e+01,
+    -6.23753324503260060396e+01,
+    -1.62396669462573470355e+02,
+    -1.84605092906711035994e+02,
+    -8.12874355063065934246e+01,
+    -9.81432934416914548592e+00,
+];
+const SA: [f64; 8] = [
+    1.96512716674392571292e+01,
+    1.37657754143519042600e+02,
+    4.34565877475229228821e+02,
+    6.45387271733267880336e+02,
+    4.29008140027567833386e+02,
+    1.08635005541779435134e+02,
+    6.57024977031928170135e+00,
+    -6.04244152148580987438e-02,
+];
+const RB: [f64; 7] = [
+    -9.86494292470009928597e-03,
+    -7.99283237680523006574e-01,
+    -1.77579549177547519889e+01,
+    -1.60636384855821916062e+02,
+    -6.37566443368389627722e+02,
+    -1.02509513161107724954e+03,
+    -4.83519191608651397019e+02,
+];
+const SB: [f64; 7] = [
+    3.03380607434824582924e+01,
+    3.25792512996573918826e+02,
+    1.53672958608443695994e+03,
+    3.19985821950859553908e+03,
+    2.55305040643316442583e+03,
+    4.74528541206955367215e+02,
+    -2.24409524465858183362e+01,
+];
+
+/// Horner evaluation of `c[0] + z*c[1] + ...`.
+fn poly(z: f64, c: &[f64]) -> f64 {
+    c.iter().rev().fold(0.0, |acc, &k| acc * z + k)
+}
+
+/// (erf(x) - x)/x for |x| < 0.84375.
+fn erf_small_ratio(x: f64) -> f64 {
+    let z = x * x;
+    poly(z, &PP) / (1.0 + z * poly(z, &QQ))
+}
+
+/// erf(|x|) - ERX for 0.84375 <= |x| < 1.25.
+fn erf_near_one(ax: f64) -> f64 {
+    let s = ax - 1.0;
+    poly(s, &PA) / (1.0 + s * poly(s, &QA))
+}
+
+/// erfc(|x|) for 1.25 <= |x| < 28 (`ix` is the high word of |x|).
+fn erfc_tail(ax: f64, ix: u32) -> f64 {
+    let s = 1.0 / (ax * ax);
+    let (r, big_s) = if ix < 0x4006_db6d {
+        (poly(s, &RA), 1.0 + s * poly(s, &SA))
+    } else {
+        (poly(s, &RB), 1.0 + s * poly(s, &SB))
+    };
+    let z = f64::from_bits(ax.to_bits() & 0xffff_ffff_0000_0000);
+    (-z * z - 0.5625).exp() * ((z - ax) * (z + ax) + r / big_s).exp() / ax
+}
+
+/// The error function, to within about one ulp.
+pub fn erf(x: f64) -> f64 {
     let hi = (x.to_bits() >> 32) as u32;
     let negative = hi >> 31 != 0;
     let ix = hi & 0x7fff_ffff;
-    if ix >= 0x7ff0_0000 {
-        // erf(NaN) = NaN, erf(±inf) = ±1
-        return if x.is_nan() {
-            x
-        } else if negative {
-            -1.0
-        } else {
-            1.0
-        };
+    if x.is_nan() {
+        return x;
     }
     if ix < 0x3feb_0000 {
         // |x| < 0.84375
         if ix < 0x3e30_0000 {
-            // |x| < 2^-28
             return 0.125 * (8.0 * x + EFX8 * x);
         }
-        let z = x * x;
-        let r = poly(z, &PP);
-        let s = 1.0 + z * poly(z, &QQ);
-        return x + x * (r / s);
+        return x + x * erf_small_ratio(x);
     }
+    let ax = x.abs();
     let y = if ix < 0x3ff4_0000 {
-        // 0.84375 <= |x| < 1.25
-        let s = x.abs() - 1.0;
-        let p = poly(s, &PA);
-        let q = 1.0 + s * poly(s, &QA);
-        ERX + p / q
+        ERX + erf_near_one(ax)
     } else if ix < 0x4018_0000 {
-        // 1.25 <= |x| < 6: erf = 1 - erfc
-        let ax = x.abs();
-        let s = 1.0 / (ax * ax);
-        let (r, big_s) = if ix < 0x4006_db6d {
-            (poly(s, &RA), 1.0 + s * poly(s, &SA))
-        } else {
-            (poly(s, &RB), 1.0 + s * poly(s, &SB))
-        };
-        let z = f64::from_bits(ax.to_bits() & 0xffff_ffff_0000_0000);
-        let erfc = (-z * z - 0.5625).exp() * ((z - ax) * (z + ax) + r / big_s).exp() / ax;
-        1.0 - erfc
+        1.0 - erfc_tail(ax, ix)
     } else {
         1.0 - f64::from_bits(0x0010_0000_0000_0000)
     };
@@ -623,6 +627,48 @@ pub fn erf(x: f64) -> f64 {
         -y
     } else {
         y
+    }
+}
+
+/// The complementary error function 1 - erf(x), to within about one ulp (no cancellation for
+/// large x).
+pub fn erfc(x: f64) -> f64 {
+    let hi = (x.to_bits() >> 32) as u32;
+    let negative = hi >> 31 != 0;
+    let ix = hi & 0x7fff_ffff;
+    if x.is_nan() {
+        return x;
+    }
+    if ix < 0x3feb_0000 {
+        // |x| < 0.84375
+        if ix < 0x3c70_0000 {
+            return 1.0 - x;
+        }
+        let y = erf_small_ratio(x);
+        if negative || ix < 0x3fd0_0000 {
+            return 1.0 - (x + x * y);
+        }
+        return 0.5 - (x - 0.5 + x * y);
+    }
+    let ax = x.abs();
+    if ix < 0x3ff4_0000 {
+        // 0.84375 <= |x| < 1.25
+        let p = erf_near_one(ax);
+        return if negative {
+            1.0 + ERX + p
+        } else {
+            1.0 - ERX - p
+        };
+    }
+    if ix < 0x403c_0000 {
+        // 1.25 <= |x| < 28
+        let t = erfc_tail(ax, ix);
+        return if negative { 2.0 - t } else { t };
+    }
+    if negative {
+        2.0
+    } else {
+        0.0
     }
 }
 
