@@ -18,6 +18,7 @@
 
 pub mod data;
 pub mod executable;
+pub mod models;
 pub mod npy;
 pub mod stats;
 

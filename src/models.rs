@@ -1,0 +1,132 @@
+//! Reference model graphs for tests, benchmarks and examples, spelled in primitive ops the way a
+//! user who does not know the fused ops would write them (LayerNorm from means and rsqrt, softmax
+//! from exp/sum/div, GELU from tanh, attention from matmuls, a causal `where` and softmax), so the
+//! optimizer has something to recognize.
+
+use crate::{DType, GraphBuilder, Init, Shape, Tensor, TensorType};
+
+/// GPT-2-style decoder configuration.
+#[derive(Clone, Copy, Debug)]
+pub struct Gpt2Config {
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Batch size.
+    pub batch: usize,
+    /// Sequence length.
+    pub seq: usize,
+    /// Model width.
+    pub d_model: usize,
+    /// Attention heads.
+    pub heads: usize,
+}
+
+impl Gpt2Config {
+    /// GPT-2 small (12 layers, d 768, 12 heads) at batch 8, sequence 1024.
+    pub fn small() -> Gpt2Config {
+        Gpt2Config {
+            layers: 12,
+            batch: 8,
+            seq: 1024,
+            d_model: 768,
+            heads: 12,
+        }
+    }
+}
+
+/// LayerNorm over the last dim spelled in primitives.
+pub fn layer_norm_primitives(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Tensor {
+    let mu = x.mean(&[-1], true);
+    let xc = x.sub(&mu);
+    let var = xc.mul(&xc).mean(&[-1], true);
+    xc.mul(&var.add_scalar(eps).rsqrt()).mul(w).add(b)
+}
+
+/// RMSNorm over the last dim spelled in primitives.
+pub fn rms_norm_primitives(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    let ms = x.mul(x).mean(&[-1], true);
+    x.mul(&ms.add_scalar(eps).rsqrt()).mul(w)
+}
+
+/// GELU's tanh form spelled in primitives.
+pub fn gelu_tanh_primitives(x: &Tensor) -> Tensor {
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    let inner = x.add(&x.mul(x).mul(x).mul_scalar(0.044715)).mul_scalar(c);
+    x.mul_scalar(0.5).mul(&inner.tanh().add_scalar(1.0))
+}
+
+/// Softmax over the last dim spelled in primitives (max-subtracted).
+pub fn softmax_primitives(x: &Tensor) -> Tensor {
+    let e = x.sub(&x.max(&[-1], true)).exp();
+    e.div(&e.sum(&[-1], true))
+}
+
+/// A [S, S] bool mask, true where key j <= query i.
+pub fn causal_mask(g: &GraphBuilder, s: usize) -> Tensor {
+    let rows = g.iota(0, TensorType::new(DType::I64, Shape::new([s, s])));
+    let cols = g.iota(1, TensorType::new(DType::I64, Shape::new([s, s])));
+    cols.le(&rows)
+}
+
+/// Causal self-attention of q, k, v [B, H, S, D] spelled in primitives.
+pub fn causal_attention_primitives(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+    let dims = q.dims();
+    let (s, d) = (dims[2], dims[3]);
+    let g = q.builder();
+    let scores = q.matmul(&k.t()).mul_scalar(1.0 / (d as f64).sqrt());
+    let masked = g.where_(
+        &causal_mask(g, s),
+        &scores,
+        &scores.scalar_like(f64::NEG_INFINITY),
+    );
+    softmax_primitives(&masked).matmul(v)
+}
+
+fn linear(g: &GraphBuilder, name: &str, x: &Tensor, i: usize, o: usize) -> Tensor {
+    let w = g.param(
+        &format!("{name}.w"),
+        [i, o],
+        Init::Normal {
+            mean: 0.0,
+            std: 0.02,
+            seed: g.next_seed(),
+        },
+    );
+    let b = g.param(&format!("{name}.b"), [o], Init::zeros());
+    x.matmul(&w).add(&b)
+}
+
+/// One pre-norm transformer block over x [B, S, D], spelled in primitives.
+pub fn gpt2_block(g: &GraphBuilder, cfg: &Gpt2Config, layer: usize, x: &Tensor) -> Tensor {
+    let (b, s, d, h) = (cfg.batch, cfg.seq, cfg.d_model, cfg.heads);
+    let p = |n: &str| format!("h{layer}.{n}");
+    let ln = |name: &str, x: &Tensor| {
+        let w = g.param(&p(&format!("{name}.w")), [d], Init::ones());
+        let bb = g.param(&p(&format!("{name}.b")), [d], Init::zeros());
+        layer_norm_primitives(x, &w, &bb, 1e-5)
+    };
+    let heads = |t: &Tensor| t.reshape([b, s, h, d / h]).permute(&[0, 2, 1, 3]);
+    let a = ln("ln1", x);
+    let q = heads(&linear(g, &p("attn.q"), &a, d, d));
+    let k = heads(&linear(g, &p("attn.k"), &a, d, d));
+    let v = heads(&linear(g, &p("attn.v"), &a, d, d));
+    let att = causal_attention_primitives(&q, &k, &v)
+        .permute(&[0, 2, 1, 3])
+        .reshape([b, s, d]);
+    let x = x.add(&linear(g, &p("attn.proj"), &att, d, d));
+    let m = ln("ln2", &x);
+    let hdn = gelu_tanh_primitives(&linear(g, &p("mlp.fc"), &m, d, 4 * d));
+    x.add(&linear(g, &p("mlp.proj"), &hdn, 4 * d, d))
+}
+
+/// A GPT-2-style decoder stack over embedded input x [B, S, D] (input `x`), with a final LayerNorm;
+/// returns (x, hidden states).
+pub fn gpt2(g: &GraphBuilder, cfg: &Gpt2Config) -> (Tensor, Tensor) {
+    let x = g.input("x", DType::F32, [cfg.batch, cfg.seq, cfg.d_model]);
+    let mut h = x.clone();
+    for l in 0..cfg.layers {
+        h = gpt2_block(g, cfg, l, &h);
+    }
+    let w = g.param("ln_f.w", [cfg.d_model], Init::ones());
+    let b = g.param("ln_f.b", [cfg.d_model], Init::zeros());
+    (x, layer_norm_primitives(&h, &w, &b, 1e-5))
+}
