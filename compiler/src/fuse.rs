@@ -1,1 +1,382 @@
-//! (under construction)
+//! Fusion: groups producer→consumer elementwise ops into [`Op::Fused`] kernels (runs after the
+//! e-graph's extraction, before scheduling and memory planning).
+//!
+//! # The rule
+//!
+//! The pass is greedy, consumers first (reverse topological order). Each elementwise node
+//! (`Unary`, `Binary`, `Where`, `Cast`) that no earlier group took becomes the **root** of a new
+//! group, and the group grows backwards over its operands. An operand `p` joins the group when:
+//!
+//! - `p` is itself `Unary`/`Binary`/`Where`/`Cast` and belongs to no other group;
+//! - `p` has exactly the root's output shape (every instruction of a kernel runs over the output
+//!   shape; a smaller producer, say a bias computation of shape `[n]` feeding `[m, n]`, would be
+//!   recomputed per output element, so it stays a kernel input instead);
+//! - **every** user of `p` is already in the group (absorbing a value used elsewhere would
+//!   duplicate its work or force it to be materialized anyway);
+//! - `p` is not an output, an update value or a guard: those stay materialized.
+//!
+//! A group therefore has one result, its root; it never creates a cycle (every path out of an
+//! interior member goes through the root). Operands that do not join become kernel inputs, which
+//! broadcast to the output shape, with two refinements:
+//!
+//! - a `Full` operand (any shape that broadcasts to the output, so scalars and "small" fills) is
+//!   copied into the program as an immediate: a constant is not work, so this duplicates nothing;
+//! - an `Expand` operand is read through: the kernel reads the expand's source and broadcasts it
+//!   itself. The expand node disappears when every user of it is a member of some group (or
+//!   such an expand) and it is not a root; otherwise it stays for its other users.
+//!
+//! A group of one elementwise op stays the plain op (wrapping it would gain nothing) unless it
+//! reads an expand that disappears.
+//!
+//! Reductions, matmuls, normalizations and every other op stop the growth: they need a
+//! materialized input (a reduction reads each input element once per output, with its own
+//! iteration space), so an elementwise chain that feeds a reduction is one kernel and the
+//! reduction another, and a chain after the reduction starts a new group.
+//!
+//! Existing `Fused` nodes are left as they are (the pass is idempotent).
+//!
+//! # Future work
+//!
+//! - Fusing elementwise producers into a reduction's input (a "reduction prologue", as Inductor
+//!   and tinygrad do), and elementwise consumers into matmul/conv epilogues beyond what the
+//!   optimizer's `MatmulEpilogue` recognizes.
+//! - Groups with several outputs (a value used inside and outside could be written once by the
+//!   kernel that computes it, instead of splitting the group).
+//! - Reading through `Reshape`/`Permute` of kernel inputs with index math.
+
+use crate::graph::{Graph, NodeId};
+use crate::{CompileError, Result};
+use rustytorch_ops::{FusedInstr, FusedKernel, Op, Shape, TensorType};
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::fmt::Write as _;
+
+/// What [`fuse`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FuseReport {
+    /// Fused kernels formed.
+    pub groups: usize,
+    /// Elementwise ops that now run inside a fused kernel (roots included).
+    pub ops_absorbed: usize,
+    /// `Expand` nodes replaced by the kernels' own broadcasting.
+    pub expands_absorbed: usize,
+    /// `Full` operands copied into kernels as immediates.
+    pub immediates: usize,
+    /// Kernels (live non-leaf nodes) before fusion.
+    pub kernels_before: usize,
+    /// Kernels (live non-leaf nodes) after fusion.
+    pub kernels_after: usize,
+}
+
+impl fmt::Display for FuseReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "fuse: {} groups absorbing {} elementwise ops, {} expands and {} immediates; \
+             kernels {} -> {}",
+            self.groups,
+            self.ops_absorbed,
+            self.expands_absorbed,
+            self.immediates,
+            self.kernels_before,
+            self.kernels_after
+        )
+    }
+}
+
+/// Whether an op may be an instruction of a fused kernel (as a group member).
+fn fusable(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. }
+    )
+}
+
+/// Number of live non-leaf nodes (one kernel launch each).
+fn count_kernels(graph: &Graph) -> usize {
+    graph
+        .live_order()
+        .into_iter()
+        .filter(|&n| !graph.g[n].op.is_leaf())
+        .count()
+}
+
+/// One group under construction.
+struct Group {
+    root: NodeId,
+    /// Members in topological order (the root last).
+    members: Vec<NodeId>,
+}
+
+/// Fuses elementwise chains into [`Op::Fused`] kernels (see the module docs for the rule). The
+/// result has the same inputs, parameters, constants, outputs, updates and guards; dead nodes
+/// are dropped, and the result is verified.
+pub fn fuse(graph: &Graph) -> Result<(Graph, FuseReport)> {
+    let _span = tracing::debug_span!("fuse").entered();
+    let mut out = graph.clone();
+    out.remove_dead();
+    let mut report = FuseReport {
+        kernels_before: count_kernels(graph),
+        ..FuseReport::default()
+    };
+    let roots: HashSet<NodeId> = out.roots().into_iter().collect();
+    let order = out.live_order();
+    // Groups, consumers first; a single op is a group of one for now.
+    let mut assigned: HashSet<NodeId> = HashSet::new();
+    let mut groups = Vec::new();
+    for &n in order.iter().rev() {
+        if assigned.contains(&n) || !fusable(&out.g[n].op) {
+            continue;
+        }
+        let g = grow(&out, n, &roots, &assigned);
+        assigned.extend(g.members.iter().copied());
+        groups.push(g);
+    }
+    // Expands every user of which is a group member (or such an expand) disappear: each group
+    // reads through them. Users come before their operands in reverse order.
+    let mut expands: HashSet<NodeId> = HashSet::new();
+    let mut expand_order: Vec<NodeId> = Vec::new();
+    for &e in order.iter().rev() {
+        if matches!(out.g[e].op, Op::Expand { .. })
+            && !roots.contains(&e)
+            && out
+                .users(e)
+                .iter()
+                .all(|u| assigned.contains(u) || expands.contains(u))
+        {
+            expands.insert(e);
+            expand_order.push(e);
+        }
+    }
+    // A group of one is kept only when it absorbs an expand.
+    groups.retain(|g| {
+        g.members.len() > 1 || out.g[g.root].inputs.iter().any(|i| expands.contains(i))
+    });
+
+    let mut immediates: HashSet<NodeId> = HashSet::new();
+    for g in &groups {
+        let (kernel, inputs, imms) = build_kernel(&out, g)?;
+        report.groups += 1;
+        report.ops_absorbed += g.members.len();
+        report.immediates += imms.len();
+        immediates.extend(imms);
+        out.set_inputs(g.root, inputs);
+        let node = out
+            .node_mut(g.root)
+            .ok_or_else(|| CompileError::Invalid("fused root vanished".into()))?;
+        node.op = Op::Fused(Box::new(kernel));
+        for &m in g.members.iter().filter(|&&m| m != g.root) {
+            out.g.remove_node(m);
+        }
+    }
+    report.expands_absorbed = expand_order.len();
+    for e in expand_order {
+        if !out.users(e).is_empty() {
+            return Err(CompileError::Invalid(format!(
+                "fuse: expand %{} is still used after fusion",
+                e.index()
+            )));
+        }
+        out.g.remove_node(e);
+    }
+    for f in immediates {
+        if out.users(f).is_empty() && !roots.contains(&f) {
+            out.g.remove_node(f);
+        }
+    }
+    report.kernels_after = count_kernels(&out);
+    out.verify()?;
+    tracing::debug!("{report}");
+    Ok((out, report))
+}
+
+/// Grows the group rooted at `root` (see the module docs).
+fn grow(graph: &Graph, root: NodeId, roots: &HashSet<NodeId>, taken: &HashSet<NodeId>) -> Group {
+    let shape = &graph.g[root].ty.shape;
+    let mut members: HashSet<NodeId> = HashSet::from([root]);
+    // Users of a candidate not yet in the group.
+    let mut pending: HashMap<NodeId, usize> = HashMap::new();
+    let mut work = vec![root];
+    while let Some(m) = work.pop() {
+        let mut ins = graph.g[m].inputs.clone();
+        ins.sort();
+        ins.dedup();
+        for p in ins {
+            if members.contains(&p) {
+                continue;
+            }
+            let left = pending.entry(p).or_insert_with(|| graph.users(p).len());
+            *left -= 1;
+            let node = &graph.g[p];
+            if *left == 0
+                && fusable(&node.op)
+                && node.ty.shape == *shape
+                && !roots.contains(&p)
+                && !taken.contains(&p)
+            {
+                members.insert(p);
+                work.push(p);
+            }
+        }
+    }
+    Group {
+        root,
+        members: topo_members(graph, root, &members),
+    }
+}
+
+/// The members in topological order (post-order from the root over member operands).
+fn topo_members(graph: &Graph, root: NodeId, members: &HashSet<NodeId>) -> Vec<NodeId> {
+    let mut order = Vec::with_capacity(members.len());
+    let mut seen = HashSet::from([root]);
+    let mut stack = vec![(root, 0usize)];
+    while let Some((n, k)) = stack.pop() {
+        let ins = &graph.g[n].inputs;
+        if k < ins.len() {
+            stack.push((n, k + 1));
+            let c = ins[k];
+            if members.contains(&c) && seen.insert(c) {
+                stack.push((c, 0));
+            }
+        } else {
+            order.push(n);
+        }
+    }
+    order
+}
+
+/// Follows `Expand`s from `n` to the value the kernel reads (which broadcasts to `out` itself).
+fn read_through(graph: &Graph, mut n: NodeId, out: &Shape) -> NodeId {
+    while let Op::Expand { .. } = graph.g[n].op {
+        let src = graph.g[n].inputs[0];
+        if !graph.g[src].ty.shape.broadcasts_to(out) {
+            break;
+        }
+        n = src;
+    }
+    n
+}
+
+/// The kernel of a group, its input nodes, and the `Full` nodes it copied as immediates.
+fn build_kernel(graph: &Graph, g: &Group) -> Result<(FusedKernel, Vec<NodeId>, Vec<NodeId>)> {
+    let out_ty = graph.g[g.root].ty.clone();
+    let members: HashSet<NodeId> = g.members.iter().copied().collect();
+    let is_imm = |p: NodeId| match &graph.g[p].op {
+        Op::Full { ty, .. } => ty.shape.broadcasts_to(&out_ty.shape),
+        _ => false,
+    };
+    // Kernel inputs, in first-use order.
+    let mut inputs: Vec<NodeId> = Vec::new();
+    let mut input_ix: HashMap<NodeId, u32> = HashMap::new();
+    for &m in &g.members {
+        for &p in &graph.g[m].inputs {
+            if members.contains(&p) || is_imm(p) {
+                continue;
+            }
+            let src = read_through(graph, p, &out_ty.shape);
+            if let std::collections::hash_map::Entry::Vacant(v) = input_ix.entry(src) {
+                v.insert(inputs.len() as u32);
+                inputs.push(src);
+            }
+        }
+    }
+    let n_in = inputs.len() as u32;
+    let mut instrs: Vec<FusedInstr> = Vec::new();
+    let mut value: HashMap<NodeId, u32> = HashMap::new();
+    let mut imms: Vec<NodeId> = Vec::new();
+    for &m in &g.members {
+        let mut args = Vec::with_capacity(graph.g[m].inputs.len());
+        for &p in &graph.g[m].inputs {
+            let a = if let Some(&v) = value.get(&p) {
+                v
+            } else if let (true, Op::Full { value: x, ty }) = (is_imm(p), &graph.g[p].op) {
+                instrs.push(FusedInstr {
+                    op: Op::Full {
+                        value: *x,
+                        ty: TensorType::new(ty.dtype, Shape::scalar()),
+                    },
+                    args: vec![],
+                    dtype: ty.dtype,
+                });
+                let v = n_in + instrs.len() as u32 - 1;
+                value.insert(p, v);
+                imms.push(p);
+                v
+            } else {
+                let src = read_through(graph, p, &out_ty.shape);
+                *input_ix.get(&src).ok_or_else(|| {
+                    CompileError::Invalid(format!(
+                        "fuse: operand %{} of %{} is neither a member nor an input",
+                        p.index(),
+                        m.index()
+                    ))
+                })?
+            };
+            args.push(a);
+        }
+        instrs.push(FusedInstr {
+            op: graph.g[m].op.clone(),
+            args,
+            dtype: graph.g[m].ty.dtype,
+        });
+        value.insert(m, n_in + instrs.len() as u32 - 1);
+    }
+    let kernel = FusedKernel {
+        n_inputs: n_in,
+        instrs,
+        out: out_ty,
+    };
+    Ok((kernel, inputs, imms))
+}
+
+/// One instruction in readable form (`mul(in0, t1)`, `cast<f16>(t0)`, `0.5`).
+fn instr_text(k: &FusedKernel, ins: &FusedInstr) -> String {
+    let arg = |a: u32| {
+        if a < k.n_inputs {
+            format!("in{a}")
+        } else {
+            format!("t{}", a - k.n_inputs)
+        }
+    };
+    let args: Vec<String> = ins.args.iter().map(|&a| arg(a)).collect();
+    match &ins.op {
+        Op::Full { value, .. } => format!("{:?}", value.get()),
+        Op::Cast { to } => format!("cast<{to}>({})", args.join(", ")),
+        op => format!("{}({})", op.name(), args.join(", ")),
+    }
+}
+
+/// Lists each fused kernel of `graph` (in schedule order) with its inputs and program, one
+/// instruction a line, so that a reader (or a snapshot) sees which ops were fused.
+pub fn describe_groups(graph: &Graph) -> String {
+    let mut s = String::new();
+    for n in graph.live_order() {
+        let node = &graph.g[n];
+        let Op::Fused(k) = &node.op else { continue };
+        let name = node
+            .name
+            .as_deref()
+            .map(|x| format!(" \"{x}\""))
+            .unwrap_or_default();
+        let _ = writeln!(s, "%{}{name} = fused -> {}", n.index(), k.out);
+        for (i, &p) in node.inputs.iter().enumerate() {
+            let pn = &graph.g[p];
+            let pname = pn
+                .name
+                .as_deref()
+                .map(|x| format!(" \"{x}\""))
+                .unwrap_or_default();
+            let _ = writeln!(
+                s,
+                "  in{i} = %{}{pname} ({}) : {}",
+                p.index(),
+                pn.op.name(),
+                pn.ty
+            );
+        }
+        for (j, ins) in k.instrs.iter().enumerate() {
+            let _ = writeln!(s, "  t{j} = {} : {}", instr_text(k, ins), ins.dtype);
+        }
+    }
+    s
+}

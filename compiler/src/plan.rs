@@ -1,1 +1,346 @@
-//! (under construction)
+//! Scheduling and static memory planning: every intermediate value gets an offset in one arena.
+//!
+//! - **Schedule**: [`Graph::live_order`], a topological order of the nodes the roots need
+//!   (depth-first, so a value tends to be consumed soon after it is made).
+//! - **Lifetimes**: a value is defined at its own step and lives until the step of its last user;
+//!   outputs, updates and guards live past the final step (the caller reads them). Graph inputs, parameters and constants are not
+//!   in the arena: the caller provides their buffers.
+//! - **Placement**: in schedule order, each value takes the smallest free block that fits
+//!   (best fit; sizes are [`TensorType::size_bytes`] rounded up to [`ALIGN`]), or grows the
+//!   arena; after the step, the values whose lifetime ends there are freed and neighboring free
+//!   blocks coalesce. A value is placed before its dying inputs are freed, so a kernel never
+//!   writes over what it reads, except:
+//! - **In place**: an elementwise op (`Unary`, `Binary`, `Where`, `Cast`, `Fused`) may write its
+//!   result over an operand that dies at this step, has exactly as many elements and the same
+//!   element width (so element `i` of the output overwrites element `i` of the operand, which the
+//!   kernel read first), and is not an output, update or guard. The result records it in
+//!   [`Slot::inplace_of`]. Reshape-like ops never alias: they get their own buffer.
+
+use crate::graph::{Graph, NodeId};
+use crate::{CompileError, Result};
+use rustytorch_ops::Op;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+
+/// Alignment of every arena offset and size, in bytes.
+pub const ALIGN: usize = 256;
+
+fn align_up(n: usize) -> usize {
+    n.div_ceil(ALIGN) * ALIGN
+}
+
+/// Where one value lives and when.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slot {
+    /// Byte offset in the arena (a multiple of [`ALIGN`]).
+    pub offset: usize,
+    /// Bytes reserved (the value's size rounded up to [`ALIGN`]).
+    pub size: usize,
+    /// The step that defines the value.
+    pub first: usize,
+    /// The last step that reads it; `schedule.len()` (past the final step) for outputs, updates
+    /// and guards, which the caller reads after the run.
+    pub last: usize,
+    /// The operand whose bytes this value overwrites in place, if any.
+    pub inplace_of: Option<NodeId>,
+}
+
+impl Slot {
+    fn lifetimes_overlap(&self, o: &Slot) -> bool {
+        self.first <= o.last && o.first <= self.last
+    }
+    fn bytes_overlap(&self, o: &Slot) -> bool {
+        self.size > 0
+            && o.size > 0
+            && self.offset < o.offset + o.size
+            && o.offset < self.offset + self.size
+    }
+}
+
+/// A schedule and the arena placement of every intermediate value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryPlan {
+    /// The nodes in execution order (leaves included).
+    pub schedule: Vec<NodeId>,
+    /// The arena slot of each computed value (not of inputs, parameters and constants).
+    pub slots: BTreeMap<NodeId, Slot>,
+    /// The arena's size: the peak of the placement.
+    pub arena_bytes: usize,
+    /// The sum of every value's slot size (what one buffer per value would take).
+    pub naive_bytes: usize,
+}
+
+/// Free blocks of the arena below its current top, sorted by offset and coalesced.
+#[derive(Default)]
+struct FreeList {
+    blocks: Vec<(usize, usize)>,
+    top: usize,
+    peak: usize,
+}
+
+impl FreeList {
+    /// Best fit: the smallest free block that holds `size` (lowest offset on ties), else the top.
+    fn alloc(&mut self, size: usize) -> usize {
+        if size == 0 {
+            return 0;
+        }
+        let best = self
+            .blocks
+            .iter()
+            .enumerate()
+            .filter(|(_, &(_, s))| s >= size)
+            .min_by_key(|(_, &(o, s))| (s, o))
+            .map(|(i, _)| i);
+        if let Some(i) = best {
+            let (o, s) = self.blocks[i];
+            if s == size {
+                self.blocks.remove(i);
+            } else {
+                self.blocks[i] = (o + size, s - size);
+            }
+            return o;
+        }
+        let o = self.top;
+        self.top += size;
+        self.peak = self.peak.max(self.top);
+        o
+    }
+
+    /// Returns a block; neighbors coalesce and a free tail lowers the top.
+    fn free(&mut self, offset: usize, size: usize) {
+        if size == 0 {
+            return;
+        }
+        let i = self.blocks.partition_point(|&(o, _)| o < offset);
+        self.blocks.insert(i, (offset, size));
+        if i + 1 < self.blocks.len() && offset + size == self.blocks[i + 1].0 {
+            self.blocks[i].1 += self.blocks[i + 1].1;
+            self.blocks.remove(i + 1);
+        }
+        let mut i = i;
+        if i > 0 && self.blocks[i - 1].0 + self.blocks[i - 1].1 == offset {
+            self.blocks[i - 1].1 += self.blocks[i].1;
+            self.blocks.remove(i);
+            i -= 1;
+        }
+        if self.blocks[i].0 + self.blocks[i].1 == self.top {
+            self.top = self.blocks[i].0;
+            self.blocks.remove(i);
+        }
+    }
+}
+
+/// Whether the caller provides this leaf's buffer.
+fn provided(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Input { .. } | Op::Param { .. } | Op::Constant { .. }
+    )
+}
+
+/// Schedules the live nodes of `graph` and places every intermediate value in one arena (see
+/// the module docs).
+pub fn plan(graph: &Graph) -> Result<MemoryPlan> {
+    let _span = tracing::debug_span!("plan").entered();
+    let schedule = graph.live_order();
+    // Roots are read after the final step (by the caller).
+    let end = schedule.len();
+    let roots: HashSet<NodeId> = graph.roots().into_iter().collect();
+    let mut last: HashMap<NodeId, usize> = HashMap::new();
+    for (t, &n) in schedule.iter().enumerate() {
+        last.entry(n).or_insert(t);
+        for &i in &graph.node(n)?.inputs {
+            let l = last.entry(i).or_insert(t);
+            *l = (*l).max(t);
+        }
+    }
+    for r in &roots {
+        last.insert(*r, end);
+    }
+
+    let mut free = FreeList::default();
+    let mut slots: BTreeMap<NodeId, Slot> = BTreeMap::new();
+    let mut naive = 0;
+    for (t, &n) in schedule.iter().enumerate() {
+        let node = graph.node(n)?;
+        if provided(&node.op) {
+            continue;
+        }
+        let size = align_up(node.ty.size_bytes());
+        naive += size;
+        let mut dying: Vec<NodeId> = node
+            .inputs
+            .iter()
+            .copied()
+            .filter(|i| slots.contains_key(i) && last[i] == t)
+            .collect();
+        dying.sort();
+        dying.dedup();
+        let donor = if node.op.is_elementwise() && size > 0 {
+            dying.iter().copied().find(|&i| {
+                let it = graph.ty(i);
+                !roots.contains(&i)
+                    && it.shape.numel() == node.ty.shape.numel()
+                    && it.dtype.size_bytes() == node.ty.dtype.size_bytes()
+            })
+        } else {
+            None
+        };
+        let offset = match donor {
+            Some(d) => slots[&d].offset,
+            None => free.alloc(size),
+        };
+        slots.insert(
+            n,
+            Slot {
+                offset,
+                size,
+                first: t,
+                last: last[&n].max(t),
+                inplace_of: donor,
+            },
+        );
+        for d in dying {
+            if Some(d) != donor {
+                let s = slots[&d];
+                free.free(s.offset, s.size);
+            }
+        }
+        if last[&n] <= t && !roots.contains(&n) {
+            free.free(offset, size);
+        }
+    }
+    let plan = MemoryPlan {
+        schedule,
+        slots,
+        arena_bytes: free.peak,
+        naive_bytes: naive,
+    };
+    tracing::debug!("{plan}");
+    Ok(plan)
+}
+
+impl MemoryPlan {
+    /// The slot of a value (None for provided buffers and nodes not scheduled).
+    pub fn slot(&self, id: NodeId) -> Option<&Slot> {
+        self.slots.get(&id)
+    }
+
+    /// Number of values written in place over an operand.
+    pub fn inplace_count(&self) -> usize {
+        self.slots
+            .values()
+            .filter(|s| s.inplace_of.is_some())
+            .count()
+    }
+
+    /// Checks the plan: aligned slots inside the arena, in-place pairs that share exactly one
+    /// step and the same bytes, and no two other values whose lifetimes overlap sharing a byte.
+    pub fn check(&self) -> Result<()> {
+        let bad = |m: String| Err(CompileError::Invalid(format!("memory plan: {m}")));
+        for (id, s) in &self.slots {
+            if s.offset % ALIGN != 0 || s.size % ALIGN != 0 {
+                return bad(format!(
+                    "%{} at {}+{} is not aligned",
+                    id.index(),
+                    s.offset,
+                    s.size
+                ));
+            }
+            if s.offset + s.size > self.arena_bytes {
+                return bad(format!(
+                    "%{} at {}+{} lies outside the {}-byte arena",
+                    id.index(),
+                    s.offset,
+                    s.size,
+                    self.arena_bytes
+                ));
+            }
+            if s.first > s.last {
+                return bad(format!("%{} dies before it is defined", id.index()));
+            }
+            if let Some(d) = s.inplace_of {
+                let Some(ds) = self.slots.get(&d) else {
+                    return bad(format!(
+                        "%{} is in place of unplanned %{}",
+                        id.index(),
+                        d.index()
+                    ));
+                };
+                if ds.offset != s.offset || ds.size != s.size || ds.last != s.first {
+                    return bad(format!(
+                        "%{} is in place of %{} but they do not share bytes at one step",
+                        id.index(),
+                        d.index()
+                    ));
+                }
+            }
+        }
+        let all: Vec<(&NodeId, &Slot)> = self.slots.iter().collect();
+        for (k, &(a, sa)) in all.iter().enumerate() {
+            for &(b, sb) in &all[k + 1..] {
+                if !sa.lifetimes_overlap(sb) || !sa.bytes_overlap(sb) {
+                    continue;
+                }
+                let pair = (sa.inplace_of == Some(*b) && sa.first == sb.last)
+                    || (sb.inplace_of == Some(*a) && sb.first == sa.last);
+                if !pair {
+                    return bad(format!(
+                        "%{} ({}+{}, steps {}..={}) and %{} ({}+{}, steps {}..={}) overlap",
+                        a.index(),
+                        sa.offset,
+                        sa.size,
+                        sa.first,
+                        sa.last,
+                        b.index(),
+                        sb.offset,
+                        sb.size,
+                        sb.first,
+                        sb.last
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A one-line summary; the alternate form (`{:#}`) adds one line per value in schedule order.
+impl fmt::Display for MemoryPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let saved = if self.naive_bytes == 0 {
+            0.0
+        } else {
+            100.0 * (1.0 - self.arena_bytes as f64 / self.naive_bytes as f64)
+        };
+        write!(
+            f,
+            "memory plan: {} steps, {} values ({} in place), arena {} bytes, naive {} bytes ({:.0}% saved)",
+            self.schedule.len(),
+            self.slots.len(),
+            self.inplace_count(),
+            self.arena_bytes,
+            self.naive_bytes,
+            saved
+        )?;
+        if f.alternate() {
+            for n in &self.schedule {
+                if let Some(s) = self.slots.get(n) {
+                    write!(
+                        f,
+                        "\n  %{:<4} @{:>8} +{:<8} steps {}..={}",
+                        n.index(),
+                        s.offset,
+                        s.size,
+                        s.first,
+                        s.last
+                    )?;
+                    if let Some(d) = s.inplace_of {
+                        write!(f, " (in place of %{})", d.index())?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
