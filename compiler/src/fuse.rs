@@ -8,6 +8,8 @@
 //! group, and the group grows backwards over its operands. An operand `p` joins the group when:
 //!
 //! - `p` is itself `Unary`/`Binary`/`Where`/`Cast` and belongs to no other group;
+//! - neither `p` nor its operands are 32/64-bit integers (fused kernels compute in f32 or f64,
+//!   which do not hold every such integer exactly; the same rule picks roots);
 //! - `p` has exactly the root's output shape (every instruction of a kernel runs over the output
 //!   shape; a smaller producer, say a bias computation of shape `[n]` feeding `[m, n]`, would be
 //!   recomputed per output element, so it stays a kernel input instead);
@@ -46,7 +48,7 @@
 
 use crate::graph::{Graph, NodeId};
 use crate::{CompileError, Result};
-use rustytorch_ops::{FusedInstr, FusedKernel, Op, Shape, TensorType};
+use rustytorch_ops::{DType, FusedInstr, FusedKernel, Op, Shape, TensorType};
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::fmt::Write as _;
@@ -84,12 +86,17 @@ impl fmt::Display for FuseReport {
     }
 }
 
-/// Whether an op may be an instruction of a fused kernel (as a group member).
-fn fusable(op: &Op) -> bool {
+/// Whether a node may be an instruction of a fused kernel (as a group member): an elementwise op
+/// with no 32/64-bit integer result or operand (fused kernels compute in f32 or f64, which do not
+/// hold every such integer exactly, nor wrap like them).
+fn fusable(graph: &Graph, n: NodeId) -> bool {
+    let node = &graph.g[n];
+    let wide_int = |d: DType| matches!(d, DType::I32 | DType::I64);
     matches!(
-        op,
+        node.op,
         Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. }
-    )
+    ) && !wide_int(node.ty.dtype)
+        && !node.inputs.iter().any(|&i| wide_int(graph.g[i].ty.dtype))
 }
 
 /// Number of live non-leaf nodes (one kernel launch each).
@@ -125,7 +132,7 @@ pub fn fuse(graph: &Graph) -> Result<(Graph, FuseReport)> {
     let mut assigned: HashSet<NodeId> = HashSet::new();
     let mut groups = Vec::new();
     for &n in order.iter().rev() {
-        if assigned.contains(&n) || !fusable(&out.g[n].op) {
+        if assigned.contains(&n) || !fusable(&out, n) {
             continue;
         }
         let g = grow(&out, n, &roots, &assigned);
@@ -209,7 +216,7 @@ fn grow(graph: &Graph, root: NodeId, roots: &HashSet<NodeId>, taken: &HashSet<No
             *left -= 1;
             let node = &graph.g[p];
             if *left == 0
-                && fusable(&node.op)
+                && fusable(graph, p)
                 && node.ty.shape == *shape
                 && !roots.contains(&p)
                 && !taken.contains(&p)

@@ -344,3 +344,46 @@ impl fmt::Display for MemoryPlan {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::FreeList;
+
+    #[test]
+    fn best_fit_takes_the_smallest_block_that_fits() {
+        let mut f = FreeList::default();
+        let a = f.alloc(1024);
+        let b = f.alloc(256);
+        let c = f.alloc(512);
+        let d = f.alloc(256);
+        assert_eq!((a, b, c, d), (0, 1024, 1280, 1792));
+        f.free(a, 1024);
+        f.free(c, 512);
+        // 512 fits both holes: the 512 one is taken, the 1024 one stays whole.
+        assert_eq!(f.alloc(512), c);
+        assert_eq!(f.alloc(1024), a);
+        assert_eq!(f.peak, 2048);
+    }
+
+    #[test]
+    fn neighbors_coalesce_and_a_free_tail_lowers_the_top() {
+        let mut f = FreeList::default();
+        let a = f.alloc(256);
+        let b = f.alloc(256);
+        let c = f.alloc(256);
+        let d = f.alloc(256);
+        f.free(a, 256);
+        f.free(c, 256);
+        f.free(b, 256);
+        assert_eq!(f.blocks, vec![(0, 768)]);
+        // 768 bytes fit in the coalesced hole rather than growing the arena.
+        assert_eq!(f.alloc(768), 0);
+        f.free(0, 768);
+        f.free(d, 256);
+        assert!(f.blocks.is_empty());
+        assert_eq!((f.top, f.peak), (0, 1024));
+        // Zero-size values take no bytes.
+        assert_eq!(f.alloc(0), 0);
+        assert_eq!(f.top, 0);
+    }
+}

@@ -377,6 +377,22 @@ fn mixed_dtypes_where_and_casts() {
 }
 
 #[test]
+fn half_precision_chains_agree_within_their_tolerance() {
+    // Fused kernels round once at the end, the unfused ops after each op: the two agree within
+    // the dtype's tolerance.
+    for dt in [DType::F16, DType::BF16] {
+        let b = GraphBuilder::new();
+        let x = b.input("x", dt, [6, 10]);
+        let w = b.input("w", dt, [10]);
+        b.output("y", &x.mul(&w).sigmoid().add_scalar(0.5));
+        let g = b.graph().unwrap();
+        let (f, report) = fuse_and_compare(&g, 2.0 * rustytorch_ops::testing::tolerance(dt));
+        assert_eq!(report.groups, 1);
+        assert_eq!(f.ty(out_node(&f, "y")).dtype, dt);
+    }
+}
+
+#[test]
 fn fusion_is_idempotent() {
     let b = GraphBuilder::new();
     let x = f32_input(&b, "x", &[4, 8]);
@@ -538,7 +554,7 @@ fn random_graph(steps: &[Step], outs: &[usize]) -> Graph {
                 let (x, y) = (pick(&vals, a), pick(&vals, d));
                 b.where_(&pick(&vals, c).gt(&x), &x, &y)
             }
-            Step::Cast(a) => pick(&vals, a).cast(DType::F64).sin().cast(DType::F32),
+            Step::Cast(a) => pick(&vals, a).cast(DType::F16).cast(DType::F32),
             Step::Expand(a) => pick(&vals, a).expand([4, 6]),
         };
         vals.push(v);
@@ -551,7 +567,7 @@ fn random_graph(steps: &[Step], outs: &[usize]) -> Graph {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
+    #![proptest_config(ProptestConfig::with_cases(256))]
 
     #[test]
     fn random_dags_fuse_to_the_same_values(
@@ -568,4 +584,31 @@ proptest! {
         let (_, again) = fuse(&f).unwrap();
         prop_assert_eq!(again.groups, 0);
     }
+}
+
+#[test]
+fn wide_integer_chains_stay_exact() {
+    // 64-bit integers are beyond f32's (and f64's) exact range: fusing them would round.
+    let b = GraphBuilder::new();
+    let x = b.input("x", DType::I64, [5]);
+    let big = b.scalar(((1i64 << 40) + 1) as f64, DType::I64);
+    let y = x.mul(&big).add(&x).sub(&big);
+    let z = y.gt(&x).logical_not();
+    b.output("y", &y);
+    b.output("z", &z);
+    let g = b.graph().unwrap();
+    let (f, report) = fuse(&g).unwrap();
+    assert_eq!(report.groups, 0);
+    let fd: HashMap<String, HostTensor> = [(
+        "x".to_string(),
+        HostTensor::from_vec(vec![3i64, -7, 123456789, 1 << 30, 5], [5]).unwrap(),
+    )]
+    .into();
+    let want = run(&g, &fd);
+    let got = run(&f, &fd);
+    assert_eq!(
+        want[0].to_vec::<i64>().unwrap(),
+        got[0].to_vec::<i64>().unwrap()
+    );
+    assert_eq!(want[1].to_f64_vec(), got[1].to_f64_vec());
 }

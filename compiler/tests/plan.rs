@@ -296,7 +296,7 @@ fn random_graph(steps: &[Step], outs: &[usize], dims: (usize, usize)) -> Graph {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(128))]
+    #![proptest_config(ProptestConfig::with_cases(256))]
 
     #[test]
     fn random_dags_get_valid_plans(
