@@ -272,15 +272,24 @@ fn build_kernel(graph: &Graph, g: &Group) -> Result<(FusedKernel, Vec<NodeId>, V
         Op::Full { ty, .. } => ty.shape.broadcasts_to(&out_ty.shape),
         _ => false,
     };
+    // What a member's operand reads: itself if a member, else through expands, an immediate
+    // `Full` or a kernel input.
+    let source = |p: NodeId| {
+        if members.contains(&p) {
+            p
+        } else {
+            read_through(graph, p, &out_ty.shape)
+        }
+    };
     // Kernel inputs, in first-use order.
     let mut inputs: Vec<NodeId> = Vec::new();
     let mut input_ix: HashMap<NodeId, u32> = HashMap::new();
     for &m in &g.members {
         for &p in &graph.g[m].inputs {
-            if members.contains(&p) || is_imm(p) {
+            let src = source(p);
+            if members.contains(&src) || is_imm(src) {
                 continue;
             }
-            let src = read_through(graph, p, &out_ty.shape);
             if let std::collections::hash_map::Entry::Vacant(v) = input_ix.entry(src) {
                 v.insert(inputs.len() as u32);
                 inputs.push(src);
@@ -289,14 +298,16 @@ fn build_kernel(graph: &Graph, g: &Group) -> Result<(FusedKernel, Vec<NodeId>, V
     }
     let n_in = inputs.len() as u32;
     let mut instrs: Vec<FusedInstr> = Vec::new();
+    // Member and immediate nodes → their instruction's value index.
     let mut value: HashMap<NodeId, u32> = HashMap::new();
     let mut imms: Vec<NodeId> = Vec::new();
     for &m in &g.members {
         let mut args = Vec::with_capacity(graph.g[m].inputs.len());
         for &p in &graph.g[m].inputs {
-            let a = if let Some(&v) = value.get(&p) {
+            let src = source(p);
+            let a = if let Some(&v) = value.get(&src) {
                 v
-            } else if let (true, Op::Full { value: x, ty }) = (is_imm(p), &graph.g[p].op) {
+            } else if let (true, Op::Full { value: x, ty }) = (is_imm(src), &graph.g[src].op) {
                 instrs.push(FusedInstr {
                     op: Op::Full {
                         value: *x,
@@ -306,11 +317,10 @@ fn build_kernel(graph: &Graph, g: &Group) -> Result<(FusedKernel, Vec<NodeId>, V
                     dtype: ty.dtype,
                 });
                 let v = n_in + instrs.len() as u32 - 1;
-                value.insert(p, v);
-                imms.push(p);
+                value.insert(src, v);
+                imms.push(src);
                 v
             } else {
-                let src = read_through(graph, p, &out_ty.shape);
                 *input_ix.get(&src).ok_or_else(|| {
                     CompileError::Invalid(format!(
                         "fuse: operand %{} of %{} is neither a member nor an input",

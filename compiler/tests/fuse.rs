@@ -5,7 +5,7 @@ use proptest::prelude::*;
 use rustytorch_compiler::fuse::{describe_groups, fuse, FuseReport};
 use rustytorch_compiler::{Graph, GraphBuilder, NodeId, Tensor};
 use rustytorch_ops::testing::{assert_close, rand_tensor};
-use rustytorch_ops::{eval_cpu, DType, HostTensor, Op};
+use rustytorch_ops::{eval_cpu, DType, HostTensor, Op, TensorType};
 use std::collections::HashMap;
 
 /// Evaluates `g` on the CPU, one node at a time in schedule order; returns the values of its
@@ -611,4 +611,21 @@ fn wide_integer_chains_stay_exact() {
         got[0].to_vec::<i64>().unwrap()
     );
     assert_eq!(want[1].to_f64_vec(), got[1].to_f64_vec());
+}
+
+#[test]
+fn expanded_fill_becomes_an_immediate() {
+    let b = GraphBuilder::new();
+    let x = f32_input(&b, "x", &[4, 8]);
+    let half = b
+        .full(0.5, TensorType::new(DType::F32, [1, 8]))
+        .expand([4, 8]);
+    b.output("y", &x.mul(&half).exp());
+    let g = b.graph().unwrap();
+    let (f, report) = fuse_and_compare(&g, 1e-6);
+    assert_eq!((report.expands_absorbed, report.immediates), (1, 1));
+    let yid = out_node(&f, "y");
+    assert_eq!(f.node(yid).unwrap().inputs, vec![x.id().unwrap()]);
+    // Only the input and the kernel are left.
+    assert_eq!(f.live_order().len(), 2);
 }
