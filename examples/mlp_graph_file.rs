@@ -24,7 +24,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let b1 = g.param("b1", [32], Init::kaiming_uniform(16, 2));
     let w2 = g.param("w2", [32, 10], Init::kaiming_uniform(32, 3));
     let b2 = g.param("b2", [10], Init::kaiming_uniform(32, 4));
-    let probs = x.linear(&w1, Some(&b1)).gelu().linear(&w2, Some(&b2)).softmax(-1);
+    let probs = x
+        .linear(&w1, Some(&b1))
+        .gelu()
+        .linear(&w2, Some(&b2))
+        .softmax(-1);
     g.output("probs", &probs);
 
     // Embed the initial values, as a trained model would carry its weights.

@@ -68,6 +68,7 @@ pub fn write_npy(path: &Path, t: &HostTensor) -> Result<()> {
         shape: &[u64],
         v: &[T],
     ) -> std::io::Result<()> {
+        use npyz::WriterBuilder;
         let mut wr = npyz::WriteOptions::new()
             .default_dtype()
             .shape(shape)
@@ -92,19 +93,19 @@ pub fn write_npy(path: &Path, t: &HostTensor) -> Result<()> {
 /// Little-endian bytes of a tensor (bool as one byte 0/1).
 pub fn to_le_bytes(t: &HostTensor) -> Vec<u8> {
     trait Le {
-        fn le(&self, out: &mut Vec<u8>);
+        fn put_le(&self, out: &mut Vec<u8>);
     }
     macro_rules! le {
-        ($($t:ty),*) => {$(impl Le for $t { fn le(&self, out: &mut Vec<u8>) { out.extend_from_slice(&self.to_le_bytes()) } })*};
+        ($($t:ty),*) => {$(impl Le for $t { fn put_le(&self, out: &mut Vec<u8>) { out.extend_from_slice(&self.to_le_bytes()) } })*};
     }
     le!(f32, f64, f16, bf16, i32, i64, u8);
     impl Le for bool {
-        fn le(&self, out: &mut Vec<u8>) {
+        fn put_le(&self, out: &mut Vec<u8>) {
             out.push(*self as u8)
         }
     }
     let mut out = Vec::with_capacity(t.ty().size_bytes());
-    with_data!(t.data(), v => v.iter().for_each(|x| x.le(&mut out)));
+    with_data!(t.data(), v => v.iter().for_each(|x| x.put_le(&mut out)));
     out
 }
 

@@ -1,0 +1,392 @@
+//! The `rustytorch` command-line runner: run a graph file on `.npy` inputs, inspect a graph (IR,
+//! parameter count, FLOPs, what each compile pass did), and convert between graph files and IR
+//! text.
+//!
+//! ```text
+//! rustytorch run model.rtg --input x=x.npy --out results/
+//! rustytorch inspect model.rtg --passes
+//! rustytorch convert model.rtg --to text -o model.rtir
+//! ```
+
+use clap::{Parser, Subcommand, ValueEnum};
+use rustytorch::compiler::{format, passes, text, Graph};
+use rustytorch::{npy, stats, CompileOptions, DType, Device, HostTensor};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+/// Runs, inspects and converts RustyTorch graph files.
+#[derive(Parser, Debug)]
+#[command(name = "rustytorch", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Compiles a graph for inference and runs it on `.npy` inputs; writes each output as
+    /// `<out>/<name>.npy`.
+    Run {
+        /// The graph: a graph file (`.rtg`) or IR text (`.txt`, `.rtir`).
+        graph: PathBuf,
+        /// An input as NAME=FILE.npy (repeat for each graph input).
+        #[arg(short, long = "input", value_name = "NAME=FILE.npy")]
+        inputs: Vec<String>,
+        /// Directory for the output `.npy` files (created if missing).
+        #[arg(short, long, default_value = ".")]
+        out: PathBuf,
+        /// Device: `cpu`, `cuda` or `cuda:N`.
+        #[arg(short, long, default_value = "cpu")]
+        device: String,
+        /// Also print the optimized IR.
+        #[arg(short, long)]
+        print: bool,
+    },
+    /// Prints the IR text, the parameter count and a FLOP estimate.
+    Inspect {
+        /// The graph: a graph file (`.rtg`) or IR text (`.txt`, `.rtir`).
+        graph: PathBuf,
+        /// Also print the IR after each compile pass, pass timings and the memory plan.
+        #[arg(long)]
+        passes: bool,
+    },
+    /// Converts between a graph file and IR text.
+    Convert {
+        /// The graph: a graph file (`.rtg`) or IR text (`.txt`, `.rtir`).
+        graph: PathBuf,
+        /// The target format.
+        #[arg(long, value_enum)]
+        to: Target,
+        /// The output path (default: the input's path with the target's extension).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+    },
+}
+
+/// A file format to convert to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Target {
+    /// IR text (`.rtir`).
+    Text,
+    /// A graph file with embedded parameters (`.rtg`).
+    Rtg,
+}
+
+/// A user-facing error: one message, printed on stderr, exit code 1.
+struct Failure(String);
+
+impl<E: std::fmt::Display> From<E> for Failure {
+    fn from(e: E) -> Failure {
+        Failure(e.to_string())
+    }
+}
+
+type Res<T> = Result<T, Failure>;
+
+fn fail<T>(msg: impl Into<String>) -> Res<T> {
+    Err(Failure(msg.into()))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.command {
+        Command::Run {
+            graph,
+            inputs,
+            out,
+            device,
+            print,
+        } => run(&graph, &inputs, &out, &device, print),
+        Command::Inspect { graph, passes } => inspect(&graph, passes),
+        Command::Convert { graph, to, output } => convert(&graph, to, output),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure(msg)) => {
+            eprintln!("error: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Whether a path names IR text rather than a graph file.
+fn is_text(path: &Path) -> bool {
+    matches!(
+        path.extension().and_then(|e| e.to_str()),
+        Some("txt" | "rtir")
+    )
+}
+
+/// Loads a graph file or IR text.
+fn load_graph(path: &Path) -> Res<Graph> {
+    if is_text(path) {
+        let src = std::fs::read_to_string(path)
+            .map_err(|e| Failure(format!("{}: {e}", path.display())))?;
+        text::parse(&src).map_err(|e| Failure(format!("{}: {e}", path.display())))
+    } else {
+        format::load(path).map_err(|e| Failure(format!("{}: {e}", path.display())))
+    }
+}
+
+/// The graph's inputs, one per line, for error messages.
+fn list_inputs(graph: &Graph) -> String {
+    if graph.inputs.is_empty() {
+        return "the graph has no inputs".into();
+    }
+    let mut s = String::from("the graph's inputs are:");
+    for i in &graph.inputs {
+        let _ = write!(s, "\n  {}: {}", i.name, i.ty);
+    }
+    s
+}
+
+/// Parses the `NAME=FILE` arguments and reads each file as the graph input it names, converting
+/// f32 data to bf16 where the input is bf16 (numpy has no bf16).
+fn read_inputs(graph: &Graph, args: &[String]) -> Res<Vec<(String, HostTensor)>> {
+    let mut given: BTreeMap<String, HostTensor> = BTreeMap::new();
+    for a in args {
+        let Some((name, file)) = a.split_once('=') else {
+            return fail(format!("--input `{a}`: expected NAME=FILE.npy"));
+        };
+        let Some(def) = graph.input_by_name(name) else {
+            return fail(format!(
+                "--input `{name}`: the graph has no input named `{name}`; {}",
+                list_inputs(graph)
+            ));
+        };
+        if given.contains_key(name) {
+            return fail(format!("--input `{name}` is given twice"));
+        }
+        let mut t =
+            npy::read_npy(Path::new(file)).map_err(|e| Failure(format!("input `{name}`: {e}")))?;
+        if def.ty.dtype == DType::BF16 && t.dtype() == DType::F32 {
+            t = t.cast(DType::BF16);
+        }
+        if t.ty() != def.ty {
+            let what = if t.dtype() != def.ty.dtype && t.shape() != &def.ty.shape {
+                "dtype and shape"
+            } else if t.dtype() != def.ty.dtype {
+                "dtype"
+            } else {
+                "shape"
+            };
+            let hint = if def.ty.dtype == DType::BF16 {
+                " (bf16 inputs are read from f32 .npy files)"
+            } else {
+                ""
+            };
+            return fail(format!(
+                "input `{name}` ({file}): wrong {what}: expected {}, got {}{hint}",
+                def.ty,
+                t.ty()
+            ));
+        }
+        given.insert(name.to_string(), t);
+    }
+    let missing: Vec<&str> = graph
+        .inputs
+        .iter()
+        .filter(|i| !given.contains_key(&i.name))
+        .map(|i| i.name.as_str())
+        .collect();
+    if !missing.is_empty() {
+        return fail(format!(
+            "missing input{} {}: pass each as --input NAME=FILE.npy; {}",
+            if missing.len() == 1 { "" } else { "s" },
+            missing
+                .iter()
+                .map(|m| format!("`{m}`"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            list_inputs(graph)
+        ));
+    }
+    // In the graph's input order.
+    Ok(graph
+        .inputs
+        .iter()
+        .filter_map(|i| given.remove_entry(&i.name))
+        .collect())
+}
+
+/// A file name for an output: characters other than letters, digits, `-`, `_` and `.` become `_`.
+fn file_stem(name: &str) -> String {
+    let s: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if s.is_empty() || s.chars().all(|c| c == '.') {
+        format!("output_{s}")
+    } else {
+        s
+    }
+}
+
+/// One line describing an output: type, the first values, and per-row argmax of `[N, C]` logits.
+fn summary(name: &str, t: &HostTensor) -> String {
+    const SHOW: usize = 8;
+    let v = t.to_f64_vec();
+    let fmt_val = |x: f64| {
+        if t.dtype().is_float() {
+            format!("{x:.6}")
+        } else {
+            format!("{x}")
+        }
+    };
+    let mut s = format!("{name}: {}", t.ty());
+    let head: Vec<String> = v.iter().take(SHOW).map(|&x| fmt_val(x)).collect();
+    let _ = write!(
+        s,
+        " = [{}{}]",
+        head.join(", "),
+        if v.len() > SHOW { ", ..." } else { "" }
+    );
+    if let [n, c] = t.dims() {
+        if t.dtype().is_float() && *c > 1 && *n > 0 {
+            let am: Vec<String> = v
+                .chunks(*c)
+                .take(SHOW * 2)
+                .map(|row| {
+                    let mut best = 0;
+                    for (j, &x) in row.iter().enumerate() {
+                        if x > row[best] {
+                            best = j;
+                        }
+                    }
+                    best.to_string()
+                })
+                .collect();
+            let _ = write!(
+                s,
+                "; argmax per row: [{}{}]",
+                am.join(", "),
+                if *n > SHOW * 2 { ", ..." } else { "" }
+            );
+        }
+    }
+    s
+}
+
+fn run(graph_path: &Path, args: &[String], out: &Path, device: &str, print: bool) -> Res<()> {
+    let Some(device) = Device::parse(device) else {
+        return fail(format!(
+            "--device `{device}`: expected `cpu`, `cuda` or `cuda:N`"
+        ));
+    };
+    let graph = load_graph(graph_path)?;
+    if graph.outputs.is_empty() {
+        return fail(format!(
+            "{}: the graph declares no outputs; nothing to run",
+            graph_path.display()
+        ));
+    }
+    let inputs = read_inputs(&graph, args)?;
+    let mut exe = rustytorch::compile_graph(&graph, device, &CompileOptions::inference())?;
+    if print {
+        println!("{}", exe.optimized_ir());
+    }
+    let named: Vec<(&str, HostTensor)> = inputs
+        .iter()
+        .map(|(n, t)| (n.as_str(), t.clone()))
+        .collect();
+    let outs = exe.run(&named)?;
+    std::fs::create_dir_all(out).map_err(|e| Failure(format!("{}: {e}", out.display())))?;
+    for (name, t) in outs.iter() {
+        let path = out.join(format!("{}.npy", file_stem(name)));
+        npy::write_npy(&path, t)?;
+        println!("{}  -> {}", summary(name, t), path.display());
+    }
+    Ok(())
+}
+
+/// Tensors with more elements than this print as `[... N values]` in `inspect`.
+const ELIDE: usize = 16;
+
+fn inspect(graph_path: &Path, show_passes: bool) -> Res<()> {
+    let graph = load_graph(graph_path)?;
+    println!("{}", text::print_elided(&graph, ELIDE));
+    let trainable = graph.params.iter().filter(|p| p.trainable).count();
+    println!(
+        "parameters: {} elements in {} trainable tensors ({} tensors in all)",
+        graph.param_count(),
+        trainable,
+        graph.params.len()
+    );
+    let f = stats::flops(&graph);
+    println!("flops: {f} ({}FLOP per run)", stats::si(f));
+    if show_passes {
+        let opts = passes::Options {
+            dump: vec!["all".into()],
+            ..Default::default()
+        };
+        let compiled = passes::run(&graph, &opts)?;
+        let r = &compiled.report;
+        for (pass, ir) in &r.dumps {
+            // The dumps hold every value; show them with long tensors elided like the source.
+            let shown = text::parse(ir)
+                .map(|g| text::print_elided(&g, ELIDE))
+                .unwrap_or_else(|_| ir.clone());
+            println!("\n=== after {pass} ===\n{shown}");
+        }
+        println!("\npasses:");
+        for p in &r.passes {
+            println!(
+                "  {:<10} {:>10.3} ms  {:>6} nodes",
+                p.name, p.millis, p.nodes
+            );
+        }
+        if let Some(o) = &r.optimize {
+            println!(
+                "optimize: {:?} after {} iterations, {} e-nodes, cost {:.3e} -> {:.3e}",
+                o.stop_reason, o.iterations, o.egraph_nodes, o.cost_before, o.cost_after
+            );
+        }
+        if let Some(m) = &r.memory {
+            let saved = if m.naive_bytes > 0 {
+                100.0 * (1.0 - m.arena_bytes as f64 / m.naive_bytes as f64)
+            } else {
+                0.0
+            };
+            println!(
+                "memory plan: peak {} bytes vs naive {} bytes ({saved:.1}% saved), {} values, {} in place",
+                m.arena_bytes,
+                m.naive_bytes,
+                m.slots.len(),
+                m.inplace_count()
+            );
+        }
+    }
+    Ok(())
+}
+
+fn convert(graph_path: &Path, to: Target, output: Option<PathBuf>) -> Res<()> {
+    let graph = load_graph(graph_path)?;
+    let out = output.unwrap_or_else(|| {
+        graph_path.with_extension(match to {
+            Target::Text => "rtir",
+            Target::Rtg => "rtg",
+        })
+    });
+    if out == graph_path {
+        return fail(format!(
+            "{}: the output would overwrite the input; give -o",
+            out.display()
+        ));
+    }
+    match to {
+        Target::Text => std::fs::write(&out, text::print(&graph))
+            .map_err(|e| Failure(format!("{}: {e}", out.display())))?,
+        Target::Rtg => format::save(&graph, &out, format::ParamStorage::Embedded)
+            .map_err(|e| Failure(format!("{}: {e}", out.display())))?,
+    }
+    println!("wrote {}", out.display());
+    Ok(())
+}
