@@ -1,0 +1,213 @@
+//! Algebraic identities, constant canonicalization and folding, composition of movement ops and
+//! casts. Identities that drop an operation require the result to keep the operand's type (an
+//! identity that would undo a broadcast, such as `x[3] * ones[2,3]`, does not apply).
+//!
+//! Domains: `exp(log x) => x` holds where `log x` is defined (x >= 0); for x < 0 the left side is
+//! NaN, so the rewrite turns a NaN result into `x` (the usual compiler convention that the program
+//! does not rely on NaN). `log(exp x) => x` holds for every finite x, and is more accurate where
+//! `exp x` overflows.
+
+use super::{build, rule, rule_if, Ctx, Rw};
+use egg::Id;
+use rustytorch_ops::{eval_cpu, DType, F64Bits, HostTensor, Op, Shape, TensorType};
+
+/// Whether `to` represents every value of `from` exactly (a cast `from -> to` loses nothing).
+pub fn lossless(from: DType, to: DType) -> bool {
+    use DType::*;
+    from == to
+        || matches!(
+            (from, to),
+            (F16, F32)
+                | (F16, F64)
+                | (BF16, F32)
+                | (BF16, F64)
+                | (F32, F64)
+                | (I32, I64)
+                | (I32, F64)
+                | (U8, I32)
+                | (U8, I64)
+                | (U8, F16)
+                | (U8, BF16)
+                | (U8, F32)
+                | (U8, F64)
+                | (Bool, _)
+        )
+}
+
+fn keeps_type(cx: &Ctx<'_>, v: &str) -> bool {
+    cx.ty(v).is_some() && cx.ty(v) == cx.root_ty()
+}
+
+fn is_const(cx: &Ctx<'_>, v: &str) -> bool {
+    cx.konst(v).is_some()
+}
+
+/// Folds an elementwise op over rank-0 float constants with the CPU kernel (exact kernel
+/// semantics, rounding included).
+fn fold(cx: &mut Ctx<'_>, vars: &[&str]) -> Option<Id> {
+    let op = cx.top().clone();
+    let mut ins = Vec::new();
+    for v in vars {
+        let ty = cx.ty(v)?.clone();
+        if ty.shape.rank() != 0 || !ty.dtype.is_float() {
+            return None;
+        }
+        ins.push(HostTensor::full(&ty, cx.konst(v)?));
+    }
+    let refs: Vec<&HostTensor> = ins.iter().collect();
+    let out = eval_cpu(&op, &refs).ok()?;
+    let value = *out.to_f64_vec().first()?;
+    let ty = out.ty();
+    cx.add(
+        Op::Full {
+            value: F64Bits::new(value),
+            ty,
+        },
+        &[],
+    )
+}
+
+/// The float unary ops constant folding covers.
+const FOLD_UNARY: &[&str] = &[
+    "neg",
+    "abs",
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "reciprocal",
+    "sin",
+    "cos",
+    "tanh",
+    "sigmoid",
+    "relu",
+    "gelu",
+    "gelu_tanh",
+    "silu",
+];
+/// The binary ops constant folding covers.
+const FOLD_BINARY: &[&str] = &["add", "sub", "mul", "div", "pow", "maximum", "minimum"];
+
+/// The algebra rules.
+pub fn rules() -> Vec<Rw> {
+    let mut r = vec![
+        // x * 1 == x.
+        rule_if("mul-one", "(mul ?x ?c)", "?x", |cx| {
+            cx.konst("?c") == Some(1.0) && keeps_type(cx, "?x")
+        }),
+        // x + 0 == x.
+        rule_if("add-zero", "(add ?x ?c)", "?x", |cx| {
+            cx.konst("?c") == Some(0.0) && keeps_type(cx, "?x")
+        }),
+        // x - 0 == x.
+        rule_if("sub-zero", "(sub ?x ?c)", "?x", |cx| {
+            cx.konst("?c") == Some(0.0) && keeps_type(cx, "?x")
+        }),
+        // x / 1 == x.
+        rule_if("div-one", "(div ?x ?c)", "?x", |cx| {
+            cx.konst("?c") == Some(1.0) && keeps_type(cx, "?x")
+        }),
+        // --x == x.
+        rule("neg-neg", "(neg (neg ?x))", "?x"),
+        // exp(log x) == x where log x is defined (see the module docs).
+        rule("exp-log", "(exp (log ?x))", "?x"),
+        // log(exp x) == x.
+        rule("log-exp", "(log (exp ?x))", "?x"),
+        // c * x == x * c for a constant c (constants go right; not blanket commutativity).
+        rule_if("mul-const-right", "(mul ?c ?x)", "(mul ?x ?c)", |cx| {
+            is_const(cx, "?c") && !is_const(cx, "?x")
+        }),
+        // c + x == x + c for a constant c.
+        rule_if("add-const-right", "(add ?c ?x)", "(add ?x ?c)", |cx| {
+            is_const(cx, "?c") && !is_const(cx, "?x")
+        }),
+        // x*x*x == x^3 (one kernel instead of two).
+        build("cube-to-pow", "(mul (mul ?x ?x) ?x)", |cx| cube(cx)),
+        // x*(x*x) == x^3.
+        build("cube-to-pow-rev", "(mul ?x (mul ?x ?x))", |cx| cube(cx)),
+        // permute(permute(x, p), q) == permute(x, p∘q), or x when that is the identity.
+        build("permute-compose", "(permute* (permute* ?x))", |cx| {
+            let (Op::Permute { perm: outer }, Some(Op::Permute { perm: inner })) =
+                (cx.top(), cx.op("permute"))
+            else {
+                return None;
+            };
+            let p: Vec<usize> = outer.iter().map(|&i| inner[i]).collect();
+            if p.iter().enumerate().all(|(i, &d)| i == d) {
+                Some(cx.id("?x"))
+            } else {
+                let x = cx.id("?x");
+                cx.add(Op::Permute { perm: p }, &[x])
+            }
+        }),
+        // reshape(reshape(x)) == reshape(x), or x when the shapes agree.
+        build("reshape-compose", "(reshape* (reshape* ?x))", |cx| {
+            let shape = cx.root_ty()?.shape.clone();
+            let x = cx.id("?x");
+            if cx.ty("?x")?.shape == shape {
+                Some(x)
+            } else {
+                cx.add(Op::Reshape { shape }, &[x])
+            }
+        }),
+        // cast(x) to x's own dtype == x.
+        build("cast-identity", "(cast* ?x)", |cx| {
+            let Op::Cast { to } = cx.top() else {
+                return None;
+            };
+            (cx.ty("?x")?.dtype == *to).then(|| cx.id("?x"))
+        }),
+        // cast_b(cast_a(x)) == cast_b(x) when x -> a is lossless (f16 -> f32 -> f64 ...), and == x
+        // when b is x's dtype.
+        build("cast-cast-lossless", "(cast* (cast* ?x))", |cx| {
+            let (Op::Cast { to: outer }, Some(Op::Cast { to: inner })) =
+                (cx.top().clone(), cx.op("cast").cloned())
+            else {
+                return None;
+            };
+            let from = cx.ty("?x")?.dtype;
+            if !lossless(from, inner) {
+                return None;
+            }
+            let x = cx.id("?x");
+            if outer == from {
+                Some(x)
+            } else {
+                cx.add(Op::Cast { to: outer }, &[x])
+            }
+        }),
+    ];
+    for name in FOLD_UNARY {
+        // op(c) == the folded constant, for a rank-0 float constant c.
+        r.push(build(
+            format!("fold-{name}"),
+            &format!("({name} ?a)"),
+            |cx| fold(cx, &["?a"]),
+        ));
+    }
+    for name in FOLD_BINARY {
+        // c1 op c2 == the folded constant, for rank-0 float constants.
+        r.push(build(
+            format!("fold-{name}"),
+            &format!("({name} ?a ?b)"),
+            |cx| fold(cx, &["?a", "?b"]),
+        ));
+    }
+    r
+}
+
+fn cube(cx: &mut Ctx<'_>) -> Option<Id> {
+    let ty = cx.ty("?x")?.clone();
+    if !ty.dtype.is_float() {
+        return None;
+    }
+    let three = cx.add(
+        Op::Full {
+            value: F64Bits::new(3.0),
+            ty: TensorType::new(ty.dtype, Shape::scalar()),
+        },
+        &[],
+    )?;
+    let x = cx.id("?x");
+    cx.add(Op::Binary(rustytorch_ops::BinaryOp::Pow), &[x, three])
+}

@@ -1,0 +1,139 @@
+//! Layout rules: transposes folded into matmul operands (the `trans_a`/`trans_b` flags), movement
+//! ops that do nothing, and broadcasts pushed past elementwise ops so that the op runs on the
+//! smaller tensor.
+
+use super::{build, Ctx, Rw};
+use egg::Id;
+use rustytorch_ops::{Op, Shape};
+
+/// Whether `perm` swaps the last two dims and keeps the others.
+pub fn swaps_last_two(perm: &[usize]) -> bool {
+    let r = perm.len();
+    r >= 2
+        && perm[r - 2] == r - 1
+        && perm[r - 1] == r - 2
+        && perm[..r - 2].iter().enumerate().all(|(i, &d)| i == d)
+}
+
+fn fold_trans(cx: &mut Ctx<'_>, which: usize) -> Option<Id> {
+    let Op::Permute { perm } = cx.op("permute")? else {
+        return None;
+    };
+    if !swaps_last_two(perm) {
+        return None;
+    }
+    let Op::Matmul { trans_a, trans_b } = *cx.top() else {
+        return None;
+    };
+    let op = if which == 0 {
+        Op::Matmul {
+            trans_a: !trans_a,
+            trans_b,
+        }
+    } else {
+        Op::Matmul {
+            trans_a,
+            trans_b: !trans_b,
+        }
+    };
+    let (a, b) = (cx.id("?a"), cx.id("?b"));
+    cx.add(op, &[a, b])
+}
+
+/// Unary elementwise ops a broadcast is pushed past.
+const PUSH_UNARY: &[&str] = &[
+    "neg",
+    "abs",
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "reciprocal",
+    "sin",
+    "cos",
+    "tanh",
+    "sigmoid",
+    "relu",
+    "gelu",
+    "gelu_tanh",
+    "silu",
+    "cast*",
+];
+/// Binary elementwise ops a broadcast is pushed past.
+const PUSH_BINARY: &[&str] = &["add", "sub", "mul", "div", "pow", "maximum", "minimum"];
+
+/// `op(...)` over the given operands, then expanded to the matched shape, if `op` then runs on
+/// fewer elements.
+fn push_expand(cx: &mut Ctx<'_>, vars: &[&str]) -> Option<Id> {
+    let out: Shape = cx.root_ty()?.shape.clone();
+    let op = cx.top().clone();
+    let ids: Vec<Id> = vars.iter().map(|v| cx.id(v)).collect();
+    let s = cx.infer(&op, &ids)?.shape;
+    if s.numel() >= out.numel() || !s.broadcasts_to(&out) {
+        return None;
+    }
+    let small = cx.add(op, &ids)?;
+    cx.add(Op::Expand { shape: out }, &[small])
+}
+
+/// The layout rules.
+pub fn rules() -> Vec<Rw> {
+    let mut r = vec![
+        // matmul(transpose(a), b) == matmul[trans_a](a, b).
+        build("matmul-fold-trans-a", "(matmul* (permute* ?a) ?b)", |cx| {
+            fold_trans(cx, 0)
+        }),
+        // matmul(a, transpose(b)) == matmul[trans_b](a, b).
+        build("matmul-fold-trans-b", "(matmul* ?a (permute* ?b))", |cx| {
+            fold_trans(cx, 1)
+        }),
+        // permute(x, identity) == x.
+        build("permute-identity", "(permute* ?x)", |cx| {
+            let Op::Permute { perm } = cx.top() else {
+                return None;
+            };
+            perm.iter()
+                .enumerate()
+                .all(|(i, &d)| i == d)
+                .then(|| cx.id("?x"))
+        }),
+        // reshape(x) to x's own shape == x.
+        build("reshape-identity", "(reshape* ?x)", |cx| {
+            (cx.ty("?x")?.shape == cx.root_ty()?.shape).then(|| cx.id("?x"))
+        }),
+        // expand(x) to x's own shape == x.
+        build("expand-identity", "(expand* ?x)", |cx| {
+            (cx.ty("?x")?.shape == cx.root_ty()?.shape).then(|| cx.id("?x"))
+        }),
+    ];
+    for name in PUSH_UNARY {
+        let base = name.trim_end_matches('*');
+        // f(expand(x)) == expand(f(x)).
+        r.push(build(
+            format!("expand-past-{base}"),
+            &format!("({name} (expand* ?x))"),
+            |cx| push_expand(cx, &["?x"]),
+        ));
+    }
+    for name in PUSH_BINARY {
+        // expand(x) op expand(y) == expand(x op y) when that is smaller.
+        r.push(build(
+            format!("expand-past-{name}"),
+            &format!("({name} (expand* ?x) (expand* ?y))"),
+            |cx| push_expand(cx, &["?x", "?y"]),
+        ));
+        // expand(x) op y == expand(x op y) when that is smaller.
+        r.push(build(
+            format!("expand-past-{name}-left"),
+            &format!("({name} (expand* ?x) ?y)"),
+            |cx| push_expand(cx, &["?x", "?y"]),
+        ));
+        // x op expand(y) == expand(x op y) when that is smaller.
+        r.push(build(
+            format!("expand-past-{name}-right"),
+            &format!("({name} ?x (expand* ?y))"),
+            |cx| push_expand(cx, &["?x", "?y"]),
+        ));
+    }
+    r
+}
