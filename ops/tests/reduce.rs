@@ -458,7 +458,7 @@ fn gradchecks() {
     for axes in [vec![0], vec![1], vec![0, 1]] {
         gradcheck(
             &reduce(ReduceKind::Prod, &axes, false),
-            &[x.clone()],
+            std::slice::from_ref(&x),
             &[0],
             24,
         )
