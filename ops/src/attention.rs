@@ -269,7 +269,7 @@ fn cpu_in<C: Real>(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<
     let heads = bsz * h;
     let par = heads > 1 && heads * sq * sk * (d + dv) >= PAR_THRESHOLD;
     let mut res = vec![C::ZERO; out.shape.numel()];
-    let chunk = if heads > 0 { res.len() / heads } else { 0 };
+    let chunk = res.len().checked_div(heads).unwrap_or(0);
     if chunk == 0 {
         return from_compute(res, out);
     }

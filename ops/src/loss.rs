@@ -127,7 +127,7 @@ fn cpu_in<C: Real>(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<
                 }
                 let row = &x[r * c..(r + 1) * c];
                 let (m, l) = lse(row);
-                m + l - row[t[r] as usize]
+                (m - row[t[r] as usize]) + l
             };
             let losses: Vec<C> = if par {
                 (0..n).into_par_iter().map(row_loss).collect()
