@@ -40,6 +40,7 @@ pub mod prelude {
     pub use crate::{
         compile, compile_graph, compile_with, AdamW, CompileOptions, DType, Device, Executable,
         Graph, GraphBuilder, HostTensor, Init, NonFinitePolicy, Sgd, Shape, StepOptions, Tensor,
+        TensorType,
     };
     pub use rustytorch_compiler::ConvOpts;
     pub use rustytorch_ops::{Activation, AttnMask, Causal, Reduction};
