@@ -22,7 +22,8 @@ pub fn read_npy(path: &Path) -> Result<HostTensor> {
     }
     let dims: Vec<usize> = f.shape().iter().map(|&d| d as usize).collect();
     let descr = f.dtype().descr();
-    let dtype = match descr.as_str() {
+    let descr = descr.trim_matches('\'');
+    let dtype = match descr {
         "<f4" => DType::F32,
         "<f8" => DType::F64,
         "<f2" => DType::F16,
