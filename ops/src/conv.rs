@@ -251,18 +251,17 @@ fn conv_out_shape(
         if k == 0 {
             return Err(shape_err(op, inputs, "kernel dims must be >= 1"));
         }
-        let span = d * (k - 1) + 1;
-        if n + 2 * p < span {
+        // Saturating: absurd attributes give an error (or a huge size), never an overflow panic.
+        let span = d.saturating_mul(k - 1).saturating_add(1);
+        let padded = n.saturating_add(p.saturating_mul(2));
+        if padded < span {
             return Err(shape_err(
                 op,
                 inputs,
-                format!(
-                    "spatial dim {i}: padded size {} is smaller than the dilated kernel {span}",
-                    n + 2 * p
-                ),
+                format!("spatial dim {i}: padded size {padded} is smaller than the dilated kernel {span}"),
             ));
         }
-        out.push((n + 2 * p - span) / st + 1);
+        out.push((padded - span) / st + 1);
     }
     Ok(Shape::new(out))
 }

@@ -35,7 +35,7 @@ fn pool_out_shape(
     if kernel.contains(&0) {
         return Err(attr_err(op, format!("kernel {kernel:?} must be >= 1")));
     }
-    if geom.padding.iter().zip(kernel).any(|(&p, &k)| 2 * p > k) {
+    if geom.padding.iter().zip(kernel).any(|(&p, &k)| p > k / 2) {
         return Err(attr_err(
             op,
             format!(
@@ -47,7 +47,8 @@ fn pool_out_shape(
     let mut out = x[..2].to_vec();
     for i in 0..s {
         let (n, k, p) = (x[2 + i], kernel[i], geom.padding[i]);
-        if n == 0 || n + 2 * p < k {
+        let padded = n.saturating_add(2 * p);
+        if n == 0 || padded < k {
             return Err(shape_err(
                 op,
                 inputs,
@@ -56,7 +57,7 @@ fn pool_out_shape(
                 ),
             ));
         }
-        out.push((n + 2 * p - k) / geom.stride[i] + 1);
+        out.push((padded - k) / geom.stride[i] + 1);
     }
     Ok(Shape::new(out))
 }

@@ -325,13 +325,13 @@ fn pool_errors_name_op_shapes_and_dtypes() {
         max2(&[0, 2], &[1, 1], &[0, 0], &[1, 1]),
         max2(&[3, 2], &[1, 1], &[2, 0], &[1, 1]),
     ] {
-        let e = err(&op, &[x.clone()]);
+        let e = err(&op, std::slice::from_ref(&x));
         assert!(matches!(e, OpError::Attribute { .. }), "{e:?}");
         assert!(e.to_string().contains("pool"), "{e}");
     }
     // Shapes: window larger than the padded input, wrong rank, grad of the wrong shape.
     let op = max2(&[5, 2], &[1, 1], &[0, 0], &[1, 1]);
-    let e = err(&op, &[x.clone()]);
+    let e = err(&op, std::slice::from_ref(&x));
     assert!(matches!(e, OpError::Shape { .. }), "{e:?}");
     assert!(
         e.to_string().contains("pool") && e.to_string().contains("f32[1,2,4,4]"),
