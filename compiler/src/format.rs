@@ -1,1 +1,940 @@
-//! (under construction)
+//! Graph files (`.rtg`): a fixed header, then a checksummed bincode body holding the graph's
+//! nodes in topological order, its tables and (optionally) its parameter data.
+//!
+//! The layout, the body schema, the validation and the versioning policy are specified in
+//! `docs/graph-format.md`. In short:
+//!
+//! | offset | size | field |
+//! | --- | --- | --- |
+//! | 0 | 8 | magic `b"RTGRAPH\0"` |
+//! | 8 | 4 | format version, u32 little-endian ([`VERSION`]) |
+//! | 12 | 8 | body length in bytes, u64 little-endian |
+//! | 20 | 4 | CRC-32 (IEEE) of the body, u32 little-endian |
+//! | 24 | body length | bincode 1.3 body: fixed-width little-endian integers |
+//!
+//! Loading never trusts the file: the header is checked against the file's size, the body is
+//! checksummed, decoded with a byte limit equal to its length (so a hostile length can never
+//! allocate more than the file holds), validated table by table, then rebuilt with
+//! [`Graph::add`] (which re-infers every type) and [`Graph::verify`]. Every failure is a
+//! [`CompileError::Format`] (or [`CompileError::Io`]), never a panic.
+
+use crate::text::dense_order;
+use crate::{CompileError, Graph, Init, InputDef, NodeId, ParamDef, Result};
+use bincode::Options;
+use rustytorch_ops::{bf16, f16, ConvGeom, DType, Data, HostTensor, Op, Shape, TensorType};
+use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+
+/// The file's first eight bytes.
+pub const MAGIC: [u8; 8] = *b"RTGRAPH\0";
+/// The format version this build writes and the newest it reads.
+pub const VERSION: u32 = 1;
+/// Bytes before the body.
+pub const HEADER_LEN: usize = 24;
+
+/// Largest tensor a file may describe: 2^48 elements (zero dims counted as one).
+const MAX_ELEMENTS: u128 = 1 << 48;
+/// Largest rank, and largest length of a per-dim attribute list.
+const MAX_RANK: usize = 64;
+/// Largest integer attribute (axes, strides, paddings, slice bounds, groups ...).
+const MAX_ATTR: usize = 1 << 32;
+
+/// Where a saved graph keeps its parameters' values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamStorage {
+    /// Inside the graph file's body.
+    Embedded,
+    /// In a safetensors file beside the graph file, named `<file name>.safetensors`; the body
+    /// records that name. Written only when some parameter has values.
+    Safetensors,
+    /// No values: parameters keep their initializers only (a parameter whose initializer is
+    /// [`Init::Data`] then loads without values).
+    InitOnly,
+}
+
+// ---------------------------------------------------------------- the body schema
+
+/// The body: everything but the header.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+struct GraphDef {
+    /// Nodes in topological order; a node's id is its position.
+    nodes: Vec<NodeDef>,
+    inputs: Vec<InputDecl>,
+    params: Vec<ParamDecl>,
+    constants: Vec<TensorDef>,
+    outputs: Vec<(String, u32)>,
+    /// (parameter index, node)
+    updates: Vec<(u32, u32)>,
+    guards: Vec<(String, u32)>,
+    /// The safetensors file (a plain file name in the graph file's folder) holding the values of
+    /// the parameters marked [`ParamData::Sidecar`].
+    sidecar: Option<String>,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+struct NodeDef {
+    op: Op,
+    /// Operand node ids, each smaller than this node's id.
+    inputs: Vec<u32>,
+    /// The stored result type, checked against inference on load.
+    ty: TensorType,
+    name: Option<String>,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+struct InputDecl {
+    name: String,
+    ty: TensorType,
+    node: u32,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+struct ParamDecl {
+    name: String,
+    ty: TensorType,
+    init: InitDef,
+    trainable: bool,
+    node: u32,
+    data: ParamData,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+enum InitDef {
+    Full(f64),
+    Uniform { low: f64, high: f64, seed: u64 },
+    Normal { mean: f64, std: f64, seed: u64 },
+    Data,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+enum ParamData {
+    /// No values stored.
+    None,
+    /// Values in the body.
+    Embedded(TensorDef),
+    /// Values in the safetensors sidecar, under the parameter's name.
+    Sidecar,
+}
+
+/// A tensor: dtype, dims and its elements as little-endian bytes, row-major.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+struct TensorDef {
+    dtype: DType,
+    shape: Vec<u64>,
+    bytes: Bytes,
+}
+
+/// A byte buffer encoded as one length-prefixed run (not element by element).
+#[derive(Debug, Clone, PartialEq)]
+struct Bytes(Vec<u8>);
+
+impl Serialize for Bytes {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_bytes(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for Bytes {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Bytes, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Bytes;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a byte buffer")
+            }
+            fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> std::result::Result<Bytes, E> {
+                Ok(Bytes(v.to_vec()))
+            }
+            fn visit_byte_buf<E: serde::de::Error>(
+                self,
+                v: Vec<u8>,
+            ) -> std::result::Result<Bytes, E> {
+                Ok(Bytes(v))
+            }
+        }
+        d.deserialize_byte_buf(V)
+    }
+}
+
+fn fmt_err(msg: impl Into<String>) -> CompileError {
+    CompileError::Format(msg.into())
+}
+
+fn io_err(path: &Path, source: std::io::Error) -> CompileError {
+    CompileError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+// ---------------------------------------------------------------- tensors <-> bytes
+
+fn tensor_bytes(t: &HostTensor) -> Vec<u8> {
+    fn le<T, const N: usize>(v: &[T], f: impl Fn(&T) -> [u8; N]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(v.len() * N);
+        for x in v {
+            out.extend_from_slice(&f(x));
+        }
+        out
+    }
+    match t.data() {
+        Data::F32(v) => le(v, |x| x.to_le_bytes()),
+        Data::F64(v) => le(v, |x| x.to_le_bytes()),
+        Data::F16(v) => le(v, |x| x.to_bits().to_le_bytes()),
+        Data::BF16(v) => le(v, |x| x.to_bits().to_le_bytes()),
+        Data::I32(v) => le(v, |x| x.to_le_bytes()),
+        Data::I64(v) => le(v, |x| x.to_le_bytes()),
+        Data::U8(v) => v.clone(),
+        Data::Bool(v) => v.iter().map(|&b| b as u8).collect(),
+    }
+}
+
+fn tensor_def(t: &HostTensor) -> TensorDef {
+    TensorDef {
+        dtype: t.dtype(),
+        shape: t.dims().iter().map(|&d| d as u64).collect(),
+        bytes: Bytes(tensor_bytes(t)),
+    }
+}
+
+/// Checks dims against the size limits; returns them as `usize`.
+fn check_dims(dims: &[u64], what: &dyn Fn() -> String) -> Result<Vec<usize>> {
+    if dims.len() > MAX_RANK {
+        return Err(fmt_err(format!(
+            "{}: rank {} is over {MAX_RANK}",
+            what(),
+            dims.len()
+        )));
+    }
+    let mut n: u128 = 1;
+    for &d in dims {
+        n = n.saturating_mul(d.max(1) as u128);
+        if n > MAX_ELEMENTS {
+            return Err(fmt_err(format!("{}: dims {dims:?} are too large", what())));
+        }
+    }
+    Ok(dims.iter().map(|&d| d as usize).collect())
+}
+
+fn check_type(ty: &TensorType, what: &dyn Fn() -> String) -> Result<()> {
+    let dims: Vec<u64> = ty.shape.dims().iter().map(|&d| d as u64).collect();
+    check_dims(&dims, what).map(|_| ())
+}
+
+/// A tensor from little-endian bytes, checking the byte count against dtype × shape.
+fn tensor_from_bytes(
+    dtype: DType,
+    dims: &[u64],
+    bytes: &[u8],
+    what: &dyn Fn() -> String,
+) -> Result<HostTensor> {
+    let shape = check_dims(dims, what)?;
+    let want = shape
+        .iter()
+        .try_fold(dtype.size_bytes(), |a, &d| a.checked_mul(d))
+        .ok_or_else(|| fmt_err(format!("{}: size overflows", what())))?;
+    if bytes.len() != want {
+        return Err(fmt_err(format!(
+            "{}: {} bytes stored for {dtype}{}, which needs {want}",
+            what(),
+            bytes.len(),
+            Shape(shape.clone())
+        )));
+    }
+    fn from<T, const N: usize>(b: &[u8], f: impl Fn([u8; N]) -> T) -> Vec<T> {
+        b.chunks_exact(N)
+            .map(|c| f(c.try_into().expect("chunks_exact yields N bytes")))
+            .collect()
+    }
+    let data = match dtype {
+        DType::F32 => Data::F32(from(bytes, f32::from_le_bytes)),
+        DType::F64 => Data::F64(from(bytes, f64::from_le_bytes)),
+        DType::F16 => Data::F16(from(bytes, |b| f16::from_bits(u16::from_le_bytes(b)))),
+        DType::BF16 => Data::BF16(from(bytes, |b| bf16::from_bits(u16::from_le_bytes(b)))),
+        DType::I32 => Data::I32(from(bytes, i32::from_le_bytes)),
+        DType::I64 => Data::I64(from(bytes, i64::from_le_bytes)),
+        DType::U8 => Data::U8(bytes.to_vec()),
+        DType::Bool => {
+            if let Some(b) = bytes.iter().find(|&&b| b > 1) {
+                return Err(fmt_err(format!("{}: bool byte {b} is not 0 or 1", what())));
+            }
+            Data::Bool(bytes.iter().map(|&b| b == 1).collect())
+        }
+    };
+    HostTensor::from_data(data, shape).map_err(|e| fmt_err(format!("{}: {e}", what())))
+}
+
+fn st_dtype(d: DType) -> safetensors::Dtype {
+    match d {
+        DType::F32 => safetensors::Dtype::F32,
+        DType::F64 => safetensors::Dtype::F64,
+        DType::F16 => safetensors::Dtype::F16,
+        DType::BF16 => safetensors::Dtype::BF16,
+        DType::I32 => safetensors::Dtype::I32,
+        DType::I64 => safetensors::Dtype::I64,
+        DType::U8 => safetensors::Dtype::U8,
+        DType::Bool => safetensors::Dtype::BOOL,
+    }
+}
+
+/// One tensor handed to the safetensors writer.
+struct StView {
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+impl safetensors::View for StView {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.bytes)
+    }
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+// ---------------------------------------------------------------- encoding
+
+fn write_options() -> impl Options {
+    bincode::DefaultOptions::new()
+        .with_fixint_encoding()
+        .with_little_endian()
+        .reject_trailing_bytes()
+}
+
+/// Encodes the file bytes and, for [`ParamStorage::Safetensors`], the sidecar's bytes.
+fn encode(
+    graph: &Graph,
+    storage: ParamStorage,
+    sidecar_name: Option<&str>,
+) -> Result<(Vec<u8>, Option<Vec<u8>>)> {
+    graph.verify()?;
+    let (order, complete) = dense_order(graph);
+    if !complete {
+        return Err(CompileError::Invalid("the graph has a cycle".into()));
+    }
+    let dense: HashMap<NodeId, u32> = order
+        .iter()
+        .enumerate()
+        .map(|(k, &id)| (id, k as u32))
+        .collect();
+    let map = |id: NodeId| {
+        dense.get(&id).copied().ok_or_else(|| {
+            CompileError::Invalid(format!("reference to missing node %{}", id.index()))
+        })
+    };
+    let mut nodes = Vec::with_capacity(order.len());
+    for &id in &order {
+        let n = graph.node(id)?;
+        nodes.push(NodeDef {
+            op: n.op.clone(),
+            inputs: n.inputs.iter().map(|&i| map(i)).collect::<Result<_>>()?,
+            ty: n.ty.clone(),
+            name: n.name.clone(),
+        });
+    }
+    let inputs = graph
+        .inputs
+        .iter()
+        .map(|d| {
+            Ok(InputDecl {
+                name: d.name.clone(),
+                ty: d.ty.clone(),
+                node: map(d.node)?,
+            })
+        })
+        .collect::<Result<_>>()?;
+    let mut sidecar_tensors = Vec::new();
+    let mut params = Vec::with_capacity(graph.params.len());
+    for d in &graph.params {
+        if let Some(t) = &d.data {
+            if t.ty() != d.ty {
+                return Err(CompileError::Invalid(format!(
+                    "parameter `{}` is {} but its data is {}",
+                    d.name,
+                    d.ty,
+                    t.ty()
+                )));
+            }
+        }
+        let data = match (&d.data, storage) {
+            (None, _) | (Some(_), ParamStorage::InitOnly) => ParamData::None,
+            (Some(t), ParamStorage::Embedded) => ParamData::Embedded(tensor_def(t)),
+            (Some(t), ParamStorage::Safetensors) => {
+                sidecar_tensors.push((
+                    d.name.clone(),
+                    StView {
+                        dtype: st_dtype(t.dtype()),
+                        shape: t.dims().to_vec(),
+                        bytes: tensor_bytes(t),
+                    },
+                ));
+                ParamData::Sidecar
+            }
+        };
+        params.push(ParamDecl {
+            name: d.name.clone(),
+            ty: d.ty.clone(),
+            init: match &d.init {
+                Init::Full(v) => InitDef::Full(*v),
+                Init::Uniform { low, high, seed } => InitDef::Uniform {
+                    low: *low,
+                    high: *high,
+                    seed: *seed,
+                },
+                Init::Normal { mean, std, seed } => InitDef::Normal {
+                    mean: *mean,
+                    std: *std,
+                    seed: *seed,
+                },
+                Init::Data => InitDef::Data,
+            },
+            trainable: d.trainable,
+            node: map(d.node)?,
+            data,
+        });
+    }
+    let (sidecar, sidecar_bytes) = if sidecar_tensors.is_empty() {
+        (None, None)
+    } else {
+        let name = sidecar_name.ok_or_else(|| {
+            fmt_err("parameters stored in a safetensors file need a path: use `save`")
+        })?;
+        let bytes = safetensors::serialize(sidecar_tensors, &None)
+            .map_err(|e| fmt_err(format!("writing safetensors: {e}")))?;
+        (Some(name.to_string()), Some(bytes))
+    };
+    let def = GraphDef {
+        nodes,
+        inputs,
+        params,
+        constants: graph.constants.iter().map(tensor_def).collect(),
+        outputs: graph
+            .outputs
+            .iter()
+            .map(|(n, id)| Ok((n.clone(), map(*id)?)))
+            .collect::<Result<_>>()?,
+        updates: graph
+            .updates
+            .iter()
+            .map(|(p, id)| Ok((*p, map(*id)?)))
+            .collect::<Result<_>>()?,
+        guards: graph
+            .guards
+            .iter()
+            .map(|(n, id)| Ok((n.clone(), map(*id)?)))
+            .collect::<Result<_>>()?,
+        sidecar,
+    };
+    Ok((frame(&def)?, sidecar_bytes))
+}
+
+/// Header plus encoded body.
+fn frame(def: &GraphDef) -> Result<Vec<u8>> {
+    let body = write_options()
+        .serialize(def)
+        .map_err(|e| fmt_err(format!("encoding the body: {e}")))?;
+    Ok(frame_body(VERSION, &body))
+}
+
+fn frame_body(version: u32, body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_LEN + body.len());
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&version.to_le_bytes());
+    out.extend_from_slice(&(body.len() as u64).to_le_bytes());
+    out.extend_from_slice(&crc32fast::hash(body).to_le_bytes());
+    out.extend_from_slice(body);
+    out
+}
+
+/// Encodes a graph as graph-file bytes ([`ParamStorage::Safetensors`] needs a path: use [`save`]).
+pub fn to_bytes(graph: &Graph, params: ParamStorage) -> Result<Vec<u8>> {
+    encode(graph, params, None).map(|(b, _)| b)
+}
+
+/// Decodes graph-file bytes (a file whose parameters live in a safetensors sidecar needs
+/// [`load`]).
+pub fn from_bytes(bytes: &[u8]) -> Result<Graph> {
+    decode(bytes, &mut |name| {
+        Err(fmt_err(format!(
+            "parameter values are in the safetensors file `{name}` beside the graph file: use `load`"
+        )))
+    })
+}
+
+/// Saves a graph to `path` (and, for [`ParamStorage::Safetensors`], its parameter values to
+/// `<path>.safetensors`).
+pub fn save(graph: &Graph, path: &Path, params: ParamStorage) -> Result<()> {
+    let file_name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| fmt_err(format!("{}: not a file path", path.display())))?;
+    let sidecar_name = format!("{file_name}.safetensors");
+    let (bytes, sidecar) = encode(graph, params, Some(&sidecar_name))?;
+    if let Some(st) = sidecar {
+        let st_path = path.with_file_name(&sidecar_name);
+        std::fs::write(&st_path, st).map_err(|e| io_err(&st_path, e))?;
+    }
+    std::fs::write(path, bytes).map_err(|e| io_err(path, e))
+}
+
+/// Loads a graph file (reading its safetensors sidecar when it has one).
+pub fn load(path: &Path) -> Result<Graph> {
+    let bytes = std::fs::read(path).map_err(|e| io_err(path, e))?;
+    decode(&bytes, &mut |name| {
+        let p = path.with_file_name(name);
+        std::fs::read(&p).map_err(|e| io_err(&p, e))
+    })
+}
+
+// ---------------------------------------------------------------- decoding
+
+/// Checks the header; returns the body.
+fn unframe(bytes: &[u8]) -> Result<&[u8]> {
+    let m = bytes.len().min(MAGIC.len());
+    if bytes[..m] != MAGIC[..m] {
+        return Err(fmt_err("not a RustyTorch graph file (bad magic)"));
+    }
+    if bytes.len() < HEADER_LEN {
+        return Err(fmt_err(format!(
+            "truncated: the file has {} bytes, the header alone needs {HEADER_LEN}",
+            bytes.len()
+        )));
+    }
+    let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
+    let version = u32_at(8);
+    if version > VERSION {
+        return Err(fmt_err(format!(
+            "format version {version} is newer than this build supports ({VERSION})"
+        )));
+    }
+    if version == 0 {
+        return Err(fmt_err("format version 0 is not a valid version"));
+    }
+    let body_len = u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes"));
+    let have = (bytes.len() - HEADER_LEN) as u64;
+    if body_len > have {
+        return Err(fmt_err(format!(
+            "truncated: header says {body_len} body bytes, file has {have}"
+        )));
+    }
+    if body_len < have {
+        return Err(fmt_err(format!(
+            "{} unexpected bytes after the {body_len}-byte body",
+            have - body_len
+        )));
+    }
+    let body = &bytes[HEADER_LEN..];
+    let crc = u32_at(20);
+    let actual = crc32fast::hash(body);
+    if crc != actual {
+        return Err(fmt_err(format!(
+            "checksum mismatch (header {crc:08x}, body {actual:08x}): the file is corrupted"
+        )));
+    }
+    Ok(body)
+}
+
+fn decode_body(body: &[u8]) -> Result<GraphDef> {
+    write_options()
+        .with_limit(body.len() as u64)
+        .deserialize(body)
+        .map_err(|e| fmt_err(format!("malformed body: {e}")))
+}
+
+fn decode(bytes: &[u8], sidecar: &mut dyn FnMut(&str) -> Result<Vec<u8>>) -> Result<Graph> {
+    let def = decode_body(unframe(bytes)?)?;
+    validate(&def)?;
+    let mut side: HashMap<String, HostTensor> = HashMap::new();
+    if def.params.iter().any(|p| p.data == ParamData::Sidecar) {
+        let name = def.sidecar.as_deref().unwrap_or_default();
+        let raw = sidecar(name)?;
+        let st = safetensors::SafeTensors::deserialize(&raw)
+            .map_err(|e| fmt_err(format!("safetensors file `{name}`: {e}")))?;
+        for p in def.params.iter().filter(|p| p.data == ParamData::Sidecar) {
+            let what = || format!("safetensors file `{name}`, tensor `{}`", p.name);
+            let v = st
+                .tensor(&p.name)
+                .map_err(|_| fmt_err(format!("{}: missing", what())))?;
+            if v.dtype() != st_dtype(p.ty.dtype) {
+                return Err(fmt_err(format!(
+                    "{}: dtype {:?}, the parameter is {}",
+                    what(),
+                    v.dtype(),
+                    p.ty
+                )));
+            }
+            if v.shape() != p.ty.shape.dims() {
+                return Err(fmt_err(format!(
+                    "{}: shape {:?}, the parameter is {}",
+                    what(),
+                    v.shape(),
+                    p.ty
+                )));
+            }
+            let dims: Vec<u64> = v.shape().iter().map(|&d| d as u64).collect();
+            let t = tensor_from_bytes(p.ty.dtype, &dims, v.data(), &what)?;
+            side.insert(p.name.clone(), t);
+        }
+    }
+    // Inference belongs to the op families; a panic there on hostile attributes must still
+    // surface as an error of this file.
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rebuild(def, side))).unwrap_or_else(
+        |_| {
+            Err(fmt_err(
+                "an op's shape inference failed on this file's attributes",
+            ))
+        },
+    )
+}
+
+/// The checks that must pass before any of the file's values reach the graph or the ops.
+fn validate(def: &GraphDef) -> Result<()> {
+    let n = def.nodes.len();
+    if n > u32::MAX as usize {
+        return Err(fmt_err("too many nodes"));
+    }
+    let node_ref = |what: &dyn Fn() -> String, id: u32| {
+        if (id as usize) < n {
+            Ok(())
+        } else {
+            Err(fmt_err(format!(
+                "{} names node {id}, but there are {n} nodes",
+                what()
+            )))
+        }
+    };
+    for (i, t) in def.constants.iter().enumerate() {
+        tensor_from_bytes(t.dtype, &t.shape, &t.bytes.0, &|| format!("constant {i}"))?;
+    }
+    for (i, nd) in def.nodes.iter().enumerate() {
+        let what = || format!("node {i} ({})", nd.op.name());
+        check_type(&nd.ty, &what)?;
+        check_op(&nd.op, &what, 0)?;
+        for &k in &nd.inputs {
+            if k as usize >= i {
+                return Err(fmt_err(format!(
+                    "node {i} reads node {k} which is not before it"
+                )));
+            }
+        }
+        let leaf_ok = match &nd.op {
+            Op::Input { index, ty } => {
+                let d = def.inputs.get(*index as usize).ok_or_else(|| {
+                    fmt_err(format!(
+                        "{} is input #{index}, but the file declares {} inputs",
+                        what(),
+                        def.inputs.len()
+                    ))
+                })?;
+                d.node as usize == i && d.ty == *ty
+            }
+            Op::Param { index, ty } => {
+                let d = def.params.get(*index as usize).ok_or_else(|| {
+                    fmt_err(format!(
+                        "{} is parameter #{index}, but the file declares {} parameters",
+                        what(),
+                        def.params.len()
+                    ))
+                })?;
+                d.node as usize == i && d.ty == *ty
+            }
+            Op::Constant { index, ty } => {
+                let c = def.constants.get(*index as usize).ok_or_else(|| {
+                    fmt_err(format!(
+                        "{} is constant #{index}, but the file holds {} constants",
+                        what(),
+                        def.constants.len()
+                    ))
+                })?;
+                c.dtype == ty.dtype
+                    && c.shape
+                        .iter()
+                        .copied()
+                        .eq(ty.shape.dims().iter().map(|&d| d as u64))
+            }
+            _ => true,
+        };
+        if !leaf_ok {
+            return Err(fmt_err(format!(
+                "{} does not match the file's tables",
+                what()
+            )));
+        }
+    }
+    let mut names = HashSet::new();
+    for (k, d) in def.inputs.iter().enumerate() {
+        let what = || format!("input `{}`", d.name);
+        check_type(&d.ty, &what)?;
+        node_ref(&what, d.node)?;
+        if !matches!(def.nodes[d.node as usize].op, Op::Input { index, .. } if index as usize == k)
+        {
+            return Err(fmt_err(format!(
+                "{} names node {}, which is not input #{k}",
+                what(),
+                d.node
+            )));
+        }
+        if !names.insert(d.name.as_str()) {
+            return Err(fmt_err(format!("input `{}` is declared twice", d.name)));
+        }
+    }
+    names.clear();
+    for (k, p) in def.params.iter().enumerate() {
+        let what = || format!("parameter `{}`", p.name);
+        check_type(&p.ty, &what)?;
+        node_ref(&what, p.node)?;
+        if !matches!(def.nodes[p.node as usize].op, Op::Param { index, .. } if index as usize == k)
+        {
+            return Err(fmt_err(format!(
+                "{} names node {}, which is not parameter #{k}",
+                what(),
+                p.node
+            )));
+        }
+        if !names.insert(p.name.as_str()) {
+            return Err(fmt_err(format!("parameter `{}` is declared twice", p.name)));
+        }
+        match &p.data {
+            ParamData::None => {}
+            ParamData::Embedded(t) => {
+                let dims: Vec<u64> = p.ty.shape.dims().iter().map(|&d| d as u64).collect();
+                if t.dtype != p.ty.dtype || t.shape != dims {
+                    return Err(fmt_err(format!(
+                        "{} is {} but its data is not",
+                        what(),
+                        p.ty
+                    )));
+                }
+                tensor_from_bytes(t.dtype, &t.shape, &t.bytes.0, &what)?;
+            }
+            ParamData::Sidecar => {
+                let name = def.sidecar.as_deref().ok_or_else(|| {
+                    fmt_err(format!(
+                        "{}: its values are in a safetensors file that the file does not name",
+                        what()
+                    ))
+                })?;
+                let plain = !name.is_empty()
+                    && name != "."
+                    && name != ".."
+                    && !name.contains(['/', '\\', '\0'])
+                    && Path::new(name).file_name().and_then(|f| f.to_str()) == Some(name);
+                if !plain {
+                    return Err(fmt_err(format!(
+                        "safetensors file name `{name}` is not a plain file name"
+                    )));
+                }
+            }
+        }
+    }
+    names.clear();
+    for (name, id) in &def.outputs {
+        node_ref(&|| format!("output `{name}`"), *id)?;
+        if !names.insert(name.as_str()) {
+            return Err(fmt_err(format!("output `{name}` is declared twice")));
+        }
+    }
+    for (p, id) in &def.updates {
+        node_ref(&|| format!("update of parameter #{p}"), *id)?;
+        if *p as usize >= def.params.len() {
+            return Err(fmt_err(format!(
+                "update of parameter #{p}, but the file declares {} parameters",
+                def.params.len()
+            )));
+        }
+    }
+    for (name, id) in &def.guards {
+        node_ref(&|| format!("guard `{name}`"), *id)?;
+    }
+    Ok(())
+}
+
+/// Bounds every size-like attribute of an op so that inference's arithmetic cannot overflow.
+fn check_op(op: &Op, what: &dyn Fn() -> String, depth: usize) -> Result<()> {
+    let ints = |v: &[usize]| -> Result<()> {
+        if v.len() > MAX_RANK {
+            return Err(fmt_err(format!(
+                "{}: an attribute list has {} entries",
+                what(),
+                v.len()
+            )));
+        }
+        match v.iter().find(|&&x| x > MAX_ATTR) {
+            Some(x) => Err(fmt_err(format!(
+                "{}: attribute value {x} is too large",
+                what()
+            ))),
+            None => Ok(()),
+        }
+    };
+    let geom = |g: &ConvGeom| -> Result<()> {
+        ints(&g.stride)?;
+        ints(&g.padding)?;
+        ints(&g.dilation)
+    };
+    let shape = |s: &Shape| check_type(&TensorType::new(DType::U8, s.clone()), what);
+    match op {
+        Op::Input { ty, .. }
+        | Op::Param { ty, .. }
+        | Op::Constant { ty, .. }
+        | Op::Full { ty, .. }
+        | Op::RandUniform { ty, .. }
+        | Op::RandNormal { ty, .. } => check_type(ty, what),
+        Op::Iota { axis, ty } => {
+            ints(&[*axis])?;
+            check_type(ty, what)
+        }
+        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } | Op::Matmul { .. } => Ok(()),
+        Op::MatmulEpilogue { .. } | Op::Attention { .. } | Op::AttentionGrad { .. } => Ok(()),
+        Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => Ok(()),
+        Op::LayerNorm { .. } | Op::RmsNorm { .. } => Ok(()),
+        Op::Reduce { axes, .. } => ints(axes),
+        Op::Permute { perm } => ints(perm),
+        Op::ArgReduce { axis, .. }
+        | Op::Concat { axis }
+        | Op::Softmax { axis }
+        | Op::LogSoftmax { axis }
+        | Op::Gather { axis }
+        | Op::ScatterAdd { axis }
+        | Op::IndexSelect { axis }
+        | Op::IndexAdd { axis } => ints(&[*axis]),
+        Op::Reshape { shape: s } | Op::Expand { shape: s } => shape(s),
+        Op::Slice {
+            starts,
+            ends,
+            steps,
+        } => {
+            ints(starts)?;
+            ints(ends)?;
+            ints(steps)
+        }
+        Op::Pad { pads, .. } => {
+            let flat: Vec<usize> = pads.iter().flat_map(|&(a, b)| [a, b]).collect();
+            ints(&flat)
+        }
+        Op::Conv {
+            geom: g, groups, ..
+        } => {
+            geom(g)?;
+            ints(&[*groups])
+        }
+        Op::ConvGradInput {
+            geom: g,
+            groups,
+            input_shape: s,
+        }
+        | Op::ConvGradWeight {
+            geom: g,
+            groups,
+            weight_shape: s,
+        } => {
+            geom(g)?;
+            ints(&[*groups])?;
+            shape(s)
+        }
+        Op::Pool {
+            kernel, geom: g, ..
+        }
+        | Op::PoolGrad {
+            kernel, geom: g, ..
+        } => {
+            ints(kernel)?;
+            geom(g)
+        }
+        Op::Fused(k) => {
+            if depth > 4 {
+                return Err(fmt_err(format!(
+                    "{}: fused kernels nested too deeply",
+                    what()
+                )));
+            }
+            check_type(&k.out, what)?;
+            for ins in &k.instrs {
+                check_op(&ins.op, what, depth + 1)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Builds the graph from a validated body: every node through [`Graph::add`], then the tables.
+fn rebuild(def: GraphDef, mut side: HashMap<String, HostTensor>) -> Result<Graph> {
+    let mut g = Graph::new();
+    for (i, nd) in def.nodes.into_iter().enumerate() {
+        let name = nd.op.name();
+        let ins: Vec<NodeId> = nd.inputs.iter().map(|&k| NodeId::new(k as usize)).collect();
+        let id = g
+            .add(nd.op, &ins)
+            .map_err(|e| fmt_err(format!("node {i} ({name}): {e}")))?;
+        if id.index() != i {
+            return Err(fmt_err(format!(
+                "node {i} got id {} while rebuilding",
+                id.index()
+            )));
+        }
+        let inferred = g.ty(id);
+        if *inferred != nd.ty {
+            return Err(fmt_err(format!(
+                "node {i} ({name}) is stored as {} but its op infers {inferred}",
+                nd.ty
+            )));
+        }
+        if let Some(n) = g.node_mut(id) {
+            n.name = nd.name;
+        }
+    }
+    let node = |k: u32| NodeId::new(k as usize);
+    g.inputs = def
+        .inputs
+        .into_iter()
+        .map(|d| InputDef {
+            name: d.name,
+            ty: d.ty,
+            node: node(d.node),
+        })
+        .collect();
+    for p in def.params {
+        let data = match p.data {
+            ParamData::None => None,
+            ParamData::Embedded(t) => {
+                Some(tensor_from_bytes(t.dtype, &t.shape, &t.bytes.0, &|| {
+                    format!("parameter `{}`", p.name)
+                })?)
+            }
+            ParamData::Sidecar => side.remove(&p.name),
+        };
+        g.params.push(ParamDef {
+            init: match p.init {
+                InitDef::Full(v) => Init::Full(v),
+                InitDef::Uniform { low, high, seed } => Init::Uniform { low, high, seed },
+                InitDef::Normal { mean, std, seed } => Init::Normal { mean, std, seed },
+                InitDef::Data => Init::Data,
+            },
+            name: p.name,
+            ty: p.ty,
+            data,
+            trainable: p.trainable,
+            node: node(p.node),
+        });
+    }
+    for (i, t) in def.constants.iter().enumerate() {
+        g.constants
+            .push(tensor_from_bytes(t.dtype, &t.shape, &t.bytes.0, &|| {
+                format!("constant {i}")
+            })?);
+    }
+    g.outputs = def.outputs.into_iter().map(|(n, k)| (n, node(k))).collect();
+    g.updates = def.updates.into_iter().map(|(p, k)| (p, node(k))).collect();
+    g.guards = def.guards.into_iter().map(|(n, k)| (n, node(k))).collect();
+    g.verify()
+        .map_err(|e| fmt_err(format!("the decoded graph is invalid: {e}")))?;
+    Ok(g)
+}

@@ -546,7 +546,30 @@ pub enum Op {
 
     // ---- fused ----
     /// A fused elementwise kernel (made by the fusion pass).
-    Fused(Box<FusedKernel>),
+    Fused(#[serde(deserialize_with = "deserialize_fused")] Box<FusedKernel>),
+}
+
+/// How deeply fused kernels may nest inside each other's programs when deserialized.
+const MAX_FUSED_NESTING: u32 = 8;
+
+/// Deserializes a fused kernel, refusing kernels nested more than [`MAX_FUSED_NESTING`] deep:
+/// a hostile file could otherwise recurse until the stack overflows.
+fn deserialize_fused<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Box<FusedKernel>, D::Error> {
+    use std::cell::Cell;
+    thread_local!(static DEPTH: Cell<u32> = const { Cell::new(0) });
+    struct Guard(u32);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            DEPTH.with(|c| c.set(self.0));
+        }
+    }
+    let depth = DEPTH.with(|c| c.get());
+    if depth >= MAX_FUSED_NESTING {
+        return Err(serde::de::Error::custom("fused kernels nested too deeply"));
+    }
+    let _restore = Guard(depth);
+    DEPTH.with(|c| c.set(depth + 1));
+    FusedKernel::deserialize(d).map(Box::new)
 }
 
 impl Op {
