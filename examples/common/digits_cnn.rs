@@ -34,6 +34,27 @@ pub fn batch_tensors(d: &rustytorch::data::Dataset, idx: &[usize]) -> (HostTenso
     )
 }
 
+/// Data augmentation: each image moved by up to one pixel in each direction (zero fill), the
+/// shift drawn from a seeded stream so training is reproducible.
+#[allow(dead_code)]
+pub fn shift_augment(x: &HostTensor, seed: u64) -> rustytorch::Result<HostTensor> {
+    let v = x.to_vec::<f32>()?;
+    let mut out = vec![0.0f32; v.len()];
+    for (i, (img, o)) in v.chunks(64).zip(out.chunks_mut(64)).enumerate() {
+        let r = |k: u64| (rustytorch::ops::rng::uniform01(seed, 2 * i as u64 + k) * 3.0) as i64 - 1;
+        let (dy, dx) = (r(0), r(1));
+        for y in 0..8i64 {
+            for x in 0..8i64 {
+                let (sy, sx) = (y - dy, x - dx);
+                if (0..8).contains(&sy) && (0..8).contains(&sx) {
+                    o[(y * 8 + x) as usize] = img[(sy * 8 + sx) as usize];
+                }
+            }
+        }
+    }
+    Ok(HostTensor::from_vec(out, x.dims().to_vec())?)
+}
+
 /// Trains for `epochs` and returns (train executable, final mean loss of the last epoch). Calls
 /// `progress(epoch, step, loss)` after every step.
 #[allow(dead_code)]
@@ -58,6 +79,7 @@ pub fn train_digits(
         for s in 0..steps {
             let idx: Vec<usize> = (s * batch..(s + 1) * batch).collect();
             let (xb, yb) = batch_tensors(&shuffled, &idx);
+            let xb = shift_augment(&xb, (epoch * steps + s) as u64)?;
             let out = exe.run(&[("x", xb), ("y", yb)])?;
             let l = out[0].to_vec::<f32>()?[0];
             sum += l;
