@@ -938,3 +938,324 @@ fn rebuild(def: GraphDef, mut side: HashMap<String, HostTensor>) -> Result<Graph
         .map_err(|e| fmt_err(format!("the decoded graph is invalid: {e}")))?;
     Ok(g)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustytorch_ops::{BinaryOp, FusedInstr, FusedKernel, ReduceKind};
+
+    /// A small valid graph's body: x, w (embedded data), a constant, mul, add, sum; output and
+    /// update.
+    fn valid_def() -> GraphDef {
+        let mut g = Graph::new();
+        let ty = TensorType::new(DType::F32, [2, 3]);
+        let x = g.add_input("x", ty.clone()).unwrap();
+        let w = g.add_param("w", ty.clone(), Init::Data, true).unwrap();
+        g.params[0].data = Some(HostTensor::from_vec(vec![1.0f32; 6], [2, 3]).unwrap());
+        let c = g.add_constant(HostTensor::from_vec(vec![true, false, true], [3]).unwrap());
+        let m = g.add(Op::Binary(BinaryOp::Mul), &[x, w]).unwrap();
+        let cf = g.add(Op::Cast { to: DType::F32 }, &[c]).unwrap();
+        let a = g.add(Op::Binary(BinaryOp::Add), &[m, cf]).unwrap();
+        let s = g
+            .add(
+                Op::Reduce {
+                    kind: ReduceKind::Sum,
+                    axes: vec![1],
+                    keep_dims: false,
+                },
+                &[a],
+            )
+            .unwrap();
+        g.add_output("s", s).unwrap();
+        g.updates.push((0, a));
+        let bytes = to_bytes(&g, ParamStorage::Embedded).unwrap();
+        decode_body(unframe(&bytes).unwrap()).unwrap()
+    }
+
+    fn load_err(def: &GraphDef) -> String {
+        match from_bytes(&frame(def).unwrap()) {
+            Err(CompileError::Format(m)) => m,
+            other => panic!("expected a format error, got {other:?}"),
+        }
+    }
+
+    fn body_err(body: &[u8]) -> String {
+        match from_bytes(&frame_body(VERSION, body)) {
+            Err(CompileError::Format(m)) => m,
+            other => panic!("expected a format error, got {other:?}"),
+        }
+    }
+
+    fn node_of(def: &GraphDef, pred: impl Fn(&Op) -> bool) -> usize {
+        def.nodes.iter().position(|n| pred(&n.op)).unwrap()
+    }
+
+    #[test]
+    fn the_valid_body_loads() {
+        let def = valid_def();
+        let g = from_bytes(&frame(&def).unwrap()).unwrap();
+        assert_eq!(g.len(), def.nodes.len());
+    }
+
+    #[test]
+    fn a_node_reading_a_later_node_is_refused() {
+        let mut def = valid_def();
+        let k = node_of(&def, |op| matches!(op, Op::Binary(BinaryOp::Mul)));
+        let last = def.nodes.len() - 1;
+        def.nodes[k].inputs[0] = last as u32;
+        assert_eq!(
+            load_err(&def),
+            format!("node {k} reads node {last} which is not before it")
+        );
+        def.nodes[k].inputs[0] = k as u32;
+        assert_eq!(
+            load_err(&def),
+            format!("node {k} reads node {k} which is not before it")
+        );
+        def.nodes[k].inputs[0] = u32::MAX;
+        assert!(load_err(&def).contains("is not before it"));
+    }
+
+    #[test]
+    fn dangling_table_entries_are_refused() {
+        let mut def = valid_def();
+        def.outputs[0].1 = 99;
+        assert!(load_err(&def).contains("output `s` names node 99"));
+        let mut def = valid_def();
+        def.updates[0].0 = 7;
+        assert!(load_err(&def).contains("update of parameter #7"));
+        let mut def = valid_def();
+        def.guards.push(("g".into(), 1000));
+        assert!(load_err(&def).contains("guard `g` names node 1000"));
+        let mut def = valid_def();
+        def.inputs[0].node = 500;
+        assert_eq!(load_err(&def), "node 0 (input) does not match the file's tables");
+        let mut def = valid_def();
+        let k = node_of(&def, |op| matches!(op, Op::Reduce { .. }));
+        def.inputs[0].node = k as u32;
+        assert_eq!(load_err(&def), "node 0 (input) does not match the file's tables");
+        let mut def = valid_def();
+        def.params[0].node = 0;
+        assert_eq!(load_err(&def), "node 1 (param) does not match the file's tables");
+    }
+
+    #[test]
+    fn leaves_must_agree_with_the_tables() {
+        let mut def = valid_def();
+        let k = node_of(&def, |op| matches!(op, Op::Input { .. }));
+        def.nodes[k].op = Op::Input {
+            index: 3,
+            ty: def.nodes[k].ty.clone(),
+        };
+        assert!(load_err(&def).contains("is input #3, but the file declares 1 inputs"));
+        let mut def = valid_def();
+        let k = node_of(&def, |op| matches!(op, Op::Constant { .. }));
+        def.nodes[k].op = Op::Constant {
+            index: 0,
+            ty: TensorType::new(DType::Bool, [4]),
+        };
+        def.nodes[k].ty = TensorType::new(DType::Bool, [4]);
+        assert!(load_err(&def).contains("does not match the file's tables"));
+        let mut def = valid_def();
+        def.inputs[0].ty = TensorType::new(DType::F64, [2, 3]);
+        assert!(load_err(&def).contains("does not match the file's tables"));
+        let mut def = valid_def();
+        def.inputs.push(def.inputs[0].clone());
+        assert!(load_err(&def).contains("not input #1"));
+    }
+
+    #[test]
+    fn stored_types_must_match_inference() {
+        let mut def = valid_def();
+        let k = node_of(&def, |op| matches!(op, Op::Reduce { .. }));
+        def.nodes[k].ty = TensorType::new(DType::F32, [3]);
+        let m = load_err(&def);
+        assert!(
+            m.contains("is stored as f32[3] but its op infers f32[2]"),
+            "{m}"
+        );
+        let mut def = valid_def();
+        let k = node_of(&def, |op| matches!(op, Op::Reduce { .. }));
+        def.nodes[k].op = Op::Reduce {
+            kind: ReduceKind::Sum,
+            axes: vec![5],
+            keep_dims: false,
+        };
+        let m = load_err(&def);
+        assert!(m.starts_with(&format!("node {k} (reduce_sum)")), "{m}");
+    }
+
+    #[test]
+    fn tensor_bytes_must_match_dtype_and_shape() {
+        let mut def = valid_def();
+        def.constants[0].bytes.0.pop();
+        assert!(load_err(&def).contains("2 bytes stored for bool[3], which needs 3"));
+        let mut def = valid_def();
+        def.constants[0].bytes.0[1] = 7;
+        assert!(load_err(&def).contains("bool byte 7"));
+        let mut def = valid_def();
+        def.constants[0].shape = vec![1 << 40, 1 << 40, 0];
+        assert!(load_err(&def).contains("too large"));
+        let mut def = valid_def();
+        def.constants[0].shape = vec![1; 65];
+        assert!(load_err(&def).contains("rank 65"));
+        let mut def = valid_def();
+        if let ParamData::Embedded(t) = &mut def.params[0].data {
+            t.bytes.0.extend([0; 4]);
+        }
+        assert!(load_err(&def).contains("28 bytes stored for f32[2,3], which needs 24"));
+        let mut def = valid_def();
+        if let ParamData::Embedded(t) = &mut def.params[0].data {
+            t.shape = vec![3, 2];
+        }
+        assert!(load_err(&def).contains("its data is not"));
+    }
+
+    #[test]
+    fn huge_sizes_in_types_and_attributes_are_refused() {
+        let mut def = valid_def();
+        let k = node_of(&def, |op| matches!(op, Op::Reduce { .. }));
+        def.nodes[k].ty = TensorType::new(DType::F32, [usize::MAX, usize::MAX]);
+        assert!(load_err(&def).contains("too large"));
+        let mut def = valid_def();
+        def.nodes[k].op = Op::Reduce {
+            kind: ReduceKind::Sum,
+            axes: vec![usize::MAX],
+            keep_dims: false,
+        };
+        assert!(load_err(&def).contains("too large"));
+        let mut def = valid_def();
+        def.nodes.push(NodeDef {
+            op: Op::Reshape {
+                shape: Shape::new([usize::MAX, 2, 0]),
+            },
+            inputs: vec![0],
+            ty: TensorType::new(DType::F32, [0]),
+            name: None,
+        });
+        assert!(load_err(&def).contains("too large"));
+    }
+
+    #[test]
+    fn duplicate_names_and_odd_sidecars_are_refused() {
+        let mut def = valid_def();
+        def.outputs.push(def.outputs[0].clone());
+        assert!(load_err(&def).contains("output `s` is declared twice"));
+        let mut def = valid_def();
+        def.params[0].data = ParamData::Sidecar;
+        assert!(load_err(&def).contains("does not name"));
+        for name in ["../evil", "/etc/passwd", "a/b", "..", "", "x\\y"] {
+            def.sidecar = Some(name.into());
+            assert!(load_err(&def).contains("not a plain file name"), "{name}");
+        }
+    }
+
+    #[test]
+    fn hostile_lengths_fail_without_allocating() {
+        // Every vec length u64::MAX: the limit stops bincode long before any allocation.
+        assert!(body_err(&[0xff; 8]).starts_with("malformed body"));
+        let mut body = vec![0u8; 8]; // no nodes
+        body.extend(1u64.to_le_bytes()); // one input...
+        body.extend((1u64 << 40).to_le_bytes()); // ...whose name is 1 TiB long
+        body.extend([b'x'; 16]);
+        assert!(body_err(&body).starts_with("malformed body"));
+        // A constant claiming 2^60 bytes of data.
+        let mut def = valid_def();
+        def.constants[0].bytes.0.clear();
+        let mut body = write_options().serialize(&def).unwrap();
+        let marker = (0u64).to_le_bytes(); // the empty byte run's length ...
+        let at = body.windows(8).rposition(|w| w == marker).unwrap();
+        body[at..at + 8].copy_from_slice(&(1u64 << 60).to_le_bytes());
+        let _ = body_err(&body); // an error of some kind, never an allocation of 2^60 bytes
+    }
+
+    #[test]
+    fn an_out_of_range_op_tag_is_refused() {
+        let def = valid_def();
+        let mut body = write_options().serialize(&def).unwrap();
+        // The body starts with the node count (u64), then node 0's op tag (u32).
+        body[8..12].copy_from_slice(&200u32.to_le_bytes());
+        let m = body_err(&body);
+        assert!(m.starts_with("malformed body") && m.contains("200"), "{m}");
+        let mut body = write_options().serialize(&def).unwrap();
+        body.push(0);
+        assert!(body_err(&body).starts_with("malformed body"));
+    }
+
+    /// The encoding of `op` wrapped `depth` times in single-instruction fused kernels, spelled out
+    /// byte by byte (building it as a value would itself recurse that deep).
+    fn nested_fused_bytes(depth: usize) -> Vec<u8> {
+        let tag = |op: &Op| write_options().serialize(op).unwrap()[..4].to_vec();
+        let fused_tag = tag(&Op::Fused(Box::new(FusedKernel {
+            n_inputs: 0,
+            instrs: vec![],
+            out: TensorType::new(DType::F32, Shape::scalar()),
+        })));
+        let mut out = Vec::new();
+        for _ in 0..depth {
+            out.extend(&fused_tag);
+            out.extend(1u32.to_le_bytes()); // n_inputs
+            out.extend(1u64.to_le_bytes()); // one instruction
+        }
+        out.extend(tag(&Op::Where));
+        for _ in 0..depth {
+            out.extend(0u64.to_le_bytes()); // args: none
+            out.extend([0u8; 4]); // dtype f32
+            out.extend([0u8; 4]); // out: f32 ...
+            out.extend(0u64.to_le_bytes()); // ... of rank 0
+        }
+        out
+    }
+
+    fn body_with_op(op_bytes: &[u8]) -> Vec<u8> {
+        let mut body = 1u64.to_le_bytes().to_vec(); // one node
+        body.extend(op_bytes);
+        body.extend(0u64.to_le_bytes()); // no inputs
+        body.extend([0u8; 4]); // ty f32 ...
+        body.extend(0u64.to_le_bytes()); // ... rank 0
+        body.push(0); // no name
+        body.extend([0u8; 8 * 6]); // six empty tables
+        body.push(0); // no sidecar
+        body
+    }
+
+    #[test]
+    fn the_hand_spelled_fused_encoding_matches_serde() {
+        let inner = Op::Fused(Box::new(FusedKernel {
+            n_inputs: 1,
+            instrs: vec![FusedInstr {
+                op: Op::Where,
+                args: vec![],
+                dtype: DType::F32,
+            }],
+            out: TensorType::new(DType::F32, Shape::scalar()),
+        }));
+        let outer = Op::Fused(Box::new(FusedKernel {
+            n_inputs: 1,
+            instrs: vec![FusedInstr {
+                op: inner,
+                args: vec![],
+                dtype: DType::F32,
+            }],
+            out: TensorType::new(DType::F32, Shape::scalar()),
+        }));
+        assert_eq!(
+            write_options().serialize(&outer).unwrap(),
+            nested_fused_bytes(2)
+        );
+        // Shallow nesting decodes (then fails inference: `where` needs three operands).
+        let m = body_err(&body_with_op(&nested_fused_bytes(2)));
+        assert!(m.starts_with("node 0 (fused)"), "{m}");
+    }
+
+    #[test]
+    fn deeply_nested_fused_kernels_are_refused_without_overflowing_the_stack() {
+        for depth in [9, 100, 200_000] {
+            let m = body_err(&body_with_op(&nested_fused_bytes(depth)));
+            assert!(m.contains("nested too deeply"), "{depth}: {m}");
+        }
+        // Depth within the deserializer's bound but over the validator's.
+        let m = body_err(&body_with_op(&nested_fused_bytes(7)));
+        assert!(m.contains("nested too deeply"), "{m}");
+    }
+}
