@@ -195,23 +195,21 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
     HostTensor::from_data(data, out.shape.clone())
 }
 
-/// Rows handed to one task: enough elements per task to amortize scheduling.
-fn rows_per_task(row_len: usize) -> usize {
-    (PAR_THRESHOLD / 4 / row_len.max(1)).max(1)
-}
-
 /// Calls `f(outer_index, row)` for every row (length `row_len`) of `out`, whose leading dims are
-/// `outer`; in parallel over blocks of rows when `out` is large.
+/// `outer`; in parallel over blocks of rows when the work (`cost` element visits per row) is
+/// large.
 pub(crate) fn for_each_row<T: Send>(
     out: &mut [T],
     outer: &[usize],
     row_len: usize,
+    cost: usize,
     f: impl Fn(&[usize], &mut [T]) + Sync,
 ) {
     if out.is_empty() || row_len == 0 {
         return;
     }
-    let per = rows_per_task(row_len);
+    let cost = cost.max(1);
+    let per = (PAR_THRESHOLD / 4 / cost).max(1);
     let block = |(b, chunk): (usize, &mut [T])| {
         let mut idx = vec![0usize; outer.len()];
         let mut r = b * per;
@@ -230,7 +228,7 @@ pub(crate) fn for_each_row<T: Send>(
             }
         }
     };
-    if out.len() >= PAR_THRESHOLD {
+    if out.len() / row_len * cost >= PAR_THRESHOLD {
         out.par_chunks_mut(per * row_len)
             .enumerate()
             .for_each(block);
@@ -286,14 +284,16 @@ pub(crate) fn strided_gather<T: Copy + Send + Sync + Default>(
     let r = d.len();
     let last = d[r - 1];
     let ls = s[r - 1];
-    // Tiled transpose: the unit-stride source dim is the second-to-last output dim.
-    if r >= 2 && ls != 1 && s[r - 2] == 1 && d[r - 2] >= 8 && last >= 8 {
-        transpose_tiles(src, offset, &d, &s, &mut out);
-        return out;
+    // Tiled transpose: the unit-stride source dim is not the last output dim.
+    if r >= 2 && ls > 1 && last >= 8 {
+        if let Some(j) = (0..r - 1).find(|&j| s[j] == 1 && d[j] >= 8) {
+            transpose_tiles(src, offset, &d, &s, j, &mut out);
+            return out;
+        }
     }
     let outer = &d[..r - 1];
     let os = &s[..r - 1];
-    for_each_row(&mut out, outer, last, |idx, row| {
+    for_each_row(&mut out, outer, last, last, |idx, row| {
         let base = offset + idx.iter().zip(os).map(|(i, st)| i * st).sum::<usize>();
         if ls == 1 {
             row.copy_from_slice(&src[base..base + last]);
@@ -308,60 +308,77 @@ pub(crate) fn strided_gather<T: Copy + Send + Sync + Default>(
     out
 }
 
-/// Batched transpose: output dims `[.., R, C]` where the source has stride 1 along R and stride
-/// `s[last]` along C. Each task owns `TILE` output rows of one matrix and walks them in
-/// `TILE × TILE` tiles.
+/// Blocked transpose. The output is `[outer.., rows, mid.., cols]` where the source has stride 1
+/// along `rows` (output dim `j`) and stride `s[last] > 1` along `cols`. Each task owns `TILE`
+/// consecutive `rows` of one outer index (a contiguous output block) and walks it in
+/// `TILE × TILE` tiles of (rows, cols) for every `mid` index, so the source lines it reads are
+/// reused across the tile instead of being evicted between rows.
 fn transpose_tiles<T: Copy + Send + Sync>(
     src: &[T],
     offset: usize,
     d: &[usize],
     s: &[usize],
+    j: usize,
     out: &mut [T],
 ) {
     let r = d.len();
-    let (rows, cols, cs) = (d[r - 2], d[r - 1], s[r - 1]);
-    let outer = &d[..r - 2];
-    let os = &s[..r - 2];
-    let blocks_per_mat = rows.div_ceil(TILE);
-    let work = |(b, chunk): (usize, &mut [T])| {
-        let mat = b / blocks_per_mat;
-        let r0 = (b % blocks_per_mat) * TILE;
-        let mut m = mat;
-        let mut base = offset;
+    let (rows, cols, cs) = (d[j], d[r - 1], s[r - 1]);
+    let (outer, os) = (&d[..j], &s[..j]);
+    let (mid, ms) = (&d[j + 1..r - 1], &s[j + 1..r - 1]);
+    let midn: usize = mid.iter().product();
+    // Source offset of every mid index.
+    let mut mid_offs = Vec::with_capacity(midn);
+    let mut idx = vec![0usize; mid.len()];
+    for _ in 0..midn {
+        mid_offs.push(idx.iter().zip(ms).map(|(i, st)| i * st).sum::<usize>());
+        for k in (0..mid.len()).rev() {
+            idx[k] += 1;
+            if idx[k] < mid[k] {
+                break;
+            }
+            idx[k] = 0;
+        }
+    }
+    let row_len = midn * cols;
+    let blocks_per_outer = rows.div_ceil(TILE);
+    let work = |b: usize, chunk: &mut [T]| {
+        let (o, r0) = (b / blocks_per_outer, (b % blocks_per_outer) * TILE);
+        let mut m = o;
+        let mut base = offset + r0;
         for k in (0..outer.len()).rev() {
             base += (m % outer[k]) * os[k];
             m /= outer[k];
         }
-        let nrows = chunk.len() / cols;
-        for c0 in (0..cols).step_by(TILE) {
-            let c1 = (c0 + TILE).min(cols);
-            for i in 0..nrows {
-                let src_row = base + r0 + i;
-                let dst = &mut chunk[i * cols + c0..i * cols + c1];
-                for (j, o) in dst.iter_mut().enumerate() {
-                    *o = src[src_row + (c0 + j) * cs];
+        let nrows = chunk.len() / row_len;
+        for (mi, &moff) in mid_offs.iter().enumerate() {
+            for c0 in (0..cols).step_by(TILE) {
+                let c1 = (c0 + TILE).min(cols);
+                for i in 0..nrows {
+                    let at = (i * midn + mi) * cols;
+                    let from = base + i + moff;
+                    for (jj, o) in chunk[at + c0..at + c1].iter_mut().enumerate() {
+                        *o = src[from + (c0 + jj) * cs];
+                    }
                 }
             }
         }
     };
-    // Chunks never straddle two matrices: `rows * cols` is a multiple of the chunk except at the
-    // last block of each matrix, so split per matrix first.
-    let mat_len = rows * cols;
-    let run = |(mi, mat): (usize, &mut [T])| {
-        mat.chunks_mut(TILE * cols)
-            .enumerate()
-            .for_each(|(bi, c)| work((mi * blocks_per_mat + bi, c)));
-    };
+    // Blocks never straddle two outer indices: split per outer index first.
+    let per_outer = rows * row_len;
     if out.len() >= PAR_THRESHOLD {
-        out.par_chunks_mut(mat_len)
+        out.par_chunks_mut(per_outer)
             .enumerate()
-            .for_each(|(mi, mat)| {
-                mat.par_chunks_mut(TILE * cols)
+            .for_each(|(oi, part)| {
+                part.par_chunks_mut(TILE * row_len)
                     .enumerate()
-                    .for_each(|(bi, c)| work((mi * blocks_per_mat + bi, c)));
+                    .for_each(|(bi, c)| work(oi * blocks_per_outer + bi, c));
             });
     } else {
-        out.chunks_mut(mat_len).enumerate().for_each(run);
+        for (oi, part) in out.chunks_mut(per_outer).enumerate() {
+            for (bi, c) in part.chunks_mut(TILE * row_len).enumerate() {
+                work(oi * blocks_per_outer + bi, c);
+            }
+        }
     }
 }
 
@@ -385,7 +402,7 @@ fn concat(inputs: &[&HostTensor], axis: usize, out: &TensorType) -> Result<Data>
     let runs: Vec<usize> = inputs.iter().map(|t| t.dims()[axis] * inner).collect();
     fn go<T: HostElement>(srcs: &[&[T]], runs: &[usize], outer: usize, row: usize) -> Data {
         let mut out = vec![T::default(); outer * row];
-        for_each_row(&mut out, &[outer], row, |idx, dst| {
+        for_each_row(&mut out, &[outer], row, row, |idx, dst| {
             let o = idx[0];
             let mut at = 0;
             for (s, &n) in srcs.iter().zip(runs) {
@@ -439,7 +456,7 @@ fn pad<T: HostElement>(src: &[T], dims: &[usize], pads: &[(usize, usize)], value
     let mut out = vec![v; n];
     let in_strides = Shape::new(dims).strides();
     let (lb, ld) = (pads[r - 1].0, dims[r - 1]);
-    for_each_row(&mut out, &od[..r - 1], od[r - 1], |idx, row| {
+    for_each_row(&mut out, &od[..r - 1], od[r - 1], od[r - 1], |idx, row| {
         let mut base = 0;
         for k in 0..r - 1 {
             let (b, d) = (pads[k].0, dims[k]);

@@ -524,7 +524,22 @@ fn arg_num<T: Num>(src: &[T], outer: usize, red: usize, inner: usize, max: bool)
         }
     };
     let mut out = vec![0i64; outer * inner];
-    for_each_row(&mut out, &[outer], inner, |idx, row| {
+    if inner == 1 {
+        // One contiguous run per output.
+        for_each_row(&mut out, &[outer], 1, red, |idx, y| {
+            let run = &src[idx[0] * red..(idx[0] + 1) * red];
+            let mut best = run[0].load();
+            for (r, &x) in run.iter().enumerate().skip(1) {
+                let x = x.load();
+                if better(x, best) {
+                    best = x;
+                    y[0] = r as i64;
+                }
+            }
+        });
+        return out;
+    }
+    for_each_row(&mut out, &[outer], inner, red * inner, |idx, row| {
         let o = idx[0];
         let base = o * red * inner;
         let mut best: Vec<T::A> = src[base..base + inner].iter().map(|x| x.load()).collect();

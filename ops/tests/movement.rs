@@ -91,12 +91,15 @@ fn permute_every_dtype_and_layout() {
         permute_case(&[3, 40, 50], &[0, 2, 1], dt, s + 20);
         permute_case(&[2, 3, 4, 5], &[3, 1, 0, 2], dt, s + 30);
         permute_case(&[5, 1, 7], &[1, 2, 0], dt, s + 40);
+        permute_case(&[9, 3, 10], &[2, 1, 0], dt, s + 60);
+        permute_case(&[2, 9, 4, 3, 11], &[3, 4, 1, 0, 2], dt, s + 70);
         permute_case(&[], &[], dt, s + 50);
     }
     // Large enough for the parallel paths (tiled and row-wise).
     permute_case(&[257, 300], &[1, 0], DType::F32, 7);
     permute_case(&[4, 129, 100], &[2, 0, 1], DType::F64, 8);
     permute_case(&[3, 70, 2, 90], &[0, 3, 2, 1], DType::BF16, 9);
+    permute_case(&[40, 5, 300], &[2, 1, 0], DType::I32, 10);
 }
 
 #[test]

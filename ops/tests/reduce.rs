@@ -194,6 +194,24 @@ fn large_reductions_take_the_parallel_paths() {
 }
 
 #[test]
+fn large_argmax_takes_the_parallel_paths() {
+    let dims = [300, 400];
+    let x = rand_tensor(&TensorType::new(DType::F32, dims), 8, -2.0, 2.0);
+    for axis in [0, 1] {
+        for (kind, max) in [(ArgKind::ArgMax, true), (ArgKind::ArgMin, false)] {
+            let op = Op::ArgReduce {
+                kind,
+                axis,
+                keep_dims: true,
+            };
+            let y = eval_cpu(&op, &[&x]).unwrap();
+            let want = arg_reference(&x.to_f64_vec(), &dims, axis, max);
+            assert_eq!(y.to_f64_vec(), want, "{op:?}");
+        }
+    }
+}
+
+#[test]
 fn f32_sum_of_a_million_is_accurate() {
     let n = 1_000_000;
     let x = rand_tensor(&TensorType::new(DType::F32, [n]), 5, 0.0, 1.0);
