@@ -20,7 +20,7 @@ use crate::{
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-/// The geometry of one matmul: batch shape, matrix sizes and per-batch operand offsets.
+/// The geometry of one matmul: matrix sizes and the broadcast batch shape.
 struct Geom {
     m: usize,
     n: usize,
