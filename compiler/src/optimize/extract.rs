@@ -429,7 +429,7 @@ pub(crate) fn extract(
             .map(|c| t.own[c][choice[c]])
             .sum();
         clean_rounds += 1;
-        if best.as_ref().map_or(true, |b| cost < b.2) {
+        if best.as_ref().is_none_or(|b| cost < b.2) {
             best = Some((choice, reach, cost));
         }
         if next == shared || clean_rounds >= MAX_ROUNDS {

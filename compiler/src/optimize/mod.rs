@@ -12,7 +12,7 @@ pub mod rules;
 
 pub use extract::CostModel;
 
-use crate::graph::{Graph, NodeId};
+use crate::graph::{Graph, InputDef, NodeId, ParamDef};
 use crate::{CompileError, Result};
 use analysis::{TensorAnalysis, EG};
 use egg::{Id, Runner, StopReason};
@@ -215,12 +215,30 @@ fn build_graph(
 ) -> Result<Graph> {
     let err = |m: String| CompileError::Optimize(m);
     let mut g = Graph::new();
-    for def in &src.inputs {
-        g.add_input(&def.name, def.ty.clone())?;
+    // The tables are copied as they are (their names are already unique).
+    for (index, def) in src.inputs.iter().enumerate() {
+        let op = Op::Input {
+            index: index as u32,
+            ty: def.ty.clone(),
+        };
+        let node = g.add_typed(op, &[], def.ty.clone());
+        g.g[node].name = Some(def.name.clone());
+        g.inputs.push(InputDef {
+            node,
+            ..def.clone()
+        });
     }
-    for (i, p) in src.params.iter().enumerate() {
-        g.add_param(&p.name, p.ty.clone(), p.init.clone(), p.trainable)?;
-        g.params[i].data = p.data.clone();
+    for (index, def) in src.params.iter().enumerate() {
+        let op = Op::Param {
+            index: index as u32,
+            ty: def.ty.clone(),
+        };
+        let node = g.add_typed(op, &[], def.ty.clone());
+        g.g[node].name = Some(def.name.clone());
+        g.params.push(ParamDef {
+            node,
+            ..def.clone()
+        });
     }
     g.constants = src.constants.clone();
 

@@ -7,7 +7,7 @@
 //! does not rely on NaN). `log(exp x) => x` holds for every finite x, and is more accurate where
 //! `exp x` overflows.
 
-use super::{build, rule, rule_if, Ctx, Rw};
+use super::{build, build_with, rule, rule_if_const, Ctx, Rw};
 use egg::Id;
 use rustytorch_ops::{eval_cpu, DType, F64Bits, HostTensor, Op, Shape, TensorType};
 
@@ -92,19 +92,19 @@ const FOLD_BINARY: &[&str] = &["add", "sub", "mul", "div", "pow", "maximum", "mi
 pub fn rules() -> Vec<Rw> {
     let mut r = vec![
         // x * 1 == x.
-        rule_if("mul-one", "(mul ?x ?c)", "?x", |cx| {
+        rule_if_const("mul-one", "(mul ?x ?c)", &["?c"], "?x", |cx| {
             cx.konst("?c") == Some(1.0) && keeps_type(cx, "?x")
         }),
         // x + 0 == x.
-        rule_if("add-zero", "(add ?x ?c)", "?x", |cx| {
+        rule_if_const("add-zero", "(add ?x ?c)", &["?c"], "?x", |cx| {
             cx.konst("?c") == Some(0.0) && keeps_type(cx, "?x")
         }),
         // x - 0 == x.
-        rule_if("sub-zero", "(sub ?x ?c)", "?x", |cx| {
+        rule_if_const("sub-zero", "(sub ?x ?c)", &["?c"], "?x", |cx| {
             cx.konst("?c") == Some(0.0) && keeps_type(cx, "?x")
         }),
         // x / 1 == x.
-        rule_if("div-one", "(div ?x ?c)", "?x", |cx| {
+        rule_if_const("div-one", "(div ?x ?c)", &["?c"], "?x", |cx| {
             cx.konst("?c") == Some(1.0) && keeps_type(cx, "?x")
         }),
         // --x == x.
@@ -114,17 +114,25 @@ pub fn rules() -> Vec<Rw> {
         // log(exp x) == x.
         rule("log-exp", "(log (exp ?x))", "?x"),
         // c * x == x * c for a constant c (constants go right; not blanket commutativity).
-        rule_if("mul-const-right", "(mul ?c ?x)", "(mul ?x ?c)", |cx| {
-            is_const(cx, "?c") && !is_const(cx, "?x")
-        }),
+        rule_if_const(
+            "mul-const-right",
+            "(mul ?c ?x)",
+            &["?c"],
+            "(mul ?x ?c)",
+            |cx| is_const(cx, "?c") && !is_const(cx, "?x"),
+        ),
         // c + x == x + c for a constant c.
-        rule_if("add-const-right", "(add ?c ?x)", "(add ?x ?c)", |cx| {
-            is_const(cx, "?c") && !is_const(cx, "?x")
-        }),
+        rule_if_const(
+            "add-const-right",
+            "(add ?c ?x)",
+            &["?c"],
+            "(add ?x ?c)",
+            |cx| is_const(cx, "?c") && !is_const(cx, "?x"),
+        ),
         // x*x*x == x^3 (one kernel instead of two).
-        build("cube-to-pow", "(mul (mul ?x ?x) ?x)", |cx| cube(cx)),
+        build("cube-to-pow", "(mul (mul ?x ?x) ?x)", cube),
         // x*(x*x) == x^3.
-        build("cube-to-pow-rev", "(mul ?x (mul ?x ?x))", |cx| cube(cx)),
+        build("cube-to-pow-rev", "(mul ?x (mul ?x ?x))", cube),
         // permute(permute(x, p), q) == permute(x, p∘q), or x when that is the identity.
         build("permute-compose", "(permute* (permute* ?x))", |cx| {
             let (Op::Permute { perm: outer }, Some(Op::Permute { perm: inner })) =
@@ -179,17 +187,19 @@ pub fn rules() -> Vec<Rw> {
     ];
     for name in FOLD_UNARY {
         // op(c) == the folded constant, for a rank-0 float constant c.
-        r.push(build(
+        r.push(build_with(
             format!("fold-{name}"),
             &format!("({name} ?a)"),
+            &["?a"],
             |cx| fold(cx, &["?a"]),
         ));
     }
     for name in FOLD_BINARY {
         // c1 op c2 == the folded constant, for rank-0 float constants.
-        r.push(build(
+        r.push(build_with(
             format!("fold-{name}"),
             &format!("({name} ?a ?b)"),
+            &["?a", "?b"],
             |cx| fold(cx, &["?a", "?b"]),
         ));
     }

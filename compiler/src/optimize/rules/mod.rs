@@ -211,6 +211,9 @@ fn embed(
 struct PatSearcher {
     ast: PatternAst<TNode>,
     vars: Vec<Var>,
+    /// Variables that must be bound to uniform constants (checked while searching, so that the
+    /// common non-matches of rules such as `x * 1` cost nothing at apply time).
+    consts: Vec<Var>,
 }
 
 impl PatSearcher {
@@ -228,6 +231,15 @@ impl PatSearcher {
             return;
         }
         let Some((i, class)) = todo.pop() else {
+            for v in &self.consts {
+                if binds
+                    .iter()
+                    .find(|(b, _)| b == v)
+                    .is_none_or(|(_, id)| eg[*id].data.konst.is_none())
+                {
+                    return;
+                }
+            }
             let mut s = Subst::default();
             for &(v, id) in binds.iter() {
                 s.insert(v, id);
@@ -270,6 +282,30 @@ impl PatSearcher {
     }
 }
 
+impl PatSearcher {
+    /// The matches rooted at `eclass`, reusing the caller's buffers.
+    fn search_class<'s>(
+        &'s self,
+        eg: &EG,
+        eclass: Id,
+        limit: usize,
+        todo: &mut Vec<(usize, Id)>,
+        binds: &mut Vec<(Var, Id)>,
+    ) -> Option<egg::SearchMatches<'s, TNode>> {
+        let mut out = Vec::new();
+        todo.clear();
+        binds.clear();
+        todo.push((self.ast.as_ref().len() - 1, eclass));
+        self.run(eg, todo, binds, &mut out, limit);
+        out.dedup();
+        (!out.is_empty()).then(|| egg::SearchMatches {
+            eclass,
+            substs: out,
+            ast: Some(std::borrow::Cow::Borrowed(&self.ast)),
+        })
+    }
+}
+
 impl egg::Searcher<TNode, TensorAnalysis> for PatSearcher {
     fn search_eclass_with_limit(
         &self,
@@ -277,21 +313,7 @@ impl egg::Searcher<TNode, TensorAnalysis> for PatSearcher {
         eclass: Id,
         limit: usize,
     ) -> Option<egg::SearchMatches<'_, TNode>> {
-        let mut out = Vec::new();
-        let root = self.ast.as_ref().len() - 1;
-        self.run(
-            egraph,
-            &mut vec![(root, eclass)],
-            &mut Vec::new(),
-            &mut out,
-            limit,
-        );
-        out.dedup();
-        (!out.is_empty()).then(|| egg::SearchMatches {
-            eclass,
-            substs: out,
-            ast: Some(std::borrow::Cow::Borrowed(&self.ast)),
-        })
+        self.search_class(egraph, eclass, limit, &mut Vec::new(), &mut Vec::new())
     }
 
     fn search_with_limit(
@@ -306,11 +328,12 @@ impl egg::Searcher<TNode, TensorAnalysis> for PatSearcher {
         let Some(classes) = egraph.classes_for_op(&egg::Language::discriminant(top)) else {
             return ms;
         };
+        let (mut todo, mut binds) = (Vec::new(), Vec::new());
         for c in classes {
             if limit == 0 {
                 break;
             }
-            if let Some(m) = self.search_eclass_with_limit(egraph, c, limit) {
+            if let Some(m) = self.search_class(egraph, c, limit, &mut todo, &mut binds) {
                 limit -= m.substs.len();
                 ms.push(m);
             }
@@ -396,6 +419,17 @@ pub fn build(
     lhs: &str,
     f: impl Fn(&mut Ctx<'_>) -> Option<Id> + Send + Sync + 'static,
 ) -> Rw {
+    build_with(name, lhs, &[], f)
+}
+
+/// A rule with a builder right side that only matches where the variables `consts` are bound
+/// to uniform constants.
+pub fn build_with(
+    name: impl Into<String>,
+    lhs: &str,
+    consts: &[&str],
+    f: impl Fn(&mut Ctx<'_>) -> Option<Id> + Send + Sync + 'static,
+) -> Rw {
     let name = name.into();
     let p = pattern(&name, lhs);
     if matches!(p.ast.as_ref().last(), Some(ENodeOrVar::Var(_)) | None) {
@@ -407,6 +441,7 @@ pub fn build(
     };
     let searcher = PatSearcher {
         vars: p.vars(),
+        consts: consts.iter().map(|v| var(v)).collect(),
         ast: p.ast,
     };
     Rewrite::new(name.clone(), searcher, applier).unwrap_or_else(|e| panic!("rule {name}: {e}"))
@@ -419,9 +454,20 @@ pub fn rule_if(
     rhs: &str,
     cond: impl Fn(&Ctx<'_>) -> bool + Send + Sync + 'static,
 ) -> Rw {
+    rule_if_const(name, lhs, &[], rhs, cond)
+}
+
+/// [`rule_if`] matching only where the variables `consts` are bound to uniform constants.
+pub fn rule_if_const(
+    name: impl Into<String>,
+    lhs: &str,
+    consts: &[&str],
+    rhs: &str,
+    cond: impl Fn(&Ctx<'_>) -> bool + Send + Sync + 'static,
+) -> Rw {
     let name = name.into();
     let rhs: RecExpr<ENodeOrVar<TNode>> = pattern(&name, rhs).ast;
-    build(name, lhs, move |cx| {
+    build_with(name, lhs, consts, move |cx| {
         if cond(cx) {
             cx.instantiate(&rhs)
         } else {
