@@ -291,7 +291,7 @@ fn run(graph_path: &Path, args: &[String], out: &Path, device: &str, print: bool
     let inputs = read_inputs(&graph, args)?;
     let mut exe = rustytorch::compile_graph(&graph, device, &CompileOptions::inference())?;
     if print {
-        println!("{}", exe.optimized_ir());
+        println!("{}", text::print_elided(exe.optimized_graph(), ELIDE));
     }
     let named: Vec<(&str, HostTensor)> = inputs
         .iter()

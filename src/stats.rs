@@ -164,6 +164,29 @@ mod tests {
     }
 
     #[test]
+    fn grouped_conv_and_attention() {
+        use rustytorch_compiler::ConvOpts;
+        use rustytorch_ops::Causal;
+        let g = GraphBuilder::new();
+        // x [2, 4, 8, 8], w [6, 2, 3, 3] with 2 groups, stride 1 -> out [2, 6, 6, 6].
+        let x = g.input("x", DType::F32, [2, 4, 8, 8]);
+        let w = g.input("w", DType::F32, [6, 2, 3, 3]);
+        let y = x.conv(&w, None, &ConvOpts::default().groups(2));
+        g.output("y", &y);
+        let graph = g.graph().unwrap();
+        assert_eq!(flops(&graph), 2 * 2 * 6 * 2 * 9 * 36);
+
+        let g = GraphBuilder::new();
+        let q = g.input("q", DType::F32, [1, 2, 5, 8]);
+        let k = g.input("k", DType::F32, [1, 2, 7, 8]);
+        let v = g.input("v", DType::F32, [1, 2, 7, 8]);
+        let o = q.attention(&k, &v, None, Causal::None, None);
+        g.output("o", &o);
+        let graph = g.graph().unwrap();
+        assert_eq!(flops(&graph), 4 * 2 * 5 * 7 * 8);
+    }
+
+    #[test]
     fn si_prefixes() {
         assert_eq!(si(12), "12 ");
         assert_eq!(si(1_234_000), "1.234 M");
