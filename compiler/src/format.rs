@@ -1029,14 +1029,23 @@ mod tests {
         assert!(load_err(&def).contains("guard `g` names node 1000"));
         let mut def = valid_def();
         def.inputs[0].node = 500;
-        assert_eq!(load_err(&def), "node 0 (input) does not match the file's tables");
+        assert_eq!(
+            load_err(&def),
+            "node 0 (input) does not match the file's tables"
+        );
         let mut def = valid_def();
         let k = node_of(&def, |op| matches!(op, Op::Reduce { .. }));
         def.inputs[0].node = k as u32;
-        assert_eq!(load_err(&def), "node 0 (input) does not match the file's tables");
+        assert_eq!(
+            load_err(&def),
+            "node 0 (input) does not match the file's tables"
+        );
         let mut def = valid_def();
         def.params[0].node = 0;
-        assert_eq!(load_err(&def), "node 1 (param) does not match the file's tables");
+        assert_eq!(
+            load_err(&def),
+            "node 1 (param) does not match the file's tables"
+        );
     }
 
     #[test]

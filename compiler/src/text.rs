@@ -464,15 +464,13 @@ impl Parser {
                     ));
                 }
                 let mut args = Vec::new();
-                if lx.eat("(") {
-                    if !lx.eat(")") {
-                        loop {
-                            args.push(self.label_use(lx)?);
-                            if lx.eat(")") {
-                                break;
-                            }
-                            lx.punct(",")?;
+                if lx.eat("(") && !lx.eat(")") {
+                    loop {
+                        args.push(self.label_use(lx)?);
+                        if lx.eat(")") {
+                            break;
                         }
+                        lx.punct(",")?;
                     }
                 }
                 lx.punct(":")?;
