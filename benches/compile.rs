@@ -2,6 +2,8 @@
 //! pass alone, on GPT-2-style graphs spelled in primitives (12 layers forward and backward, 48
 //! layers forward; batch 8, seq 1024, d 768 — shapes are types only, nothing is executed).
 
+#![allow(missing_docs)] // criterion_group! generates undocumented public functions
+
 use criterion::{criterion_group, criterion_main, Criterion};
 use rustytorch::compiler::optimize::{optimize, OptimizeConfig};
 use rustytorch::compiler::passes::{run, Options};

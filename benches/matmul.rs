@@ -1,6 +1,8 @@
 //! CPU benchmarks: f32 GEMM at 512/1024/2048 (GFLOP/s = 2n³ / time) through the compiled-graph
 //! path, and a small MLP forward. Compare with `python3 benches/numpy_matmul.py` in the same run.
 
+#![allow(missing_docs)] // criterion_group! generates undocumented public functions
+
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rustytorch::prelude::*;
 
@@ -38,7 +40,13 @@ fn mlp(c: &mut Criterion) {
     let b1 = g.param("b1", [hidden], Init::zeros());
     let w2 = g.param("w2", [hidden, d_out], Init::kaiming_uniform(hidden, 2));
     let b2 = g.param("b2", [d_out], Init::zeros());
-    let y = x.matmul(&w1).add(&b1).gelu().matmul(&w2).add(&b2).softmax(-1);
+    let y = x
+        .matmul(&w1)
+        .add(&b1)
+        .gelu()
+        .matmul(&w2)
+        .add(&b2)
+        .softmax(-1);
     let mut exe = compile(&g, &[&y], Device::Cpu).unwrap();
     let xv = HostTensor::from_vec(rand(batch * d_in, 3), [batch, d_in]).unwrap();
     c.bench_function("mlp_forward_64x784x512x10", |bench| {

@@ -34,7 +34,11 @@ fn report(name: &str, graph: &Graph) {
         .iter()
         .map(|p| format!("{} {:.1} ms", p.name, p.millis))
         .collect();
-    println!("## {name}: {} nodes in, {} nodes out", graph.len(), c.graph.len());
+    println!(
+        "## {name}: {} nodes in, {} nodes out",
+        graph.len(),
+        c.graph.len()
+    );
     println!("whole compile {total:.1} ms; {}", passes.join(", "));
     println!(
         "e-graph: {:?} after {} iterations, {} e-nodes, saturation {:.1} ms, extraction {:.1} ms",
@@ -44,7 +48,13 @@ fn report(name: &str, graph: &Graph) {
         o.saturation_time.as_secs_f64() * 1e3,
         o.extraction_time.as_secs_f64() * 1e3
     );
-    let key = ["layer_norm", "attention", "matmul_epilogue", "matmul", "fused"];
+    let key = [
+        "layer_norm",
+        "attention",
+        "matmul_epilogue",
+        "matmul",
+        "fused",
+    ];
     let counts: Vec<String> = key
         .iter()
         .map(|k| format!("{k} {}", ops.get(k).copied().unwrap_or(0)))
@@ -56,7 +66,12 @@ fn report(name: &str, graph: &Graph) {
         .graph
         .live_order()
         .iter()
-        .filter(|&&n| !matches!(c.graph.node(n).unwrap().op, Op::Param { .. } | Op::Input { .. }))
+        .filter(|&&n| {
+            !matches!(
+                c.graph.node(n).unwrap().op,
+                Op::Param { .. } | Op::Input { .. }
+            )
+        })
         .map(|&n| c.graph.ty(n).size_bytes())
         .collect();
     acts.sort_unstable_by(|a, b| b.cmp(a));
@@ -73,7 +88,10 @@ fn report(name: &str, graph: &Graph) {
 }
 
 fn main() {
-    let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
     let layers = if args.is_empty() { vec![12, 48] } else { args };
     for l in layers {
         let cfg = Gpt2Config {
@@ -83,7 +101,10 @@ fn main() {
         let g = GraphBuilder::new();
         let (_, h) = gpt2(&g, &cfg);
         g.output("h", &h);
-        report(&format!("GPT-2 {l} layers forward (batch 8, seq 1024, d 768)"), &g.graph().unwrap());
+        report(
+            &format!("GPT-2 {l} layers forward (batch 8, seq 1024, d 768)"),
+            &g.graph().unwrap(),
+        );
         if l <= 12 {
             let g = GraphBuilder::new();
             let (_, h) = gpt2(&g, &cfg);
@@ -91,7 +112,10 @@ fn main() {
             g.train_step(&loss, Sgd::new(0.1), &StepOptions::default())
                 .unwrap();
             g.output("loss", &loss);
-            report(&format!("GPT-2 {l} layers forward+backward+SGD"), &g.graph().unwrap());
+            report(
+                &format!("GPT-2 {l} layers forward+backward+SGD"),
+                &g.graph().unwrap(),
+            );
         }
     }
 }

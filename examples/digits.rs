@@ -17,7 +17,11 @@ use std::time::Instant;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let epochs: usize = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(20);
-    let out_dir = PathBuf::from(args.get(2).cloned().unwrap_or_else(|| "target/digits".into()));
+    let out_dir = PathBuf::from(
+        args.get(2)
+            .cloned()
+            .unwrap_or_else(|| "target/digits".into()),
+    );
     std::fs::create_dir_all(&out_dir)?;
 
     let data_path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/data/digits.csv.gz");

@@ -63,10 +63,18 @@ pub fn load_digits(path: &Path) -> Result<Dataset> {
         .map_err(|e| err(format!("not a gzip CSV: {e}")))?;
     let mut x = Vec::new();
     let mut y = Vec::new();
-    for (ln, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+    for (ln, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
         let vals: Vec<&str> = line.split(',').collect();
         if vals.len() != 65 {
-            return Err(err(format!("line {}: {} fields, expected 65", ln + 1, vals.len())));
+            return Err(err(format!(
+                "line {}: {} fields, expected 65",
+                ln + 1,
+                vals.len()
+            )));
         }
         for v in &vals[..64] {
             let p: f32 = v

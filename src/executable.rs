@@ -210,13 +210,13 @@ impl Executable {
             })?);
         }
         let r = self.backend.run(&self.plan, &ins, &self.params)?;
-        let failed = r.guards.iter().find(|(_, ok)| !ok).map(|(n, _)| {
-            n.strip_prefix("grad:").unwrap_or(n).to_string()
-        });
+        let failed = r
+            .guards
+            .iter()
+            .find(|(_, ok)| !ok)
+            .map(|(n, _)| n.strip_prefix("grad:").unwrap_or(n).to_string());
         let skipped = match (&failed, self.opts.nonfinite) {
-            (Some(p), NonFinitePolicy::Error) => {
-                return Err(Error::NonFinite { param: p.clone() })
-            }
+            (Some(p), NonFinitePolicy::Error) => return Err(Error::NonFinite { param: p.clone() }),
             (Some(p), NonFinitePolicy::SkipStep) => Some(p.clone()),
             (None, _) => {
                 for (p, v) in r.updates {

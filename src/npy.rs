@@ -16,33 +16,41 @@ fn file_err(path: &Path, reason: impl std::fmt::Display) -> Error {
 /// Reads a C-order `.npy` file of f32, f64, f16, i32, i64, u8 or bool.
 pub fn read_npy(path: &Path) -> Result<HostTensor> {
     let bytes = std::fs::read(path).map_err(|e| file_err(path, e))?;
-    let f = npyz::NpyFile::new(&bytes[..]).map_err(|e| file_err(path, format!("not a .npy file: {e}")))?;
+    let f = npyz::NpyFile::new(&bytes[..])
+        .map_err(|e| file_err(path, format!("not a .npy file: {e}")))?;
     if f.order() != npyz::Order::C {
-        return Err(file_err(path, "Fortran-order arrays are not supported; save with C order"));
+        return Err(file_err(
+            path,
+            "Fortran-order arrays are not supported; save with C order",
+        ));
     }
     let dims: Vec<usize> = f.shape().iter().map(|&d| d as usize).collect();
     let descr = f.dtype().descr();
     let descr = descr.trim_matches('\'');
-    let dtype = match descr {
-        "<f4" => DType::F32,
-        "<f8" => DType::F64,
-        "<f2" => DType::F16,
-        "<i4" => DType::I32,
-        "<i8" => DType::I64,
-        "|u1" => DType::U8,
-        "|b1" => DType::Bool,
-        other => {
-            return Err(file_err(
+    let dtype =
+        match descr {
+            "<f4" => DType::F32,
+            "<f8" => DType::F64,
+            "<f2" => DType::F16,
+            "<i4" => DType::I32,
+            "<i8" => DType::I64,
+            "|u1" => DType::U8,
+            "|b1" => DType::Bool,
+            other => return Err(file_err(
                 path,
-                format!("unsupported numpy dtype `{other}` (supported: <f4 <f8 <f2 <i4 <i8 |u1 |b1)"),
-            ))
-        }
-    };
+                format!(
+                    "unsupported numpy dtype `{other}` (supported: <f4 <f8 <f2 <i4 <i8 |u1 |b1)"
+                ),
+            )),
+        };
     // Bound the allocation by what the file holds before decoding.
     let numel = dims
         .iter()
         .try_fold(1usize, |a, &d| a.checked_mul(d))
-        .filter(|n| n.checked_mul(dtype.size_bytes()).is_some_and(|b| b <= bytes.len()))
+        .filter(|n| {
+            n.checked_mul(dtype.size_bytes())
+                .is_some_and(|b| b <= bytes.len())
+        })
         .ok_or_else(|| file_err(path, "header shape is larger than the file"))?;
     let bad = |e: std::io::Error| file_err(path, e);
     let data = match dtype {
@@ -82,7 +90,11 @@ pub fn write_npy(path: &Path, t: &HostTensor) -> Result<()> {
         Data::F32(v) => put(&mut w, &shape, v),
         Data::F64(v) => put(&mut w, &shape, v),
         Data::F16(v) => put(&mut w, &shape, v),
-        Data::BF16(v) => put(&mut w, &shape, &v.iter().map(|x| x.to_f32()).collect::<Vec<_>>()),
+        Data::BF16(v) => put(
+            &mut w,
+            &shape,
+            &v.iter().map(|x| x.to_f32()).collect::<Vec<_>>(),
+        ),
         Data::I32(v) => put(&mut w, &shape, v),
         Data::I64(v) => put(&mut w, &shape, v),
         Data::U8(v) => put(&mut w, &shape, v),
@@ -208,7 +220,12 @@ pub fn load_safetensors(path: &Path) -> Result<Vec<(String, HostTensor)>> {
             safetensors::Dtype::I64 => DType::I64,
             safetensors::Dtype::U8 => DType::U8,
             safetensors::Dtype::BOOL => DType::Bool,
-            other => return Err(file_err(path, format!("tensor `{name}`: unsupported dtype {other:?}"))),
+            other => {
+                return Err(file_err(
+                    path,
+                    format!("tensor `{name}`: unsupported dtype {other:?}"),
+                ))
+            }
         };
         let t = from_le_bytes(dtype, Shape::new(view.shape()), view.data())?;
         out.push((name, t));

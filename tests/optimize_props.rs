@@ -37,7 +37,10 @@ fn random_graph(seed: u64, n_ops: usize) -> (GraphBuilder, Tensor, Vec<(String, 
         let s = shapes[r.below(shapes.len())].clone();
         let name = format!("x{k}");
         let ty = TensorType::new(DType::F32, Shape::new(s.clone()));
-        inputs.push((name.clone(), rand_tensor(&ty, seed ^ (k as u64 + 1), -1.5, 1.5)));
+        inputs.push((
+            name.clone(),
+            rand_tensor(&ty, seed ^ (k as u64 + 1), -1.5, 1.5),
+        ));
         pool.push(g.input(&name, DType::F32, s));
     }
     for _ in 0..n_ops {
@@ -57,7 +60,8 @@ fn random_graph(seed: u64, n_ops: usize) -> (GraphBuilder, Tensor, Vec<(String, 
             8 => a.neg(),
             9 => a.sin(),
             10 | 11 => {
-                if rustytorch::Shape::broadcast(&a.shape().unwrap(), &b.shape().unwrap()).is_some() {
+                if rustytorch::Shape::broadcast(&a.shape().unwrap(), &b.shape().unwrap()).is_some()
+                {
                     match r.below(5) {
                         0 => a.add(&b),
                         1 => a.sub(&b),
@@ -70,7 +74,8 @@ fn random_graph(seed: u64, n_ops: usize) -> (GraphBuilder, Tensor, Vec<(String, 
                 }
             }
             12 => {
-                if rustytorch::Shape::broadcast(&a.shape().unwrap(), &b.shape().unwrap()).is_some() {
+                if rustytorch::Shape::broadcast(&a.shape().unwrap(), &b.shape().unwrap()).is_some()
+                {
                     g.where_(&a.gt(&b), &a, &b.mul_scalar(0.5))
                 } else {
                     a.add_scalar(1.0)
@@ -82,7 +87,11 @@ fn random_graph(seed: u64, n_ops: usize) -> (GraphBuilder, Tensor, Vec<(String, 
             16 => a.softmax(-1),
             17 => a.log_softmax(-1),
             18 => {
-                let w = g.param(&format!("w{}", r.i), [last, 3], Init::kaiming_uniform(last, r.i));
+                let w = g.param(
+                    &format!("w{}", r.i),
+                    [last, 3],
+                    Init::kaiming_uniform(last, r.i),
+                );
                 a.matmul(&w)
             }
             19 => {
@@ -137,7 +146,10 @@ fn check(seed: u64, n_ops: usize) {
     let want = run_plain(&graph, &inputs);
     let mut exe = compile_graph(&graph, Device::Cpu, &CompileOptions::inference())
         .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-    let refs: Vec<(&str, HostTensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t.clone())).collect();
+    let refs: Vec<(&str, HostTensor)> = inputs
+        .iter()
+        .map(|(n, t)| (n.as_str(), t.clone()))
+        .collect();
     let got = exe.run(&refs).unwrap()[0].to_f64_vec();
     assert_close(&got, &want, 2e-4, &format!("seed {seed} ({n_ops} ops)"));
 }

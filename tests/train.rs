@@ -97,13 +97,22 @@ fn nan_gradients_are_detected_and_named() {
         Err(Error::NonFinite { param }) => assert_eq!(param, "bad"),
         other => panic!("expected a non-finite gradient error, got {other:?}"),
     }
-    assert_eq!(exe.param("good").unwrap().to_vec::<f32>().unwrap(), vec![0.5; 3]);
+    assert_eq!(
+        exe.param("good").unwrap().to_vec::<f32>().unwrap(),
+        vec![0.5; 3]
+    );
 
     let mut exe = nan_graph(NonFinitePolicy::SkipStep);
     let out = exe.run(&[("x", x)]).unwrap();
     assert_eq!(out.skipped.as_deref(), Some("bad"));
-    assert_eq!(exe.param("good").unwrap().to_vec::<f32>().unwrap(), vec![0.5; 3]);
-    assert_eq!(exe.param("optim.step").unwrap().to_vec::<f32>().unwrap(), vec![0.0]);
+    assert_eq!(
+        exe.param("good").unwrap().to_vec::<f32>().unwrap(),
+        vec![0.5; 3]
+    );
+    assert_eq!(
+        exe.param("optim.step").unwrap().to_vec::<f32>().unwrap(),
+        vec![0.0]
+    );
 }
 
 #[test]

@@ -318,7 +318,12 @@ impl GraphBuilder {
     pub fn output(&self, name: &str, t: &Tensor) {
         let at = Location::caller();
         if let Some(id) = t.id {
-            let r = self.inner.graph.borrow_mut().add_output(name, id).map(|_| id);
+            let r = self
+                .inner
+                .graph
+                .borrow_mut()
+                .add_output(name, id)
+                .map(|_| id);
             self.wrap(r, at);
         }
     }
@@ -333,7 +338,9 @@ impl GraphBuilder {
         let r = (|| {
             let mut g = self.inner.graph.borrow_mut();
             let Op::Param { index, .. } = g.node(p)?.op else {
-                return Err(CompileError::Invalid("update target is not a parameter".into()));
+                return Err(CompileError::Invalid(
+                    "update target is not a parameter".into(),
+                ));
             };
             if g.ty(p) != g.ty(v) {
                 return Err(CompileError::Invalid(format!(
@@ -443,7 +450,9 @@ impl Tensor {
     }
 
     fn ty_or_unknown(&self) -> String {
-        self.ty().map(|t| t.to_string()).unwrap_or_else(|| "?".into())
+        self.ty()
+            .map(|t| t.to_string())
+            .unwrap_or_else(|| "?".into())
     }
 
     /// The shape (None when poisoned).
@@ -723,7 +732,8 @@ impl Tensor {
     /// Matrix product with transposed operands (rank >= 2).
     #[track_caller]
     pub fn matmul_t(&self, other: &Tensor, trans_a: bool, trans_b: bool) -> Tensor {
-        self.b.apply(Op::Matmul { trans_a, trans_b }, &[self, other])
+        self.b
+            .apply(Op::Matmul { trans_a, trans_b }, &[self, other])
     }
 
     /// `x·w + b` (a linear layer with `w` as [in, out]).
@@ -738,7 +748,12 @@ impl Tensor {
 
     /// `act(a·b + bias)` as one fused op.
     #[track_caller]
-    pub fn matmul_epilogue(&self, other: &Tensor, bias: Option<&Tensor>, act: Activation) -> Tensor {
+    pub fn matmul_epilogue(
+        &self,
+        other: &Tensor,
+        bias: Option<&Tensor>,
+        act: Activation,
+    ) -> Tensor {
         let mut ins = vec![self, other];
         if let Some(b) = bias {
             ins.push(b);
@@ -769,7 +784,11 @@ impl Tensor {
     #[track_caller]
     pub fn reshape_infer(&self, dims: &[i64]) -> Tensor {
         let n = self.shape().map(|s| s.numel()).unwrap_or(0);
-        let known: usize = dims.iter().filter(|&&d| d >= 0).map(|&d| d as usize).product();
+        let known: usize = dims
+            .iter()
+            .filter(|&&d| d >= 0)
+            .map(|&d| d as usize)
+            .product();
         let shape: Vec<usize> = dims
             .iter()
             .map(|&d| {
@@ -837,7 +856,14 @@ impl Tensor {
                 starts[ax] = start;
                 ends[ax] = end.min(dims[ax]);
                 steps[ax] = step;
-                self.b.apply(Op::Slice { starts, ends, steps }, &[self])
+                self.b.apply(
+                    Op::Slice {
+                        starts,
+                        ends,
+                        steps,
+                    },
+                    &[self],
+                )
             }
             None => self.b.bad_axis("slice", axis, dims.len()),
         }
@@ -985,7 +1011,13 @@ impl Tensor {
     }
 
     #[track_caller]
-    fn pool(&self, kind: PoolKind, kernel: &[usize], stride: &[usize], padding: &[usize]) -> Tensor {
+    fn pool(
+        &self,
+        kind: PoolKind,
+        kernel: &[usize],
+        stride: &[usize],
+        padding: &[usize],
+    ) -> Tensor {
         let n = self.rank().unwrap_or(3).saturating_sub(2);
         let kernel = per_dim(kernel, n);
         let geom = ConvGeom {

@@ -185,7 +185,9 @@ impl Graph {
     /// Declares a named input.
     pub fn add_input(&mut self, name: &str, ty: TensorType) -> Result<NodeId> {
         if self.inputs.iter().any(|i| i.name == name) {
-            return Err(CompileError::Invalid(format!("input `{name}` declared twice")));
+            return Err(CompileError::Invalid(format!(
+                "input `{name}` declared twice"
+            )));
         }
         let index = self.inputs.len() as u32;
         let node = self.add_typed(
@@ -214,7 +216,9 @@ impl Graph {
         trainable: bool,
     ) -> Result<NodeId> {
         if self.params.iter().any(|p| p.name == name) {
-            return Err(CompileError::Invalid(format!("parameter `{name}` declared twice")));
+            return Err(CompileError::Invalid(format!(
+                "parameter `{name}` declared twice"
+            )));
         }
         let index = self.params.len() as u32;
         let node = self.add_typed(
@@ -242,14 +246,23 @@ impl Graph {
         let index = self.constants.len() as u32;
         let ty = value.ty();
         self.constants.push(value);
-        self.add_typed(Op::Constant { index, ty: ty.clone() }, &[], ty)
+        self.add_typed(
+            Op::Constant {
+                index,
+                ty: ty.clone(),
+            },
+            &[],
+            ty,
+        )
     }
 
     /// Marks a node as a named output.
     pub fn add_output(&mut self, name: &str, node: NodeId) -> Result<()> {
         self.node(node)?;
         if self.outputs.iter().any(|(n, _)| n == name) {
-            return Err(CompileError::Invalid(format!("output `{name}` declared twice")));
+            return Err(CompileError::Invalid(format!(
+                "output `{name}` declared twice"
+            )));
         }
         self.outputs.push((name.to_string(), node));
         Ok(())
@@ -289,10 +302,7 @@ impl Graph {
 
     /// The nodes that use `id`, each once.
     pub fn users(&self, id: NodeId) -> Vec<NodeId> {
-        let mut u: Vec<NodeId> = self
-            .g
-            .neighbors_directed(id, Direction::Outgoing)
-            .collect();
+        let mut u: Vec<NodeId> = self.g.neighbors_directed(id, Direction::Outgoing).collect();
         u.sort();
         u.dedup();
         u
@@ -364,7 +374,12 @@ impl Graph {
                 o.1 = new;
             }
         }
-        for o in self.updates.iter_mut().map(|u| &mut u.1).chain(self.guards.iter_mut().map(|g| &mut g.1)) {
+        for o in self
+            .updates
+            .iter_mut()
+            .map(|u| &mut u.1)
+            .chain(self.guards.iter_mut().map(|g| &mut g.1))
+        {
             if *o == old {
                 *o = new;
             }
@@ -394,8 +409,7 @@ impl Graph {
             .g
             .node_indices()
             .filter(|n| {
-                !live.contains(n)
-                    && !matches!(self.g[*n].op, Op::Input { .. } | Op::Param { .. })
+                !live.contains(n) && !matches!(self.g[*n].op, Op::Input { .. } | Op::Param { .. })
             })
             .collect();
         for n in dead {
@@ -420,9 +434,8 @@ impl Graph {
                 })?;
                 tys.push(&t.ty);
             }
-            let ty = infer(&n.op, &tys).map_err(|e| {
-                CompileError::Invalid(format!("node %{}: {e}", id.index()))
-            })?;
+            let ty = infer(&n.op, &tys)
+                .map_err(|e| CompileError::Invalid(format!("node %{}: {e}", id.index())))?;
             if ty != n.ty {
                 return Err(CompileError::Invalid(format!(
                     "node %{} ({}) has type {} but its op infers {}",

@@ -141,7 +141,9 @@ impl GraphBuilder {
                 .collect()
         });
         if params.is_empty() {
-            return Err(CompileError::Grad("the graph has no trainable parameters".into()));
+            return Err(CompileError::Grad(
+                "the graph has no trainable parameters".into(),
+            ));
         }
         let wrt: Vec<crate::NodeId> = params.iter().map(|p| p.1).collect();
         let gids = self.with_graph(|g| autodiff::grad(g, loss_id, &wrt))?;
@@ -202,15 +204,35 @@ impl GraphBuilder {
                     p.sub(&d.mul(&lr_p))
                 }
                 Optimizer::AdamW(a) => {
-                    let m = self.param_typed(&format!("optim.m.{name}"), ty.clone(), Init::zeros(), false);
-                    let v = self.param_typed(&format!("optim.v.{name}"), ty.clone(), Init::zeros(), false);
+                    let m = self.param_typed(
+                        &format!("optim.m.{name}"),
+                        ty.clone(),
+                        Init::zeros(),
+                        false,
+                    );
+                    let v = self.param_typed(
+                        &format!("optim.v.{name}"),
+                        ty.clone(),
+                        Init::zeros(),
+                        false,
+                    );
                     let m1 = m.mul_scalar(a.beta1).add(&g.mul_scalar(1.0 - a.beta1));
-                    let v1 = v.mul_scalar(a.beta2).add(&g.mul(&g).mul_scalar(1.0 - a.beta2));
+                    let v1 = v
+                        .mul_scalar(a.beta2)
+                        .add(&g.mul(&g).mul_scalar(1.0 - a.beta2));
                     self.update(&m, &m1);
                     self.update(&v, &v1);
                     // Bias corrections 1 − βᵗ as scalars.
-                    let bc1 = self.scalar(a.beta1, DType::F32).pow(&t1).neg().add_scalar(1.0);
-                    let bc2 = self.scalar(a.beta2, DType::F32).pow(&t1).neg().add_scalar(1.0);
+                    let bc1 = self
+                        .scalar(a.beta1, DType::F32)
+                        .pow(&t1)
+                        .neg()
+                        .add_scalar(1.0);
+                    let bc2 = self
+                        .scalar(a.beta2, DType::F32)
+                        .pow(&t1)
+                        .neg()
+                        .add_scalar(1.0);
                     let step_size = lr.div(&bc1).cast(dt);
                     let denom = v1.div(&bc2.cast(dt)).sqrt().add_scalar(a.eps);
                     let decayed = p.mul(&lr_p.mul_scalar(a.weight_decay).neg().add_scalar(1.0));

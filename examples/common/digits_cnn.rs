@@ -68,7 +68,11 @@ pub fn train_digits(
     let (_, logits) = digits_cnn(&g, batch);
     let y = g.input("y", DType::I64, [batch]);
     let loss = logits.cross_entropy(&y);
-    g.train_step(&loss, AdamW::new(2e-3).weight_decay(1e-4), &StepOptions::default())?;
+    g.train_step(
+        &loss,
+        AdamW::new(2e-3).weight_decay(1e-4),
+        &StepOptions::default(),
+    )?;
     let mut exe = compile(&g, &[&loss], Device::Cpu)?;
     let steps = train.len() / batch;
     let mut last = 0.0;
@@ -106,7 +110,9 @@ pub fn accuracy(
     let mut correct = 0;
     let mut start = 0;
     while start < test.len() {
-        let idx: Vec<usize> = (start..start + batch).map(|i| i.min(test.len() - 1)).collect();
+        let idx: Vec<usize> = (start..start + batch)
+            .map(|i| i.min(test.len() - 1))
+            .collect();
         let (xb, _) = batch_tensors(test, &idx);
         let p = eval.run(&[("x", xb)])?[0].to_vec::<i64>()?;
         for (k, &i) in idx.iter().enumerate() {

@@ -2,7 +2,9 @@
 //! receives a [`VjpCtx`] and emits the ops of its vector-Jacobian product through it; the compiler's
 //! autodiff implements [`GradBuilder`] over its graph.
 
-use crate::{BinaryOp, DType, F64Bits, Op, OpError, ReduceKind, Result, Shape, TensorType, UnaryOp};
+use crate::{
+    BinaryOp, DType, F64Bits, Op, OpError, ReduceKind, Result, Shape, TensorType, UnaryOp,
+};
 
 /// A value in the graph being built (a node id).
 pub type Value = usize;

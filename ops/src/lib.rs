@@ -10,10 +10,10 @@ pub mod op;
 pub mod rng;
 pub mod shape;
 pub mod tensor;
-pub mod text;
-pub mod util;
 #[doc(hidden)]
 pub mod testing;
+pub mod text;
+pub mod util;
 
 pub mod attention;
 pub mod conv;
@@ -60,9 +60,10 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
         Op::Softmax { .. } | Op::LogSoftmax { .. } | Op::LayerNorm { .. } | Op::RmsNorm { .. } => {
             norm::infer(op, inputs)
         }
-        Op::Gather { .. } | Op::ScatterAdd { .. } | Op::IndexSelect { .. } | Op::IndexAdd { .. } => {
-            index::infer(op, inputs)
-        }
+        Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::IndexSelect { .. }
+        | Op::IndexAdd { .. } => index::infer(op, inputs),
         Op::Conv { .. } | Op::ConvGradInput { .. } | Op::ConvGradWeight { .. } => {
             conv::infer(op, inputs)
         }
@@ -100,9 +101,10 @@ pub fn eval_cpu(op: &Op, inputs: &[&HostTensor]) -> Result<HostTensor> {
         Op::Softmax { .. } | Op::LogSoftmax { .. } | Op::LayerNorm { .. } | Op::RmsNorm { .. } => {
             norm::cpu(op, inputs, &out)
         }
-        Op::Gather { .. } | Op::ScatterAdd { .. } | Op::IndexSelect { .. } | Op::IndexAdd { .. } => {
-            index::cpu(op, inputs, &out)
-        }
+        Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::IndexSelect { .. }
+        | Op::IndexAdd { .. } => index::cpu(op, inputs, &out),
         Op::Conv { .. } | Op::ConvGradInput { .. } | Op::ConvGradWeight { .. } => {
             conv::cpu(op, inputs, &out)
         }
@@ -137,9 +139,10 @@ pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
         Op::Softmax { .. } | Op::LogSoftmax { .. } | Op::LayerNorm { .. } | Op::RmsNorm { .. } => {
             norm::vjp(cx)
         }
-        Op::Gather { .. } | Op::ScatterAdd { .. } | Op::IndexSelect { .. } | Op::IndexAdd { .. } => {
-            index::vjp(cx)
-        }
+        Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::IndexSelect { .. }
+        | Op::IndexAdd { .. } => index::vjp(cx),
         Op::Conv { .. } | Op::ConvGradInput { .. } | Op::ConvGradWeight { .. } => conv::vjp(cx),
         Op::Pool { .. } | Op::PoolGrad { .. } => pool::vjp(cx),
         Op::Attention { .. } | Op::AttentionGrad { .. } => attention::vjp(cx),

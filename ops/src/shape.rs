@@ -48,8 +48,16 @@ impl Shape {
         let r = a.rank().max(b.rank());
         let mut out = vec![0; r];
         for i in 0..r {
-            let da = if i + a.rank() >= r { a.0[i + a.rank() - r] } else { 1 };
-            let db = if i + b.rank() >= r { b.0[i + b.rank() - r] } else { 1 };
+            let da = if i + a.rank() >= r {
+                a.0[i + a.rank() - r]
+            } else {
+                1
+            };
+            let db = if i + b.rank() >= r {
+                b.0[i + b.rank() - r]
+            } else {
+                1
+            };
             out[i] = if da == db {
                 da
             } else if da == 1 {

@@ -44,7 +44,13 @@ pub fn tolerance(dtype: DType) -> f64 {
 
 /// Asserts `got` equals `want` elementwise within `tol` (absolute + relative), NaNs matching.
 pub fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length {} vs {}", got.len(), want.len());
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "{what}: length {} vs {}",
+        got.len(),
+        want.len()
+    );
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         let ok = (g.is_nan() && w.is_nan()) || g == w || (g - w).abs() <= tol * (1.0 + w.abs());
         assert!(ok, "{what}: element {i}: got {g}, want {w} (tol {tol})");
@@ -91,7 +97,10 @@ pub fn vjp_eager(
         grad,
     };
     let gs = vjp(&mut cx)?;
-    Ok(gs.into_iter().map(|g| g.map(|v| e.values[v].clone())).collect())
+    Ok(gs
+        .into_iter()
+        .map(|g| g.map(|v| e.values[v].clone()))
+        .collect())
 }
 
 /// Checks `op`'s gradient rule against central finite differences in float64, for every input in
@@ -110,10 +119,14 @@ pub fn gradcheck(op: &Op, inputs: &[HostTensor], check: &[usize], seed: u64) -> 
     };
     let grads = vjp_eager(op, inputs, &cot)?;
     for &i in check {
-        let g = grads.get(i).cloned().flatten().ok_or_else(|| OpError::Runtime {
-            op: op.name(),
-            reason: format!("no gradient for input {i}"),
-        })?;
+        let g = grads
+            .get(i)
+            .cloned()
+            .flatten()
+            .ok_or_else(|| OpError::Runtime {
+                op: op.name(),
+                reason: format!("no gradient for input {i}"),
+            })?;
         if g.shape() != inputs[i].shape() {
             panic!(
                 "{}: gradient of input {i} has shape {} but the input has {}",
