@@ -2,8 +2,7 @@
 //! inputs and outputs, and safetensors for parameter state.
 
 use crate::{Error, Result};
-use rustytorch_ops::{bf16, f16, with_data, DType, Data, HostTensor, Shape};
-use std::borrow::Cow;
+use rustytorch_ops::{f16, DType, Data, HostTensor, Shape};
 use std::path::Path;
 
 fn file_err(path: &Path, reason: impl std::fmt::Display) -> Error {
@@ -27,22 +26,23 @@ pub fn read_npy(path: &Path) -> Result<HostTensor> {
     let dims: Vec<usize> = f.shape().iter().map(|&d| d as usize).collect();
     let descr = f.dtype().descr();
     let descr = descr.trim_matches('\'');
-    let dtype =
-        match descr {
-            "<f4" => DType::F32,
-            "<f8" => DType::F64,
-            "<f2" => DType::F16,
-            "<i4" => DType::I32,
-            "<i8" => DType::I64,
-            "|u1" => DType::U8,
-            "|b1" => DType::Bool,
-            other => return Err(file_err(
+    let dtype = match descr {
+        "<f4" => DType::F32,
+        "<f8" => DType::F64,
+        "<f2" => DType::F16,
+        "<i4" => DType::I32,
+        "<i8" => DType::I64,
+        "|u1" => DType::U8,
+        "|b1" => DType::Bool,
+        other => {
+            return Err(file_err(
                 path,
                 format!(
                     "unsupported numpy dtype `{other}` (supported: <f4 <f8 <f2 <i4 <i8 |u1 |b1)"
                 ),
-            )),
-        };
+            ))
+        }
+    };
     // Bound the allocation by what the file holds before decoding.
     let numel = dims
         .iter()
@@ -103,133 +103,17 @@ pub fn write_npy(path: &Path, t: &HostTensor) -> Result<()> {
     r.map_err(|e| file_err(path, e))
 }
 
-/// Little-endian bytes of a tensor (bool as one byte 0/1).
-pub fn to_le_bytes(t: &HostTensor) -> Vec<u8> {
-    trait Le {
-        fn put_le(&self, out: &mut Vec<u8>);
-    }
-    macro_rules! le {
-        ($($t:ty),*) => {$(impl Le for $t { fn put_le(&self, out: &mut Vec<u8>) { out.extend_from_slice(&self.to_le_bytes()) } })*};
-    }
-    le!(f32, f64, f16, bf16, i32, i64, u8);
-    impl Le for bool {
-        fn put_le(&self, out: &mut Vec<u8>) {
-            out.push(*self as u8)
-        }
-    }
-    let mut out = Vec::with_capacity(t.ty().size_bytes());
-    with_data!(t.data(), v => v.iter().for_each(|x| x.put_le(&mut out)));
-    out
-}
-
-/// A tensor from little-endian bytes; errors when the byte count does not match.
-pub fn from_le_bytes(dtype: DType, shape: Shape, bytes: &[u8]) -> Result<HostTensor> {
-    let n = shape.numel();
-    if Some(bytes.len()) != n.checked_mul(dtype.size_bytes()) {
-        return Err(Error::Input {
-            name: "tensor bytes".into(),
-            reason: format!("{} bytes for {dtype}{shape}", bytes.len()),
-        });
-    }
-    macro_rules! dec {
-        ($t:ty, $w:expr) => {
-            bytes
-                .chunks_exact($w)
-                .map(|c| <$t>::from_le_bytes(c.try_into().expect("chunk size")))
-                .collect()
-        };
-    }
-    let data = match dtype {
-        DType::F32 => Data::F32(dec!(f32, 4)),
-        DType::F64 => Data::F64(dec!(f64, 8)),
-        DType::F16 => Data::F16(dec!(f16, 2)),
-        DType::BF16 => Data::BF16(dec!(bf16, 2)),
-        DType::I32 => Data::I32(dec!(i32, 4)),
-        DType::I64 => Data::I64(dec!(i64, 8)),
-        DType::U8 => Data::U8(bytes.to_vec()),
-        DType::Bool => Data::Bool(bytes.iter().map(|&b| b != 0).collect()),
-    };
-    Ok(HostTensor::from_data(data, shape)?)
-}
-
-fn st_dtype(d: DType) -> safetensors::Dtype {
-    match d {
-        DType::F32 => safetensors::Dtype::F32,
-        DType::F64 => safetensors::Dtype::F64,
-        DType::F16 => safetensors::Dtype::F16,
-        DType::BF16 => safetensors::Dtype::BF16,
-        DType::I32 => safetensors::Dtype::I32,
-        DType::I64 => safetensors::Dtype::I64,
-        DType::U8 => safetensors::Dtype::U8,
-        DType::Bool => safetensors::Dtype::BOOL,
-    }
-}
-
-struct View {
-    dtype: DType,
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
-}
-
-impl safetensors::View for &View {
-    fn dtype(&self) -> safetensors::Dtype {
-        st_dtype(self.dtype)
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.bytes)
-    }
-    fn data_len(&self) -> usize {
-        self.bytes.len()
-    }
-}
-
 /// Writes named tensors to a safetensors file.
 pub fn save_safetensors(path: &Path, tensors: &[(String, HostTensor)]) -> Result<()> {
-    let views: Vec<(String, View)> = tensors
-        .iter()
-        .map(|(n, t)| {
-            (
-                n.clone(),
-                View {
-                    dtype: t.dtype(),
-                    shape: t.dims().to_vec(),
-                    bytes: to_le_bytes(t),
-                },
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views.iter().map(|(n, v)| (n.as_str(), v)), &None, path)
-        .map_err(|e| file_err(path, e))
+    let bytes = rustytorch_compiler::format::safetensors_bytes(tensors)?;
+    std::fs::write(path, bytes).map_err(|e| file_err(path, e))
 }
 
-/// Reads every tensor of a safetensors file.
+/// Reads every tensor of a safetensors file, sorted by name.
 pub fn load_safetensors(path: &Path) -> Result<Vec<(String, HostTensor)>> {
     let bytes = std::fs::read(path).map_err(|e| file_err(path, e))?;
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| file_err(path, e))?;
-    let mut out = Vec::new();
-    for (name, view) in st.tensors() {
-        let dtype = match view.dtype() {
-            safetensors::Dtype::F32 => DType::F32,
-            safetensors::Dtype::F64 => DType::F64,
-            safetensors::Dtype::F16 => DType::F16,
-            safetensors::Dtype::BF16 => DType::BF16,
-            safetensors::Dtype::I32 => DType::I32,
-            safetensors::Dtype::I64 => DType::I64,
-            safetensors::Dtype::U8 => DType::U8,
-            safetensors::Dtype::BOOL => DType::Bool,
-            other => {
-                return Err(file_err(
-                    path,
-                    format!("tensor `{name}`: unsupported dtype {other:?}"),
-                ))
-            }
-        };
-        let t = from_le_bytes(dtype, Shape::new(view.shape()), view.data())?;
-        out.push((name, t));
-    }
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    Ok(out)
+    Ok(rustytorch_compiler::format::safetensors_tensors(
+        &bytes,
+        &path.display().to_string(),
+    )?)
 }

@@ -170,7 +170,8 @@ fn io_err(path: &Path, source: std::io::Error) -> CompileError {
 
 // ---------------------------------------------------------------- tensors <-> bytes
 
-fn tensor_bytes(t: &HostTensor) -> Vec<u8> {
+/// A tensor's elements as little-endian bytes (bool as one byte 0/1).
+pub fn tensor_bytes(t: &HostTensor) -> Vec<u8> {
     fn le<T, const N: usize>(v: &[T], f: impl Fn(&T) -> [u8; N]) -> Vec<u8> {
         let mut out = Vec::with_capacity(v.len() * N);
         for x in v {
@@ -300,6 +301,53 @@ impl safetensors::View for StView {
     }
 }
 
+fn from_st_dtype(d: safetensors::Dtype) -> Option<DType> {
+    Some(match d {
+        safetensors::Dtype::F32 => DType::F32,
+        safetensors::Dtype::F64 => DType::F64,
+        safetensors::Dtype::F16 => DType::F16,
+        safetensors::Dtype::BF16 => DType::BF16,
+        safetensors::Dtype::I32 => DType::I32,
+        safetensors::Dtype::I64 => DType::I64,
+        safetensors::Dtype::U8 => DType::U8,
+        safetensors::Dtype::BOOL => DType::Bool,
+        _ => return None,
+    })
+}
+
+/// Named tensors as the bytes of a safetensors file (parameter sidecars and state files).
+pub fn safetensors_bytes(tensors: &[(String, HostTensor)]) -> Result<Vec<u8>> {
+    let views = tensors.iter().map(|(name, t)| {
+        (
+            name.as_str(),
+            StView {
+                dtype: st_dtype(t.dtype()),
+                shape: t.dims().to_vec(),
+                bytes: tensor_bytes(t),
+            },
+        )
+    });
+    safetensors::serialize(views, &None).map_err(|e| fmt_err(format!("writing safetensors: {e}")))
+}
+
+/// Every tensor of a safetensors file's bytes, sorted by name; `file` names it in errors. Byte
+/// counts are checked against dtype × shape and the size limits of graph files.
+pub fn safetensors_tensors(bytes: &[u8], file: &str) -> Result<Vec<(String, HostTensor)>> {
+    let st = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|e| fmt_err(format!("safetensors file `{file}`: {e}")))?;
+    let mut out = Vec::new();
+    for (name, v) in st.tensors() {
+        let what = || format!("safetensors file `{file}`, tensor `{name}`");
+        let dtype = from_st_dtype(v.dtype())
+            .ok_or_else(|| fmt_err(format!("{}: unsupported dtype {:?}", what(), v.dtype())))?;
+        let dims: Vec<u64> = v.shape().iter().map(|&d| d as u64).collect();
+        let t = tensor_from_bytes(dtype, &dims, v.data(), &what)?;
+        out.push((name, t));
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
 // ---------------------------------------------------------------- encoding
 
 fn write_options() -> impl Options {
@@ -368,14 +416,7 @@ fn encode(
             (None, _) | (Some(_), ParamStorage::InitOnly) => ParamData::None,
             (Some(t), ParamStorage::Embedded) => ParamData::Embedded(tensor_def(t)),
             (Some(t), ParamStorage::Safetensors) => {
-                sidecar_tensors.push((
-                    d.name.clone(),
-                    StView {
-                        dtype: st_dtype(t.dtype()),
-                        shape: t.dims().to_vec(),
-                        bytes: tensor_bytes(t),
-                    },
-                ));
+                sidecar_tensors.push((d.name.clone(), t.clone()));
                 ParamData::Sidecar
             }
         };
@@ -407,8 +448,7 @@ fn encode(
         let name = sidecar_name.ok_or_else(|| {
             fmt_err("parameters stored in a safetensors file need a path: use `save`")
         })?;
-        let bytes = safetensors::serialize(sidecar_tensors, &None)
-            .map_err(|e| fmt_err(format!("writing safetensors: {e}")))?;
+        let bytes = safetensors_bytes(&sidecar_tensors)?;
         (Some(name.to_string()), Some(bytes))
     };
     let def = GraphDef {
