@@ -360,7 +360,12 @@ impl GraphBuilder {
     pub fn check(&self) -> Result<()> {
         match self.inner.error.borrow().as_ref() {
             None => Ok(()),
-            Some(e) => Err(CompileError::Invalid(e.to_string()).with_source_of(e)),
+            // Build errors keep their variant (location, op error); others are reported as text.
+            Some(CompileError::Build { location, source }) => Err(CompileError::Build {
+                location: location.clone(),
+                source: source.clone(),
+            }),
+            Some(e) => Err(CompileError::Invalid(e.to_string())),
         }
     }
 
@@ -385,19 +390,6 @@ impl GraphBuilder {
             })),
             at,
         )
-    }
-}
-
-impl CompileError {
-    /// Keeps a build error's own variant when re-reporting it.
-    fn with_source_of(self, e: &CompileError) -> CompileError {
-        match e {
-            CompileError::Build { location, source } => CompileError::Build {
-                location: location.clone(),
-                source: source.clone(),
-            },
-            _ => self,
-        }
     }
 }
 

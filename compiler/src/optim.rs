@@ -7,7 +7,7 @@
 use crate::builder::{GraphBuilder, Tensor};
 use crate::graph::Init;
 use crate::{autodiff, CompileError, Result};
-use rustytorch_ops::{DType, Op, Shape, TensorType};
+use rustytorch_ops::{DType, Shape, TensorType};
 
 /// An optimizer.
 #[derive(Clone, Debug, PartialEq)]
@@ -255,9 +255,4 @@ fn lr_of(opt: &Optimizer) -> f64 {
         Optimizer::Sgd(s) => s.lr,
         Optimizer::AdamW(a) => a.lr,
     }
-}
-
-/// Whether an op is an optimizer-state write target (used by printers to label state).
-pub fn is_state(op: &Op) -> bool {
-    matches!(op, Op::Param { .. })
 }
