@@ -962,51 +962,10 @@ mod tests {
         }
     }
 
-    /// Which variant an op is; the exhaustive match makes a new variant a compile error here.
     fn variant(op: &Op) -> usize {
-        match op {
-            Op::Input { .. } => 0,
-            Op::Param { .. } => 1,
-            Op::Constant { .. } => 2,
-            Op::Full { .. } => 3,
-            Op::Iota { .. } => 4,
-            Op::RandUniform { .. } => 5,
-            Op::RandNormal { .. } => 6,
-            Op::Unary(_) => 7,
-            Op::Binary(_) => 8,
-            Op::Where => 9,
-            Op::Cast { .. } => 10,
-            Op::Reduce { .. } => 11,
-            Op::ArgReduce { .. } => 12,
-            Op::Matmul { .. } => 13,
-            Op::MatmulEpilogue { .. } => 14,
-            Op::Reshape { .. } => 15,
-            Op::Permute { .. } => 16,
-            Op::Expand { .. } => 17,
-            Op::Slice { .. } => 18,
-            Op::Concat { .. } => 19,
-            Op::Pad { .. } => 20,
-            Op::Softmax { .. } => 21,
-            Op::LogSoftmax { .. } => 22,
-            Op::LayerNorm { .. } => 23,
-            Op::RmsNorm { .. } => 24,
-            Op::Gather { .. } => 25,
-            Op::ScatterAdd { .. } => 26,
-            Op::IndexSelect { .. } => 27,
-            Op::IndexAdd { .. } => 28,
-            Op::Conv { .. } => 29,
-            Op::ConvGradInput { .. } => 30,
-            Op::ConvGradWeight { .. } => 31,
-            Op::Pool { .. } => 32,
-            Op::PoolGrad { .. } => 33,
-            Op::Attention { .. } => 34,
-            Op::AttentionGrad { .. } => 35,
-            Op::CrossEntropy { .. } => 36,
-            Op::CrossEntropyGrad { .. } => 37,
-            Op::Fused(_) => 38,
-        }
+        op.variant_index()
     }
-    const N_VARIANTS: usize = 39;
+    const N_VARIANTS: usize = Op::VARIANT_COUNT;
 
     fn samples() -> Vec<Op> {
         let f = F64Bits::new;
