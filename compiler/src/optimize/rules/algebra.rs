@@ -7,7 +7,7 @@
 //! does not rely on NaN). `log(exp x) => x` holds for every finite x, and is more accurate where
 //! `exp x` overflows.
 
-use super::{build, build_with, rule, rule_if_const, Ctx, Rw};
+use super::{build, build_with, rule, rule_if_const, Ctx, Rw, ARITH_BINARY, FLOAT_UNARY};
 use egg::Id;
 use rustytorch_ops::{eval_cpu, DType, F64Bits, HostTensor, Op, Shape, TensorType};
 
@@ -66,27 +66,6 @@ fn fold(cx: &mut Ctx<'_>, vars: &[&str]) -> Option<Id> {
         &[],
     )
 }
-
-/// The float unary ops constant folding covers.
-const FOLD_UNARY: &[&str] = &[
-    "neg",
-    "abs",
-    "exp",
-    "log",
-    "sqrt",
-    "rsqrt",
-    "reciprocal",
-    "sin",
-    "cos",
-    "tanh",
-    "sigmoid",
-    "relu",
-    "gelu",
-    "gelu_tanh",
-    "silu",
-];
-/// The binary ops constant folding covers.
-const FOLD_BINARY: &[&str] = &["add", "sub", "mul", "div", "pow", "maximum", "minimum"];
 
 /// The algebra rules.
 pub fn rules() -> Vec<Rw> {
@@ -185,7 +164,7 @@ pub fn rules() -> Vec<Rw> {
             }
         }),
     ];
-    for name in FOLD_UNARY {
+    for name in FLOAT_UNARY {
         // op(c) == the folded constant, for a rank-0 float constant c.
         r.push(build_with(
             format!("fold-{name}"),
@@ -194,7 +173,7 @@ pub fn rules() -> Vec<Rw> {
             |cx| fold(cx, &["?a"]),
         ));
     }
-    for name in FOLD_BINARY {
+    for name in ARITH_BINARY {
         // c1 op c2 == the folded constant, for rank-0 float constants.
         r.push(build_with(
             format!("fold-{name}"),

@@ -2,7 +2,7 @@
 //! ops that do nothing, and broadcasts pushed past elementwise ops so that the op runs on the
 //! smaller tensor.
 
-use super::{build, Ctx, Rw};
+use super::{build, Ctx, Rw, ARITH_BINARY, FLOAT_UNARY};
 use egg::Id;
 use rustytorch_ops::{Op, Shape};
 
@@ -39,28 +39,6 @@ fn fold_trans(cx: &mut Ctx<'_>, which: usize) -> Option<Id> {
     let (a, b) = (cx.id("?a"), cx.id("?b"));
     cx.add(op, &[a, b])
 }
-
-/// Unary elementwise ops a broadcast is pushed past.
-const PUSH_UNARY: &[&str] = &[
-    "neg",
-    "abs",
-    "exp",
-    "log",
-    "sqrt",
-    "rsqrt",
-    "reciprocal",
-    "sin",
-    "cos",
-    "tanh",
-    "sigmoid",
-    "relu",
-    "gelu",
-    "gelu_tanh",
-    "silu",
-    "cast*",
-];
-/// Binary elementwise ops a broadcast is pushed past.
-const PUSH_BINARY: &[&str] = &["add", "sub", "mul", "div", "pow", "maximum", "minimum"];
 
 /// `op(...)` over the given operands, then expanded to the matched shape, if `op` then runs on
 /// fewer elements.
@@ -106,7 +84,7 @@ pub fn rules() -> Vec<Rw> {
             (cx.ty("?x")?.shape == cx.root_ty()?.shape).then(|| cx.id("?x"))
         }),
     ];
-    for name in PUSH_UNARY {
+    for name in FLOAT_UNARY.iter().chain(&["cast*"]) {
         let base = name.trim_end_matches('*');
         // f(expand(x)) == expand(f(x)).
         r.push(build(
@@ -115,7 +93,7 @@ pub fn rules() -> Vec<Rw> {
             |cx| push_expand(cx, &["?x"]),
         ));
     }
-    for name in PUSH_BINARY {
+    for name in ARITH_BINARY {
         // expand(x) op expand(y) == expand(x op y) when that is smaller.
         r.push(build(
             format!("expand-past-{name}"),

@@ -542,3 +542,25 @@ pub fn rewrites_to_with(
     }
     Ok(eg.lookup_expr(&expected) == Some(eg.find(root)))
 }
+
+/// The float unary ops that constant folding covers and that a broadcast is pushed past.
+pub(crate) const FLOAT_UNARY: &[&str] = &[
+    "neg",
+    "abs",
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "reciprocal",
+    "sin",
+    "cos",
+    "tanh",
+    "sigmoid",
+    "relu",
+    "gelu",
+    "gelu_tanh",
+    "silu",
+];
+
+/// The arithmetic binary ops that constant folding covers and that a broadcast is pushed past.
+pub(crate) const ARITH_BINARY: &[&str] = &["add", "sub", "mul", "div", "pow", "maximum", "minimum"];
