@@ -2,21 +2,34 @@
 //!
 //! - **Schedule**: [`Graph::live_order`], a topological order of the nodes the roots need
 //!   (depth-first, so a value tends to be consumed soon after it is made).
+//! - **Provided values**: graph inputs, parameters and constants, and the generator leaves
+//!   (`Full`, `Iota`, `RandUniform`, `RandNormal`, which codegen evaluates once at lowering time
+//!   into constants), are not in the arena: their buffers are provided to the run.
+//! - **Aliases**: a `Reshape`, and an `Expand` that only inserts size-1 dims (as many elements
+//!   out as in), reads its operand's bytes as they are: it gets no slot and is recorded in
+//!   [`MemoryPlan::aliases`] as aliasing its direct operand (itself possibly an alias, or a
+//!   provided value). Following aliases down ends at the value's *storage root*: a value with a
+//!   slot, or a provided one.
 //! - **Lifetimes**: a value is defined at its own step and lives until the step of its last user;
-//!   outputs, updates and guards live past the final step (the caller reads them). Graph inputs, parameters and constants are not
-//!   in the arena: the caller provides their buffers.
+//!   outputs, updates and guards live past the final step (the caller reads them). An arena
+//!   storage root and the values aliasing it (transitively) form a group whose bytes live until
+//!   the last use of any member, and past the final step when any member is an output, update or
+//!   guard: that is the storage root's [`Slot::last`].
 //! - **Placement**: in schedule order, each value takes the smallest free block that fits
 //!   (best fit; sizes are [`TensorType::size_bytes`] rounded up to [`ALIGN`]), or grows the
-//!   arena; after the step, the values whose lifetime ends there are freed and neighboring free
+//!   arena; after the step, the groups whose lifetime ends there are freed and neighboring free
 //!   blocks coalesce. A value is placed before its dying inputs are freed, so a kernel never
 //!   writes over what it reads, except:
 //! - **In place**: an elementwise op (`Unary`, `Binary`, `Where`, `Cast`, `Fused`) may write its
-//!   result over an operand that dies at this step, has exactly as many elements and the same
-//!   element width (so element `i` of the output overwrites element `i` of the operand, which the
-//!   kernel read first), and is not an output, update or guard. The result records it in
-//!   [`Slot::inplace_of`]. Reshape-like ops never alias: they get their own buffer.
+//!   result over the bytes of an operand (or of the storage root the operand aliases) whose
+//!   whole group dies at this step, that has exactly as many elements and the same element width
+//!   (so element `i` of the output overwrites element `i` of the operand, which the kernel read
+//!   first), and none of whose members is an output, update or guard. The result records the
+//!   storage root in [`Slot::inplace_of`].
+//!
+//! [`TensorType::size_bytes`]: rustytorch_ops::TensorType::size_bytes
 
-use crate::graph::{Graph, NodeId};
+use crate::graph::{Graph, Node, NodeId};
 use crate::{CompileError, Result};
 use rustytorch_ops::Op;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -62,11 +75,16 @@ impl Slot {
 pub struct MemoryPlan {
     /// The nodes in execution order (leaves included).
     pub schedule: Vec<NodeId>,
-    /// The arena slot of each computed value (not of inputs, parameters and constants).
+    /// The arena slot of each computed value (not of provided values, nor of aliases).
     pub slots: BTreeMap<NodeId, Slot>,
+    /// Values that share another value's bytes instead of a slot of their own (reshapes, and
+    /// expands that only insert size-1 dims): value → the operand it aliases (itself an alias, a
+    /// value in the arena or a provided buffer).
+    pub aliases: BTreeMap<NodeId, NodeId>,
     /// The arena's size: the peak of the placement.
     pub arena_bytes: usize,
-    /// The sum of every value's slot size (what one buffer per value would take).
+    /// The sum of every computed value's aligned size, aliases included (what one buffer per
+    /// value would take).
     pub naive_bytes: usize,
 }
 
@@ -130,12 +148,23 @@ impl FreeList {
     }
 }
 
-/// Whether the caller provides this leaf's buffer.
+/// Whether this leaf's buffer is provided to the run rather than placed in the arena: inputs,
+/// parameters, constants and the generator leaves (evaluated into constants when lowering).
 fn provided(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Input { .. } | Op::Param { .. } | Op::Constant { .. }
-    )
+    op.is_leaf()
+}
+
+/// Whether `node` reads its operand's bytes as they are (a reshape, or an expand that only
+/// inserts size-1 dims) and so aliases it instead of taking a slot.
+fn is_alias(graph: &Graph, node: &Node) -> bool {
+    match &node.op {
+        Op::Reshape { .. } => node.inputs.len() == 1,
+        Op::Expand { .. } => {
+            node.inputs.len() == 1
+                && graph.ty(node.inputs[0]).shape.numel() == node.ty.shape.numel()
+        }
+        _ => false,
+    }
 }
 
 /// Schedules the live nodes of `graph` and places every intermediate value in one arena (see
@@ -158,6 +187,28 @@ pub fn plan(graph: &Graph) -> Result<MemoryPlan> {
         last.insert(*r, end);
     }
 
+    // Aliases, each value's storage root, and each group's lifetime (by storage root).
+    let mut aliases: BTreeMap<NodeId, NodeId> = BTreeMap::new();
+    let mut storage: HashMap<NodeId, NodeId> = HashMap::new();
+    for &n in &schedule {
+        let node = graph.node(n)?;
+        let root = if !provided(&node.op) && is_alias(graph, node) {
+            let of = node.inputs[0];
+            aliases.insert(n, of);
+            storage[&of]
+        } else {
+            n
+        };
+        storage.insert(n, root);
+    }
+    let mut group_last: HashMap<NodeId, usize> = HashMap::new();
+    for &n in &schedule {
+        let l = group_last.entry(storage[&n]).or_insert(0);
+        *l = (*l).max(last[&n]);
+    }
+    // Groups with a member that the caller reads after the run.
+    let pinned: HashSet<NodeId> = roots.iter().map(|r| storage[r]).collect();
+
     let mut free = FreeList::default();
     let mut slots: BTreeMap<NodeId, Slot> = BTreeMap::new();
     let mut naive = 0;
@@ -168,51 +219,57 @@ pub fn plan(graph: &Graph) -> Result<MemoryPlan> {
         }
         let size = align_up(node.ty.size_bytes());
         naive += size;
+        // Storage roots in the arena whose whole group dies at this step.
         let mut dying: Vec<NodeId> = node
             .inputs
             .iter()
-            .copied()
-            .filter(|i| slots.contains_key(i) && last[i] == t)
+            .map(|i| storage[i])
+            .filter(|s| slots.contains_key(s) && group_last[s] == t)
             .collect();
         dying.sort();
         dying.dedup();
-        let donor = if node.op.is_elementwise() && size > 0 {
-            dying.iter().copied().find(|&i| {
-                let it = graph.ty(i);
-                !roots.contains(&i)
-                    && it.shape.numel() == node.ty.shape.numel()
-                    && it.dtype.size_bytes() == node.ty.dtype.size_bytes()
-            })
-        } else {
-            None
-        };
-        let offset = match donor {
-            Some(d) => slots[&d].offset,
-            None => free.alloc(size),
-        };
-        slots.insert(
-            n,
-            Slot {
-                offset,
-                size,
-                first: t,
-                last: last[&n].max(t),
-                inplace_of: donor,
-            },
-        );
+        let mut donor = None;
+        if !aliases.contains_key(&n) {
+            if node.op.is_elementwise() && size > 0 {
+                // An alias has its storage root's element count and dtype.
+                donor = dying.iter().copied().find(|&d| {
+                    let dt = graph.ty(d);
+                    !pinned.contains(&d)
+                        && dt.shape.numel() == node.ty.shape.numel()
+                        && dt.dtype.size_bytes() == node.ty.dtype.size_bytes()
+                });
+            }
+            let offset = match donor {
+                Some(d) => slots[&d].offset,
+                None => free.alloc(size),
+            };
+            slots.insert(
+                n,
+                Slot {
+                    offset,
+                    size,
+                    first: t,
+                    last: group_last[&n].max(t),
+                    inplace_of: donor,
+                },
+            );
+        }
         for d in dying {
             if Some(d) != donor {
                 let s = slots[&d];
                 free.free(s.offset, s.size);
             }
         }
-        if last[&n] <= t && !roots.contains(&n) {
-            free.free(offset, size);
+        if let Some(s) = slots.get(&n) {
+            if s.last <= t && !pinned.contains(&n) {
+                free.free(s.offset, s.size);
+            }
         }
     }
     let plan = MemoryPlan {
         schedule,
         slots,
+        aliases,
         arena_bytes: free.peak,
         naive_bytes: naive,
     };
@@ -234,10 +291,64 @@ impl MemoryPlan {
             .count()
     }
 
+    /// The value whose bytes `id` reads: `id` itself unless it is an alias, else the end of its
+    /// alias chain (a value with a slot, or a provided one).
+    pub fn storage_root(&self, id: NodeId) -> NodeId {
+        let mut r = id;
+        // A valid plan's chains are acyclic; the bound only keeps a forged one from looping.
+        for _ in 0..=self.aliases.len() {
+            match self.aliases.get(&r) {
+                Some(&of) => r = of,
+                None => break,
+            }
+        }
+        r
+    }
+
     /// Checks the plan: aligned slots inside the arena, in-place pairs that share exactly one
-    /// step and the same bytes, and no two other values whose lifetimes overlap sharing a byte.
+    /// step and the same bytes, no two other values whose lifetimes overlap sharing a byte, and
+    /// aliases that have no slot, alias a value scheduled before them and are defined while their
+    /// storage root's bytes are live. [`MemoryPlan::check_uses`] also checks the lifetimes
+    /// against the graph's uses.
     pub fn check(&self) -> Result<()> {
         let bad = |m: String| Err(CompileError::Invalid(format!("memory plan: {m}")));
+        let step: HashMap<NodeId, usize> = self
+            .schedule
+            .iter()
+            .enumerate()
+            .map(|(t, &n)| (n, t))
+            .collect();
+        for (&a, &of) in &self.aliases {
+            if self.slots.contains_key(&a) {
+                return bad(format!("alias %{} has a slot of its own", a.index()));
+            }
+            let (Some(&ta), Some(&tof)) = (step.get(&a), step.get(&of)) else {
+                return bad(format!(
+                    "alias %{} of %{} is not scheduled with its operand",
+                    a.index(),
+                    of.index()
+                ));
+            };
+            if tof >= ta {
+                return bad(format!(
+                    "alias %{} (step {ta}) is scheduled before %{} (step {tof}), which it aliases",
+                    a.index(),
+                    of.index()
+                ));
+            }
+            let root = self.storage_root(a);
+            if let Some(rs) = self.slots.get(&root) {
+                if !(rs.first < ta && ta <= rs.last) {
+                    return bad(format!(
+                        "alias %{} (step {ta}) outlives its storage %{} (steps {}..={})",
+                        a.index(),
+                        root.index(),
+                        rs.first,
+                        rs.last
+                    ));
+                }
+            }
+        }
         for (id, s) in &self.slots {
             if s.offset % ALIGN != 0 || s.size % ALIGN != 0 {
                 return bad(format!(
@@ -303,6 +414,62 @@ impl MemoryPlan {
         }
         Ok(())
     }
+
+    /// Checks the plan against the graph it was made for: every scheduled computed value has
+    /// either a slot or an alias, provided values have neither, and every value's bytes (its
+    /// slot, or its storage root's slot for an alias) are live from its definition through every
+    /// step that reads it, and past the final step for outputs, updates and guards.
+    pub fn check_uses(&self, graph: &Graph) -> Result<()> {
+        let bad = |m: String| Err(CompileError::Invalid(format!("memory plan: {m}")));
+        let end = self.schedule.len();
+        let live = |v: NodeId, t: usize| -> Result<()> {
+            let root = self.storage_root(v);
+            match self.slots.get(&root) {
+                Some(s) if s.first <= t && t <= s.last => Ok(()),
+                Some(s) => bad(format!(
+                    "%{} is read at step {t} but its storage %{} lives in steps {}..={}",
+                    v.index(),
+                    root.index(),
+                    s.first,
+                    s.last
+                )),
+                None => Ok(()),
+            }
+        };
+        for (t, &n) in self.schedule.iter().enumerate() {
+            let node = graph.node(n)?;
+            let placed = self.slots.contains_key(&n) || self.aliases.contains_key(&n);
+            if placed == provided(&node.op) {
+                return bad(format!(
+                    "%{} ({}) {}",
+                    n.index(),
+                    node.op.name(),
+                    if placed {
+                        "is provided but placed in the arena"
+                    } else {
+                        "is computed but has neither a slot nor an alias"
+                    }
+                ));
+            }
+            if let Some(s) = self.slots.get(&n) {
+                if s.first != t {
+                    return bad(format!(
+                        "%{} is defined at step {t}, its slot at step {}",
+                        n.index(),
+                        s.first
+                    ));
+                }
+            }
+            live(n, t)?;
+            for &i in &node.inputs {
+                live(i, t)?;
+            }
+        }
+        for r in graph.roots() {
+            live(r, end)?;
+        }
+        Ok(())
+    }
 }
 
 /// A one-line summary; the alternate form (`{:#}`) adds one line per value in schedule order.
@@ -315,10 +482,11 @@ impl fmt::Display for MemoryPlan {
         };
         write!(
             f,
-            "memory plan: {} steps, {} values ({} in place), arena {} bytes, naive {} bytes ({:.0}% saved)",
+            "memory plan: {} steps, {} values ({} in place), {} aliases, arena {} bytes, naive {} bytes ({:.0}% saved)",
             self.schedule.len(),
             self.slots.len(),
             self.inplace_count(),
+            self.aliases.len(),
             self.arena_bytes,
             self.naive_bytes,
             saved
@@ -338,6 +506,14 @@ impl fmt::Display for MemoryPlan {
                     if let Some(d) = s.inplace_of {
                         write!(f, " (in place of %{})", d.index())?;
                     }
+                } else if let Some(of) = self.aliases.get(n) {
+                    write!(
+                        f,
+                        "\n  %{:<4} alias of %{} (bytes of %{})",
+                        n.index(),
+                        of.index(),
+                        self.storage_root(*n).index()
+                    )?;
                 }
             }
         }

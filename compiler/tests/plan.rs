@@ -11,18 +11,39 @@ use rustytorch_ops::{Causal, DType, Op};
 fn checked(g: &Graph) -> MemoryPlan {
     let p = plan(g).unwrap();
     p.check().unwrap_or_else(|e| panic!("{e}\n{p:#}"));
+    p.check_uses(g).unwrap_or_else(|e| panic!("{e}\n{p:#}"));
     assert!(p.arena_bytes <= p.naive_bytes, "{p}");
     assert_eq!(p.schedule, g.live_order());
-    // Every computed value has a slot; provided buffers do not.
+    // Every computed value has a slot unless it is a reshape-like alias of its operand; provided
+    // buffers (leaves, generators included) have neither.
     for &n in &p.schedule {
-        let op = &g.node(n).unwrap().op;
+        let node = g.node(n).unwrap();
+        let op = &node.op;
         let provided = matches!(
             op,
-            Op::Input { .. } | Op::Param { .. } | Op::Constant { .. }
+            Op::Input { .. }
+                | Op::Param { .. }
+                | Op::Constant { .. }
+                | Op::Full { .. }
+                | Op::Iota { .. }
+                | Op::RandUniform { .. }
+                | Op::RandNormal { .. }
         );
+        let alias = match op {
+            Op::Reshape { .. } => true,
+            Op::Expand { .. } => g.ty(node.inputs[0]).shape.numel() == node.ty.shape.numel(),
+            _ => false,
+        };
         assert_eq!(
             p.slot(n).is_none(),
-            provided,
+            provided || alias,
+            "%{} ({})",
+            n.index(),
+            op.name()
+        );
+        assert_eq!(
+            p.aliases.get(&n),
+            alias.then(|| &node.inputs[0]),
             "%{} ({})",
             n.index(),
             op.name()
@@ -143,16 +164,16 @@ fn elementwise_chain_runs_in_place() {
     let g = b.graph().unwrap();
     let p = checked(&g);
     let one = 64 * 64 * 4;
-    // The scalar of mul_scalar takes one aligned slot beside the chain.
-    assert!(p.arena_bytes <= 2 * one, "{p:#}");
-    assert_eq!(p.arena_bytes, one + ALIGN, "{p:#}");
+    // The scalar of mul_scalar is a generator leaf (a provided constant): the chain takes one
+    // buffer.
+    assert_eq!(p.arena_bytes, one, "{p:#}");
     assert!(p.inplace_count() >= 5, "{p:#}");
     assert!(p.naive_bytes >= 7 * one);
 }
 
 #[test]
 fn non_elementwise_chain_ping_pongs() {
-    // Reshapes and permutes never alias: two buffers alternate.
+    // Permutes and softmax copy (reshapes alias their operand): two buffers alternate.
     let b = GraphBuilder::new();
     let x = b.input("x", DType::F32, [16, 32]);
     let y = x
@@ -165,6 +186,8 @@ fn non_elementwise_chain_ping_pongs() {
     let g = b.graph().unwrap();
     let p = checked(&g);
     assert_eq!(p.inplace_count(), 0);
+    assert_eq!(p.aliases.len(), 2, "{p:#}");
+    assert_eq!(p.slots.len(), 3, "{p:#}");
     assert_eq!(p.arena_bytes, 2 * 16 * 32 * 4, "{p:#}");
 }
 
@@ -231,11 +254,240 @@ fn display_summarizes() {
     let p = checked(&b.graph().unwrap());
     let s = p.to_string();
     assert!(
-        s.starts_with("memory plan: 3 steps, 2 values (1 in place), arena 256 bytes"),
+        s.starts_with("memory plan: 3 steps, 2 values (1 in place), 0 aliases, arena 256 bytes"),
         "{s}"
     );
     let long = format!("{p:#}");
     assert!(long.contains("(in place of %1)"), "{long}");
+}
+
+// ---- aliases: reshapes share their operand's bytes ----
+
+/// The schedule step of a value.
+fn step_of(p: &MemoryPlan, t: &Tensor) -> usize {
+    let id = t.id().unwrap();
+    p.schedule.iter().position(|&n| n == id).unwrap()
+}
+
+#[test]
+fn reshape_chain_aliases_and_its_storage_outlives_it() {
+    let b = GraphBuilder::new();
+    let x = b.input("x", DType::F32, [16, 32]);
+    let a = x.exp();
+    let r1 = a.reshape([512]);
+    let r2 = r1.reshape([32, 16]);
+    // Inserts size-1 dims only: an alias too. A real broadcast is not.
+    let r3 = r2.unsqueeze(0).expand([1, 32, 16]);
+    let wide = r2.reshape([32, 16, 1]).expand([32, 16, 4]);
+    let y = r3.softmax(2);
+    b.output("y", &y);
+    b.output("w", &wide.sum(&[2], false));
+    let g = b.graph().unwrap();
+    let p = checked(&g);
+    let id = |t: &Tensor| t.id().unwrap();
+    assert_eq!(p.aliases.get(&id(&r1)), Some(&id(&a)));
+    assert_eq!(p.aliases.get(&id(&r2)), Some(&id(&r1)));
+    let unsq = g.node(id(&r3)).unwrap().inputs[0];
+    assert_eq!(p.aliases.get(&unsq), Some(&id(&r2)));
+    assert_eq!(p.aliases.get(&id(&r3)), Some(&unsq));
+    assert_eq!(p.storage_root(id(&r3)), id(&a));
+    for v in [&r1, &r2, &r3] {
+        assert!(p.slot(id(v)).is_none(), "{p:#}");
+    }
+    assert!(p.slot(id(&wide)).is_some(), "{p:#}");
+    assert!(!p.aliases.contains_key(&id(&wide)));
+    // The storage root lives until the last read through any alias, not just its own last use
+    // (the reshape right after it).
+    let a_slot = p.slot(id(&a)).unwrap();
+    let last_read = step_of(&p, &y).max(step_of(&p, &wide));
+    assert_eq!(a_slot.last, last_read, "{p:#}");
+    assert!(step_of(&p, &r1) < a_slot.last);
+    let s = format!("{p:#}");
+    assert!(s.contains(&format!("alias of %{}", id(&a).index())), "{s}");
+}
+
+#[test]
+fn an_alias_read_late_keeps_its_storage_from_being_reused() {
+    let b = GraphBuilder::new();
+    let x = b.input("x", DType::F32, [64, 64]);
+    let a = x.exp();
+    let r = a.reshape([4096]);
+    // Scheduled after r: without the group lifetime, `a` would be dead here (its only reader is
+    // the reshape) and sin(x), the same size, would take its bytes while r still reads them.
+    let s = x.sin();
+    let y = r.add(&s.reshape([4096]));
+    b.output("y", &y);
+    let g = b.graph().unwrap();
+    let p = checked(&g);
+    let (ta, tr, ts, ty) = (
+        step_of(&p, &a),
+        step_of(&p, &r),
+        step_of(&p, &s),
+        step_of(&p, &y),
+    );
+    assert!(ta < tr && tr < ts && ts < ty, "{p:#}");
+    let a_slot = *p.slot(a.id().unwrap()).unwrap();
+    let s_slot = *p.slot(s.id().unwrap()).unwrap();
+    assert_eq!(a_slot.last, ty, "{p:#}");
+    assert_ne!(s_slot.offset, a_slot.offset, "{p:#}");
+    // Both groups die at the add, which writes over one of them in place.
+    let y_slot = p.slot(y.id().unwrap()).unwrap();
+    assert_eq!(y_slot.inplace_of, Some(a.id().unwrap()), "{p:#}");
+    assert_eq!(p.arena_bytes, 2 * 64 * 64 * 4, "{p:#}");
+}
+
+#[test]
+fn a_reshape_of_an_input_aliases_the_provided_buffer() {
+    let b = GraphBuilder::new();
+    let x = b.input("x", DType::F32, [8, 64]);
+    let w = b.param("w", [512], Init::zeros());
+    let r = x.reshape([512]);
+    let y = r.add(&w).exp();
+    b.output("y", &y);
+    b.output("r", &r);
+    let g = b.graph().unwrap();
+    let p = checked(&g);
+    let (xi, ri) = (x.id().unwrap(), r.id().unwrap());
+    assert_eq!(p.aliases.get(&ri), Some(&xi));
+    assert_eq!(p.storage_root(ri), xi);
+    assert!(p.slot(xi).is_none() && p.slot(ri).is_none(), "{p:#}");
+    // Nothing writes over a provided buffer through its alias: the add takes a fresh buffer
+    // (and exp then writes over the add's).
+    let sum = g.node(y.id().unwrap()).unwrap().inputs[0];
+    assert_eq!(p.slot(sum).unwrap().inplace_of, None, "{p:#}");
+    assert_eq!(p.slot(y.id().unwrap()).unwrap().inplace_of, Some(sum));
+    assert_eq!(p.arena_bytes, 512 * 4, "{p:#}");
+}
+
+#[test]
+fn a_reshape_that_is_an_output_keeps_its_storage_to_the_end() {
+    let b = GraphBuilder::new();
+    let x = b.input("x", DType::F32, [8, 64]);
+    let a = x.exp();
+    let r = a.reshape([512]);
+    b.output("r", &r);
+    // a's last own reader; tanh would write over it in place if r were not read after the run.
+    let c = a.tanh();
+    b.output("c", &c);
+    let g = b.graph().unwrap();
+    let p = checked(&g);
+    let end = p.schedule.len();
+    assert_eq!(p.aliases.get(&r.id().unwrap()), a.id().as_ref());
+    let a_slot = p.slot(a.id().unwrap()).unwrap();
+    assert_eq!(a_slot.last, end, "{p:#}");
+    let c_slot = p.slot(c.id().unwrap()).unwrap();
+    assert_eq!(c_slot.inplace_of, None, "{p:#}");
+    assert_ne!(c_slot.offset, a_slot.offset, "{p:#}");
+}
+
+#[test]
+fn no_in_place_write_over_storage_an_alias_still_reads() {
+    // The alias is made before and after the elementwise op that is its storage's last own
+    // reader; either way the op may not write over it.
+    for alias_first in [true, false] {
+        let b = GraphBuilder::new();
+        let x = b.input("x", DType::F32, [64, 64]);
+        let a = x.exp();
+        let r = a.reshape([64, 64, 1]);
+        let c = a.tanh();
+        let back = r.reshape([64, 64]);
+        let y = if alias_first {
+            back.add(&c)
+        } else {
+            c.add(&back)
+        };
+        b.output("y", &y);
+        let g = b.graph().unwrap();
+        let p = checked(&g);
+        let (tc, tr) = (step_of(&p, &c), step_of(&p, &r));
+        assert_eq!(tc < tr, !alias_first, "{p:#}");
+        let a_id = a.id().unwrap();
+        let c_slot = p.slot(c.id().unwrap()).unwrap();
+        assert_eq!(c_slot.inplace_of, None, "{p:#}");
+        assert_ne!(c_slot.offset, p.slot(a_id).unwrap().offset, "{p:#}");
+        // At the add both groups die: it runs in place over one of them.
+        let y_slot = p.slot(y.id().unwrap()).unwrap();
+        assert!(y_slot.inplace_of.is_some(), "{p:#}");
+    }
+    // Control: with no alias, tanh runs in place over exp.
+    let b = GraphBuilder::new();
+    let x = b.input("x", DType::F32, [64, 64]);
+    let a = x.exp();
+    let c = a.tanh();
+    b.output("y", &c);
+    let p = checked(&b.graph().unwrap());
+    assert_eq!(p.slot(c.id().unwrap()).unwrap().inplace_of, a.id(), "{p:#}");
+}
+
+#[test]
+fn generator_leaves_have_no_slot() {
+    let b = GraphBuilder::new();
+    let x = b.input("x", DType::F32, [4, 8]);
+    let ty = rustytorch_ops::TensorType::new(DType::F32, [4, 8]);
+    let gens = [
+        b.full(2.0, ty.clone()),
+        b.iota(1, ty.clone()),
+        b.rand_uniform(0.0, 1.0, 7, ty.clone()),
+        b.rand_normal(0.0, 1.0, 8, ty),
+    ];
+    let mut y = x.mul_scalar(0.5);
+    for t in &gens {
+        y = y.add(t);
+    }
+    b.output("y", &y);
+    b.output("noise", &gens[3]);
+    let g = b.graph().unwrap();
+    let p = checked(&g);
+    for t in &gens {
+        assert!(p.slot(t.id().unwrap()).is_none(), "{p:#}");
+    }
+    // The chain of adds runs in one buffer.
+    assert_eq!(p.arena_bytes, ALIGN, "{p:#}");
+}
+
+#[test]
+fn check_rejects_broken_aliases() {
+    let b = GraphBuilder::new();
+    let x = b.input("x", DType::F32, [8, 64]);
+    let a = x.exp();
+    let r = a.reshape([512]);
+    let y = r.softmax(0);
+    b.output("y", &y);
+    let g = b.graph().unwrap();
+    let good = checked(&g);
+    let (ai, ri) = (a.id().unwrap(), r.id().unwrap());
+    // An alias with a slot of its own.
+    let mut p = good.clone();
+    let s = *p.slot(ai).unwrap();
+    p.slots.insert(ri, s);
+    assert!(p.check().is_err());
+    // An alias of a value scheduled after it, and of one not scheduled at all.
+    let mut p = good.clone();
+    p.aliases.insert(ri, y.id().unwrap());
+    assert!(p.check().is_err());
+    let mut p = good.clone();
+    p.aliases.insert(y.id().unwrap(), ri);
+    p.slots.remove(&y.id().unwrap());
+    p.aliases.insert(ri, x.id().unwrap());
+    assert!(p.check().is_ok());
+    p.schedule.retain(|&n| n != x.id().unwrap());
+    assert!(p.check().is_err());
+    // Storage that dies before its alias is read.
+    let mut p = good.clone();
+    let t = step_of(&p, &r);
+    p.slots.get_mut(&ai).unwrap().last = t;
+    assert!(
+        p.check().is_ok(),
+        "defined while live: only the uses show it"
+    );
+    assert!(p.check_uses(&g).is_err());
+    p.slots.get_mut(&ai).unwrap().last = t - 1;
+    assert!(p.check().is_err());
+    // A computed value with neither a slot nor an alias.
+    let mut p = good;
+    p.aliases.remove(&ri);
+    assert!(p.check().is_ok());
+    assert!(p.check_uses(&g).is_err());
 }
 
 // ---- property: random DAGs of elementwise and reduce ops always get valid plans ----
@@ -247,6 +499,7 @@ enum Step {
     Reduce(usize),
     Cast(usize),
     Reshape(usize),
+    View(usize, u8),
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -256,6 +509,7 @@ fn step() -> impl Strategy<Value = Step> {
         any::<usize>().prop_map(Step::Reduce),
         any::<usize>().prop_map(Step::Cast),
         any::<usize>().prop_map(Step::Reshape),
+        (any::<usize>(), 0u8..3).prop_map(|(a, k)| Step::View(a, k)),
     ]
 }
 
@@ -285,6 +539,16 @@ fn random_graph(steps: &[Step], outs: &[usize], dims: (usize, usize)) -> Graph {
                 let d = t.dims();
                 t.reshape(d).exp()
             }
+            // Aliases of any value, kept for later steps and outputs to read.
+            Step::View(a, k) => {
+                let t = pick(&vals, a);
+                let d = t.dims();
+                match k {
+                    0 => t.reshape(d.clone()),
+                    1 => t.reshape([d[0] * d[1]]).reshape(d.clone()),
+                    _ => t.unsqueeze(0).expand([1, d[0], d[1]]).reshape(d.clone()),
+                }
+            }
         };
         vals.push(v);
     }
@@ -307,9 +571,11 @@ proptest! {
         let g = random_graph(&steps, &outs, dims);
         let p = plan(&g).unwrap();
         prop_assert!(p.check().is_ok(), "{:?}\n{:#}", p.check(), p);
+        prop_assert!(p.check_uses(&g).is_ok(), "{:?}\n{:#}", p.check_uses(&g), p);
         prop_assert!(p.arena_bytes <= p.naive_bytes);
         let (f, _) = fuse(&g).unwrap();
         let pf = plan(&f).unwrap();
         prop_assert!(pf.check().is_ok(), "{:?}\n{:#}", pf.check(), pf);
+        prop_assert!(pf.check_uses(&f).is_ok(), "{:?}\n{:#}", pf.check_uses(&f), pf);
     }
 }
