@@ -3,7 +3,9 @@
 //! constants; generator leaves such as `Full`/`Iota`/`Rand*` evaluated once at lowering time) and
 //! each value's last use recorded so backends free buffers as soon as possible.
 
-use rustytorch_compiler::{Graph, NodeId};
+pub mod cuda;
+
+use rustytorch_compiler::{Graph, MemoryPlan, NodeId};
 use rustytorch_ops::{eval_cpu, HostTensor, Op, OpError, TensorType};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,6 +19,16 @@ pub enum CodegenError {
     /// Evaluating a generator leaf failed.
     #[error(transparent)]
     Op(#[from] OpError),
+    /// An op has no implementation on a device.
+    #[error("{op}: not supported on {device}: {reason}")]
+    Unsupported {
+        /// The op's name.
+        op: &'static str,
+        /// The device kind.
+        device: &'static str,
+        /// Why, and what to do.
+        reason: String,
+    },
     /// The graph failed verification.
     #[error(transparent)]
     Compile(#[from] rustytorch_compiler::CompileError),
@@ -54,6 +66,22 @@ pub struct Step {
     pub frees: Vec<ValueId>,
 }
 
+/// Where a value's bytes live on a device with an arena (from the compiler's memory plan).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Storage {
+    /// A buffer the caller provides (inputs, parameters, constants and generator leaves).
+    Provided,
+    /// `[offset, offset + size)` of the arena.
+    Arena {
+        /// Byte offset (a multiple of the plan's alignment).
+        offset: usize,
+        /// Bytes reserved.
+        size: usize,
+    },
+    /// The same bytes as another value (a reshape of it): no copy is made.
+    Alias(ValueId),
+}
+
 /// A lowered program.
 #[derive(Clone, Debug)]
 pub struct Plan {
@@ -61,6 +89,12 @@ pub struct Plan {
     pub types: Vec<TensorType>,
     /// Origin of every value.
     pub sources: Vec<Source>,
+    /// Where every value lives (arena offsets from the compiler's memory plan).
+    pub storage: Vec<Storage>,
+    /// Bytes of the arena that holds every computed value.
+    pub arena_bytes: usize,
+    /// Types of the parameter/state tensors, by parameter index.
+    pub param_types: Vec<TensorType>,
     /// The steps, in execution order.
     pub steps: Vec<Step>,
     /// Named inputs: (name, type), by input index.
@@ -80,14 +114,18 @@ impl Plan {
     }
 }
 
-/// Lowers a verified graph into a plan (the CPU and every backend share this form).
-pub fn lower(graph: &Graph) -> Result<Plan> {
+/// Lowers a verified graph into a plan (the CPU and every backend share this form), placing every
+/// computed value where the compiler's memory plan of the same graph put it.
+pub fn lower(graph: &Graph, memory: &MemoryPlan) -> Result<Plan> {
     let _span = tracing::debug_span!("lower", nodes = graph.len()).entered();
-    let order = graph.live_order();
+    let order = memory.schedule.clone();
     let mut ids: HashMap<NodeId, ValueId> = HashMap::new();
     let mut plan = Plan {
         types: vec![],
         sources: vec![],
+        storage: vec![],
+        arena_bytes: memory.arena_bytes,
+        param_types: graph.params.iter().map(|p| p.ty.clone()).collect(),
         steps: vec![],
         inputs: graph
             .inputs
@@ -124,9 +162,26 @@ pub fn lower(graph: &Graph) -> Result<Plan> {
                 Source::Step(plan.steps.len() - 1)
             }
         };
+        let storage = match (&src, memory.aliases.get(&n), memory.slot(n)) {
+            (Source::Step(_), Some(of), _) => Storage::Alias(*ids.get(of).ok_or_else(|| {
+                CodegenError::Invalid(format!("memory plan: {n:?} aliases an unscheduled value"))
+            })?),
+            (Source::Step(_), None, Some(slot)) => Storage::Arena {
+                offset: slot.offset,
+                size: slot.size,
+            },
+            (Source::Step(_), None, None) => {
+                return Err(CodegenError::Invalid(format!(
+                    "memory plan: computed value {n:?} ({}) has no slot",
+                    node.op.name()
+                )))
+            }
+            _ => Storage::Provided,
+        };
         ids.insert(n, plan.types.len());
         plan.types.push(node.ty.clone());
         plan.sources.push(src);
+        plan.storage.push(storage);
     }
     plan.outputs = graph
         .outputs

@@ -18,4 +18,5 @@ pub mod format;
 pub mod fuse;
 pub mod optimize;
 pub mod plan;
+pub use plan::MemoryPlan;
 pub mod text;

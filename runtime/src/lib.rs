@@ -1,11 +1,21 @@
-//! RustyTorch's runtime: the [`Backend`] trait, the [`CpuBackend`] that executes lowered plans with
-//! the ops crate's multi-threaded CPU kernels, and device discovery.
+//! RustyTorch's runtime: the [`Backend`] and [`Session`] traits, the [`CpuBackend`] that executes
+//! lowered plans with the ops crate's multi-threaded CPU kernels, the CUDA backend, the caching
+//! memory pool and device discovery.
+//!
+//! A backend *prepares* a plan once with the initial parameter and state values and returns a
+//! [`Session`] that owns them on its device. Each [`Session::run`] takes inputs, returns outputs
+//! and commits the step's updates inside the session when every guard passed; parameters cross to
+//! the host only when asked for ([`Session::read_param`], [`Session::write_param`]).
 
 pub mod cpu;
+pub mod cuda;
 pub mod device;
+pub mod pool;
 
 pub use cpu::CpuBackend;
+pub use cuda::CudaBackend;
 pub use device::{cuda_device_count, Device};
+pub use pool::MemoryStats;
 
 use rustytorch_codegen::Plan;
 use rustytorch_ops::{HostTensor, OpError};
@@ -27,6 +37,17 @@ pub enum RuntimeError {
     /// A device or driver problem (library missing, no device ...).
     #[error("device: {0}")]
     Device(String),
+    /// Device memory is exhausted (after the pool released its cache and retried).
+    #[error("out of memory on {device}: {detail}")]
+    OutOfMemory {
+        /// The device.
+        device: String,
+        /// The request and the pool's state.
+        detail: String,
+    },
+    /// The plan cannot run on this device (an op without an implementation there ...).
+    #[error(transparent)]
+    Codegen(#[from] rustytorch_codegen::CodegenError),
     /// The plan and the values given do not fit.
     #[error("{0}")]
     Invalid(String),
@@ -35,26 +56,67 @@ pub enum RuntimeError {
 /// The runtime crate's result.
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
 
-/// What one execution of a plan produced.
+/// What one run of a session produced.
 #[derive(Debug, Clone)]
-pub struct RunResult {
-    /// Output values, in the plan's output order.
-    pub outputs: Vec<Arc<HostTensor>>,
-    /// New values of parameters: (param index, value).
-    pub updates: Vec<(usize, Arc<HostTensor>)>,
+pub struct RunOutput {
+    /// Output values, in the plan's output order, on the host.
+    pub outputs: Vec<HostTensor>,
     /// Guard results: (name, passed).
     pub guards: Vec<(String, bool)>,
+    /// Whether the step's updates were committed (every guard passed).
+    pub committed: bool,
+}
+
+/// Counts of copies between host and device memory (zero on the CPU backend).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TransferStats {
+    /// Host-to-device copies.
+    pub htod_copies: u64,
+    /// Bytes copied host-to-device.
+    pub htod_bytes: u64,
+    /// Device-to-host copies.
+    pub dtoh_copies: u64,
+    /// Bytes copied device-to-host.
+    pub dtoh_bytes: u64,
 }
 
 /// Something that executes lowered plans.
 pub trait Backend: Send + Sync {
     /// A name for messages (`cpu`, `cuda:0`).
     fn name(&self) -> String;
-    /// Executes `plan` with input and parameter values (indexed like the plan's tables).
-    fn run(
-        &self,
-        plan: &Plan,
-        inputs: &[Arc<HostTensor>],
-        params: &[Arc<HostTensor>],
-    ) -> Result<RunResult>;
+    /// Prepares `plan` with the initial values of its parameters and state (indexed like the
+    /// plan's `Source::Param`): compiles what must be compiled, moves the values to the device.
+    fn prepare(&self, plan: Arc<Plan>, params: Vec<Arc<HostTensor>>) -> Result<Box<dyn Session>>;
+}
+
+/// A prepared plan with its parameters and state resident on a device.
+pub trait Session: Send {
+    /// The device it runs on.
+    fn device(&self) -> Device;
+    /// Runs the plan with its inputs (by input index). Commits the updates inside the session
+    /// when every guard passed; never otherwise.
+    fn run(&mut self, inputs: &[Arc<HostTensor>]) -> Result<RunOutput>;
+    /// A copy of parameter/state tensor `i` on the host.
+    fn read_param(&self, i: usize) -> Result<HostTensor>;
+    /// Replaces parameter/state tensor `i` (its type must match).
+    fn write_param(&mut self, i: usize, value: &HostTensor) -> Result<()>;
+    /// Statistics of the device memory pool (None on the host).
+    fn memory_stats(&self) -> Option<MemoryStats>;
+    /// Host↔device copies so far.
+    fn transfers(&self) -> TransferStats;
+}
+
+/// Checks that `value` has the type of the plan's parameter `i` (shared by the backends).
+pub fn check_param_type(plan: &Plan, i: usize, value: &HostTensor) -> Result<()> {
+    let want = plan
+        .param_types
+        .get(i)
+        .ok_or_else(|| RuntimeError::Invalid(format!("no parameter #{i}")))?;
+    if &value.ty() != want {
+        return Err(RuntimeError::Invalid(format!(
+            "parameter #{i}: expected {want}, got {}",
+            value.ty()
+        )));
+    }
+    Ok(())
 }

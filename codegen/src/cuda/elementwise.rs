@@ -1,0 +1,1116 @@
+//! Elementwise and movement kernels: unary/binary/where/cast and fused chains over broadcast,
+//! strided operands; permute, expand, slice, concat, pad, reshape; gather, index_select,
+//! scatter_add, index_add.
+//!
+//! Every kernel is one grid-stride loop over the flat index `i` of its output (or, for the
+//! accumulating ops, of `src`), with shapes and strides as literals. Operands are read through
+//! their broadcast strides after merging the dims that every operand reads contiguously, so a
+//! same-shape operand is read at `i` and only the coordinates some operand needs are computed.
+//!
+//! The kernels compute what the CPU kernels of `rustytorch_ops` compute, with the same formulas:
+//! - single ops compute in the dtype's compute type (f32 for f16/bf16, rounded once by the store);
+//!   signed integer `add`/`sub`/`mul`/`neg` wrap (through unsigned arithmetic), integer division
+//!   by zero is 0;
+//! - fused kernels follow `fused_cpu`: every value is held in f64 when an input, an instruction or
+//!   the output is f64, otherwise in f32 (integers and bools included); integer results are
+//!   truncated, wrapped (u8, i32) and 0 when not finite after each unary/binary instruction;
+//!   f16/bf16 intermediates are rounded only by explicit casts;
+//! - casts follow Rust `as` semantics, and f64 (or i32/i64) to bf16 rounds once, as the CPU does.
+//!
+//! Known differences from the CPU:
+//! - an index outside `0..dim` (negative ones included) is an error on the CPU; a kernel cannot
+//!   fail, so gather and index_select write 0 for it and scatter_add and index_add skip it;
+//! - scatter_add and index_add add in whatever order the atomics land (floats may differ from
+//!   the CPU's sequential sums by rounding); f16/bf16 accumulate in an f32 scratch buffer rounded
+//!   once at the end, as on the CPU.
+
+use super::ir::*;
+use super::{finish, grid_for, ArgRef, Launch, StepKernels};
+use crate::{CodegenError, Result};
+use rustytorch_ops::{
+    BinaryOp, DType, FusedInstr, FusedKernel, HostTensor, Op, Shape, TensorType, UnaryOp,
+};
+
+/// Threads per block of every kernel here.
+const BLOCK: u32 = 256;
+/// The loop variable of the grid-stride loop.
+const I: &str = "i";
+
+/// √(2/π), the GELU tanh-form constant (the CPU's value).
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+/// The cubic coefficient of the GELU tanh form.
+const GELU_TANH_C: f64 = 0.044715;
+
+// ================================================================================================
+// Entry points
+// ================================================================================================
+
+/// Lowers an elementwise op (`Unary`, `Binary`, `Where`, `Cast`, `Fused`): one grid-stride kernel
+/// over the output, named `ew_*`.
+pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKernels> {
+    check_types(op, inputs, out)?;
+    let n = out.shape.numel();
+    if n == 0 {
+        return Ok(StepKernels::default());
+    }
+    let kernel = match op {
+        Op::Fused(k) => fused_kernel(k, inputs, out)?,
+        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } => {
+            single_kernel(op, inputs, out)?
+        }
+        _ => return Err(not_mine(op, "an elementwise")),
+    };
+    Ok(one_launch(kernel, inputs.len(), n))
+}
+
+/// Lowers a movement or indexing op: one strided-read kernel per output element (permute,
+/// expand, slice, reshape as a contiguous copy, concat, pad, gather, index_select), or a copy of
+/// `base` then atomic adds of `src` (scatter_add, index_add).
+pub fn lower_movement(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKernels> {
+    check_types(op, inputs, out)?;
+    let n = out.shape.numel();
+    if n == 0 {
+        return Ok(StepKernels::default());
+    }
+    let x = inputs[0];
+    let kernel = match op {
+        Op::Reshape { .. } => {
+            strided_copy("reshape", x.dtype, &out.shape, 0, &out.shape.strides())?
+        }
+        Op::Permute { perm } => {
+            let st = x.shape.strides();
+            let strides: Vec<usize> = perm.iter().map(|&p| st[p]).collect();
+            strided_copy("permute", x.dtype, &out.shape, 0, &strides)?
+        }
+        Op::Expand { shape } => {
+            let strides = x.shape.broadcast_strides(shape);
+            strided_copy("expand", x.dtype, &out.shape, 0, &strides)?
+        }
+        Op::Slice { starts, steps, .. } => {
+            let st = x.shape.strides();
+            let offset: usize = starts.iter().zip(&st).map(|(s, t)| s * t).sum();
+            let strides: Vec<usize> = steps.iter().zip(&st).map(|(s, t)| s * t).collect();
+            strided_copy("slice", x.dtype, &out.shape, offset, &strides)?
+        }
+        Op::Concat { axis } => concat_kernel(inputs, *axis, out)?,
+        Op::Pad { pads, value } => pad_kernel(x, pads, value.get(), out)?,
+        Op::Gather { axis } => gather_kernel(x, inputs[1], *axis, out)?,
+        Op::IndexSelect { axis } => index_select_kernel(x, inputs[1], *axis, out)?,
+        Op::ScatterAdd { .. } | Op::IndexAdd { .. } => return accumulate(op, inputs, out),
+        _ => return Err(not_mine(op, "a movement or indexing")),
+    };
+    Ok(one_launch(kernel, inputs.len(), n))
+}
+
+/// Checks that `out` is what the op infers from `inputs`.
+fn check_types(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<()> {
+    let t = rustytorch_ops::infer(op, inputs)?;
+    if &t != out {
+        return Err(CodegenError::Invalid(format!(
+            "{}: the step's output type {out} differs from the inferred {t}",
+            op.name()
+        )));
+    }
+    Ok(())
+}
+
+fn not_mine(op: &Op, what: &str) -> CodegenError {
+    CodegenError::Invalid(format!("{} is not {what} op", op.name()))
+}
+
+fn ill_typed(what: String) -> CodegenError {
+    CodegenError::Invalid(format!("elementwise lowering: {what}"))
+}
+
+/// A launch of `kernel` over `n` elements with the operands `0..n_inputs` then the output.
+fn one_launch(kernel: Kernel, n_inputs: usize, n: usize) -> StepKernels {
+    StepKernels {
+        launches: vec![Launch::simple(kernel, n_inputs, grid(n))],
+        scratch_bytes: 0,
+    }
+}
+
+fn grid(n: usize) -> u32 {
+    grid_for(n as u64, BLOCK as u64)
+}
+
+// ================================================================================================
+// Building blocks
+// ================================================================================================
+
+/// The statements of a loop body under construction, with fresh names for bound values.
+struct Body {
+    stmts: Vec<Stmt>,
+    next: usize,
+}
+
+impl Body {
+    fn new() -> Body {
+        Body {
+            stmts: vec![],
+            next: 0,
+        }
+    }
+
+    /// Binds `e` to a fresh local of type `ty` (variables and literals are returned as they are),
+    /// so that a value used several times is computed once.
+    fn bind(&mut self, ty: CTy, e: Expr) -> Expr {
+        if matches!(e, Expr::Var(_) | Expr::Lit(_)) {
+            return e;
+        }
+        let name = format!("v{}", self.next);
+        self.next += 1;
+        self.named(&name, ty, e)
+    }
+
+    /// Binds `e` to the local `name`.
+    fn named(&mut self, name: &str, ty: CTy, e: Expr) -> Expr {
+        self.stmts.push(let_(name, ty, e));
+        var(name)
+    }
+
+    fn push(&mut self, s: Stmt) {
+        self.stmts.push(s);
+    }
+}
+
+/// A buffer parameter of storage dtype `d`.
+fn param(name: &str, d: DType, writes: bool) -> Param {
+    Param {
+        name: name.into(),
+        elem: CTy::storage(d),
+        writes,
+    }
+}
+
+/// A finished kernel: a grid-stride loop over `0..n` whose body `build` writes, given the loop
+/// variable.
+fn grid_kernel(
+    prefix: &str,
+    params: Vec<Param>,
+    n: usize,
+    build: impl FnOnce(&mut Body, Expr) -> Result<()>,
+) -> Result<Kernel> {
+    let mut b = Body::new();
+    build(&mut b, var(I))?;
+    let k = Kernel {
+        name: String::new(),
+        params,
+        block: BLOCK,
+        body: vec![grid_stride(I, n as i64, b.stmts)],
+    };
+    finish(prefix, k)
+}
+
+/// `e` converted from type `from` to `to` (no conversion when they agree).
+fn conv(e: Expr, from: CTy, to: CTy) -> Expr {
+    if from == to {
+        e
+    } else {
+        cast(to, e)
+    }
+}
+
+fn gt(a: Expr, b: Expr) -> Expr {
+    bin(BinFn::Gt, a, b)
+}
+fn ge(a: Expr, b: Expr) -> Expr {
+    bin(BinFn::Ge, a, b)
+}
+fn eq(a: Expr, b: Expr) -> Expr {
+    bin(BinFn::Eq, a, b)
+}
+fn ne(a: Expr, b: Expr) -> Expr {
+    bin(BinFn::Ne, a, b)
+}
+fn and(a: Expr, b: Expr) -> Expr {
+    bin(BinFn::And, a, b)
+}
+
+/// `Σ e·s + base` over i64 terms (multiplications by 1 left out).
+fn linear(terms: Vec<(Expr, i64)>, base: i64) -> Expr {
+    let mut acc: Option<Expr> = None;
+    for (e, s) in terms {
+        let t = if s == 1 { e } else { mul(e, i64c(s)) };
+        acc = Some(match acc {
+            Some(a) => add(a, t),
+            None => t,
+        });
+    }
+    match acc {
+        Some(a) if base != 0 => add(a, i64c(base)),
+        Some(a) => a,
+        None => i64c(base),
+    }
+}
+
+/// Coordinates of a flat row-major index over `dims`, each bound to a local `c{k}` on first use.
+struct Coords {
+    dims: Vec<usize>,
+    flat: Expr,
+    bound: Vec<Option<Expr>>,
+}
+
+impl Coords {
+    fn new(dims: &[usize], flat: Expr) -> Coords {
+        Coords {
+            dims: dims.to_vec(),
+            flat,
+            bound: vec![None; dims.len()],
+        }
+    }
+
+    /// Coordinate `k`: `(flat / Π dims[k+1..]) % dims[k]` (the flat index is below Π dims, so
+    /// dim 0 needs no remainder).
+    fn get(&mut self, b: &mut Body, k: usize) -> Expr {
+        if let Some(e) = &self.bound[k] {
+            return e.clone();
+        }
+        let inner: usize = self.dims[k + 1..].iter().product();
+        let mut e = self.flat.clone();
+        if inner != 1 {
+            e = div(e, i64c(inner as i64));
+        }
+        if k != 0 {
+            e = rem(e, i64c(self.dims[k] as i64));
+        }
+        let e = if matches!(e, Expr::Var(_)) {
+            e
+        } else {
+            b.named(&format!("c{k}"), CTy::I64, e)
+        };
+        self.bound[k] = Some(e.clone());
+        e
+    }
+}
+
+/// Drops size-1 dims and merges neighbours that every operand reads contiguously
+/// (`s[k] == s[k+1]·dims[k+1]` for each operand's strides `s`; the output is contiguous).
+fn coalesce(dims: &[usize], strides: &[Vec<usize>]) -> (Vec<usize>, Vec<Vec<usize>>) {
+    let mut d: Vec<usize> = vec![];
+    let mut s: Vec<Vec<usize>> = vec![vec![]; strides.len()];
+    for k in 0..dims.len() {
+        let n = dims[k];
+        if n == 1 {
+            continue;
+        }
+        let merge = !d.is_empty()
+            && strides
+                .iter()
+                .zip(&s)
+                .all(|(st, acc)| acc.last() == Some(&(st[k] * n)));
+        if merge {
+            *d.last_mut().expect("nonempty") *= n;
+            for (st, acc) in strides.iter().zip(s.iter_mut()) {
+                *acc.last_mut().expect("nonempty") = st[k];
+            }
+        } else {
+            d.push(n);
+            for (st, acc) in strides.iter().zip(s.iter_mut()) {
+                acc.push(st[k]);
+            }
+        }
+    }
+    (d, s)
+}
+
+/// The element index of each operand (given by its strides over `dims`, plus a base offset) at
+/// the flat output index `flat`: the flat index itself for a contiguous operand, the base for
+/// one broadcast everywhere, otherwise a sum over the coordinates it depends on.
+fn strided_indices(
+    b: &mut Body,
+    dims: &[usize],
+    strides: &[Vec<usize>],
+    bases: &[usize],
+    flat: &Expr,
+) -> Vec<Expr> {
+    let (dims, strides) = coalesce(dims, strides);
+    let contig = Shape::new(dims.clone()).strides();
+    let mut coords = Coords::new(&dims, flat.clone());
+    strides
+        .iter()
+        .zip(bases)
+        .map(|(s, &base)| {
+            if *s == contig && base == 0 {
+                return flat.clone();
+            }
+            let terms = s
+                .iter()
+                .enumerate()
+                .filter(|(_, &st)| st != 0)
+                .map(|(k, &st)| (coords.get(b, k), st as i64))
+                .collect();
+            linear(terms, base as i64)
+        })
+        .collect()
+}
+
+/// The value a `Full` of `dtype` holds for `v`, as f64 (converted with `as` semantics, rounded
+/// once for f16/bf16), computed on the host as the CPU does.
+fn dtype_value(dtype: DType, v: f64) -> f64 {
+    HostTensor::full(&TensorType::new(dtype, Shape::scalar()), v).to_f64_vec()[0]
+}
+
+/// An f64 value rounded once to bf16, as an f32: `cvt` rounds f64→f32→bf16, which rounds twice
+/// when the f32 lands exactly on a bf16 midpoint; then the neighbour on the side of the exact
+/// value is taken (the CPU rounds to odd first, with the same result).
+fn bf16_of_f64(b: &mut Body, x: Expr) -> Expr {
+    let x = b.bind(CTy::F64, x);
+    let f = b.bind(CTy::F32, cast(CTy::F32, x.clone()));
+    let r = b.bind(CTy::F32, cast(CTy::BF16, f.clone()));
+    // The other bf16 neighbour when `f` is a midpoint (exact in f32 then).
+    let r2 = b.bind(CTy::F32, add(f.clone(), sub(f.clone(), r.clone())));
+    let f64_of_f = cast(CTy::F64, f);
+    let midpoint = and(
+        and(
+            ne(f64_of_f.clone(), x.clone()),
+            un(UnFn::IsFinite, r.clone()),
+        ),
+        and(
+            ne(r2.clone(), r.clone()),
+            eq(cast(CTy::BF16, r2.clone()), r2.clone()),
+        ),
+    );
+    let toward_x = select(
+        gt(x, f64_of_f),
+        bin(BinFn::Max, r.clone(), r2.clone()),
+        bin(BinFn::Min, r.clone(), r2),
+    );
+    select(midpoint, toward_x, r)
+}
+
+// ================================================================================================
+// Elementwise formulas (the CPU's, in a float compute type `t`)
+// ================================================================================================
+
+/// `1 / (1 + e^-x)`.
+fn sigmoid(x: Expr, t: CTy) -> Expr {
+    div(
+        lit(1.0, t),
+        add(lit(1.0, t), un(UnFn::Exp, un(UnFn::Neg, x))),
+    )
+}
+
+/// A float unary op on `x` of float type `t`: a value of type `t`, or bool for the predicates.
+fn real_unary(b: &mut Body, u: UnaryOp, x: Expr, t: CTy) -> Result<Expr> {
+    let (zero, one) = (lit(0.0, t), lit(1.0, t));
+    Ok(match u {
+        UnaryOp::Neg => un(UnFn::Neg, x),
+        UnaryOp::Abs => un(UnFn::Abs, x),
+        UnaryOp::Exp => un(UnFn::Exp, x),
+        UnaryOp::Log => un(UnFn::Log, x),
+        UnaryOp::Sqrt => un(UnFn::Sqrt, x),
+        UnaryOp::Rsqrt => un(UnFn::Rsqrt, x),
+        UnaryOp::Reciprocal => div(one, x),
+        UnaryOp::Sin => un(UnFn::Sin, x),
+        UnaryOp::Cos => un(UnFn::Cos, x),
+        UnaryOp::Tanh => un(UnFn::Tanh, x),
+        UnaryOp::Floor => un(UnFn::Floor, x),
+        UnaryOp::Ceil => un(UnFn::Ceil, x),
+        UnaryOp::Round => un(UnFn::Rint, x),
+        UnaryOp::Sigmoid => sigmoid(x, t),
+        UnaryOp::Relu => {
+            // NaN and -0.0 pass through.
+            let x = b.bind(t, x);
+            select(lt(x.clone(), zero.clone()), zero, x)
+        }
+        UnaryOp::GeluErf => {
+            // 0.5·x·erfc(-x/√2), erfc evaluated in f64.
+            let x = b.bind(t, x);
+            let z = mul(
+                un(UnFn::Neg, x.clone()),
+                lit(std::f64::consts::FRAC_1_SQRT_2, t),
+            );
+            let erfc = un(UnFn::Erfc, conv(z, t, CTy::F64));
+            mul(mul(lit(0.5, t), x), conv(erfc, CTy::F64, t))
+        }
+        UnaryOp::GeluTanh => {
+            let x = b.bind(t, x);
+            let cube = mul(
+                mul(mul(lit(GELU_TANH_C, t), x.clone()), x.clone()),
+                x.clone(),
+            );
+            let u = mul(lit(SQRT_2_OVER_PI, t), add(x.clone(), cube));
+            mul(mul(lit(0.5, t), x), add(one, un(UnFn::Tanh, u)))
+        }
+        UnaryOp::Silu => {
+            let x = b.bind(t, x);
+            mul(x.clone(), sigmoid(x, t))
+        }
+        UnaryOp::Sign => {
+            // ±0 and NaN pass through.
+            let x = b.bind(t, x);
+            select(
+                gt(x.clone(), zero.clone()),
+                one,
+                select(lt(x.clone(), zero), lit(-1.0, t), x),
+            )
+        }
+        UnaryOp::IsNan => un(UnFn::IsNan, x),
+        UnaryOp::IsInf => un(UnFn::IsInf, x),
+        UnaryOp::IsFinite => un(UnFn::IsFinite, x),
+        UnaryOp::Not => return Err(ill_typed("`not` of a float".into())),
+    })
+}
+
+/// A float binary op: a value of the operands' type, or bool for comparisons.
+fn real_binary(op: BinaryOp, x: Expr, y: Expr) -> Result<Expr> {
+    let f = match op {
+        BinaryOp::Add => BinFn::Add,
+        BinaryOp::Sub => BinFn::Sub,
+        BinaryOp::Mul => BinFn::Mul,
+        BinaryOp::Div => BinFn::Div,
+        BinaryOp::Pow => BinFn::Pow,
+        BinaryOp::Maximum => BinFn::Max,
+        BinaryOp::Minimum => BinFn::Min,
+        BinaryOp::Eq => BinFn::Eq,
+        BinaryOp::Ne => BinFn::Ne,
+        BinaryOp::Lt => BinFn::Lt,
+        BinaryOp::Le => BinFn::Le,
+        BinaryOp::Gt => BinFn::Gt,
+        BinaryOp::Ge => BinFn::Ge,
+        BinaryOp::And | BinaryOp::Or => {
+            return Err(ill_typed(format!("{op:?} of floats")));
+        }
+    };
+    Ok(bin(f, x, y))
+}
+
+// ================================================================================================
+// Single ops: values in their dtype's compute type
+// ================================================================================================
+
+/// The unsigned type signed/u8 wrapping arithmetic goes through.
+fn wrap_ty(t: CTy) -> CTy {
+    if t == CTy::I64 {
+        CTy::U64
+    } else {
+        CTy::U32
+    }
+}
+
+/// A unary op on `x` of dtype `dt`, in its compute type.
+fn native_unary(b: &mut Body, u: UnaryOp, dt: DType, x: Expr) -> Result<Expr> {
+    let t = CTy::compute(dt);
+    if dt.is_float() {
+        return real_unary(b, u, x, t);
+    }
+    if dt == DType::Bool {
+        return match u {
+            UnaryOp::Not => Ok(un(UnFn::Not, x)),
+            _ => Err(ill_typed(format!("{u:?} of bool"))),
+        };
+    }
+    let (zero, one) = (lit(0.0, t), lit(1.0, t));
+    let signed = dt != DType::U8;
+    Ok(match u {
+        UnaryOp::Neg => cast(t, un(UnFn::Neg, cast(wrap_ty(t), x))),
+        UnaryOp::Abs => un(UnFn::Abs, x),
+        UnaryOp::Sign if signed => {
+            let x = b.bind(t, x);
+            select(
+                gt(x.clone(), zero.clone()),
+                one,
+                select(lt(x, zero.clone()), lit(-1.0, t), zero),
+            )
+        }
+        UnaryOp::Sign => select(gt(x, zero.clone()), one, zero),
+        UnaryOp::Relu if signed => {
+            let x = b.bind(t, x);
+            select(lt(x.clone(), zero.clone()), zero, x)
+        }
+        UnaryOp::Relu | UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round => x,
+        UnaryOp::IsNan | UnaryOp::IsInf => bc(false),
+        UnaryOp::IsFinite => bc(true),
+        _ => return Err(ill_typed(format!("{u:?} of {dt}"))),
+    })
+}
+
+/// A binary op on `x`, `y` of dtype `dt`, in its compute type.
+fn native_binary(op: BinaryOp, dt: DType, x: Expr, y: Expr) -> Result<Expr> {
+    if dt.is_float() {
+        return real_binary(op, x, y);
+    }
+    let t = CTy::compute(dt);
+    let w = wrap_ty(t);
+    let wrapping = |f: BinFn, x: Expr, y: Expr| cast(t, bin(f, cast(w, x), cast(w, y)));
+    Ok(match op {
+        BinaryOp::And => bin(BinFn::And, x, y),
+        BinaryOp::Or => bin(BinFn::Or, x, y),
+        _ if op.is_predicate() => real_binary(op, x, y)?,
+        _ if dt == DType::Bool => return Err(ill_typed(format!("{op:?} of bools"))),
+        BinaryOp::Add => wrapping(BinFn::Add, x, y),
+        BinaryOp::Sub => wrapping(BinFn::Sub, x, y),
+        BinaryOp::Mul => wrapping(BinFn::Mul, x, y),
+        // Division by zero is 0 (the prelude's `rt_idiv`); u8 divides as unsigned int.
+        BinaryOp::Div if dt == DType::U8 => wrapping(BinFn::Div, x, y),
+        BinaryOp::Div => bin(BinFn::Div, x, y),
+        BinaryOp::Pow => bin(BinFn::Pow, x, y),
+        BinaryOp::Maximum => bin(BinFn::Max, x, y),
+        BinaryOp::Minimum => bin(BinFn::Min, x, y),
+        _ => unreachable!("predicates are handled above"),
+    })
+}
+
+/// A cast of `x` (compute type of `from`) to `to`: the value the store converts, with Rust `as`
+/// semantics (the emitter's conversions); f64 and 32/64-bit integers round once to bf16.
+fn native_cast(b: &mut Body, from: DType, to: DType, x: Expr) -> Expr {
+    match (from, to) {
+        (DType::F64 | DType::I32 | DType::I64, DType::BF16) => {
+            let x = conv(x, CTy::compute(from), CTy::F64);
+            bf16_of_f64(b, x)
+        }
+        _ => x,
+    }
+}
+
+/// The kernel of one `Unary`, `Binary`, `Where` or `Cast`.
+fn single_kernel(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<Kernel> {
+    let mut params: Vec<Param> = inputs
+        .iter()
+        .enumerate()
+        .map(|(k, t)| param(&format!("in{k}"), t.dtype, false))
+        .collect();
+    params.push(param("out", out.dtype, true));
+    grid_kernel("ew", params, out.shape.numel(), |b, i| {
+        let idx = broadcast_indices(b, inputs, &out.shape, &i);
+        let args: Vec<Expr> = inputs
+            .iter()
+            .zip(idx)
+            .enumerate()
+            .map(|(k, (t, ix))| {
+                let l = load(&format!("in{k}"), CTy::storage(t.dtype), ix);
+                b.named(&format!("a{k}"), CTy::compute(t.dtype), l)
+            })
+            .collect();
+        let a = |k: usize| args[k].clone();
+        let value = match op {
+            Op::Unary(u) => native_unary(b, *u, inputs[0].dtype, a(0))?,
+            Op::Binary(o) => native_binary(*o, inputs[0].dtype, a(0), a(1))?,
+            Op::Where => select(a(0), a(1), a(2)),
+            Op::Cast { to } => native_cast(b, inputs[0].dtype, *to, a(0)),
+            _ => return Err(not_mine(op, "a single elementwise")),
+        };
+        b.push(store("out", CTy::storage(out.dtype), i, value));
+        Ok(())
+    })
+}
+
+/// Element indices of broadcast operands at the flat output index `flat`.
+fn broadcast_indices(b: &mut Body, inputs: &[&TensorType], out: &Shape, flat: &Expr) -> Vec<Expr> {
+    let strides: Vec<Vec<usize>> = inputs
+        .iter()
+        .map(|t| t.shape.broadcast_strides(out))
+        .collect();
+    strided_indices(b, out.dims(), &strides, &vec![0; inputs.len()], flat)
+}
+
+// ================================================================================================
+// Fused kernels: every value in one float compute type `c`
+// ================================================================================================
+
+/// A fused unary instruction (predicates as 0/1 in `c`).
+fn fused_unary(b: &mut Body, u: UnaryOp, x: Expr, c: CTy) -> Result<Expr> {
+    Ok(match u {
+        UnaryOp::Not => cast(c, eq(x, lit(0.0, c))),
+        UnaryOp::IsNan | UnaryOp::IsInf | UnaryOp::IsFinite => cast(c, real_unary(b, u, x, c)?),
+        _ => real_unary(b, u, x, c)?,
+    })
+}
+
+/// A fused binary instruction (comparisons and logic as 0/1 in `c`).
+fn fused_binary(op: BinaryOp, x: Expr, y: Expr, c: CTy) -> Result<Expr> {
+    let zero = lit(0.0, c);
+    Ok(match op {
+        BinaryOp::And => cast(c, and(ne(x, zero.clone()), ne(y, zero))),
+        BinaryOp::Or => cast(c, bin(BinFn::Or, ne(x, zero.clone()), ne(y, zero))),
+        _ if op.is_predicate() => cast(c, real_binary(op, x, y)?),
+        _ => real_binary(op, x, y)?,
+    })
+}
+
+/// A fused cast from `from` to `to` of `x` held in `c`: the cast's value, held in `c`.
+fn fused_cast(b: &mut Body, from: DType, to: DType, x: Expr, c: CTy) -> Expr {
+    let int_src = !from.is_float();
+    let back = |e: Expr, t: CTy| conv(e, t, c);
+    match to {
+        DType::F32 => back(conv(x, c, CTy::F32), CTy::F32),
+        DType::F64 => x,
+        DType::F16 => back(cast(CTy::F16, x), CTy::F32),
+        DType::BF16 if c == CTy::F64 => back(bf16_of_f64(b, x), CTy::F32),
+        DType::BF16 => back(cast(CTy::BF16, x), CTy::F32),
+        DType::I32 if int_src => back(cast(CTy::I32, cast(CTy::I64, x)), CTy::I32),
+        DType::I32 => back(cast(CTy::I32, x), CTy::I32),
+        DType::I64 => back(cast(CTy::I64, x), CTy::I64),
+        DType::U8 if int_src => back(cast(CTy::U8, cast(CTy::I64, x)), CTy::U8),
+        DType::U8 => back(cast(CTy::U8, x), CTy::U8),
+        DType::Bool => cast(c, ne(x, lit(0.0, c))),
+    }
+}
+
+/// Integer semantics for an integer result `v` computed in `c`: truncation toward zero, 0 when
+/// not finite, wrapping for u8 and i32 (exact in f32: the remainders and the ±2³² corrections are
+/// exact).
+fn fix_int(b: &mut Body, dt: DType, v: Expr, c: CTy) -> Expr {
+    let v = b.bind(c, v);
+    let zero = lit(0.0, c);
+    let t = b.bind(
+        c,
+        select(
+            lt(v.clone(), zero.clone()),
+            un(UnFn::Ceil, v.clone()),
+            un(UnFn::Floor, v),
+        ),
+    );
+    let t = b.bind(c, select(un(UnFn::IsFinite, t.clone()), t, zero.clone()));
+    match dt {
+        DType::U8 => {
+            let r = b.bind(c, rem(t, lit(256.0, c)));
+            select(lt(r.clone(), zero), add(r.clone(), lit(256.0, c)), r)
+        }
+        DType::I32 => {
+            let two32 = lit(4_294_967_296.0, c);
+            let w = b.bind(c, rem(t, two32.clone()));
+            select(
+                ge(w.clone(), lit(2_147_483_648.0, c)),
+                sub(w.clone(), two32.clone()),
+                select(
+                    lt(w.clone(), lit(-2_147_483_648.0, c)),
+                    add(w.clone(), two32),
+                    w,
+                ),
+            )
+        }
+        _ => t,
+    }
+}
+
+/// One fused instruction over the values so far (`vals`, of dtypes `dtypes`), held in `c`.
+fn fused_instr(
+    b: &mut Body,
+    ins: &FusedInstr,
+    vals: &[Expr],
+    dtypes: &[DType],
+    c: CTy,
+) -> Result<Expr> {
+    let arg = |k: usize| -> Result<Expr> {
+        ins.args
+            .get(k)
+            .and_then(|&a| vals.get(a as usize))
+            .cloned()
+            .ok_or_else(|| ill_typed(format!("fused instruction argument {k} is undefined")))
+    };
+    let v = match &ins.op {
+        Op::Unary(u) => fused_unary(b, *u, arg(0)?, c)?,
+        Op::Binary(o) => fused_binary(*o, arg(0)?, arg(1)?, c)?,
+        Op::Where => select(ne(arg(0)?, lit(0.0, c)), arg(1)?, arg(2)?),
+        Op::Cast { to } => {
+            let x = arg(0)?;
+            fused_cast(b, dtypes[ins.args[0] as usize], *to, x, c)
+        }
+        Op::Full { value, .. } => lit(dtype_value(ins.dtype, value.get()), c),
+        other => {
+            return Err(ill_typed(format!(
+                "`{}` cannot appear in a fused kernel",
+                other.name()
+            )))
+        }
+    };
+    Ok(
+        if ins.dtype.is_int() && matches!(ins.op, Op::Unary(_) | Op::Binary(_)) {
+            fix_int(b, ins.dtype, v, c)
+        } else {
+            v
+        },
+    )
+}
+
+/// The kernel of a fused elementwise chain.
+fn fused_kernel(k: &FusedKernel, inputs: &[&TensorType], out: &TensorType) -> Result<Kernel> {
+    let wide = out.dtype == DType::F64
+        || k.instrs.iter().any(|i| i.dtype == DType::F64)
+        || inputs.iter().any(|t| t.dtype == DType::F64);
+    let c = if wide { CTy::F64 } else { CTy::F32 };
+    let n_in = inputs.len();
+    let mut used = vec![false; n_in];
+    for ins in &k.instrs {
+        for &a in &ins.args {
+            if let Some(u) = used.get_mut(a as usize) {
+                *u = true;
+            }
+        }
+    }
+    let mut params: Vec<Param> = inputs
+        .iter()
+        .enumerate()
+        .map(|(j, t)| param(&format!("in{j}"), t.dtype, false))
+        .collect();
+    params.push(param("out", out.dtype, true));
+    grid_kernel("ew", params, out.shape.numel(), |b, i| {
+        let idx = broadcast_indices(b, inputs, &out.shape, &i);
+        let mut vals: Vec<Expr> = Vec::with_capacity(n_in + k.instrs.len());
+        for (j, (t, ix)) in inputs.iter().zip(idx).enumerate() {
+            if !used[j] {
+                vals.push(lit(0.0, c));
+                continue;
+            }
+            let s = CTy::storage(t.dtype);
+            let l = conv(load(&format!("in{j}"), s, ix), s.compute_of(), c);
+            vals.push(b.named(&format!("a{j}"), c, l));
+        }
+        let mut dtypes: Vec<DType> = inputs.iter().map(|t| t.dtype).collect();
+        for ins in &k.instrs {
+            let v = fused_instr(b, ins, &vals, &dtypes, c)?;
+            vals.push(b.bind(c, v));
+            dtypes.push(ins.dtype);
+        }
+        let last = vals
+            .pop()
+            .ok_or_else(|| ill_typed("a fused kernel without instructions".into()))?;
+        let value = if out.dtype == DType::BF16 && c == CTy::F64 {
+            bf16_of_f64(b, last)
+        } else {
+            last
+        };
+        b.push(store("out", CTy::storage(out.dtype), i, value));
+        Ok(())
+    })
+}
+
+// ================================================================================================
+// Movement
+// ================================================================================================
+
+/// `out[i] = x[offset + Σ coord_k·strides_k]` over the contiguous output of shape `out`.
+fn strided_copy(
+    prefix: &str,
+    dt: DType,
+    out: &Shape,
+    offset: usize,
+    strides: &[usize],
+) -> Result<Kernel> {
+    let params = vec![param("x", dt, false), param("out", dt, true)];
+    let s = CTy::storage(dt);
+    grid_kernel(prefix, params, out.numel(), |b, i| {
+        let idx = strided_indices(b, out.dims(), &[strides.to_vec()], &[offset], &i);
+        let ix = idx.into_iter().next().expect("one operand");
+        b.push(store("out", s, i, load("x", s, ix)));
+        Ok(())
+    })
+}
+
+/// Concatenation along `axis`: the output is `[outer, total·inner]`; the position along the axis
+/// picks the input.
+fn concat_kernel(inputs: &[&TensorType], axis: usize, out: &TensorType) -> Result<Kernel> {
+    let dt = out.dtype;
+    let s = CTy::storage(dt);
+    let od = out.shape.dims();
+    let inner: usize = od[axis + 1..].iter().product();
+    let outer: usize = od[..axis].iter().product();
+    let row = od[axis] * inner;
+    let mut params: Vec<Param> = (0..inputs.len())
+        .map(|k| param(&format!("in{k}"), dt, false))
+        .collect();
+    params.push(param("out", dt, true));
+    grid_kernel("concat", params, out.shape.numel(), |b, i| {
+        let (o, r) = if outer > 1 {
+            (
+                b.named("o", CTy::I64, div(i.clone(), i64c(row as i64))),
+                b.named("r", CTy::I64, rem(i.clone(), i64c(row as i64))),
+            )
+        } else {
+            (i64c(0), i.clone())
+        };
+        // Inputs that contribute, with their first position along the axis.
+        let mut at = 0;
+        let mut parts: Vec<(usize, usize, usize)> = vec![];
+        for (k, t) in inputs.iter().enumerate() {
+            let n = t.shape.dims()[axis];
+            if n > 0 {
+                parts.push((k, at, n));
+            }
+            at += n;
+        }
+        // out[i] = in_k[o·n_k·inner + r - at_k·inner], selected by `r < (at_k + n_k)·inner`.
+        let mut chain: Vec<Stmt> = vec![];
+        for (idx, &(k, at, n)) in parts.iter().enumerate().rev() {
+            let mut terms = vec![(r.clone(), 1)];
+            if outer > 1 {
+                terms.push((o.clone(), (n * inner) as i64));
+            }
+            let src = linear(terms, -((at * inner) as i64));
+            let st = store("out", s, i.clone(), load(&format!("in{k}"), s, src));
+            chain = if idx + 1 == parts.len() {
+                vec![st]
+            } else {
+                vec![Stmt::If {
+                    cond: lt(r.clone(), i64c(((at + n) * inner) as i64)),
+                    then: vec![st],
+                    els: chain,
+                }]
+            };
+        }
+        b.stmts.extend(chain);
+        Ok(())
+    })
+}
+
+/// Constant padding: an output element inside the input's box reads it, the others get `value`
+/// (converted to the dtype once, on the host).
+fn pad_kernel(
+    x: &TensorType,
+    pads: &[(usize, usize)],
+    value: f64,
+    out: &TensorType,
+) -> Result<Kernel> {
+    let dt = out.dtype;
+    let s = CTy::storage(dt);
+    let fill = lit(dtype_value(dt, value), CTy::compute(dt));
+    // (output size, input size, padding before) per dim; size-1 unpadded dims dropped and unpadded
+    // dims merged into the dim before them.
+    let mut dims: Vec<(usize, usize, usize)> = vec![];
+    for (&d, &(bef, aft)) in x.shape.dims().iter().zip(pads) {
+        let unpadded = bef == 0 && aft == 0;
+        if unpadded && d == 1 {
+            continue;
+        }
+        match dims.last_mut() {
+            Some(last) if unpadded => {
+                last.0 *= d;
+                last.1 *= d;
+                last.2 *= d;
+            }
+            _ => dims.push((bef + d + aft, d, bef)),
+        }
+    }
+    let params = vec![param("x", dt, false), param("out", dt, true)];
+    grid_kernel("pad", params, out.shape.numel(), |b, i| {
+        if x.shape.numel() == 0 {
+            b.push(store("out", s, i, fill));
+            return Ok(());
+        }
+        let od: Vec<usize> = dims.iter().map(|d| d.0).collect();
+        let in_strides = Shape::new(dims.iter().map(|d| d.1).collect::<Vec<_>>()).strides();
+        let mut coords = Coords::new(&od, i.clone());
+        let mut inside: Option<Expr> = None;
+        let mut terms = vec![];
+        let mut base = 0i64;
+        for (k, &(o, d, bef)) in dims.iter().enumerate() {
+            let ck = coords.get(b, k);
+            if o != d {
+                let mut cond = lt(ck.clone(), i64c((bef + d) as i64));
+                if bef > 0 {
+                    cond = and(ge(ck.clone(), i64c(bef as i64)), cond);
+                }
+                inside = Some(match inside {
+                    Some(c) => and(c, cond),
+                    None => cond,
+                });
+            }
+            terms.push((ck, in_strides[k] as i64));
+            base -= (bef * in_strides[k]) as i64;
+        }
+        let copy = store("out", s, i.clone(), load("x", s, linear(terms, base)));
+        match inside {
+            Some(cond) => b.push(Stmt::If {
+                cond,
+                then: vec![copy],
+                els: vec![store("out", s, i, fill)],
+            }),
+            None => b.push(copy),
+        }
+        Ok(())
+    })
+}
+
+// ================================================================================================
+// Indexing
+// ================================================================================================
+
+/// An index element (i32 or i64) as i64, bound to the local `j`.
+fn index_value(b: &mut Body, index: &TensorType, at: Expr) -> Expr {
+    let s = CTy::storage(index.dtype);
+    b.named("j", CTy::I64, conv(load("index", s, at), s, CTy::I64))
+}
+
+/// `0 <= j < n`.
+fn in_range(j: &Expr, n: usize) -> Expr {
+    and(ge(j.clone(), i64c(0)), lt(j.clone(), i64c(n as i64)))
+}
+
+/// torch.gather: `out[p] = x[p with p[axis] = index[p]]`; 0 for an index outside `0..dim`.
+fn gather_kernel(
+    x: &TensorType,
+    index: &TensorType,
+    axis: usize,
+    out: &TensorType,
+) -> Result<Kernel> {
+    let dt = x.dtype;
+    let s = CTy::storage(dt);
+    let xs = x.shape.strides();
+    let n = x.shape.dims()[axis];
+    let params = vec![
+        param("x", dt, false),
+        param("index", index.dtype, false),
+        param("out", dt, true),
+    ];
+    grid_kernel("gather", params, out.shape.numel(), |b, i| {
+        let j = index_value(b, index, i.clone());
+        let id = index.shape.dims();
+        let mut coords = Coords::new(id, i.clone());
+        let mut terms: Vec<(Expr, i64)> = (0..id.len())
+            .filter(|&d| d != axis && id[d] > 1)
+            .map(|d| (coords.get(b, d), xs[d] as i64))
+            .collect();
+        terms.push((j.clone(), xs[axis] as i64));
+        b.push(Stmt::If {
+            cond: in_range(&j, n),
+            then: vec![store("out", s, i.clone(), load("x", s, linear(terms, 0)))],
+            els: vec![store("out", s, i, lit(0.0, CTy::compute(dt)))],
+        });
+        Ok(())
+    })
+}
+
+/// index_select: `out[o, m, j] = x[o, index[m], j]` around `axis`; 0 for an index outside
+/// `0..dim`.
+fn index_select_kernel(
+    x: &TensorType,
+    index: &TensorType,
+    axis: usize,
+    out: &TensorType,
+) -> Result<Kernel> {
+    let dt = x.dtype;
+    let s = CTy::storage(dt);
+    let xd = x.shape.dims();
+    let (n, inner) = (xd[axis], xd[axis + 1..].iter().product::<usize>());
+    let m = index.shape.dims()[0];
+    let params = vec![
+        param("x", dt, false),
+        param("index", index.dtype, false),
+        param("out", dt, true),
+    ];
+    grid_kernel("index_select", params, out.shape.numel(), |b, i| {
+        // Output coordinates (outer, m, inner).
+        let mut coords = Coords::new(&[out.shape.numel() / (m * inner), m, inner], i.clone());
+        let at = coords.get(b, 1);
+        let j = index_value(b, index, at);
+        let mut terms = vec![];
+        if out.shape.numel() > m * inner {
+            terms.push((coords.get(b, 0), (n * inner) as i64));
+        }
+        terms.push((j.clone(), inner as i64));
+        if inner > 1 {
+            terms.push((coords.get(b, 2), 1));
+        }
+        b.push(Stmt::If {
+            cond: in_range(&j, n),
+            then: vec![store("out", s, i.clone(), load("x", s, linear(terms, 0)))],
+            els: vec![store("out", s, i, lit(0.0, CTy::compute(dt)))],
+        });
+        Ok(())
+    })
+}
+
+/// scatter_add / index_add: copy `base` into the accumulator, atomically add every `src` element
+/// at its target (indices outside `0..dim` are skipped). f16/bf16 accumulate in an f32 scratch
+/// buffer, copied into the output (rounding once) by a third launch.
+fn accumulate(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKernels> {
+    let (base, index, src) = (inputs[0], inputs[1], inputs[2]);
+    let dt = out.dtype;
+    let scratch = matches!(dt, DType::F16 | DType::BF16);
+    let (acc_dt, acc_arg) = if scratch {
+        (DType::F32, ArgRef::Scratch)
+    } else {
+        (dt, ArgRef::Output)
+    };
+    let n = out.shape.numel();
+    let copy = |from: DType, to: DType| -> Result<Kernel> {
+        let params = vec![param("x", from, false), param("out", to, true)];
+        grid_kernel("copy", params, n, |b, i| {
+            let v = load("x", CTy::storage(from), i.clone());
+            b.push(store("out", CTy::storage(to), i, v));
+            Ok(())
+        })
+    };
+    let mut launches = vec![Launch {
+        kernel: copy(dt, acc_dt)?,
+        args: vec![ArgRef::Input(0), acc_arg],
+        grid: grid(n),
+    }];
+    let m = src.shape.numel();
+    if m > 0 {
+        let bd = base.shape.dims();
+        let bs = base.shape.strides();
+        let params = vec![
+            param("index", index.dtype, false),
+            param("src", src.dtype, false),
+            param("out", acc_dt, true),
+        ];
+        let s = CTy::storage(src.dtype);
+        let a = CTy::storage(acc_dt);
+        let (prefix, axis) = match op {
+            Op::ScatterAdd { axis } => ("scatter_add", *axis),
+            Op::IndexAdd { axis } => ("index_add", *axis),
+            _ => return Err(not_mine(op, "an accumulating indexing")),
+        };
+        let is_scatter = matches!(op, Op::ScatterAdd { .. });
+        let kernel = grid_kernel(prefix, params, m, |b, p| {
+            let nax = bd[axis];
+            let (j, terms) = if is_scatter {
+                // Coordinates over the index's (= src's) shape; the index is read at `p`.
+                let j = index_value(b, index, p.clone());
+                let id = index.shape.dims();
+                let mut coords = Coords::new(id, p.clone());
+                let mut terms: Vec<(Expr, i64)> = (0..id.len())
+                    .filter(|&d| d != axis && id[d] > 1)
+                    .map(|d| (coords.get(b, d), bs[d] as i64))
+                    .collect();
+                terms.push((j.clone(), bs[axis] as i64));
+                (j, terms)
+            } else {
+                // src is base with dim `axis` = len(index): coordinates (outer, m, inner).
+                let inner: usize = bd[axis + 1..].iter().product();
+                let mi = index.shape.dims()[0];
+                let mut coords = Coords::new(&[m / (mi * inner), mi, inner], p.clone());
+                let at = coords.get(b, 1);
+                let j = index_value(b, index, at);
+                let mut terms = vec![];
+                if m > mi * inner {
+                    terms.push((coords.get(b, 0), (nax * inner) as i64));
+                }
+                terms.push((j.clone(), inner as i64));
+                if inner > 1 {
+                    terms.push((coords.get(b, 2), 1));
+                }
+                (j, terms)
+            };
+            b.push(if_(
+                in_range(&j, nax),
+                vec![Stmt::AtomicAdd {
+                    buf: "out".into(),
+                    elem: a,
+                    index: linear(terms, 0),
+                    value: conv(load("src", s, p), s.compute_of(), a.compute_of()),
+                }],
+            ));
+            Ok(())
+        })?;
+        launches.push(Launch {
+            kernel,
+            args: vec![ArgRef::Input(1), ArgRef::Input(2), acc_arg],
+            grid: grid(m),
+        });
+    }
+    if scratch {
+        launches.push(Launch {
+            kernel: copy(acc_dt, dt)?,
+            args: vec![ArgRef::Scratch, ArgRef::Output],
+            grid: grid(n),
+        });
+    }
+    Ok(StepKernels {
+        launches,
+        scratch_bytes: if scratch { n * 4 } else { 0 },
+    })
+}

@@ -1,0 +1,273 @@
+//! Matmul lowering: `Matmul` and `MatmulEpilogue` become cuBLASLt calls described by plain data
+//! ([`MatmulDesc`]); the runtime owns the handles and caches the algorithm per descriptor.
+//!
+//! Row-major `C[M,N] = A[M,K]·B[K,N]` is computed as the column-major product
+//! `Cᵀ[N,M] = Bᵀ·Aᵀ`, so cuBLASLt's "A" is our B and its bias (one value per row of its D) runs
+//! along our last dim, as the op's bias does. Batches that one strided-batch call can express
+//! (equal strides, broadcast as stride 0) are one call; any other batch broadcast is one call per
+//! matrix.
+//!
+//! Epilogues: bias, ReLU and tanh-GELU are cuBLASLt's own (`BIAS`, `RELU_BIAS`, `GELU_BIAS`).
+//! cuBLASLt's GELU is the tanh approximation, so the erf GELU is never handed to it: the GEMM
+//! applies the bias and a generated kernel applies the exact erf GELU over the output in place.
+//! f64 GEMMs take no epilogue (cuBLASLt's f64 kernels do not promise them): bias and activation
+//! run in that kernel too.
+
+use super::ir::*;
+use super::{ArgRef, CudaStep, Launch, StepKernels};
+use crate::{CodegenError, Result};
+use rustytorch_ops::{Activation, DType, Op, Shape, TensorType};
+
+/// The activation cuBLASLt applies in its epilogue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LtActivation {
+    /// None.
+    None,
+    /// ReLU.
+    Relu,
+    /// GELU, tanh approximation (the only GELU cuBLASLt has).
+    GeluTanh,
+}
+
+/// One cuBLASLt matmul (possibly a strided batch), in column-major terms already swapped:
+/// `D[m×n] = op(A)[m×k] · op(B)[k×n]` where A is the step's operand 1 and B its operand 0.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct MatmulDesc {
+    /// Element type of A, B, D and the bias (compute is f32, or f64 for f64).
+    pub dtype: DType,
+    /// Rows of D (the op's N).
+    pub m: u64,
+    /// Columns of D (the op's M).
+    pub n: u64,
+    /// The inner dimension.
+    pub k: u64,
+    /// Transpose cuBLASLt's A (= the op's `trans_b`).
+    pub trans_a: bool,
+    /// Transpose cuBLASLt's B (= the op's `trans_a`).
+    pub trans_b: bool,
+    /// Leading dimension of A as stored.
+    pub lda: u64,
+    /// Leading dimension of B as stored.
+    pub ldb: u64,
+    /// Leading dimension of D.
+    pub ldd: u64,
+    /// Matrices per call (strided batch).
+    pub batch: u64,
+    /// Batch strides in elements of A, B and D (0 broadcasts).
+    pub stride_a: i64,
+    /// See `stride_a`.
+    pub stride_b: i64,
+    /// See `stride_a`.
+    pub stride_d: i64,
+    /// Element offsets (A, B, D) of each call; one entry for a single strided-batch call.
+    pub calls: Vec<(u64, u64, u64)>,
+    /// Whether the step's operand 2 is a bias added by the epilogue.
+    pub bias: bool,
+    /// The epilogue's activation.
+    pub act: LtActivation,
+}
+
+fn invalid(op: &Op, msg: String) -> CodegenError {
+    CodegenError::Invalid(format!("{}: {msg}", op.name()))
+}
+
+/// Lowers `Matmul`/`MatmulEpilogue` into a cuBLASLt call and, where needed, an epilogue kernel.
+pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaStep> {
+    let (ta, tb, has_bias, act) = match op {
+        Op::Matmul { trans_a, trans_b } => (*trans_a, *trans_b, false, Activation::None),
+        Op::MatmulEpilogue {
+            trans_a,
+            trans_b,
+            bias,
+            act,
+        } => (*trans_a, *trans_b, *bias, *act),
+        _ => return Err(invalid(op, "not a matmul".into())),
+    };
+    if inputs.len() < 2 + has_bias as usize {
+        return Err(invalid(op, "missing operands".into()));
+    }
+    let (a, b) = (inputs[0], inputs[1]);
+    let (ad, bd) = (a.shape.dims(), b.shape.dims());
+    let (ra, rb) = (ad.len(), bd.len());
+    if ra < 2 || rb < 2 {
+        return Err(invalid(op, "operands must have rank >= 2".into()));
+    }
+    let (m, k) = if ta {
+        (ad[ra - 1], ad[ra - 2])
+    } else {
+        (ad[ra - 2], ad[ra - 1])
+    };
+    let n = if tb { bd[rb - 2] } else { bd[rb - 1] };
+    let batch = Shape::new(&out.shape.dims()[..out.shape.rank() - 2]);
+    let offs_a = batch_offsets(&ad[..ra - 2], &batch, m * k);
+    let offs_b = batch_offsets(&bd[..rb - 2], &batch, k * n);
+    let nb = batch.numel();
+    let dtype = out.dtype;
+    let f64_ = dtype == DType::F64;
+
+    // cuBLASLt's epilogue where it is exact; the rest in a kernel after the GEMM.
+    let (lt_bias, lt_act, post_bias, post_act) = match (f64_, act) {
+        (true, a) => (false, LtActivation::None, has_bias, a),
+        (false, Activation::None) => (has_bias, LtActivation::None, false, Activation::None),
+        (false, Activation::Relu) => (has_bias, LtActivation::Relu, false, Activation::None),
+        (false, Activation::GeluTanh) => {
+            (has_bias, LtActivation::GeluTanh, false, Activation::None)
+        }
+        (false, Activation::GeluErf) => (has_bias, LtActivation::None, false, Activation::GeluErf),
+    };
+
+    let arith = |offs: &[usize]| -> Option<i64> {
+        if offs.len() < 2 {
+            return Some(0);
+        }
+        let s = offs[1] as i64 - offs[0] as i64;
+        offs.iter()
+            .enumerate()
+            .all(|(i, &o)| o as i64 == offs[0] as i64 + s * i as i64)
+            .then_some(s)
+    };
+    let (sa, sb) = (arith(&offs_a), arith(&offs_b));
+    // cuBLASLt's A is our B and vice versa.
+    let (calls, batch_n, stride_a, stride_b, stride_d) = match (sa, sb) {
+        (Some(sa), Some(sb)) if nb > 0 => (
+            vec![(offs_b[0] as u64, offs_a[0] as u64, 0u64)],
+            nb as u64,
+            sb,
+            sa,
+            (m * n) as i64,
+        ),
+        _ => (
+            (0..nb)
+                .map(|i| (offs_b[i] as u64, offs_a[i] as u64, (i * m * n) as u64))
+                .collect(),
+            1,
+            0,
+            0,
+            (m * n) as i64,
+        ),
+    };
+    let desc = MatmulDesc {
+        dtype,
+        m: n as u64,
+        n: m as u64,
+        k: k as u64,
+        trans_a: tb,
+        trans_b: ta,
+        lda: if tb { k as u64 } else { n as u64 },
+        ldb: if ta { m as u64 } else { k as u64 },
+        ldd: n as u64,
+        batch: batch_n,
+        stride_a,
+        stride_b,
+        stride_d,
+        calls,
+        bias: lt_bias,
+        act: lt_act,
+    };
+    let mut after = StepKernels::default();
+    if (post_bias || post_act != Activation::None) && out.shape.numel() > 0 {
+        after
+            .launches
+            .push(epilogue_kernel(out, n, post_bias, post_act)?);
+    }
+    Ok(CudaStep::Matmul { desc, after })
+}
+
+/// Offsets (in elements) of each batch's matrix in an operand with batch dims `own` broadcast to
+/// `batch`, for matrices of `mat` elements.
+fn batch_offsets(own: &[usize], batch: &Shape, mat: usize) -> Vec<usize> {
+    let strides = Shape::new(own).broadcast_strides(batch);
+    let nb = batch.numel();
+    let mut offs = Vec::with_capacity(nb);
+    let mut idx = vec![0usize; batch.rank()];
+    for _ in 0..nb {
+        offs.push(idx.iter().zip(&strides).map(|(i, s)| i * s).sum::<usize>() * mat);
+        for d in (0..idx.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < batch.dims()[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    offs
+}
+
+/// `out = act(out + bias)` in place over the GEMM's output (bias along the last dim of `n`).
+fn epilogue_kernel(out: &TensorType, n: usize, bias: bool, act: Activation) -> Result<Launch> {
+    let st = CTy::storage(out.dtype);
+    let ct = CTy::compute(out.dtype);
+    let numel = out.shape.numel() as i64;
+    let mut params = vec![Param {
+        name: "out".into(),
+        elem: st,
+        writes: true,
+    }];
+    let mut args = vec![ArgRef::Output];
+    let mut body = vec![let_("v", ct, load("out", st, var("i")))];
+    if bias {
+        params.push(Param {
+            name: "bias".into(),
+            elem: st,
+            writes: false,
+        });
+        args.push(ArgRef::Input(2));
+        body.push(assign(
+            "v",
+            add(var("v"), load("bias", st, rem(var("i"), i64c(n as i64)))),
+        ));
+    }
+    let half = |t| lit(0.5, t);
+    match act {
+        Activation::None => {}
+        Activation::Relu => body.push(assign(
+            "v",
+            select(
+                bin(BinFn::Gt, var("v"), lit(0.0, ct)),
+                var("v"),
+                lit(0.0, ct),
+            ),
+        )),
+        Activation::GeluErf => body.push(assign(
+            // 0.5·x·erfc(−x/√2), as the CPU computes it.
+            "v",
+            mul(
+                mul(half(ct), var("v")),
+                un(
+                    UnFn::Erfc,
+                    mul(
+                        un(UnFn::Neg, var("v")),
+                        lit(std::f64::consts::FRAC_1_SQRT_2, ct),
+                    ),
+                ),
+            ),
+        )),
+        Activation::GeluTanh => {
+            let c = lit(0.044_715, ct);
+            let s = lit((2.0 / std::f64::consts::PI).sqrt(), ct);
+            let u = mul(
+                s,
+                add(var("v"), mul(mul(mul(c, var("v")), var("v")), var("v"))),
+            );
+            body.push(assign(
+                "v",
+                mul(
+                    mul(half(ct), var("v")),
+                    add(lit(1.0, ct), un(UnFn::Tanh, u)),
+                ),
+            ));
+        }
+    }
+    body.push(store("out", st, var("i"), var("v")));
+    let k = Kernel {
+        name: String::new(),
+        params,
+        block: 256,
+        body: vec![grid_stride("i", numel, body)],
+    };
+    Ok(Launch {
+        kernel: super::finish("matmul_epilogue", k)?,
+        args,
+        grid: super::grid_for(numel as u64, 256),
+    })
+}

@@ -1,0 +1,181 @@
+//! CUDA lowering: every step of a [`Plan`](crate::Plan) becomes either generated kernels (built as
+//! [`ir::Kernel`] data by one template file per op family and printed by [`emit`]) or a library
+//! call descriptor ([`MatmulDesc`] for cuBLASLt). Kernels are specialized per shape: sizes and
+//! strides are literals of the source, and the only launch arguments are buffer pointers.
+//!
+//! Nothing here touches a GPU: the runtime compiles the sources with NVRTC and launches them.
+
+pub mod elementwise;
+pub mod emit;
+pub mod interp;
+pub mod ir;
+pub mod matmul;
+pub mod reduce;
+
+pub use matmul::MatmulDesc;
+
+use crate::{CodegenError, Result};
+use ir::Kernel;
+use rustytorch_ops::{Op, TensorType};
+
+/// Upper bound of blocks in a grid-stride launch (enough to fill any current GPU many times).
+pub const MAX_GRID: u64 = 65_535;
+
+/// What a kernel parameter binds to at launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ArgRef {
+    /// The step's `i`-th operand.
+    Input(usize),
+    /// The step's result buffer.
+    Output,
+    /// The step's scratch buffer (see [`StepKernels::scratch_bytes`]).
+    Scratch,
+}
+
+/// One kernel launch of a step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Launch {
+    /// The kernel.
+    pub kernel: Kernel,
+    /// What each of the kernel's parameters binds to, in order.
+    pub args: Vec<ArgRef>,
+    /// Blocks in the (1-D) grid.
+    pub grid: u32,
+}
+
+impl Launch {
+    /// A launch whose arguments are the operands `0..n_inputs` then the output (the common shape
+    /// of a template).
+    pub fn simple(kernel: Kernel, n_inputs: usize, grid: u32) -> Launch {
+        let mut args: Vec<ArgRef> = (0..n_inputs).map(ArgRef::Input).collect();
+        args.push(ArgRef::Output);
+        Launch { kernel, args, grid }
+    }
+}
+
+/// The kernels of one step, launched in order on one stream.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct StepKernels {
+    /// Launches in order.
+    pub launches: Vec<Launch>,
+    /// Bytes of scratch memory the launches need (0 for most ops).
+    pub scratch_bytes: usize,
+}
+
+/// How one plan step runs on CUDA.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CudaStep {
+    /// Generated kernels.
+    Kernels(StepKernels),
+    /// A cuBLASLt matmul (with its epilogue), optionally followed by kernels over the output
+    /// in place (an activation cuBLASLt cannot express exactly, such as the erf GELU).
+    Matmul {
+        /// The library call.
+        desc: MatmulDesc,
+        /// Kernels run after it, over the output.
+        after: StepKernels,
+    },
+    /// Nothing to run: the output aliases its operand's bytes (a reshape placed as an alias by
+    /// the memory plan).
+    Alias,
+}
+
+/// Number of blocks for `n` work items at `per_block` items per block, capped at [`MAX_GRID`]
+/// (kernels loop grid-stride past the cap).
+pub fn grid_for(n: u64, per_block: u64) -> u32 {
+    n.div_ceil(per_block.max(1)).clamp(1, MAX_GRID) as u32
+}
+
+/// A stable 64-bit FNV-1a hash (the same on every machine and build, unlike `DefaultHasher`).
+pub fn stable_hash(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Names a finished kernel `{prefix}_{hash}` from a hash of its printed body, so that identical
+/// kernels get identical names (and share a compiled module) and names are stable across runs.
+pub fn finish(prefix: &str, mut k: Kernel) -> Result<Kernel> {
+    k.name = "kernel".into();
+    let text = emit::emit_kernel(&k).map_err(|e| CodegenError::Invalid(e.to_string()))?;
+    k.name = format!("{prefix}_{:08x}", stable_hash(text.as_bytes()) as u32);
+    Ok(k)
+}
+
+/// The CUDA source of a kernel (prelude included), as NVRTC compiles it.
+pub fn source(k: &Kernel) -> Result<String> {
+    emit::emit(k).map_err(|e| CodegenError::Invalid(e.to_string()))
+}
+
+/// Lowers every step of a plan for CUDA (in step order). A step whose result aliases its
+/// operand's bytes in the memory plan runs nothing.
+pub fn lower_plan(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
+    plan.steps
+        .iter()
+        .map(|s| {
+            if matches!(plan.storage[s.output], crate::Storage::Alias(_)) {
+                return Ok(CudaStep::Alias);
+            }
+            let ins: Vec<&TensorType> = s.inputs.iter().map(|&v| &plan.types[v]).collect();
+            lower_step(&s.op, &ins, &plan.types[s.output])
+        })
+        .collect()
+}
+
+/// Lowers one op with operand types `inputs` and result type `out` for CUDA. Convolution, pooling
+/// and attention have no CUDA implementation yet: they are an error naming the op.
+pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaStep> {
+    let unsupported = || {
+        Err(CodegenError::Unsupported {
+            op: op.name(),
+            device: "cuda",
+            reason: "it has no CUDA implementation yet; run this graph with Device::Cpu".into(),
+        })
+    };
+    match op {
+        Op::Input { .. }
+        | Op::Param { .. }
+        | Op::Constant { .. }
+        | Op::Full { .. }
+        | Op::Iota { .. }
+        | Op::RandUniform { .. }
+        | Op::RandNormal { .. } => Err(CodegenError::Invalid(format!(
+            "leaf `{}` is not a step",
+            op.name()
+        ))),
+        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } | Op::Fused(_) => {
+            elementwise::lower(op, inputs, out).map(CudaStep::Kernels)
+        }
+        Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Expand { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }
+        | Op::Pad { .. }
+        | Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::IndexSelect { .. }
+        | Op::IndexAdd { .. } => {
+            elementwise::lower_movement(op, inputs, out).map(CudaStep::Kernels)
+        }
+        Op::Reduce { .. }
+        | Op::ArgReduce { .. }
+        | Op::Softmax { .. }
+        | Op::LogSoftmax { .. }
+        | Op::LayerNorm { .. }
+        | Op::RmsNorm { .. }
+        | Op::CrossEntropy { .. }
+        | Op::CrossEntropyGrad { .. } => reduce::lower(op, inputs, out).map(CudaStep::Kernels),
+        Op::Matmul { .. } | Op::MatmulEpilogue { .. } => matmul::lower(op, inputs, out),
+        Op::Conv { .. }
+        | Op::ConvGradInput { .. }
+        | Op::ConvGradWeight { .. }
+        | Op::Pool { .. }
+        | Op::PoolGrad { .. }
+        | Op::Attention { .. }
+        | Op::AttentionGrad { .. } => unsupported(),
+    }
+}

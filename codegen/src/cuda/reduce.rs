@@ -1,0 +1,1264 @@
+//! Reductions, arg-reductions, softmax/log-softmax, layer_norm/rms_norm and cross-entropy (and its
+//! gradient) kernels.
+//!
+//! Every op here is a set of *rows*: a row is one output element (or one normalized vector) whose
+//! elements lie at `base(row) + offset(k)` for `k` in `0..n`, both offsets decoded from literal
+//! sizes and strides. One template places rows on threads in one of three ways ([`Strat`]):
+//!
+//! - a warp per row (8 rows per 256-thread block): lanes stride over `k` and combine with butterfly
+//!   shuffles, so that every lane holds the result;
+//! - a block per row, for few long rows: warps combine through shared memory, then shuffles again;
+//! - 32 rows per block and 8 threads per row, when the rows' elements are strided and neighbouring
+//!   rows are neighbours in memory (a reduction over a non-last axis), so that a warp reads 32
+//!   consecutive elements; the 8 partials combine through shared memory.
+//!
+//! A reduction with few outputs and a long reduced extent runs in two launches: partials of chunks
+//! of each output's elements into scratch, then a reduction of the partials.
+//!
+//! Numerics follow the CPU kernels: f16/bf16/f32 accumulate in f32 and f64 in f64, integers in i64
+//! (wrapping, truncated on store), bool any/all as 0/1; mean divides the sum once; NaN propagates
+//! through max/min; argmax/argmin return the first index of the extreme, NaN counting as the
+//! extreme. Only the order of additions differs (lane-strided partials combined in a tree).
+//! Cross entropy cannot fail at run time: a target outside `0..C` that is not `ignore_index` (an
+//! error on the CPU) gives a NaN loss, and NaN gradients for its row.
+
+use super::ir::{
+    add, assign, bin, cast, div, fc, for_, global_thread, i32c, i64c, if_, let_, lit, load, lt,
+    mul, rem, select, special, store, sub, un, var, BinFn, CTy, Expr, Kernel, Lit, Param, Special,
+    Stmt, UnFn,
+};
+use super::{finish, grid_for, ArgRef, Launch, StepKernels};
+use crate::{CodegenError, Result};
+use rustytorch_ops::{ArgKind, DType, Op, OpError, ReduceKind, Reduction, TensorType};
+
+/// Threads per block of every kernel here.
+const BLOCK: u32 = 256;
+/// Threads per warp.
+const WARP: i64 = 32;
+/// Warps per block (also the threads per row of [`Strat::Cols`]).
+const WARPS: i64 = BLOCK as i64 / WARP;
+
+/// Lowers a reduction-shaped op: `Reduce`, `ArgReduce`, `Softmax`, `LogSoftmax`, `LayerNorm`,
+/// `RmsNorm`, `CrossEntropy` and `CrossEntropyGrad`. An output without elements needs no launch.
+pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKernels> {
+    let want = rustytorch_ops::infer(op, inputs)?;
+    if &want != out {
+        return Err(CodegenError::Invalid(format!(
+            "{}: result type {out} does not match the inferred {want}",
+            op.name()
+        )));
+    }
+    if out.shape.numel() == 0 {
+        return Ok(StepKernels::default());
+    }
+    let x = inputs[0];
+    match op {
+        Op::Reduce { kind, axes, .. } => reduce(op, *kind, axes, x, out),
+        Op::ArgReduce { kind, axis, .. } => arg_reduce(op, *kind, *axis, x),
+        Op::Softmax { axis } => softmax(*axis, false, x),
+        Op::LogSoftmax { axis } => softmax(*axis, true, x),
+        Op::LayerNorm { eps, weight, bias } => norm(x, eps.get(), *weight, *bias, true),
+        Op::RmsNorm { eps, weight } => norm(x, eps.get(), *weight, false, false),
+        Op::CrossEntropy {
+            reduction,
+            ignore_index,
+        } => cross_entropy(x, inputs[1], *reduction, *ignore_index),
+        Op::CrossEntropyGrad {
+            reduction,
+            ignore_index,
+        } => cross_entropy_grad(x, inputs[1], *reduction, *ignore_index),
+        _ => Err(CodegenError::Invalid(format!(
+            "{}: not a reduction-shaped op",
+            op.name()
+        ))),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Index spaces
+
+/// One dim of an index space: (size, stride in elements).
+type Dim = (usize, usize);
+
+/// Drops size-1 dims and merges neighbours that are contiguous with each other.
+fn coalesce(dims: impl IntoIterator<Item = Dim>) -> Vec<Dim> {
+    let mut out: Vec<Dim> = Vec::new();
+    for (size, stride) in dims {
+        if size == 1 {
+            continue;
+        }
+        match out.last_mut() {
+            Some(last) if last.1 == size * stride => *last = (last.0 * size, stride),
+            _ => out.push((size, stride)),
+        }
+    }
+    out
+}
+
+/// The offset of flat row-major index `idx` (a variable) of the space `dims`.
+fn offset(idx: &str, dims: &[Dim]) -> Expr {
+    let mut inner = 1usize;
+    let mut terms = Vec::new();
+    for (j, &(size, stride)) in dims.iter().enumerate().rev() {
+        let mut c = var(idx);
+        if inner > 1 {
+            c = div(c, i64c(inner as i64));
+        }
+        if j > 0 {
+            c = rem(c, i64c(size as i64));
+        }
+        if stride != 1 {
+            c = mul(c, i64c(stride as i64));
+        }
+        terms.push(c);
+        inner *= size;
+    }
+    terms
+        .into_iter()
+        .rev()
+        .reduce(add)
+        .unwrap_or_else(|| i64c(0))
+}
+
+/// A split of every row's `0..n` into `parts` chunks of `chunk` (the first stage of a two-stage
+/// reduction): launch row `r` is output `r / parts`, chunk `r % parts` (or, with `parts_outer`,
+/// chunk `r / outputs`, output `r % outputs`).
+#[derive(Clone, Copy, Debug)]
+struct Split {
+    parts: usize,
+    chunk: usize,
+    outputs: usize,
+    parts_outer: bool,
+}
+
+/// The rows of one launch.
+#[derive(Clone, Debug)]
+struct Rows {
+    /// Rows the launch covers (outputs × parts when split).
+    count: usize,
+    /// Output index → base offset.
+    kept: Vec<Dim>,
+    /// Index in the row → offset from the base.
+    red: Vec<Dim>,
+    /// Elements per row.
+    n: usize,
+    split: Option<Split>,
+}
+
+impl Rows {
+    fn new(count: usize, kept: Vec<Dim>, red: Vec<Dim>, n: usize) -> Rows {
+        Rows {
+            count,
+            kept,
+            red: if n == 0 { vec![] } else { red },
+            n,
+            split: None,
+        }
+    }
+
+    /// The offset of element `k` of the current row.
+    fn at(&self) -> Expr {
+        add(var("base"), offset("k", &self.red))
+    }
+}
+
+/// How rows are placed on threads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Strat {
+    /// A warp per row.
+    Warp,
+    /// A block per row.
+    Block,
+    /// 32 rows per block, 8 threads per row.
+    Cols,
+}
+
+/// The placement for `rows` rows of `n` elements: columns when the unit-stride dim is kept (a row's
+/// elements are strided), a warp per row when rows are short or many, else a block per row.
+fn choose(rows: &Rows) -> Strat {
+    if rows.kept.last().is_some_and(|d| d.1 == 1) {
+        Strat::Cols
+    } else if rows.n <= 1024 || rows.count >= 2048 {
+        Strat::Warp
+    } else {
+        Strat::Block
+    }
+}
+
+/// Chunks per output of a two-stage reduction (1: one stage): enough blocks to fill the GPU when
+/// outputs are few and long.
+fn parts_for(strat: Strat, outputs: usize, n: usize) -> usize {
+    match strat {
+        Strat::Block if outputs < 128 && n >= 32_768 => {
+            n.div_ceil(8192).min(512usize.div_ceil(outputs))
+        }
+        Strat::Cols if outputs.div_ceil(32) < 64 && n >= 4096 => n
+            .div_ceil(1024)
+            .min(256usize.div_ceil(outputs.div_ceil(32))),
+        _ => 1,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Accumulators
+
+/// How partial states combine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Comb {
+    Sum,
+    Prod,
+    Max,
+    Min,
+    /// Max over 0/1.
+    Any,
+    /// Min over 0/1.
+    All,
+    /// (value, index): the extreme, NaN first, then the lowest index.
+    ArgMax,
+    ArgMin,
+}
+
+/// An accumulator: its combination and value type.
+#[derive(Clone, Copy, Debug)]
+struct Acc {
+    comb: Comb,
+    ty: CTy,
+}
+
+/// The accumulation type of a dtype (as the CPU kernels).
+fn acc_ty(d: DType) -> CTy {
+    match d {
+        DType::F64 => CTy::F64,
+        DType::F32 | DType::F16 | DType::BF16 => CTy::F32,
+        DType::Bool => CTy::I32,
+        DType::I32 | DType::I64 | DType::U8 => CTy::I64,
+    }
+}
+
+/// Bytes of a scratch element.
+fn size_of(t: CTy) -> usize {
+    match t {
+        CTy::F64 | CTy::I64 | CTy::U64 => 8,
+        CTy::F32 | CTy::I32 | CTy::U32 => 4,
+        CTy::F16 | CTy::BF16 => 2,
+        CTy::U8 | CTy::Bool => 1,
+    }
+}
+
+/// `ty`'s float compute type for the normalization and loss kernels (f64 for f64, else f32).
+fn real_ty(d: DType) -> CTy {
+    if d == DType::F64 {
+        CTy::F64
+    } else {
+        CTy::F32
+    }
+}
+
+fn eq(a: Expr, b: Expr) -> Expr {
+    bin(BinFn::Eq, a, b)
+}
+fn and(a: Expr, b: Expr) -> Expr {
+    bin(BinFn::And, a, b)
+}
+fn or(a: Expr, b: Expr) -> Expr {
+    bin(BinFn::Or, a, b)
+}
+fn not(a: Expr) -> Expr {
+    un(UnFn::Not, a)
+}
+fn nan(ty: CTy) -> Expr {
+    fc(f64::NAN, ty)
+}
+
+/// A load converted to `ty` (no conversion when the buffer's compute type is already `ty`).
+fn load_as(buf: &str, elem: CTy, index: Expr, ty: CTy) -> Expr {
+    let l = load(buf, elem, index);
+    if elem.compute_of() == ty {
+        l
+    } else {
+        cast(ty, l)
+    }
+}
+
+/// A kernel parameter.
+fn param(name: &str, elem: CTy, writes: bool) -> Param {
+    Param {
+        name: name.into(),
+        elem,
+        writes,
+    }
+}
+
+impl Acc {
+    fn new(comb: Comb, ty: CTy) -> Acc {
+        Acc { comb, ty }
+    }
+
+    fn is_arg(&self) -> bool {
+        matches!(self.comb, Comb::ArgMax | Comb::ArgMin)
+    }
+
+    /// The state variables of accumulator `p`.
+    fn vars(&self, p: &str) -> Vec<(String, CTy)> {
+        if self.is_arg() {
+            vec![(format!("{p}_v"), self.ty), (format!("{p}_i"), CTy::I64)]
+        } else {
+            vec![(p.to_string(), self.ty)]
+        }
+    }
+
+    /// The identity state.
+    fn identity(&self) -> Vec<Expr> {
+        let ty = self.ty;
+        let (lowest, highest) = if ty.is_float() {
+            (fc(f64::NEG_INFINITY, ty), fc(f64::INFINITY, ty))
+        } else {
+            (
+                Expr::Lit(Lit::Int(i64::MIN, ty)),
+                Expr::Lit(Lit::Int(i64::MAX, ty)),
+            )
+        };
+        match self.comb {
+            Comb::Sum | Comb::Any => vec![lit(0.0, ty)],
+            Comb::Prod | Comb::All => vec![lit(1.0, ty)],
+            Comb::Max => vec![lowest],
+            Comb::Min => vec![highest],
+            Comb::ArgMax => vec![lowest, i64c(i64::MAX)],
+            Comb::ArgMin => vec![highest, i64c(i64::MAX)],
+        }
+    }
+
+    /// Declares the state at its identity.
+    fn init(&self, p: &str) -> Vec<Stmt> {
+        self.vars(p)
+            .into_iter()
+            .zip(self.identity())
+            .map(|((v, t), e)| let_(&v, t, e))
+            .collect()
+    }
+
+    /// Resets the state to its identity.
+    fn reset(&self, p: &str) -> Vec<Stmt> {
+        self.vars(p)
+            .into_iter()
+            .zip(self.identity())
+            .map(|((v, _), e)| assign(&v, e))
+            .collect()
+    }
+
+    /// The value a finished state stands for (the index for arg-reductions).
+    fn result(&self, p: &str) -> Expr {
+        if self.is_arg() {
+            var(&format!("{p}_i"))
+        } else {
+            var(p)
+        }
+    }
+
+    /// `p = combine(p, other)`; an arg-reduction's `other` must be variables (used several times)
+    /// and `tmp` names its decision.
+    fn merge(&self, p: &str, other: &[Expr], tmp: &str) -> Vec<Stmt> {
+        let a = var(p);
+        let o = other[0].clone();
+        let op = |f| vec![assign(p, bin(f, a.clone(), o.clone()))];
+        match self.comb {
+            Comb::Sum => op(BinFn::Add),
+            Comb::Prod => op(BinFn::Mul),
+            Comb::Max | Comb::Any => op(BinFn::Max),
+            Comb::Min | Comb::All => op(BinFn::Min),
+            Comb::ArgMax | Comb::ArgMin => {
+                let (vn, inn) = (format!("{p}_v"), format!("{p}_i"));
+                let (v, i) = (var(&vn), var(&inn));
+                let (bv, bi) = (other[0].clone(), other[1].clone());
+                let better = if self.comb == Comb::ArgMax {
+                    bin(BinFn::Gt, bv.clone(), v.clone())
+                } else {
+                    bin(BinFn::Lt, bv.clone(), v.clone())
+                };
+                let nan_v = un(UnFn::IsNan, v.clone());
+                let nan_b = un(UnFn::IsNan, bv.clone());
+                let earlier = lt(bi.clone(), i.clone());
+                // NaN beats everything; among NaNs, or equal values, the lower index wins.
+                let take = or(
+                    and(nan_b, or(not(nan_v.clone()), earlier.clone())),
+                    and(
+                        not(nan_v),
+                        or(better, and(eq(bv.clone(), v.clone()), earlier)),
+                    ),
+                );
+                vec![
+                    let_(tmp, CTy::Bool, take),
+                    assign(&vn, select(var(tmp), bv, v)),
+                    assign(&inn, select(var(tmp), bi, i)),
+                ]
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The row template
+
+/// A kernel under construction: its placement, shared arrays and a counter for fresh names.
+struct Tpl {
+    strat: Strat,
+    shared: Vec<Stmt>,
+    uid: usize,
+}
+
+impl Tpl {
+    fn new(strat: Strat) -> Tpl {
+        Tpl {
+            strat,
+            shared: Vec::new(),
+            uid: 0,
+        }
+    }
+
+    fn fresh(&mut self, p: &str) -> String {
+        self.uid += 1;
+        format!("{p}{}", self.uid)
+    }
+
+    /// Threads per row.
+    fn lanes(&self) -> i64 {
+        match self.strat {
+            Strat::Warp => WARP,
+            Strat::Block => BLOCK as i64,
+            Strat::Cols => WARPS,
+        }
+    }
+
+    /// `for (k = kb + lane; k < ke; k += lanes) body`: this thread's share of the row.
+    fn kloop(&self, body: Vec<Stmt>) -> Stmt {
+        for_(
+            "k",
+            add(var("kb"), var("lane")),
+            var("ke"),
+            i64c(self.lanes()),
+            body,
+        )
+    }
+
+    /// Whether this thread writes the row's single result.
+    fn leader(&self) -> Expr {
+        let first = eq(var("lane"), i64c(0));
+        if self.strat == Strat::Cols {
+            and(first, var("act"))
+        } else {
+            first
+        }
+    }
+
+    /// Folds one element (`x`, at index `k`) into accumulator `p`.
+    fn step(&mut self, acc: &Acc, p: &str, x: Expr) -> Vec<Stmt> {
+        let tmp = self.fresh("take");
+        if acc.is_arg() {
+            let xv = self.fresh("x");
+            let mut s = vec![let_(&xv, acc.ty, x)];
+            s.extend(acc.merge(p, &[var(&xv), var("k")], &tmp));
+            s
+        } else {
+            acc.merge(p, &[x], &tmp)
+        }
+    }
+
+    /// Combines `p` with `other` (one expression per state variable, all evaluated first).
+    fn combine(&mut self, acc: &Acc, p: &str, other: Vec<Expr>) -> Vec<Stmt> {
+        let tmp = self.fresh("take");
+        if !acc.is_arg() {
+            return acc.merge(p, &other, &tmp);
+        }
+        let t = self.fresh("o");
+        let mut s = Vec::new();
+        let mut names = Vec::new();
+        for (j, (e, (_, ty))) in other.into_iter().zip(acc.vars(p)).enumerate() {
+            let n = format!("{t}_{j}");
+            s.push(let_(&n, ty, e));
+            names.push(var(&n));
+        }
+        s.extend(acc.merge(p, &names, &tmp));
+        s
+    }
+
+    /// A warp's butterfly: every lane ends with the combination of the warp's 32 states.
+    fn butterfly(&mut self, acc: &Acc, p: &str) -> Vec<Stmt> {
+        let mut s = Vec::new();
+        for off in [16, 8, 4, 2, 1] {
+            let other = acc
+                .vars(p)
+                .iter()
+                .map(|(v, _)| bin(BinFn::ShflXor, var(v), i32c(off)))
+                .collect();
+            s.extend(self.combine(acc, p, other));
+        }
+        s
+    }
+
+    fn shared_arrays(&mut self, acc: &Acc, p: &str, len: u32) -> Vec<(String, String, CTy)> {
+        acc.vars(p)
+            .into_iter()
+            .map(|(v, ty)| {
+                let sh = self.fresh("sh");
+                self.shared.push(Stmt::Shared {
+                    name: sh.clone(),
+                    elem: ty,
+                    len,
+                });
+                (v, sh, ty)
+            })
+            .collect()
+    }
+
+    /// Combines accumulator `p` over the threads of a row; every one of them ends with the result.
+    fn reduce(&mut self, acc: &Acc, p: &str) -> Vec<Stmt> {
+        match self.strat {
+            Strat::Warp => self.butterfly(acc, p),
+            Strat::Block => {
+                let mut s = self.butterfly(acc, p);
+                let arrays = self.shared_arrays(acc, p, WARPS as u32);
+                s.push(if_(
+                    eq(var("wl"), i64c(0)),
+                    arrays
+                        .iter()
+                        .map(|(v, sh, ty)| store(sh, *ty, var("wid"), var(v)))
+                        .collect(),
+                ));
+                s.push(Stmt::SyncThreads);
+                s.extend(acc.reset(p));
+                s.push(if_(
+                    lt(var("wl"), i64c(WARPS)),
+                    arrays
+                        .iter()
+                        .map(|(v, sh, ty)| assign(v, load(sh, *ty, var("wl"))))
+                        .collect(),
+                ));
+                s.extend(self.butterfly(acc, p));
+                s
+            }
+            Strat::Cols => {
+                let arrays = self.shared_arrays(acc, p, BLOCK);
+                let mut s: Vec<Stmt> = arrays
+                    .iter()
+                    .map(|(v, sh, ty)| {
+                        store(
+                            sh,
+                            *ty,
+                            add(mul(var("lane"), i64c(WARP)), var("col")),
+                            var(v),
+                        )
+                    })
+                    .collect();
+                s.push(Stmt::SyncThreads);
+                s.extend(acc.reset(p));
+                let other = arrays
+                    .iter()
+                    .map(|(_, sh, ty)| load(sh, *ty, add(mul(var("j"), i64c(WARP)), var("col"))))
+                    .collect();
+                let body = self.combine(acc, p, other);
+                s.push(for_("j", i64c(0), i64c(WARPS), i64c(1), body));
+                s
+            }
+        }
+    }
+
+    /// The finished kernel and its grid: the thread geometry, then a loop over `rows` that
+    /// defines `row`, `o` (the output), `base`, `kb`/`ke` (the row's range of `k`), `lane` (the
+    /// thread's place in the row) and, for columns, `act` (whether the row exists) before `body`.
+    fn kernel(
+        self,
+        prefix: &str,
+        params: Vec<Param>,
+        rows: &Rows,
+        body: Vec<Stmt>,
+    ) -> Result<(Kernel, u32)> {
+        let r = rows.count as i64;
+        let n = rows.n as i64;
+        let (o, kb, ke) = match rows.split {
+            None => (var("row"), i64c(0), i64c(n)),
+            Some(sp) => {
+                let (o, part) = if sp.parts_outer {
+                    let m = i64c(sp.outputs as i64);
+                    (rem(var("row"), m.clone()), div(var("row"), m))
+                } else {
+                    let m = i64c(sp.parts as i64);
+                    (div(var("row"), m.clone()), rem(var("row"), m))
+                };
+                let kb = mul(part, i64c(sp.chunk as i64));
+                let ke = bin(BinFn::Min, add(var("kb"), i64c(sp.chunk as i64)), i64c(n));
+                (o, kb, ke)
+            }
+        };
+        let ke = if self.strat == Strat::Cols {
+            select(var("act"), ke, i64c(0))
+        } else {
+            ke
+        };
+        let mut decode = vec![
+            let_("o", CTy::I64, o),
+            let_("kb", CTy::I64, kb),
+            let_("ke", CTy::I64, ke),
+            let_("base", CTy::I64, offset("o", &rows.kept)),
+        ];
+        decode.extend(body);
+        let tid = || special(Special::ThreadIdx);
+        let (pre, looped, grid) = match self.strat {
+            Strat::Warp => (
+                vec![
+                    let_("lane", CTy::I64, rem(tid(), i64c(WARP))),
+                    let_("wid", CTy::I64, div(tid(), i64c(WARP))),
+                ],
+                for_(
+                    "row",
+                    add(mul(special(Special::BlockIdx), i64c(WARPS)), var("wid")),
+                    i64c(r),
+                    mul(special(Special::GridDim), i64c(WARPS)),
+                    decode,
+                ),
+                grid_for(rows.count as u64, WARPS as u64),
+            ),
+            Strat::Block => {
+                decode.push(Stmt::SyncThreads);
+                (
+                    vec![
+                        let_("lane", CTy::I64, tid()),
+                        let_("wl", CTy::I64, rem(var("lane"), i64c(WARP))),
+                        let_("wid", CTy::I64, div(var("lane"), i64c(WARP))),
+                    ],
+                    for_(
+                        "row",
+                        special(Special::BlockIdx),
+                        i64c(r),
+                        special(Special::GridDim),
+                        decode,
+                    ),
+                    grid_for(rows.count as u64, 1),
+                )
+            }
+            Strat::Cols => {
+                let mut inner = vec![
+                    let_("act", CTy::Bool, lt(add(var("rb"), var("col")), i64c(r))),
+                    // Threads past the last row work on it without storing.
+                    let_(
+                        "row",
+                        CTy::I64,
+                        bin(BinFn::Min, add(var("rb"), var("col")), i64c(r - 1)),
+                    ),
+                ];
+                inner.extend(decode);
+                inner.push(Stmt::SyncThreads);
+                (
+                    vec![
+                        let_("col", CTy::I64, rem(tid(), i64c(WARP))),
+                        let_("lane", CTy::I64, div(tid(), i64c(WARP))),
+                    ],
+                    for_(
+                        "rb",
+                        mul(special(Special::BlockIdx), i64c(WARP)),
+                        i64c(r),
+                        mul(special(Special::GridDim), i64c(WARP)),
+                        inner,
+                    ),
+                    grid_for(rows.count as u64, WARP as u64),
+                )
+            }
+        };
+        let mut all = self.shared;
+        all.extend(pre);
+        all.push(looped);
+        let k = finish(
+            prefix,
+            Kernel {
+                name: String::new(),
+                params,
+                block: BLOCK,
+                body: all,
+            },
+        )?;
+        Ok((k, grid))
+    }
+}
+
+/// A one-kernel step.
+fn single(k: (Kernel, u32), args: Vec<ArgRef>) -> StepKernels {
+    StepKernels {
+        launches: vec![Launch {
+            kernel: k.0,
+            args,
+            grid: k.1,
+        }],
+        scratch_bytes: 0,
+    }
+}
+
+/// A kernel that reduces each row of `src` with `acc` and stores `fin(result)` at `dst[row]`.
+fn reduce_kernel(
+    prefix: &str,
+    rows: &Rows,
+    strat: Strat,
+    acc: Acc,
+    src: (&str, CTy),
+    dst: (&str, CTy),
+    fin: impl Fn(Expr) -> Expr,
+) -> Result<(Kernel, u32)> {
+    let mut t = Tpl::new(strat);
+    let mut body = acc.init("a");
+    let x = load_as(src.0, src.1, rows.at(), acc.ty);
+    let step = t.step(&acc, "a", x);
+    body.push(t.kloop(step));
+    body.extend(t.reduce(&acc, "a"));
+    body.push(if_(
+        t.leader(),
+        vec![store(dst.0, dst.1, var("row"), fin(acc.result("a")))],
+    ));
+    let params = vec![param(src.0, src.1, false), param(dst.0, dst.1, true)];
+    t.kernel(prefix, params, rows, body)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reduce and ArgReduce
+
+/// Copies `x` to the output (a reduction over no axes).
+fn copy(prefix: &str, x: &TensorType) -> Result<StepKernels> {
+    let e = CTy::storage(x.dtype);
+    let n = x.shape.numel();
+    let body = vec![super::ir::grid_stride(
+        "i",
+        n as i64,
+        vec![store("y", e, var("i"), load("x", e, var("i")))],
+    )];
+    let k = finish(
+        &format!("{prefix}_copy"),
+        Kernel {
+            name: String::new(),
+            params: vec![param("x", e, false), param("y", e, true)],
+            block: BLOCK,
+            body,
+        },
+    )?;
+    Ok(single(
+        (k, grid_for(n as u64, BLOCK as u64)),
+        vec![ArgRef::Input(0), ArgRef::Output],
+    ))
+}
+
+fn empty_error(op: &Op, what: &str, x: &TensorType) -> CodegenError {
+    CodegenError::Op(OpError::Runtime {
+        op: op.name(),
+        reason: format!("{what} of an empty axis of {x} is undefined"),
+    })
+}
+
+fn reduce(
+    op: &Op,
+    kind: ReduceKind,
+    axes: &[usize],
+    x: &TensorType,
+    out: &TensorType,
+) -> Result<StepKernels> {
+    let (name, comb) = match kind {
+        ReduceKind::Sum => ("sum", Comb::Sum),
+        ReduceKind::Mean => ("mean", Comb::Sum),
+        ReduceKind::Max => ("max", Comb::Max),
+        ReduceKind::Min => ("min", Comb::Min),
+        ReduceKind::Prod => ("prod", Comb::Prod),
+        ReduceKind::Any => ("any", Comb::Any),
+        ReduceKind::All => ("all", Comb::All),
+    };
+    let prefix = format!("reduce_{name}");
+    if axes.is_empty() {
+        return copy(&prefix, x);
+    }
+    let dims = x.shape.dims();
+    let strides = x.shape.strides();
+    let n: usize = axes.iter().map(|&a| dims[a]).product();
+    if n == 0 && matches!(kind, ReduceKind::Max | ReduceKind::Min) {
+        return Err(empty_error(op, "max/min", x));
+    }
+    let outputs = out.shape.numel();
+    let dim = |a: usize| (dims[a], strides[a]);
+    let kept = coalesce((0..dims.len()).filter(|a| !axes.contains(a)).map(dim));
+    let red = coalesce(axes.iter().map(|&a| dim(a)));
+    let rows = Rows::new(outputs, kept, red, n);
+    let acc = Acc::new(comb, acc_ty(x.dtype));
+    let (xs, ys) = (CTy::storage(x.dtype), CTy::storage(out.dtype));
+    let fin = |e: Expr| {
+        if kind == ReduceKind::Mean {
+            div(e, fc(n as f64, acc.ty))
+        } else {
+            e
+        }
+    };
+    let strat = choose(&rows);
+    let parts = parts_for(strat, outputs, n);
+    if parts <= 1 {
+        let k = reduce_kernel(&prefix, &rows, strat, acc, ("x", xs), ("y", ys), fin)?;
+        return Ok(single(k, vec![ArgRef::Input(0), ArgRef::Output]));
+    }
+    // Two stages: partials of chunks into scratch, laid out [parts, outputs] for columns (so
+    // that both stages read and write neighbouring outputs together) and [outputs, parts] else.
+    let chunk = n.div_ceil(parts);
+    let parts = n.div_ceil(chunk);
+    let parts_outer = strat == Strat::Cols;
+    let mut first = rows.clone();
+    first.count = outputs * parts;
+    first.split = Some(Split {
+        parts,
+        chunk,
+        outputs,
+        parts_outer,
+    });
+    let k1 = reduce_kernel(
+        &format!("{prefix}_partial"),
+        &first,
+        strat,
+        acc,
+        ("x", xs),
+        ("part", acc.ty),
+        |e| e,
+    )?;
+    let (kept2, red2) = if parts_outer {
+        (vec![(outputs, 1)], vec![(parts, outputs)])
+    } else {
+        (vec![(outputs, parts)], vec![(parts, 1)])
+    };
+    let second = Rows::new(outputs, coalesce(kept2), coalesce(red2), parts);
+    let k2 = reduce_kernel(
+        &prefix,
+        &second,
+        choose(&second),
+        acc,
+        ("part", acc.ty),
+        ("y", ys),
+        fin,
+    )?;
+    Ok(StepKernels {
+        launches: vec![
+            Launch {
+                kernel: k1.0,
+                args: vec![ArgRef::Input(0), ArgRef::Scratch],
+                grid: k1.1,
+            },
+            Launch {
+                kernel: k2.0,
+                args: vec![ArgRef::Scratch, ArgRef::Output],
+                grid: k2.1,
+            },
+        ],
+        scratch_bytes: outputs * parts * size_of(acc.ty),
+    })
+}
+
+fn arg_reduce(op: &Op, kind: ArgKind, axis: usize, x: &TensorType) -> Result<StepKernels> {
+    let dims = x.shape.dims();
+    let strides = x.shape.strides();
+    let n = dims[axis];
+    if n == 0 {
+        return Err(empty_error(op, "argmax/argmin", x));
+    }
+    let kept = coalesce(
+        (0..dims.len())
+            .filter(|&a| a != axis)
+            .map(|a| (dims[a], strides[a])),
+    );
+    let red = coalesce([(n, strides[axis])]);
+    let rows = Rows::new(x.shape.numel() / n, kept, red, n);
+    let (prefix, comb) = match kind {
+        ArgKind::ArgMax => ("argmax", Comb::ArgMax),
+        ArgKind::ArgMin => ("argmin", Comb::ArgMin),
+    };
+    let acc = Acc::new(comb, acc_ty(x.dtype));
+    let k = reduce_kernel(
+        prefix,
+        &rows,
+        choose(&rows),
+        acc,
+        ("x", CTy::storage(x.dtype)),
+        ("y", CTy::I64),
+        |e| e,
+    )?;
+    Ok(single(k, vec![ArgRef::Input(0), ArgRef::Output]))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax and normalization
+
+/// Max then sum of `exp(x - max)` of the current row into `m` and `s` (every thread of the row
+/// ends with both).
+fn lse_stats(t: &mut Tpl, x: &dyn Fn() -> Expr, ct: CTy) -> Vec<Stmt> {
+    let max = Acc::new(Comb::Max, ct);
+    let sum = Acc::new(Comb::Sum, ct);
+    let mut body = max.init("m");
+    let step = t.step(&max, "m", x());
+    body.push(t.kloop(step));
+    body.extend(t.reduce(&max, "m"));
+    body.extend(sum.init("s"));
+    let step = t.step(&sum, "s", un(UnFn::Exp, sub(x(), var("m"))));
+    body.push(t.kloop(step));
+    body.extend(t.reduce(&sum, "s"));
+    body
+}
+
+fn softmax(axis: usize, log: bool, x: &TensorType) -> Result<StepKernels> {
+    let dims = x.shape.dims();
+    let n = dims[axis];
+    let outer: usize = dims[..axis].iter().product();
+    let inner: usize = dims[axis + 1..].iter().product();
+    let rows = Rows::new(
+        outer * inner,
+        coalesce([(outer, n * inner), (inner, 1)]),
+        coalesce([(n, inner)]),
+        n,
+    );
+    let strat = choose(&rows);
+    let e = CTy::storage(x.dtype);
+    let ct = real_ty(x.dtype);
+    let xv = || load_as("x", e, rows.at(), ct);
+    let mut t = Tpl::new(strat);
+    let mut body = lse_stats(&mut t, &xv, ct);
+    let y = if log {
+        body.push(let_("ls", ct, un(UnFn::Log, var("s"))));
+        sub(sub(xv(), var("m")), var("ls"))
+    } else {
+        body.push(let_("inv", ct, div(lit(1.0, ct), var("s"))));
+        mul(un(UnFn::Exp, sub(xv(), var("m"))), var("inv"))
+    };
+    body.push(t.kloop(vec![store("y", e, rows.at(), y)]));
+    let prefix = if log { "log_softmax" } else { "softmax" };
+    let params = vec![param("x", e, false), param("y", e, true)];
+    let k = t.kernel(prefix, params, &rows, body)?;
+    Ok(single(k, vec![ArgRef::Input(0), ArgRef::Output]))
+}
+
+/// LayerNorm (`centered`) or RMSNorm over the last dim, as the CPU: the mean, then the mean of
+/// squared deviations, `rstd = 1 / sqrt(var + eps)`, `y = (x - mean) * rstd * w + b`.
+fn norm(x: &TensorType, eps: f64, weight: bool, bias: bool, centered: bool) -> Result<StepKernels> {
+    let d = *x
+        .shape
+        .dims()
+        .last()
+        .expect("rank >= 1 (checked by inference)");
+    let count = x.shape.numel() / d;
+    let rows = Rows::new(count, coalesce([(count, d)]), coalesce([(d, 1)]), d);
+    let strat = choose(&rows);
+    let e = CTy::storage(x.dtype);
+    let ct = real_ty(x.dtype);
+    let xv = || load_as("x", e, rows.at(), ct);
+    let dn = fc(d as f64, ct);
+    let sum = Acc::new(Comb::Sum, ct);
+    let mut t = Tpl::new(strat);
+    let mut body = Vec::new();
+    let centre = |v: Expr| {
+        if centered {
+            sub(v, var("mean"))
+        } else {
+            v
+        }
+    };
+    if centered {
+        body.extend(sum.init("s"));
+        let step = t.step(&sum, "s", xv());
+        body.push(t.kloop(step));
+        body.extend(t.reduce(&sum, "s"));
+        body.push(let_("mean", ct, div(var("s"), dn.clone())));
+    }
+    body.extend(sum.init("ss"));
+    let step = vec![
+        let_("c", ct, centre(xv())),
+        assign("ss", add(var("ss"), mul(var("c"), var("c")))),
+    ];
+    body.push(t.kloop(step));
+    body.extend(t.reduce(&sum, "ss"));
+    body.push(let_(
+        "rstd",
+        ct,
+        un(UnFn::Rsqrt, add(div(var("ss"), dn), fc(eps, ct))),
+    ));
+    let mut y = mul(centre(xv()), var("rstd"));
+    let mut params = vec![param("x", e, false)];
+    if weight {
+        y = mul(y, load_as("w", e, var("k"), ct));
+        params.push(param("w", e, false));
+    }
+    if bias {
+        y = add(y, load_as("b", e, var("k"), ct));
+        params.push(param("b", e, false));
+    }
+    params.push(param("y", e, true));
+    body.push(t.kloop(vec![store("y", e, rows.at(), y)]));
+    let prefix = if centered { "layer_norm" } else { "rms_norm" };
+    let n_in = params.len() - 1;
+    let k = t.kernel(prefix, params, &rows, body)?;
+    Ok(single(
+        k,
+        (0..n_in)
+            .map(ArgRef::Input)
+            .chain([ArgRef::Output])
+            .collect(),
+    ))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross entropy
+
+/// The rows of logits `[N, C]`.
+fn logit_rows(logits: &TensorType) -> Rows {
+    let (n, c) = (logits.shape.dims()[0], logits.shape.dims()[1]);
+    Rows::new(n, coalesce([(n, c)]), coalesce([(c, 1)]), c)
+}
+
+/// Declares, for the current row `o`: `tg` (its target as i64), `ign` (it is ignored) and `valid`
+/// (it is a class).
+fn target_stmts(te: CTy, ignore: i64, c: usize) -> Vec<Stmt> {
+    vec![
+        let_("tg", CTy::I64, load_as("tgt", te, var("o"), CTy::I64)),
+        let_("ign", CTy::Bool, eq(var("tg"), i64c(ignore))),
+        let_(
+            "valid",
+            CTy::Bool,
+            and(
+                bin(BinFn::Ge, var("tg"), i64c(0)),
+                lt(var("tg"), i64c(c as i64)),
+            ),
+        ),
+    ]
+}
+
+/// A one-row kernel over the `N` targets that counts the non-ignored ones into `c` (and, with
+/// `losses`, sums the per-row losses of the scratch into `s`), then runs `tail` in the row's
+/// leader thread.
+fn batch_kernel(
+    prefix: &str,
+    n: usize,
+    te: CTy,
+    ignore: i64,
+    losses: Option<CTy>,
+    mut params: Vec<Param>,
+    tail: Vec<Stmt>,
+) -> Result<(Kernel, u32)> {
+    let rows = Rows::new(1, vec![], vec![(n, 1)], n);
+    let mut t = Tpl::new(choose(&rows));
+    let count = Acc::new(Comb::Sum, CTy::I64);
+    let mut body = count.init("c");
+    let mut step = vec![assign(
+        "c",
+        add(
+            var("c"),
+            select(
+                eq(load_as("tgt", te, var("k"), CTy::I64), i64c(ignore)),
+                i64c(0),
+                i64c(1),
+            ),
+        ),
+    )];
+    if let Some(ct) = losses {
+        let sum = Acc::new(Comb::Sum, ct);
+        body.extend(sum.init("s"));
+        step.extend(t.step(&sum, "s", load("part", ct, var("k"))));
+        body.push(t.kloop(step));
+        body.extend(t.reduce(&count, "c"));
+        body.extend(t.reduce(&sum, "s"));
+        params.insert(0, param("part", ct, false));
+    } else {
+        body.push(t.kloop(step));
+        body.extend(t.reduce(&count, "c"));
+    }
+    params.insert(0, param("tgt", te, false));
+    body.push(if_(t.leader(), tail));
+    t.kernel(prefix, params, &rows, body)
+}
+
+fn cross_entropy(
+    logits: &TensorType,
+    targets: &TensorType,
+    reduction: Reduction,
+    ignore: i64,
+) -> Result<StepKernels> {
+    let (n, c) = (logits.shape.dims()[0], logits.shape.dims()[1]);
+    let e = CTy::storage(logits.dtype);
+    let te = CTy::storage(targets.dtype);
+    let ct = real_ty(logits.dtype);
+    if n == 0 {
+        // Nothing to sum: 0, and the mean over no rows is NaN.
+        let v = if reduction == Reduction::Mean {
+            nan(ct)
+        } else {
+            lit(0.0, ct)
+        };
+        let body = vec![if_(
+            eq(global_thread(), i64c(0)),
+            vec![store("y", e, i64c(0), v)],
+        )];
+        let k = finish(
+            "cross_entropy_empty",
+            Kernel {
+                name: String::new(),
+                params: vec![param("y", e, true)],
+                block: BLOCK,
+                body,
+            },
+        )?;
+        return Ok(single((k, 1), vec![ArgRef::Output]));
+    }
+    let rows = logit_rows(logits);
+    let mut t = Tpl::new(choose(&rows));
+    let xv = || load_as("x", e, rows.at(), ct);
+    let mut body = target_stmts(te, ignore, c);
+    body.extend(lse_stats(&mut t, &xv, ct));
+    body.push(let_("xt", ct, nan(ct)));
+    body.push(if_(
+        var("valid"),
+        vec![assign(
+            "xt",
+            load_as("x", e, add(var("base"), var("tg")), ct),
+        )],
+    ));
+    let loss = add(sub(var("m"), var("xt")), un(UnFn::Log, var("s")));
+    let loss = select(
+        var("ign"),
+        lit(0.0, ct),
+        select(var("valid"), loss, nan(ct)),
+    );
+    let (dst, dst_elem) = if reduction == Reduction::None {
+        ("y", e)
+    } else {
+        ("part", ct)
+    };
+    body.push(if_(
+        t.leader(),
+        vec![store(dst, dst_elem, var("row"), loss)],
+    ));
+    let params = vec![
+        param("x", e, false),
+        param("tgt", te, false),
+        param(dst, dst_elem, true),
+    ];
+    let k1 = t.kernel("cross_entropy", params, &rows, body)?;
+    if reduction == Reduction::None {
+        return Ok(single(
+            k1,
+            vec![ArgRef::Input(0), ArgRef::Input(1), ArgRef::Output],
+        ));
+    }
+    let total = if reduction == Reduction::Mean {
+        div(var("s"), cast(ct, var("c")))
+    } else {
+        var("s")
+    };
+    let k2 = batch_kernel(
+        "cross_entropy_total",
+        n,
+        te,
+        ignore,
+        Some(ct),
+        vec![param("y", e, true)],
+        vec![store("y", e, i64c(0), total)],
+    )?;
+    Ok(StepKernels {
+        launches: vec![
+            Launch {
+                kernel: k1.0,
+                args: vec![ArgRef::Input(0), ArgRef::Input(1), ArgRef::Scratch],
+                grid: k1.1,
+            },
+            Launch {
+                kernel: k2.0,
+                args: vec![ArgRef::Scratch, ArgRef::Input(1), ArgRef::Output],
+                grid: k2.1,
+            },
+        ],
+        scratch_bytes: n * size_of(ct),
+    })
+}
+
+fn cross_entropy_grad(
+    logits: &TensorType,
+    targets: &TensorType,
+    reduction: Reduction,
+    ignore: i64,
+) -> Result<StepKernels> {
+    let (n, c) = (logits.shape.dims()[0], logits.shape.dims()[1]);
+    let e = CTy::storage(logits.dtype);
+    let te = CTy::storage(targets.dtype);
+    let ct = real_ty(logits.dtype);
+    let mut launches = Vec::new();
+    let mut scratch_bytes = 0;
+    if reduction == Reduction::Mean {
+        // The count of non-ignored targets first, into scratch.
+        let k = batch_kernel(
+            "cross_entropy_count",
+            n,
+            te,
+            ignore,
+            None,
+            vec![param("cnt", CTy::I64, true)],
+            vec![store("cnt", CTy::I64, i64c(0), var("c"))],
+        )?;
+        launches.push(Launch {
+            kernel: k.0,
+            args: vec![ArgRef::Input(1), ArgRef::Scratch],
+            grid: k.1,
+        });
+        scratch_bytes = size_of(CTy::I64);
+    }
+    let rows = logit_rows(logits);
+    let mut t = Tpl::new(choose(&rows));
+    let xv = || load_as("x", e, rows.at(), ct);
+    let mut body = target_stmts(te, ignore, c);
+    let gr = match reduction {
+        Reduction::None => load_as("g", e, var("o"), ct),
+        Reduction::Sum => load_as("g", e, i64c(0), ct),
+        Reduction::Mean => div(
+            load_as("g", e, i64c(0), ct),
+            cast(ct, load("cnt", CTy::I64, i64c(0))),
+        ),
+    };
+    body.push(let_("gr", ct, gr));
+    body.extend(lse_stats(&mut t, &xv, ct));
+    body.push(let_("l", ct, un(UnFn::Log, var("s"))));
+    let d = vec![
+        let_(
+            "e",
+            ct,
+            mul(un(UnFn::Exp, sub(sub(xv(), var("m")), var("l"))), var("gr")),
+        ),
+        let_(
+            "d",
+            ct,
+            select(eq(var("k"), var("tg")), sub(var("e"), var("gr")), var("e")),
+        ),
+        store(
+            "y",
+            e,
+            rows.at(),
+            select(
+                var("ign"),
+                lit(0.0, ct),
+                select(var("valid"), var("d"), nan(ct)),
+            ),
+        ),
+    ];
+    body.push(t.kloop(d));
+    let mut params = vec![
+        param("x", e, false),
+        param("tgt", te, false),
+        param("g", e, false),
+    ];
+    let mut args = vec![ArgRef::Input(0), ArgRef::Input(1), ArgRef::Input(2)];
+    if reduction == Reduction::Mean {
+        params.push(param("cnt", CTy::I64, false));
+        args.push(ArgRef::Scratch);
+    }
+    params.push(param("y", e, true));
+    args.push(ArgRef::Output);
+    let k = t.kernel("cross_entropy_grad", params, &rows, body)?;
+    launches.push(Launch {
+        kernel: k.0,
+        args,
+        grid: k.1,
+    });
+    Ok(StepKernels {
+        launches,
+        scratch_bytes,
+    })
+}

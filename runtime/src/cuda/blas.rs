@@ -1,0 +1,278 @@
+//! cuBLASLt matmuls through cudarc's result layer: one handle per device, a 32 MiB workspace from
+//! the memory pool, and per [`MatmulDesc`] the descriptors and the heuristic's algorithm, made once
+//! and cached. f32 is computed in exact f32 (`CUBLAS_COMPUTE_32F`) unless TF32 was allowed;
+//! f16/bf16 compute in f32; f64 in f64.
+
+use crate::{Result, RuntimeError};
+use cudarc::cublaslt::{result as lt, sys};
+use rustytorch_codegen::cuda::matmul::{LtActivation, MatmulDesc};
+use rustytorch_ops::DType;
+use std::collections::HashMap;
+use std::ffi::c_void;
+
+/// Bytes of cuBLASLt workspace (what cuBLASLt itself recommends on Hopper).
+pub const WORKSPACE_BYTES: usize = 32 << 20;
+
+struct Prepared {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    d: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+/// cuBLASLt state of one device.
+pub struct Blas {
+    handle: sys::cublasLtHandle_t,
+    workspace: u64,
+    cache: HashMap<(MatmulDesc, bool), Prepared>,
+    tf32: bool,
+}
+
+// SAFETY: the handle and descriptors are used only under the device's lock, from one thread at a
+// time; cuBLASLt handles may move between threads.
+unsafe impl Send for Blas {}
+
+fn err(what: &str, e: impl std::fmt::Debug) -> RuntimeError {
+    RuntimeError::Device(format!("cuBLASLt {what}: {e:?}"))
+}
+
+fn data_type(d: DType) -> Result<sys::cudaDataType> {
+    Ok(match d {
+        DType::F32 => sys::cudaDataType::CUDA_R_32F,
+        DType::F64 => sys::cudaDataType::CUDA_R_64F,
+        DType::F16 => sys::cudaDataType::CUDA_R_16F,
+        DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+        d => {
+            return Err(RuntimeError::Invalid(format!(
+                "matmul: no cuBLASLt kernel for {d:?}"
+            )))
+        }
+    })
+}
+
+impl Blas {
+    /// Opens cuBLASLt (an error naming the library when it is missing). `workspace` is a device
+    /// buffer of [`WORKSPACE_BYTES`].
+    pub fn new(workspace: u64) -> Result<Blas> {
+        // SAFETY: only checks whether the library can be loaded.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(RuntimeError::Device(
+                "cuBLASLt (libcublasLt) was not found: install the CUDA toolkit's cuBLAS libraries to run matmuls on CUDA".into(),
+            ));
+        }
+        let handle = lt::create_handle().map_err(|e| err("create", e))?;
+        Ok(Blas {
+            handle,
+            workspace,
+            cache: HashMap::new(),
+            tf32: std::env::var("RUSTYTORCH_ALLOW_TF32").as_deref() == Ok("1"),
+        })
+    }
+
+    fn prepare(&mut self, m: &MatmulDesc) -> Result<&Prepared> {
+        let key = (m.clone(), self.tf32);
+        if !self.cache.contains_key(&key) {
+            let p = self.make(m)?;
+            self.cache.insert(key.clone(), p);
+        }
+        Ok(&self.cache[&key])
+    }
+
+    fn make(&self, m: &MatmulDesc) -> Result<Prepared> {
+        let ty = data_type(m.dtype)?;
+        let (compute, scale) = match m.dtype {
+            DType::F64 => (
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+                sys::cudaDataType::CUDA_R_64F,
+            ),
+            DType::F32 if self.tf32 => (
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+                sys::cudaDataType::CUDA_R_32F,
+            ),
+            _ => (
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cudaDataType::CUDA_R_32F,
+            ),
+        };
+        let desc = lt::create_matmul_desc(compute, scale).map_err(|e| err("desc", e))?;
+        // cublasOperation_t as the i32 the attribute holds: 0 = N, 1 = T.
+        let op = |t: bool| t as i32;
+        let set_desc = |attr, v: *const c_void, n: usize| {
+            // SAFETY: `desc` is live; `v` points to `n` readable bytes of the attribute's type.
+            unsafe { lt::set_matmul_desc_attribute(desc, attr, v, n) }.map_err(|e| err("desc attr", e))
+        };
+        let (ta, tb) = (op(m.trans_a), op(m.trans_b));
+        set_desc(
+            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+            &ta as *const _ as *const c_void,
+            std::mem::size_of_val(&ta),
+        )?;
+        set_desc(
+            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+            &tb as *const _ as *const c_void,
+            std::mem::size_of_val(&tb),
+        )?;
+        use sys::cublasLtEpilogue_t as E;
+        let epi = match (m.bias, m.act) {
+            (false, LtActivation::None) => E::CUBLASLT_EPILOGUE_DEFAULT,
+            (false, LtActivation::Relu) => E::CUBLASLT_EPILOGUE_RELU,
+            (false, LtActivation::GeluTanh) => E::CUBLASLT_EPILOGUE_GELU,
+            (true, LtActivation::None) => E::CUBLASLT_EPILOGUE_BIAS,
+            (true, LtActivation::Relu) => E::CUBLASLT_EPILOGUE_RELU_BIAS,
+            (true, LtActivation::GeluTanh) => E::CUBLASLT_EPILOGUE_GELU_BIAS,
+        };
+        let epi_u32 = epi as u32;
+        set_desc(
+            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
+            &epi_u32 as *const u32 as *const c_void,
+            4,
+        )?;
+        // Stored shapes (column-major): A is m×k (k×m when transposed), B is k×n (n×k).
+        let (ar, ac) = if m.trans_a { (m.k, m.m) } else { (m.m, m.k) };
+        let (br, bc) = if m.trans_b { (m.n, m.k) } else { (m.k, m.n) };
+        let layout = |rows: u64, cols: u64, ld: u64, stride: i64| -> Result<sys::cublasLtMatrixLayout_t> {
+            let l = lt::create_matrix_layout(ty, rows, cols, ld as i64).map_err(|e| err("layout", e))?;
+            if m.batch > 1 {
+                let count = m.batch as i32;
+                // SAFETY: `l` is live; the values are an i32 and an i64 as the attributes require.
+                unsafe {
+                    lt::set_matrix_layout_attribute(
+                        l,
+                        sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                        &count as *const i32 as *const c_void,
+                        4,
+                    )
+                    .map_err(|e| err("batch count", e))?;
+                    lt::set_matrix_layout_attribute(
+                        l,
+                        sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                        &stride as *const i64 as *const c_void,
+                        8,
+                    )
+                    .map_err(|e| err("batch stride", e))?;
+                }
+            }
+            Ok(l)
+        };
+        let a = layout(ar, ac, m.lda, m.stride_a)?;
+        let b = layout(br, bc, m.ldb, m.stride_b)?;
+        let d = layout(m.m, m.n, m.ldd, m.stride_d)?;
+        let pref = lt::create_matmul_pref().map_err(|e| err("pref", e))?;
+        let ws = WORKSPACE_BYTES as u64;
+        // SAFETY: `pref` is live; the value is the u64 the attribute requires.
+        unsafe {
+            lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const u64 as *const c_void,
+                8,
+            )
+        }
+        .map_err(|e| err("pref attr", e))?;
+        // The bias pointer is part of the heuristic's input: give it an aligned placeholder now,
+        // the real pointer before each call.
+        if m.bias {
+            let p: u64 = self.workspace;
+            set_desc(
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                &p as *const u64 as *const c_void,
+                8,
+            )?;
+        }
+        // SAFETY: every descriptor is live.
+        let h = unsafe { lt::get_matmul_algo_heuristic(self.handle, desc, a, b, d, d, pref) };
+        // SAFETY: `pref` is live and no longer needed.
+        let _ = unsafe { lt::destroy_matmul_pref(pref) };
+        let h = h.map_err(|e| {
+            RuntimeError::Device(format!(
+                "cuBLASLt found no algorithm for {m:?}: {e:?}"
+            ))
+        })?;
+        Ok(Prepared {
+            desc,
+            a,
+            b,
+            d,
+            algo: h.algo,
+        })
+    }
+
+    /// Runs `m` on `stream` with the step's buffers: `a`/`b` are cuBLASLt's A and B (the op's
+    /// operand 1 and 0), `d` the output, `bias` the bias.
+    pub fn run(
+        &mut self,
+        m: &MatmulDesc,
+        a: u64,
+        b: u64,
+        d: u64,
+        bias: Option<u64>,
+        stream: sys::cudaStream_t,
+    ) -> Result<()> {
+        let elt = m.dtype.size_bytes() as u64;
+        let (handle, workspace) = (self.handle, self.workspace);
+        let p = self.prepare(m)?;
+        if let Some(bias) = bias {
+            // SAFETY: `desc` is live; the value is a device pointer (8 bytes).
+            unsafe {
+                lt::set_matmul_desc_attribute(
+                    p.desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    &bias as *const u64 as *const c_void,
+                    8,
+                )
+            }
+            .map_err(|e| err("bias pointer", e))?;
+        }
+        let (one32, zero32, one64, zero64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
+        let (alpha, beta): (*const c_void, *const c_void) = if m.dtype == DType::F64 {
+            (&one64 as *const f64 as _, &zero64 as *const f64 as _)
+        } else {
+            (&one32 as *const f32 as _, &zero32 as *const f32 as _)
+        };
+        for &(oa, ob, od) in &m.calls {
+            let (pa, pb, pd) = (a + oa * elt, b + ob * elt, d + od * elt);
+            // SAFETY: the descriptors are live; the pointers address device buffers of the sizes
+            // the layouts describe (checked by the plan's types); the workspace holds
+            // WORKSPACE_BYTES; beta is 0 so C (= D) is not read.
+            unsafe {
+                lt::matmul(
+                    handle,
+                    p.desc,
+                    alpha,
+                    beta,
+                    pa as *const c_void,
+                    p.a,
+                    pb as *const c_void,
+                    p.b,
+                    pd as *const c_void,
+                    p.d,
+                    pd as *mut c_void,
+                    p.d,
+                    &p.algo,
+                    workspace as *mut c_void,
+                    WORKSPACE_BYTES,
+                    stream,
+                )
+            }
+            .map_err(|e| err("matmul", e))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        for (_, p) in self.cache.drain() {
+            // SAFETY: each descriptor was created once and is destroyed once.
+            unsafe {
+                let _ = lt::destroy_matrix_layout(p.a);
+                let _ = lt::destroy_matrix_layout(p.b);
+                let _ = lt::destroy_matrix_layout(p.d);
+                let _ = lt::destroy_matmul_desc(p.desc);
+            }
+        }
+        // SAFETY: the handle is destroyed once.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}

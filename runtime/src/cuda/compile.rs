@@ -1,0 +1,199 @@
+//! NVRTC compilation of generated kernels into cubin, with a cache in memory and on disk.
+//!
+//! The disk cache lives in `$RUSTYTORCH_KERNEL_CACHE` or `~/.cache/rustytorch/kernels`; an entry is
+//! keyed by a hash of the source, the GPU architecture and the NVRTC version, and holds a header
+//! (magic, length, CRC32 of the cubin). An entry that fails the check is recompiled and rewritten,
+//! never loaded. Distinct kernels of one plan compile in parallel (NVRTC programs are
+//! independent; each thread creates and destroys its own).
+
+use crate::{Result, RuntimeError};
+use cudarc::nvrtc::{result as nr, sys as ns};
+use rayon::prelude::*;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+const MAGIC: &[u8; 8] = b"RTCUBIN1";
+
+/// A compiler for one GPU architecture, with its caches.
+pub struct KernelCompiler {
+    arch: String,
+    nvrtc_version: (i32, i32),
+    dir: Option<PathBuf>,
+    memory: Mutex<HashMap<u64, std::sync::Arc<Vec<u8>>>>,
+    /// Compiles and cache hits so far: (nvrtc compiles, memory hits, disk hits).
+    pub counters: Mutex<(u64, u64, u64)>,
+}
+
+/// The default disk cache directory.
+pub fn cache_dir() -> Option<PathBuf> {
+    if let Ok(d) = std::env::var("RUSTYTORCH_KERNEL_CACHE") {
+        return Some(PathBuf::from(d));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/rustytorch/kernels"))
+}
+
+fn fnv(bytes: &[u8], mut h: u64) -> u64 {
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+impl KernelCompiler {
+    /// A compiler for compute capability `(major, minor)`; an error when NVRTC is missing.
+    pub fn new(cc: (i32, i32)) -> Result<KernelCompiler> {
+        // SAFETY: only checks whether the NVRTC shared library can be loaded.
+        if !unsafe { ns::is_culib_present() } {
+            return Err(RuntimeError::Device(
+                "NVRTC (libnvrtc) was not found: install the CUDA toolkit's runtime compiler library to run on CUDA".into(),
+            ));
+        }
+        let (mut major, mut minor) = (0, 0);
+        // SAFETY: writes two ints.
+        unsafe { ns::nvrtcVersion(&mut major, &mut minor) }
+            .result()
+            .map_err(|e| RuntimeError::Device(format!("nvrtcVersion: {e:?}")))?;
+        Ok(KernelCompiler {
+            arch: format!("sm_{}{}", cc.0, cc.1),
+            nvrtc_version: (major, minor),
+            dir: cache_dir(),
+            memory: Mutex::new(HashMap::new()),
+            counters: Mutex::new((0, 0, 0)),
+        })
+    }
+
+    /// The target architecture (`sm_90`).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    fn key(&self, src: &str) -> u64 {
+        let h = fnv(src.as_bytes(), 0xcbf2_9ce4_8422_2325);
+        let h = fnv(self.arch.as_bytes(), h);
+        fnv(
+            format!("nvrtc{}.{}", self.nvrtc_version.0, self.nvrtc_version.1).as_bytes(),
+            h,
+        )
+    }
+
+    fn path(&self, key: u64) -> Option<PathBuf> {
+        self.dir.as_ref().map(|d| d.join(format!("{key:016x}.cubin")))
+    }
+
+    fn read_disk(&self, key: u64) -> Option<Vec<u8>> {
+        let bytes = std::fs::read(self.path(key)?).ok()?;
+        if bytes.len() < 16 || &bytes[..8] != MAGIC {
+            return None;
+        }
+        let len = u32::from_le_bytes(bytes[8..12].try_into().ok()?) as usize;
+        let crc = u32::from_le_bytes(bytes[12..16].try_into().ok()?);
+        let body = &bytes[16..];
+        (body.len() == len && crc32fast::hash(body) == crc).then(|| body.to_vec())
+    }
+
+    fn write_disk(&self, key: u64, cubin: &[u8]) {
+        let Some(path) = self.path(key) else { return };
+        if let Some(d) = path.parent() {
+            let _ = std::fs::create_dir_all(d);
+        }
+        let mut bytes = Vec::with_capacity(cubin.len() + 16);
+        bytes.extend_from_slice(MAGIC);
+        bytes.extend_from_slice(&(cubin.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(&crc32fast::hash(cubin).to_le_bytes());
+        bytes.extend_from_slice(cubin);
+        // Write then rename, so a reader never sees half a file.
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &bytes).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+
+    /// The cubin of `src` (from memory, disk, or NVRTC).
+    pub fn cubin(&self, name: &str, src: &str) -> Result<std::sync::Arc<Vec<u8>>> {
+        let key = self.key(src);
+        if let Some(c) = self.memory.lock().expect("cache lock").get(&key) {
+            self.counters.lock().expect("lock").1 += 1;
+            return Ok(c.clone());
+        }
+        let cubin = match self.read_disk(key) {
+            Some(c) => {
+                self.counters.lock().expect("lock").2 += 1;
+                c
+            }
+            None => {
+                let c = self.nvrtc(name, src)?;
+                self.counters.lock().expect("lock").0 += 1;
+                self.write_disk(key, &c);
+                c
+            }
+        };
+        let c = std::sync::Arc::new(cubin);
+        self.memory.lock().expect("cache lock").insert(key, c.clone());
+        Ok(c)
+    }
+
+    /// Compiles many kernels in parallel; results in the order given.
+    pub fn cubins(&self, kernels: &[(String, String)]) -> Result<Vec<std::sync::Arc<Vec<u8>>>> {
+        kernels
+            .par_iter()
+            .map(|(name, src)| self.cubin(name, src))
+            .collect()
+    }
+
+    fn nvrtc(&self, name: &str, src: &str) -> Result<Vec<u8>> {
+        let _span = tracing::debug_span!("nvrtc", kernel = name).entered();
+        let csrc = std::ffi::CString::new(src)
+            .map_err(|_| RuntimeError::Invalid(format!("kernel {name}: NUL in source")))?;
+        let cname = std::ffi::CString::new(format!("{name}.cu"))
+            .map_err(|_| RuntimeError::Invalid(format!("kernel {name}: bad name")))?;
+        let prog = nr::create_program(&csrc, Some(&cname))
+            .map_err(|e| RuntimeError::Device(format!("nvrtc create {name}: {e:?}")))?;
+        let opts = [
+            format!("--gpu-architecture={}", self.arch),
+            "--std=c++17".to_string(),
+            "-default-device".to_string(),
+            "-lineinfo".to_string(),
+        ];
+        // SAFETY: `prog` is a live program; the options are valid C strings.
+        let compiled = unsafe { nr::compile_program(prog, &opts) };
+        let result = match compiled {
+            Err(e) => {
+                // SAFETY: `prog` is live; the log is NUL-terminated.
+                let log = unsafe { nr::get_program_log(prog) }
+                    .map(|l| {
+                        let bytes: Vec<u8> = l.iter().map(|&c| c as u8).take_while(|&b| b != 0).collect();
+                        String::from_utf8_lossy(&bytes).into_owned()
+                    })
+                    .unwrap_or_default();
+                let numbered: String = src
+                    .lines()
+                    .enumerate()
+                    .map(|(i, l)| format!("{:4} {l}\n", i + 1))
+                    .collect();
+                Err(RuntimeError::Device(format!(
+                    "NVRTC failed to compile kernel {name} ({e:?}):\n{log}\n{numbered}"
+                )))
+            }
+            Ok(()) => {
+                let mut n = 0usize;
+                // SAFETY: `prog` compiled; writes one usize.
+                unsafe { ns::nvrtcGetCUBINSize(prog, &mut n) }
+                    .result()
+                    .map_err(|e| RuntimeError::Device(format!("nvrtcGetCUBINSize {name}: {e:?}")))
+                    .and_then(|_| {
+                        let mut cubin = vec![0u8; n];
+                        // SAFETY: `cubin` has the size NVRTC reported.
+                        unsafe { ns::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()) }
+                            .result()
+                            .map_err(|e| RuntimeError::Device(format!("nvrtcGetCUBIN {name}: {e:?}")))?;
+                        Ok(cubin)
+                    })
+            }
+        };
+        // SAFETY: `prog` is live and destroyed exactly once.
+        let _ = unsafe { nr::destroy_program(prog) };
+        result
+    }
+}

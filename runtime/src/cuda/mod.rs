@@ -1,0 +1,231 @@
+//! The CUDA backend on cudarc 0.19 (`dynamic-loading`: the build never needs CUDA; every library
+//! is checked with `is_culib_present()` before first use and its absence is a clear error).
+//!
+//! One [`GpuDevice`] per ordinal is shared by every session in the process: its context (event
+//! tracking off — the runtime orders work itself), one stream, the caching memory pool, the NVRTC
+//! compiler with its cubin cache, loaded kernels, and cuBLASLt. A [`CudaSession`] owns, from the
+//! pool, one arena for every intermediate value (offsets from the compiler's memory plan), one
+//! buffer per input, parameter/state tensor and constant, and a scratch buffer; every kernel
+//! argument is therefore resolved once, at prepare time, and a run is: copy inputs in, launch,
+//! copy outputs and guard flags out, and commit updates with device-to-device copies.
+
+pub mod blas;
+pub mod compile;
+mod session;
+
+pub use session::CudaSession;
+
+use crate::pool::{Block, Pool, SegmentAllocator, SegmentError};
+use crate::{Backend, Result, RuntimeError, Session};
+use cudarc::driver::{result as dr, sys as ds, CudaContext, CudaFunction, CudaStream};
+use rustytorch_codegen::Plan;
+use rustytorch_ops::HostTensor;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Segments straight from the driver (`cuMemAlloc`/`cuMemFree`).
+pub struct DriverAllocator {
+    ctx: Arc<CudaContext>,
+}
+
+impl SegmentAllocator for DriverAllocator {
+    fn alloc(&mut self, bytes: usize) -> std::result::Result<u64, SegmentError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| SegmentError::Other(e.to_string()))?;
+        // SAFETY: a plain device allocation; the pool owns the pointer until `free`.
+        match unsafe { dr::malloc_sync(bytes) } {
+            Ok(p) => Ok(p),
+            Err(e) if e.0 == ds::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(SegmentError::OutOfMemory),
+            Err(e) => Err(SegmentError::Other(e.to_string())),
+        }
+    }
+
+    fn free(&mut self, addr: u64, _bytes: usize) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: `addr` came from `alloc` and the pool frees each segment once, after
+        // `synchronize`.
+        let _ = unsafe { dr::free_sync(addr) };
+    }
+
+    fn synchronize(&mut self) {
+        let _ = self.ctx.synchronize();
+    }
+}
+
+/// A CUDA device as the runtime uses it (shared by all sessions on it).
+pub struct GpuDevice {
+    /// The device ordinal.
+    pub ordinal: usize,
+    /// The device's name.
+    pub name: String,
+    /// Compute capability.
+    pub cc: (i32, i32),
+    /// Streaming multiprocessors.
+    pub sm_count: u32,
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) pool: Mutex<Pool<DriverAllocator>>,
+    pub(crate) compiler: compile::KernelCompiler,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+    blas: Mutex<Option<(blas::Blas, Block)>>,
+}
+
+fn derr(what: &str) -> impl Fn(dr::DriverError) -> RuntimeError + '_ {
+    move |e| RuntimeError::Device(format!("{what}: {e}"))
+}
+
+impl GpuDevice {
+    /// The shared device for `ordinal` (opened on first use).
+    pub fn get(ordinal: usize) -> Result<Arc<GpuDevice>> {
+        static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<GpuDevice>>>> = OnceLock::new();
+        let mut map = DEVICES
+            .get_or_init(|| Mutex::new(HashMap::new()))
+            .lock()
+            .expect("device table lock");
+        if let Some(d) = map.get(&ordinal) {
+            return Ok(d.clone());
+        }
+        let d = Arc::new(GpuDevice::open(ordinal)?);
+        map.insert(ordinal, d.clone());
+        Ok(d)
+    }
+
+    fn open(ordinal: usize) -> Result<GpuDevice> {
+        let n = crate::cuda_device_count()?;
+        if ordinal >= n {
+            return Err(RuntimeError::Device(format!(
+                "cuda:{ordinal} requested but the driver reports {n} CUDA device(s)"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(derr("opening the CUDA context"))?;
+        // SAFETY: called before this context allocates anything; the runtime orders its one
+        // stream's work itself and never uses cudarc's tracked slices.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(derr("creating a stream"))?;
+        let cc = ctx.compute_capability().map_err(derr("compute capability"))?;
+        let sm_count = ctx
+            .attribute(ds::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(derr("SM count"))? as u32;
+        let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+        let compiler = compile::KernelCompiler::new(cc)?;
+        let pool = Pool::new(DriverAllocator { ctx: ctx.clone() }, format!("cuda:{ordinal}"));
+        Ok(GpuDevice {
+            ordinal,
+            name,
+            cc,
+            sm_count,
+            ctx,
+            stream,
+            pool: Mutex::new(pool),
+            compiler,
+            functions: Mutex::new(HashMap::new()),
+            blas: Mutex::new(None),
+        })
+    }
+
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(derr("binding the context"))
+    }
+
+    /// Allocates from the pool on this device's stream.
+    pub(crate) fn alloc(&self, bytes: usize) -> Result<Block> {
+        self.pool
+            .lock()
+            .expect("pool lock")
+            .alloc(bytes, 0)
+            .map_err(|e| match e {
+                crate::pool::PoolError::OutOfMemory { .. } => RuntimeError::OutOfMemory {
+                    device: format!("cuda:{}", self.ordinal),
+                    detail: e.to_string(),
+                },
+                e => RuntimeError::Device(e.to_string()),
+            })
+    }
+
+    /// Returns a block to the pool (stream-ordered: later work on the stream may reuse it).
+    pub(crate) fn free(&self, b: Block) {
+        self.pool.lock().expect("pool lock").free(b);
+    }
+
+    /// Loaded functions for `(name, source)` pairs, compiling what no cache holds (in parallel).
+    pub(crate) fn functions(&self, kernels: &[(String, String)]) -> Result<Vec<CudaFunction>> {
+        let missing: Vec<(String, String)> = {
+            let f = self.functions.lock().expect("function table lock");
+            let mut seen = std::collections::HashSet::new();
+            kernels
+                .iter()
+                .filter(|(n, _)| !f.contains_key(n) && seen.insert(n.clone()))
+                .cloned()
+                .collect()
+        };
+        let cubins = self.compiler.cubins(&missing)?;
+        self.bind()?;
+        let mut f = self.functions.lock().expect("function table lock");
+        for ((name, _), cubin) in missing.iter().zip(cubins) {
+            let module = self
+                .ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary((*cubin).clone()))
+                .map_err(derr("loading a kernel module"))?;
+            let func = module
+                .load_function(name)
+                .map_err(derr("finding a kernel in its module"))?;
+            f.insert(name.clone(), func);
+        }
+        Ok(kernels.iter().map(|(n, _)| f[n].clone()).collect())
+    }
+
+    /// Runs `body` with this device's cuBLASLt state (opened on first use).
+    pub(crate) fn with_blas<T>(&self, body: impl FnOnce(&mut blas::Blas) -> Result<T>) -> Result<T> {
+        let mut g = self.blas.lock().expect("blas lock");
+        if g.is_none() {
+            let ws = self.alloc(blas::WORKSPACE_BYTES)?;
+            match blas::Blas::new(ws.addr) {
+                Ok(b) => *g = Some((b, ws)),
+                Err(e) => {
+                    self.free(ws);
+                    return Err(e);
+                }
+            }
+        }
+        body(&mut g.as_mut().expect("opened above").0)
+    }
+
+    /// Waits for the device's stream.
+    pub(crate) fn sync(&self) -> Result<()> {
+        self.stream.synchronize().map_err(derr("synchronizing"))
+    }
+}
+
+/// Executes plans on one CUDA device.
+pub struct CudaBackend {
+    dev: Arc<GpuDevice>,
+}
+
+impl CudaBackend {
+    /// Opens CUDA device `ordinal`: an error when the driver, the device or NVRTC is missing.
+    pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        Ok(CudaBackend {
+            dev: GpuDevice::get(ordinal)?,
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<GpuDevice> {
+        &self.dev
+    }
+
+    /// Statistics of the device's memory pool.
+    pub fn memory_stats(&self) -> crate::MemoryStats {
+        self.dev.pool.lock().expect("pool lock").stats()
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> String {
+        format!("cuda:{}", self.dev.ordinal)
+    }
+    fn prepare(&self, plan: Arc<Plan>, params: Vec<Arc<HostTensor>>) -> Result<Box<dyn Session>> {
+        Ok(Box::new(CudaSession::new(self.dev.clone(), plan, &params)?))
+    }
+}

@@ -1,0 +1,399 @@
+//! A prepared plan on one CUDA device: every buffer allocated and every kernel argument resolved
+//! once; a run copies inputs in, launches, copies outputs and guard flags out, and commits the
+//! updates with device-to-device copies when every guard passed.
+
+use super::GpuDevice;
+use crate::pool::Block;
+use crate::{check_param_type, Device, MemoryStats, Result, RunOutput, RuntimeError, Session, TransferStats};
+use cudarc::driver::{result as dr, CudaFunction};
+use rustytorch_codegen::cuda::{lower_plan, source, ArgRef, CudaStep, Launch, MatmulDesc, StepKernels};
+use rustytorch_codegen::{Plan, Source, Storage};
+use rustytorch_ops::{DType, Data, HostTensor, TensorType};
+use std::ffi::c_void;
+use std::sync::Arc;
+
+struct Resolved {
+    func: CudaFunction,
+    args: Vec<u64>,
+    grid: u32,
+    block: u32,
+}
+
+enum Exec {
+    Kernels(Vec<Resolved>),
+    Matmul {
+        desc: MatmulDesc,
+        a: u64,
+        b: u64,
+        d: u64,
+        bias: Option<u64>,
+        after: Vec<Resolved>,
+    },
+    Nothing,
+}
+
+/// A plan prepared on a CUDA device (see the module docs).
+pub struct CudaSession {
+    dev: Arc<GpuDevice>,
+    plan: Arc<Plan>,
+    blocks: Vec<Block>,
+    /// Device address of every value.
+    ptrs: Vec<u64>,
+    inputs: Vec<u64>,
+    params: Vec<u64>,
+    exec: Vec<(usize, Exec)>,
+    transfers: TransferStats,
+}
+
+/// The host bytes of a tensor (little-endian; bool as one byte 0/1).
+pub(crate) fn to_bytes(t: &HostTensor) -> Vec<u8> {
+    fn le<T: Copy, const N: usize>(v: &[T], f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
+        v.iter().flat_map(|&x| f(x)).collect()
+    }
+    match t.data() {
+        Data::F32(v) => le(v, f32::to_le_bytes),
+        Data::F64(v) => le(v, f64::to_le_bytes),
+        Data::F16(v) => le(v, |x| x.to_bits().to_le_bytes()),
+        Data::BF16(v) => le(v, |x| x.to_bits().to_le_bytes()),
+        Data::I32(v) => le(v, i32::to_le_bytes),
+        Data::I64(v) => le(v, i64::to_le_bytes),
+        Data::U8(v) => v.clone(),
+        Data::Bool(v) => v.iter().map(|&b| b as u8).collect(),
+    }
+}
+
+/// A host tensor of type `ty` from its little-endian bytes.
+pub(crate) fn from_bytes(ty: &TensorType, b: &[u8]) -> Result<HostTensor> {
+    fn chunks<T, const N: usize>(b: &[u8], f: impl Fn([u8; N]) -> T) -> Vec<T> {
+        b.chunks_exact(N)
+            .map(|c| f(c.try_into().expect("chunk of N bytes")))
+            .collect()
+    }
+    let data = match ty.dtype {
+        DType::F32 => Data::F32(chunks(b, f32::from_le_bytes)),
+        DType::F64 => Data::F64(chunks(b, f64::from_le_bytes)),
+        DType::F16 => Data::F16(chunks(b, |c| half::f16::from_bits(u16::from_le_bytes(c)))),
+        DType::BF16 => Data::BF16(chunks(b, |c| half::bf16::from_bits(u16::from_le_bytes(c)))),
+        DType::I32 => Data::I32(chunks(b, i32::from_le_bytes)),
+        DType::I64 => Data::I64(chunks(b, i64::from_le_bytes)),
+        DType::U8 => Data::U8(b.to_vec()),
+        DType::Bool => Data::Bool(b.iter().map(|&x| x != 0).collect()),
+    };
+    HostTensor::from_data(data, ty.shape.clone())
+        .map_err(|e| RuntimeError::Invalid(format!("device result: {e}")))
+}
+
+fn drv(what: &'static str) -> impl Fn(dr::DriverError) -> RuntimeError {
+    move |e| RuntimeError::Device(format!("{what}: {e}"))
+}
+
+impl CudaSession {
+    /// Prepares `plan` on `dev` with the initial parameter values.
+    pub fn new(dev: Arc<GpuDevice>, plan: Arc<Plan>, params: &[Arc<HostTensor>]) -> Result<CudaSession> {
+        let _span = tracing::info_span!("cuda_prepare", steps = plan.steps.len()).entered();
+        dev.bind()?;
+        // Lower first: an op without a CUDA implementation fails before anything is allocated.
+        let steps = lower_plan(&plan)?;
+        if params.len() != plan.param_types.len() {
+            return Err(RuntimeError::Invalid(format!(
+                "{} parameter values for {} parameters",
+                params.len(),
+                plan.param_types.len()
+            )));
+        }
+        let mut s = CudaSession {
+            dev: dev.clone(),
+            plan: plan.clone(),
+            blocks: vec![],
+            ptrs: vec![0; plan.types.len()],
+            inputs: vec![],
+            params: vec![],
+            exec: vec![],
+            transfers: TransferStats::default(),
+        };
+        // Buffers: arena, inputs, parameters, constants, scratch. On error, Drop frees them.
+        let arena = s.alloc(plan.arena_bytes)?;
+        for (_, ty) in &plan.inputs {
+            let b = s.alloc(ty.size_bytes())?;
+            s.inputs.push(b);
+        }
+        for (i, p) in params.iter().enumerate() {
+            check_param_type(&plan, i, p)?;
+            let b = s.alloc(p.ty().size_bytes())?;
+            s.params.push(b);
+            s.upload(b, p)?;
+        }
+        for v in 0..plan.types.len() {
+            s.ptrs[v] = match (&plan.sources[v], plan.storage[v]) {
+                (Source::Input(i), _) => s.inputs[*i],
+                (Source::Param(i), _) => s.params[*i],
+                (Source::Const(t), _) => {
+                    let b = s.alloc(t.ty().size_bytes())?;
+                    s.upload(b, t)?;
+                    b
+                }
+                (Source::Step(_), Storage::Arena { offset, .. }) => arena + offset as u64,
+                (Source::Step(_), Storage::Alias(of)) => s.ptrs[of],
+                (Source::Step(_), Storage::Provided) => {
+                    return Err(RuntimeError::Invalid(format!(
+                        "value {v} is computed but has no arena slot"
+                    )))
+                }
+            };
+        }
+        let scratch_bytes = steps
+            .iter()
+            .map(|st| match st {
+                CudaStep::Kernels(k) => k.scratch_bytes,
+                CudaStep::Matmul { after, .. } => after.scratch_bytes,
+                CudaStep::Alias => 0,
+            })
+            .max()
+            .unwrap_or(0);
+        let scratch = s.alloc(scratch_bytes)?;
+
+        // Compile (or fetch from the caches) every distinct kernel, in parallel.
+        let mut sources = vec![];
+        for st in &steps {
+            let ks: Vec<&Launch> = match st {
+                CudaStep::Kernels(k) => k.launches.iter().collect(),
+                CudaStep::Matmul { after, .. } => after.launches.iter().collect(),
+                CudaStep::Alias => vec![],
+            };
+            for l in ks {
+                sources.push((l.kernel.name.clone(), source(&l.kernel)?));
+            }
+        }
+        let funcs = dev.functions(&sources)?;
+        let mut funcs = funcs.into_iter();
+
+        for (i, (step, st)) in plan.steps.iter().zip(steps).enumerate() {
+            let out = s.ptrs[step.output];
+            let ins: Vec<u64> = step.inputs.iter().map(|&v| s.ptrs[v]).collect();
+            let mut resolve = |k: &StepKernels| -> Vec<Resolved> {
+                k.launches
+                    .iter()
+                    .map(|l| Resolved {
+                        func: funcs.next().expect("one function per launch"),
+                        args: l
+                            .args
+                            .iter()
+                            .map(|a| match a {
+                                ArgRef::Input(j) => ins[*j],
+                                ArgRef::Output => out,
+                                ArgRef::Scratch => scratch,
+                            })
+                            .collect(),
+                        grid: l.grid,
+                        block: l.kernel.block,
+                    })
+                    .collect()
+            };
+            let e = match st {
+                CudaStep::Kernels(k) => Exec::Kernels(resolve(&k)),
+                CudaStep::Matmul { desc, after } => Exec::Matmul {
+                    a: ins[1],
+                    b: ins[0],
+                    d: out,
+                    bias: desc.bias.then(|| ins[2]),
+                    after: resolve(&after),
+                    desc,
+                },
+                CudaStep::Alias => Exec::Nothing,
+            };
+            s.exec.push((i, e));
+        }
+        dev.sync()?;
+        Ok(s)
+    }
+
+    fn alloc(&mut self, bytes: usize) -> Result<u64> {
+        let b = self.dev.alloc(bytes)?;
+        let a = b.addr;
+        self.blocks.push(b);
+        Ok(a)
+    }
+
+    fn upload(&mut self, dst: u64, t: &HostTensor) -> Result<()> {
+        let bytes = to_bytes(t);
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `dst` is a live pool block of at least `bytes.len()` bytes (sized from the
+        // same type); pageable async copies return once the source is staged.
+        unsafe { dr::memcpy_htod_async(dst, &bytes, self.dev.stream.cu_stream()) }
+            .map_err(drv("copying to the device"))?;
+        self.transfers.htod_copies += 1;
+        self.transfers.htod_bytes += bytes.len() as u64;
+        Ok(())
+    }
+
+    fn download(&mut self, src: u64, ty: &TensorType) -> Result<HostTensor> {
+        let mut bytes = vec![0u8; ty.size_bytes()];
+        if !bytes.is_empty() {
+            // SAFETY: `src` addresses a live buffer of this type's size; a copy to pageable memory
+            // completes before it returns.
+            unsafe { dr::memcpy_dtoh_async(&mut bytes, src, self.dev.stream.cu_stream()) }
+                .map_err(drv("copying from the device"))?;
+            self.dev.sync()?;
+            self.transfers.dtoh_copies += 1;
+            self.transfers.dtoh_bytes += bytes.len() as u64;
+        }
+        from_bytes(ty, &bytes)
+    }
+
+    fn launch(&self, r: &Resolved, step: usize) -> Result<()> {
+        let mut args = r.args.clone();
+        let mut ptrs: Vec<*mut c_void> = args.iter_mut().map(|a| a as *mut u64 as *mut c_void).collect();
+        // SAFETY: the function was compiled from a kernel whose parameters are exactly these
+        // device pointers, in this order, each addressing a live buffer of the size its type
+        // needs (resolved from the memory plan at prepare time); the launch copies the argument
+        // values before returning.
+        unsafe {
+            dr::launch_kernel(
+                r.func.cu_function(),
+                (r.grid, 1, 1),
+                (r.block, 1, 1),
+                0,
+                self.dev.stream.cu_stream(),
+                &mut ptrs,
+            )
+        }
+        .map_err(|e| {
+            RuntimeError::Device(format!(
+                "step {step} ({}): kernel launch failed: {e}",
+                self.plan.steps[step].op.name()
+            ))
+        })
+    }
+}
+
+impl Session for CudaSession {
+    fn device(&self) -> Device {
+        Device::Cuda(self.dev.ordinal)
+    }
+
+    fn run(&mut self, inputs: &[Arc<HostTensor>]) -> Result<RunOutput> {
+        let _span = tracing::debug_span!("cuda_run").entered();
+        self.dev.bind()?;
+        if inputs.len() != self.plan.inputs.len() {
+            return Err(RuntimeError::Invalid(format!(
+                "{} inputs given, the plan has {}",
+                inputs.len(),
+                self.plan.inputs.len()
+            )));
+        }
+        for (i, t) in inputs.iter().enumerate() {
+            let want = &self.plan.inputs[i].1;
+            if &t.ty() != want {
+                return Err(RuntimeError::Invalid(format!(
+                    "input `{}`: expected {want}, got {}",
+                    self.plan.inputs[i].0,
+                    t.ty()
+                )));
+            }
+            let dst = self.inputs[i];
+            self.upload(dst, t)?;
+        }
+        let stream = self.dev.stream.cu_stream();
+        for (i, e) in &self.exec {
+            match e {
+                Exec::Kernels(ls) => {
+                    for l in ls {
+                        self.launch(l, *i)?;
+                    }
+                }
+                Exec::Matmul {
+                    desc,
+                    a,
+                    b,
+                    d,
+                    bias,
+                    after,
+                } => {
+                    self.dev
+                        .with_blas(|bl| bl.run(desc, *a, *b, *d, *bias, stream as _))
+                        .map_err(|e| RuntimeError::Device(format!("step {i} (matmul): {e}")))?;
+                    for l in after {
+                        self.launch(l, *i)?;
+                    }
+                }
+                Exec::Nothing => {}
+            }
+        }
+        let plan = self.plan.clone();
+        let mut outputs = Vec::with_capacity(plan.outputs.len());
+        for (_, v) in &plan.outputs {
+            outputs.push(self.download(self.ptrs[*v], &plan.types[*v])?);
+        }
+        let mut guards = Vec::with_capacity(plan.guards.len());
+        for (name, v) in &plan.guards {
+            let t = self.download(self.ptrs[*v], &plan.types[*v])?;
+            guards.push((name.clone(), t.to_f64_vec().iter().all(|&x| x != 0.0)));
+        }
+        let committed = guards.iter().all(|(_, ok)| *ok);
+        if committed {
+            for (p, v) in &plan.updates {
+                let (dst, src) = (self.params[*p], self.ptrs[*v]);
+                let n = plan.param_types[*p].size_bytes();
+                if dst != src && n > 0 {
+                    // SAFETY: both buffers are live and hold `n` bytes of the parameter's type;
+                    // the copy is ordered after every kernel of this run on the one stream.
+                    unsafe { dr::memcpy_dtod_async(dst, src, n, stream) }
+                        .map_err(drv("committing an update"))?;
+                }
+            }
+        }
+        self.dev.sync()?;
+        Ok(RunOutput {
+            outputs,
+            guards,
+            committed,
+        })
+    }
+
+    fn read_param(&self, i: usize) -> Result<HostTensor> {
+        self.dev.bind()?;
+        let ty = self
+            .plan
+            .param_types
+            .get(i)
+            .ok_or_else(|| RuntimeError::Invalid(format!("no parameter #{i}")))?
+            .clone();
+        let mut bytes = vec![0u8; ty.size_bytes()];
+        if !bytes.is_empty() {
+            // SAFETY: the parameter's buffer holds exactly this type's bytes.
+            unsafe { dr::memcpy_dtoh_async(&mut bytes, self.params[i], self.dev.stream.cu_stream()) }
+                .map_err(drv("reading a parameter"))?;
+            self.dev.sync()?;
+        }
+        from_bytes(&ty, &bytes)
+    }
+
+    fn write_param(&mut self, i: usize, value: &HostTensor) -> Result<()> {
+        check_param_type(&self.plan, i, value)?;
+        self.dev.bind()?;
+        let dst = self.params[i];
+        self.upload(dst, value)?;
+        self.dev.sync()
+    }
+
+    fn memory_stats(&self) -> Option<MemoryStats> {
+        Some(self.dev.pool.lock().expect("pool lock").stats())
+    }
+
+    fn transfers(&self) -> TransferStats {
+        self.transfers
+    }
+}
+
+impl Drop for CudaSession {
+    fn drop(&mut self) {
+        let _ = self.dev.bind();
+        // Stream-ordered: work already queued on the stream finishes before any later user of
+        // these blocks, which is queued after it.
+        for b in self.blocks.drain(..) {
+            self.dev.free(b);
+        }
+    }
+}
