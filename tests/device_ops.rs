@@ -1,0 +1,399 @@
+//! Every op family on CUDA against the CPU kernels (themselves checked against float64
+//! references in `ops/tests`), on random inputs: all dtypes each op accepts, broadcasting, odd
+//! sizes, rows longer than a block. On CUDA where `RUSTYTORCH_TEST_CUDA=1` (the GPU machine; there
+//! a missing GPU fails); elsewhere through the CPU executable, which keeps every case valid.
+//!
+//! Tolerances, stated once: [`tol`].
+
+use rustytorch::compiler::Graph;
+use rustytorch::ops::testing::{assert_close, rand_tensor};
+use rustytorch::ops::{
+    eval_cpu, Activation, ArgKind, BinaryOp, ConvGeom, F64Bits, Op, ReduceKind, Reduction, UnaryOp,
+};
+use rustytorch::prelude::*;
+
+fn cuda() -> bool {
+    std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
+}
+
+/// CUDA on the GPU machine; elsewhere the CPU executable path.
+fn device() -> Device {
+    if cuda() {
+        Device::Cuda(0)
+    } else {
+        Device::Cpu
+    }
+}
+
+/// Absolute+relative tolerance of a device result against the CPU kernel's, per dtype: both round
+/// once per op, but accumulation order and the device's math library differ by a few ulps (f32
+/// `expf` is within 2 ulp), so f32 allows 1e-4 and f16/bf16 one or two units of their last place.
+fn tol(d: DType) -> f64 {
+    match d {
+        DType::F64 => 1e-9,
+        DType::F32 => 1e-4,
+        DType::F16 => 4e-3,
+        DType::BF16 => 2e-2,
+        _ => 0.0,
+    }
+}
+
+fn t(d: DType, dims: &[usize]) -> TensorType {
+    TensorType::new(d, Shape::new(dims.to_vec()))
+}
+
+/// Runs `op` over `inputs` on the test device and with the CPU kernel, and compares.
+fn check(what: &str, op: Op, inputs: Vec<HostTensor>) {
+    let refs: Vec<&HostTensor> = inputs.iter().collect();
+    let want = eval_cpu(&op, &refs).unwrap_or_else(|e| panic!("{what}: cpu: {e}"));
+    let mut g = Graph::new();
+    let mut ids = vec![];
+    for (i, x) in inputs.iter().enumerate() {
+        ids.push(g.add_input(&format!("x{i}"), x.ty()).unwrap());
+    }
+    let y = g.add(op.clone(), &ids).unwrap();
+    g.add_output("y", y).unwrap();
+    let opts = CompileOptions {
+        optimize: false,
+        ..CompileOptions::default()
+    };
+    let mut exe = rustytorch::compile_graph(&g, device(), &opts)
+        .unwrap_or_else(|e| panic!("{what}: compile: {e}"));
+    let names: Vec<String> = (0..inputs.len()).map(|i| format!("x{i}")).collect();
+    let args: Vec<(&str, HostTensor)> = names
+        .iter()
+        .zip(&inputs)
+        .map(|(n, x)| (n.as_str(), x.clone()))
+        .collect();
+    let got = exe
+        .run(&args)
+        .unwrap_or_else(|e| panic!("{what}: run: {e}"))
+        .into_vec()
+        .remove(0);
+    assert_eq!(got.ty(), want.ty(), "{what}: type");
+    assert_close(
+        &got.to_f64_vec(),
+        &want.to_f64_vec(),
+        tol(want.dtype()),
+        &format!("{what} {op:?}"),
+    );
+}
+
+fn rnd(d: DType, dims: &[usize], seed: u64, lo: f64, hi: f64) -> HostTensor {
+    rand_tensor(&t(d, dims), seed, lo, hi)
+}
+
+fn accepts(op: &Op, inputs: &[&HostTensor]) -> bool {
+    let tys: Vec<TensorType> = inputs.iter().map(|x| x.ty()).collect();
+    let refs: Vec<&TensorType> = tys.iter().collect();
+    rustytorch::ops::infer(op, &refs).is_ok()
+}
+
+const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
+
+#[test]
+fn unary_ops_all_dtypes() {
+    use UnaryOp::*;
+    let all = [
+        Neg, Abs, Exp, Log, Sqrt, Rsqrt, Reciprocal, Sin, Cos, Tanh, Sigmoid, Relu, GeluErf,
+        GeluTanh, Silu, Sign, Floor, Ceil, Round, Not, IsNan, IsInf, IsFinite,
+    ];
+    for (k, u) in all.into_iter().enumerate() {
+        for d in DType::ALL {
+            let (lo, hi) = match u {
+                Log | Sqrt | Rsqrt => (0.05, 4.0),
+                Reciprocal => (0.2, 3.0),
+                _ => (-4.0, 4.0),
+            };
+            let x = rnd(d, &[37, 65], 100 + k as u64, lo, hi);
+            if !accepts(&Op::Unary(u), &[&x]) {
+                continue;
+            }
+            check(&format!("{u:?} {d:?}"), Op::Unary(u), vec![x]);
+        }
+    }
+}
+
+#[test]
+fn binary_ops_broadcast_all_dtypes() {
+    use BinaryOp::*;
+    let all = [
+        Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge, And, Or,
+    ];
+    for (k, b) in all.into_iter().enumerate() {
+        for d in DType::ALL {
+            let (lo, hi) = match (b, d.is_float()) {
+                (Pow, true) => (0.1, 2.5),
+                (Pow, false) => (-2.0, 4.0),
+                _ => (-3.0, 3.0),
+            };
+            let x = rnd(d, &[3, 1, 5], 7 + k as u64, lo, hi);
+            let y = rnd(d, &[4, 5], 99 + k as u64, lo, hi);
+            if !accepts(&Op::Binary(b), &[&x, &y]) {
+                continue;
+            }
+            check(&format!("{b:?} {d:?}"), Op::Binary(b), vec![x, y]);
+        }
+    }
+    // A large same-shape case (many blocks, grid-stride loop).
+    let x = rnd(DType::F32, &[1000, 1537], 1, -2.0, 2.0);
+    let y = rnd(DType::F32, &[1000, 1537], 2, -2.0, 2.0);
+    check("add large", Op::Binary(Add), vec![x, y]);
+}
+
+#[test]
+fn where_and_cast() {
+    for d in DType::ALL {
+        let c = rnd(DType::Bool, &[4, 5], 3, 0.0, 1.0);
+        let a = rnd(d, &[3, 4, 5], 4, -3.0, 3.0);
+        let b = rnd(d, &[5], 5, -3.0, 3.0);
+        check(&format!("where {d:?}"), Op::Where, vec![c, a, b]);
+    }
+    for from in DType::ALL {
+        for to in DType::ALL {
+            let x = rnd(from, &[17, 33], 11, -300.0, 300.0);
+            check(&format!("cast {from:?}->{to:?}"), Op::Cast { to }, vec![x]);
+        }
+    }
+}
+
+#[test]
+fn reductions() {
+    use ReduceKind::*;
+    let shapes: [&[usize]; 3] = [&[6, 7, 9], &[3, 2000], &[4097]];
+    for kind in [Sum, Mean, Max, Min, Prod, Any, All] {
+        for d in DType::ALL {
+            for (si, dims) in shapes.iter().enumerate() {
+                let rank = dims.len();
+                let mut axes_sets: Vec<Vec<usize>> = (0..rank).map(|a| vec![a]).collect();
+                if rank > 1 {
+                    axes_sets.push((0..rank).collect());
+                }
+                if rank == 3 {
+                    axes_sets.push(vec![0, 2]);
+                }
+                for axes in axes_sets {
+                    for keep_dims in [false, true] {
+                        let op = Op::Reduce {
+                            kind,
+                            axes: axes.clone(),
+                            keep_dims,
+                        };
+                        let (lo, hi) = if kind == Prod { (0.8, 1.2) } else { (-2.0, 2.0) };
+                        let x = rnd(d, dims, 20 + si as u64, lo, hi);
+                        if !accepts(&op, &[&x]) {
+                            continue;
+                        }
+                        check(&format!("{kind:?} {d:?} {dims:?} {axes:?}"), op, vec![x]);
+                    }
+                }
+            }
+        }
+    }
+    for kind in [ArgKind::ArgMax, ArgKind::ArgMin] {
+        for d in [DType::F32, DType::F16, DType::I32, DType::I64, DType::U8] {
+            for axis in 0..3 {
+                let op = Op::ArgReduce {
+                    kind,
+                    axis,
+                    keep_dims: axis == 1,
+                };
+                let x = rnd(d, &[5, 70, 9], 31, -50.0, 50.0);
+                if !accepts(&op, &[&x]) {
+                    continue;
+                }
+                check(&format!("{kind:?} {d:?} axis {axis}"), op, vec![x]);
+            }
+        }
+    }
+}
+
+#[test]
+fn softmax_and_norms() {
+    for d in FLOATS {
+        for dims in [&[4usize, 7, 33][..], &[3, 3000], &[65, 5]] {
+            for axis in 0..dims.len() {
+                let x = rnd(d, dims, 41, -5.0, 5.0);
+                let what = format!("{d:?} {dims:?} axis {axis}");
+                check(&format!("softmax {what}"), Op::Softmax { axis }, vec![x.clone()]);
+                check(&format!("log_softmax {what}"), Op::LogSoftmax { axis }, vec![x]);
+            }
+            let n = *dims.last().unwrap();
+            let x = rnd(d, dims, 42, -3.0, 3.0);
+            let w = rnd(d, &[n], 43, 0.5, 1.5);
+            let b = rnd(d, &[n], 44, -0.5, 0.5);
+            let eps = F64Bits::new(1e-5);
+            let ln = |weight, bias| Op::LayerNorm { eps, weight, bias };
+            check(&format!("layer_norm {d:?} {dims:?}"), ln(true, true), vec![x.clone(), w.clone(), b]);
+            check(&format!("layer_norm plain {d:?} {dims:?}"), ln(false, false), vec![x.clone()]);
+            let rms = Op::RmsNorm { eps, weight: true };
+            check(&format!("rms_norm {d:?} {dims:?}"), rms, vec![x, w]);
+        }
+    }
+}
+
+#[test]
+fn movement() {
+    for d in DType::ALL {
+        let x = rnd(d, &[5, 6, 7], 51, -9.0, 9.0);
+        let perm = |p: &[usize]| Op::Permute { perm: p.to_vec() };
+        check(&format!("permute {d:?}"), perm(&[2, 0, 1]), vec![x.clone()]);
+        check(&format!("transpose {d:?}"), perm(&[0, 2, 1]), vec![x.clone()]);
+        let slice = Op::Slice {
+            starts: vec![1, 0, 2],
+            ends: vec![5, 6, 7],
+            steps: vec![2, 1, 3],
+        };
+        check(&format!("slice {d:?}"), slice, vec![x.clone()]);
+        let pad = Op::Pad {
+            pads: vec![(1, 0), (0, 2), (3, 1)],
+            value: F64Bits::new(1.0),
+        };
+        check(&format!("pad {d:?}"), pad, vec![x.clone()]);
+        let reshape = Op::Reshape {
+            shape: Shape::new(vec![30, 7]),
+        };
+        check(&format!("reshape {d:?}"), reshape, vec![x.clone()]);
+        let y = rnd(d, &[5, 2, 7], 52, -9.0, 9.0);
+        check(&format!("concat {d:?}"), Op::Concat { axis: 1 }, vec![x, y]);
+        let e = rnd(d, &[1, 6, 1], 53, -9.0, 9.0);
+        let expand = Op::Expand {
+            shape: Shape::new(vec![4, 6, 5]),
+        };
+        check(&format!("expand {d:?}"), expand, vec![e]);
+    }
+    let big = rnd(DType::F32, &[513, 1031], 54, -1.0, 1.0);
+    check("transpose large", Op::Permute { perm: vec![1, 0] }, vec![big]);
+}
+
+#[test]
+fn indexing() {
+    for d in [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64] {
+        for id in [DType::I32, DType::I64] {
+            let x = rnd(d, &[6, 5], 61, -9.0, 9.0);
+            let idx = rnd(id, &[4, 5], 62, 0.0, 6.0);
+            let what = format!("{d:?} {id:?}");
+            check(&format!("gather {what}"), Op::Gather { axis: 0 }, vec![x.clone(), idx]);
+            let sel = rnd(id, &[9], 63, 0.0, 6.0);
+            let op = Op::IndexSelect { axis: 0 };
+            check(&format!("index_select {what}"), op, vec![x.clone(), sel.clone()]);
+            let src = rnd(d, &[9, 5], 64, -9.0, 9.0);
+            let op = Op::IndexAdd { axis: 0 };
+            check(&format!("index_add {what}"), op, vec![x.clone(), sel, src]);
+            let sidx = rnd(id, &[4, 5], 65, 0.0, 6.0);
+            let ssrc = rnd(d, &[4, 5], 66, -9.0, 9.0);
+            let op = Op::ScatterAdd { axis: 0 };
+            check(&format!("scatter_add {what}"), op, vec![x, sidx, ssrc]);
+        }
+    }
+    // An embedding lookup.
+    let table = rnd(DType::F32, &[1000, 64], 67, -1.0, 1.0);
+    let ids = rnd(DType::I64, &[300], 68, 0.0, 1000.0);
+    check("embedding", Op::IndexSelect { axis: 0 }, vec![table, ids]);
+}
+
+#[test]
+fn matmuls() {
+    for d in FLOATS {
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let a_dims = if ta { [2, 3, 40, 33] } else { [2, 3, 33, 40] };
+            let b_dims: &[usize] = if tb { &[3, 24, 40] } else { &[3, 40, 24] };
+            let a = rnd(d, &a_dims, 71, -1.0, 1.0);
+            let b = rnd(d, b_dims, 72, -1.0, 1.0);
+            let op = Op::Matmul {
+                trans_a: ta,
+                trans_b: tb,
+            };
+            check(&format!("matmul {d:?} {ta} {tb}"), op, vec![a, b]);
+        }
+        // A batch broadcast that no single strided call expresses: [2,1] x [1,3].
+        let a = rnd(d, &[2, 1, 8, 16], 73, -1.0, 1.0);
+        let b = rnd(d, &[1, 3, 16, 8], 74, -1.0, 1.0);
+        let op = Op::Matmul {
+            trans_a: false,
+            trans_b: false,
+        };
+        check(&format!("matmul broadcast {d:?}"), op, vec![a, b]);
+        for act in [
+            Activation::None,
+            Activation::Relu,
+            Activation::GeluTanh,
+            Activation::GeluErf,
+        ] {
+            let x = rnd(d, &[64, 96], 75, -1.0, 1.0);
+            let w = rnd(d, &[96, 128], 76, -0.2, 0.2);
+            let bias = rnd(d, &[128], 77, -0.5, 0.5);
+            let op = Op::MatmulEpilogue {
+                trans_a: false,
+                trans_b: false,
+                bias: true,
+                act,
+            };
+            check(&format!("linear {d:?} {act:?}"), op, vec![x.clone(), w, bias]);
+            let op = Op::MatmulEpilogue {
+                trans_a: false,
+                trans_b: true,
+                bias: false,
+                act,
+            };
+            let wt = rnd(d, &[128, 96], 78, -0.2, 0.2);
+            check(&format!("linear no bias {d:?} {act:?}"), op, vec![x, wt]);
+        }
+    }
+}
+
+#[test]
+fn cross_entropy_and_grad() {
+    for d in FLOATS {
+        for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+            for c in [10usize, 1500] {
+                let logits = rnd(d, &[37, c], 81, -4.0, 4.0);
+                let mut tv: Vec<i64> = rnd(DType::I64, &[37], 82, 0.0, c as f64)
+                    .to_vec()
+                    .unwrap();
+                tv[3] = -100;
+                let targets = HostTensor::from_vec(tv, [37]).unwrap();
+                let what = format!("{d:?} {reduction:?} {c}");
+                let op = Op::CrossEntropy {
+                    reduction,
+                    ignore_index: -100,
+                };
+                check(&format!("cross_entropy {what}"), op, vec![logits.clone(), targets.clone()]);
+                let gshape: &[usize] = if reduction == Reduction::None { &[37] } else { &[] };
+                let g = rnd(d, gshape, 83, 0.5, 1.5);
+                let op = Op::CrossEntropyGrad {
+                    reduction,
+                    ignore_index: -100,
+                };
+                check(&format!("cross_entropy_grad {what}"), op, vec![logits, targets, g]);
+            }
+        }
+    }
+}
+
+#[test]
+fn ops_without_cuda_kernels_are_clear_errors() {
+    if !cuda() {
+        return;
+    }
+    let mut g = Graph::new();
+    let x = g.add_input("x", t(DType::F32, &[1, 2, 8, 8])).unwrap();
+    let w = g.add_input("w", t(DType::F32, &[3, 2, 3, 3])).unwrap();
+    let geom = ConvGeom {
+        stride: vec![1, 1],
+        padding: vec![1, 1],
+        dilation: vec![1, 1],
+    };
+    let conv = Op::Conv {
+        geom,
+        groups: 1,
+        bias: false,
+    };
+    let y = g.add(conv, &[x, w]).unwrap();
+    g.add_output("y", y).unwrap();
+    let e = rustytorch::compile_graph(&g, Device::Cuda(0), &CompileOptions::default())
+        .err()
+        .expect("conv has no CUDA kernel yet");
+    let msg = e.to_string();
+    assert!(msg.contains("conv") && msg.contains("cuda"), "{msg}");
+}
