@@ -189,12 +189,14 @@ fn choose(rows: &Rows) -> Strat {
 /// outputs are few and long.
 fn parts_for(strat: Strat, outputs: usize, n: usize) -> usize {
     match strat {
+        // Chunks of 8192 (32 elements a thread), up to ~512 blocks in all.
         Strat::Block if outputs < 128 && n >= 32_768 => {
             n.div_ceil(8192).min(512usize.div_ceil(outputs))
         }
-        Strat::Cols if outputs.div_ceil(32) < 64 && n >= 4096 => n
-            .div_ceil(1024)
-            .min(256usize.div_ceil(outputs.div_ceil(32))),
+        // Chunks of 256 (32 elements a thread), up to ~64 blocks of 32 rows in all.
+        Strat::Cols if outputs.div_ceil(32) < 64 && n >= 4096 => {
+            n.div_ceil(256).min((64 * 32usize).div_ceil(outputs))
+        }
         _ => 1,
     }
 }
@@ -1033,7 +1035,7 @@ fn batch_kernel(
     te: CTy,
     ignore: i64,
     losses: Option<CTy>,
-    mut params: Vec<Param>,
+    outputs: Vec<Param>,
     tail: Vec<Stmt>,
 ) -> Result<(Kernel, u32)> {
     let rows = Rows::new(1, vec![], vec![(n, 1)], n);
@@ -1058,12 +1060,16 @@ fn batch_kernel(
         body.push(t.kloop(step));
         body.extend(t.reduce(&count, "c"));
         body.extend(t.reduce(&sum, "s"));
-        params.insert(0, param("part", ct, false));
     } else {
         body.push(t.kloop(step));
         body.extend(t.reduce(&count, "c"));
     }
-    params.insert(0, param("tgt", te, false));
+    let params = losses
+        .map(|ct| param("part", ct, false))
+        .into_iter()
+        .chain([param("tgt", te, false)])
+        .chain(outputs)
+        .collect();
     body.push(if_(t.leader(), tail));
     t.kernel(prefix, params, &rows, body)
 }
