@@ -622,6 +622,54 @@ fn permute_expand_slice_reshape() {
     }
 }
 
+/// Whether a step's kernel stages through shared memory (the tiled transpose).
+fn tiled(step: &StepKernels) -> bool {
+    step.launches.iter().any(|l| {
+        l.kernel
+            .body
+            .iter()
+            .any(|s| matches!(s, cuda::ir::Stmt::Shared { .. }))
+    })
+}
+
+#[test]
+fn tiled_transposes() {
+    let perms3: [&[usize]; 6] = [
+        &[0, 1, 2],
+        &[0, 2, 1],
+        &[1, 0, 2],
+        &[1, 2, 0],
+        &[2, 0, 1],
+        &[2, 1, 0],
+    ];
+    let perms4: [&[usize]; 4] = [&[0, 3, 1, 2], &[3, 2, 1, 0], &[1, 0, 3, 2], &[2, 3, 0, 1]];
+    let mut n_tiled = 0;
+    for (s, dt) in DType::ALL.into_iter().enumerate() {
+        let x = rand(dt, &[3, 37, 41], 500 + s as u64, -100.0, 100.0);
+        let x4 = rand(dt, &[2, 9, 5, 40], 510 + s as u64, -100.0, 100.0);
+        for (x, perms) in [(&x, &perms3[..]), (&x4, &perms4[..])] {
+            for p in perms {
+                let op = Op::Permute { perm: p.to_vec() };
+                let want = eval_cpu(&op, &[x]).unwrap();
+                n_tiled += tiled(&lower(&op, &[x], &want.ty())) as usize;
+                check_with(
+                    &op,
+                    &[x],
+                    true,
+                    &format!("permute {p:?} of {} {dt}", x.shape()),
+                );
+            }
+        }
+    }
+    // Two of each rank's permutes move the unit-stride dim before a last dim of 8 or more.
+    assert_eq!(n_tiled, 8 * 4, "tiled transposes");
+    // A plain 2-d transpose.
+    let x = rand(DType::F32, &[40, 64], 520, -1.0, 1.0);
+    let op = Op::Permute { perm: vec![1, 0] };
+    let step = lower(&op, &[&x], &ty(DType::F32, &[64, 40]));
+    assert!(tiled(&step));
+}
+
 #[test]
 fn concat_and_pad() {
     for (s, dt) in DType::ALL.into_iter().enumerate() {
@@ -838,8 +886,8 @@ fn snapshot_bf16_cast() {
 
 #[test]
 fn snapshot_permute_021() {
-    let x = ty(DType::F32, &[2, 3, 4]);
-    let out = ty(DType::F32, &[2, 4, 3]);
+    let x = ty(DType::F32, &[4, 64, 48]);
+    let out = ty(DType::F32, &[4, 48, 64]);
     let op = Op::Permute {
         perm: vec![0, 2, 1],
     };

@@ -75,22 +75,22 @@ pub fn lower_movement(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Resu
     let x = inputs[0];
     let kernel = match op {
         Op::Reshape { .. } => {
-            strided_copy("reshape", x.dtype, &out.shape, 0, &out.shape.strides())?
+            return strided_copy("reshape", x.dtype, &out.shape, 0, &out.shape.strides());
         }
         Op::Permute { perm } => {
             let st = x.shape.strides();
             let strides: Vec<usize> = perm.iter().map(|&p| st[p]).collect();
-            strided_copy("permute", x.dtype, &out.shape, 0, &strides)?
+            return strided_copy("permute", x.dtype, &out.shape, 0, &strides);
         }
         Op::Expand { shape } => {
             let strides = x.shape.broadcast_strides(shape);
-            strided_copy("expand", x.dtype, &out.shape, 0, &strides)?
+            return strided_copy("expand", x.dtype, &out.shape, 0, &strides);
         }
         Op::Slice { starts, steps, .. } => {
             let st = x.shape.strides();
             let offset: usize = starts.iter().zip(&st).map(|(s, t)| s * t).sum();
             let strides: Vec<usize> = steps.iter().zip(&st).map(|(s, t)| s * t).collect();
-            strided_copy("slice", x.dtype, &out.shape, offset, &strides)?
+            return strided_copy("slice", x.dtype, &out.shape, offset, &strides);
         }
         Op::Concat { axis } => concat_kernel(inputs, *axis, out)?,
         Op::Pad { pads, value } => pad_kernel(x, pads, value.get(), out)?,
@@ -238,7 +238,8 @@ fn linear(terms: Vec<(Expr, i64)>, base: i64) -> Expr {
         });
     }
     match acc {
-        Some(a) if base != 0 => add(a, i64c(base)),
+        Some(a) if base > 0 => add(a, i64c(base)),
+        Some(a) if base < 0 => sub(a, i64c(-base)),
         Some(a) => a,
         None => i64c(base),
     }
@@ -260,24 +261,31 @@ impl Coords {
         }
     }
 
-    /// Coordinate `k`: `(flat / Π dims[k+1..]) % dims[k]` (the flat index is below Π dims, so
-    /// dim 0 needs no remainder).
+    /// Coordinate `k` (an i64): `(flat / Π dims[k+1..]) % dims[k]` (the flat index is below
+    /// Π dims, so dim 0 needs no remainder). The division is 32-bit when Π dims fits: a 64-bit
+    /// division by a constant costs several times more on a GPU.
     fn get(&mut self, b: &mut Body, k: usize) -> Expr {
         if let Some(e) = &self.bound[k] {
             return e.clone();
         }
         let inner: usize = self.dims[k + 1..].iter().product();
-        let mut e = self.flat.clone();
-        if inner != 1 {
-            e = div(e, i64c(inner as i64));
-        }
-        if k != 0 {
-            e = rem(e, i64c(self.dims[k] as i64));
-        }
-        let e = if matches!(e, Expr::Var(_)) {
-            e
+        let e = if inner == 1 && k == 0 {
+            self.flat.clone()
         } else {
-            b.named(&format!("c{k}"), CTy::I64, e)
+            let narrow = self.dims.iter().product::<usize>() <= u32::MAX as usize;
+            let (ty, mut e) = if narrow {
+                (CTy::U32, cast(CTy::U32, self.flat.clone()))
+            } else {
+                (CTy::I64, self.flat.clone())
+            };
+            let c = |v: usize| Expr::Lit(Lit::Int(v as i64, ty));
+            if inner != 1 {
+                e = div(e, c(inner));
+            }
+            if k != 0 {
+                e = rem(e, c(self.dims[k]));
+            }
+            b.named(&format!("c{k}"), CTy::I64, conv(e, ty, CTy::I64))
         };
         self.bound[k] = Some(e.clone());
         e
@@ -781,22 +789,158 @@ fn fused_kernel(k: &FusedKernel, inputs: &[&TensorType], out: &TensorType) -> Re
 // Movement
 // ================================================================================================
 
-/// `out[i] = x[offset + Σ coord_k·strides_k]` over the contiguous output of shape `out`.
+/// `out[i] = x[offset + Σ coord_k·strides_k]` over the contiguous output of shape `out`: one
+/// grid-stride loop, or a tiled transpose when the source's unit-stride dim is not the last.
 fn strided_copy(
     prefix: &str,
     dt: DType,
     out: &Shape,
     offset: usize,
     strides: &[usize],
-) -> Result<Kernel> {
+) -> Result<StepKernels> {
+    let (d, st) = coalesce(out.dims(), &[strides.to_vec()]);
+    if let Some(step) = tiled_transpose(prefix, dt, &d, &st[0], offset) {
+        return step;
+    }
     let params = vec![param("x", dt, false), param("out", dt, true)];
     let s = CTy::storage(dt);
-    grid_kernel(prefix, params, out.numel(), |b, i| {
+    let kernel = grid_kernel(prefix, params, out.numel(), |b, i| {
         let idx = strided_indices(b, out.dims(), &[strides.to_vec()], &[offset], &i);
         let ix = idx.into_iter().next().expect("one operand");
         b.push(store("out", s, i, load("x", s, ix)));
         Ok(())
-    })
+    })?;
+    Ok(one_launch(kernel, 1, out.numel()))
+}
+
+/// Tile edge of the shared-memory transpose (a block of 256 threads moves a tile in 4 rounds of
+/// 32 × 8).
+const TILE: usize = 32;
+
+/// A strided copy over coalesced output dims `d` whose source strides `s` are 1 along some dim
+/// `j` before the last and larger along the last: a transpose through shared-memory tiles of
+/// (dim `j`) × (last dim), so that the reads (consecutive threads along `j`) and the writes
+/// (along the last dim) are both coalesced. `None` when the copy is not of that form or too
+/// narrow to gain.
+fn tiled_transpose(
+    prefix: &str,
+    dt: DType,
+    d: &[usize],
+    s: &[usize],
+    offset: usize,
+) -> Option<Result<StepKernels>> {
+    let r = d.len();
+    if r < 2 || s[r - 1] <= 1 || d[r - 1] < 8 {
+        return None;
+    }
+    let j = (0..r - 1).find(|&j| s[j] == 1 && d[j] >= 8)?;
+    let (rows, cols, col_stride) = (d[j], d[r - 1], s[r - 1]);
+    let ostr = Shape::new(d.to_vec()).strides();
+    // Tiles: every index of the other dims × row tiles × column tiles.
+    let others: Vec<usize> = (0..r - 1).filter(|&k| k != j).collect();
+    let mut tile_dims: Vec<usize> = others.iter().map(|&k| d[k]).collect();
+    tile_dims.push(rows.div_ceil(TILE));
+    tile_dims.push(cols.div_ceil(TILE));
+    let n_tiles: usize = tile_dims.iter().product();
+    let st = CTy::storage(dt);
+    let pitch = (TILE + 1) as i64;
+    let tile = i64c(TILE as i64);
+    let mut b = Body::new();
+    let mut coords = Coords::new(&tile_dims, var("t"));
+    let mut src_terms = vec![];
+    let mut dst_terms = vec![];
+    for (q, &k) in others.iter().enumerate() {
+        let c = coords.get(&mut b, q);
+        if s[k] != 0 {
+            src_terms.push((c.clone(), s[k] as i64));
+        }
+        dst_terms.push((c, ostr[k] as i64));
+    }
+    let src = b.bind(CTy::I64, linear(src_terms, offset as i64));
+    let dst = b.bind(CTy::I64, linear(dst_terms, 0));
+    let rt = coords.get(&mut b, others.len());
+    let r0 = b.named("r0", CTy::I64, mul(rt, tile.clone()));
+    let ct = coords.get(&mut b, others.len() + 1);
+    let q0 = b.named("q0", CTy::I64, mul(ct, tile.clone()));
+    let inside = || {
+        and(
+            lt(var("row"), i64c(rows as i64)),
+            lt(var("col"), i64c(cols as i64)),
+        )
+    };
+    // Four rounds of 8 rows of threads cover a tile.
+    let rounds = |body: Vec<Stmt>| {
+        let step = i64c((BLOCK as usize / TILE) as i64);
+        for_("k", var("ty"), tile.clone(), step, body)
+    };
+    // Reads: consecutive threads along `j` (unit stride); tile[col][row].
+    let from = linear(
+        vec![(src, 1), (var("row"), 1), (var("col"), col_stride as i64)],
+        0,
+    );
+    b.push(rounds(vec![
+        let_("row", CTy::I64, add(r0.clone(), var("tx"))),
+        let_("col", CTy::I64, add(q0.clone(), var("k"))),
+        if_(
+            inside(),
+            vec![store(
+                "tile",
+                st,
+                add(mul(var("k"), i64c(pitch)), var("tx")),
+                load("x", st, from),
+            )],
+        ),
+    ]));
+    b.push(Stmt::SyncThreads);
+    // Writes: consecutive threads along the last dim (contiguous in the output).
+    let to = linear(
+        vec![(dst, 1), (var("row"), ostr[j] as i64), (var("col"), 1)],
+        0,
+    );
+    b.push(rounds(vec![
+        let_("row", CTy::I64, add(r0, var("k"))),
+        let_("col", CTy::I64, add(q0, var("tx"))),
+        if_(
+            inside(),
+            vec![store(
+                "out",
+                st,
+                to,
+                load("tile", st, add(mul(var("tx"), i64c(pitch)), var("k"))),
+            )],
+        ),
+    ]));
+    // The next tile overwrites the shared array.
+    b.push(Stmt::SyncThreads);
+    let k = Kernel {
+        name: String::new(),
+        params: vec![param("x", dt, false), param("out", dt, true)],
+        block: BLOCK,
+        body: vec![
+            Stmt::Shared {
+                name: "tile".into(),
+                elem: st,
+                len: (TILE * (TILE + 1)) as u32,
+            },
+            let_(
+                "tx",
+                CTy::I64,
+                rem(special(Special::ThreadIdx), tile.clone()),
+            ),
+            let_("ty", CTy::I64, div(special(Special::ThreadIdx), tile)),
+            for_(
+                "t",
+                special(Special::BlockIdx),
+                i64c(n_tiles as i64),
+                special(Special::GridDim),
+                b.stmts,
+            ),
+        ],
+    };
+    Some(finish(prefix, k).map(|kernel| StepKernels {
+        launches: vec![Launch::simple(kernel, 1, grid_for(n_tiles as u64, 1))],
+        scratch_bytes: 0,
+    }))
 }
 
 /// Concatenation along `axis`: the output is `[outer, total·inner]`; the position along the axis
@@ -813,11 +957,10 @@ fn concat_kernel(inputs: &[&TensorType], axis: usize, out: &TensorType) -> Resul
         .collect();
     params.push(param("out", dt, true));
     grid_kernel("concat", params, out.shape.numel(), |b, i| {
+        // (outer, position in the row) coordinates.
         let (o, r) = if outer > 1 {
-            (
-                b.named("o", CTy::I64, div(i.clone(), i64c(row as i64))),
-                b.named("r", CTy::I64, rem(i.clone(), i64c(row as i64))),
-            )
+            let mut coords = Coords::new(&[outer, row], i.clone());
+            (coords.get(b, 0), coords.get(b, 1))
         } else {
             (i64c(0), i.clone())
         };
