@@ -1,13 +1,13 @@
-//! Trains a small CNN on the UCI handwritten digits (8×8 images) on the CPU, reports test
-//! accuracy, saves the trained classifier as a graph file with its weights, and prints the runner
-//! command that classifies images with it.
+//! Trains a small CNN on the UCI handwritten digits (8×8 images), reports test accuracy, saves the
+//! trained classifier as a graph file with its weights, and prints the runner command that
+//! classifies images with it.
 //!
-//! cargo run --release --example digits -- [EPOCHS] [OUT_DIR]
+//! cargo run --release --example digits -- [EPOCHS] [OUT_DIR] [--device cpu|cuda|cuda:N|auto]
 
 #[path = "common/digits_cnn.rs"]
 mod digits_cnn;
 
-use digits_cnn::{accuracy, batch_tensors, digits_cnn, train_digits};
+use digits_cnn::{accuracy, batch_tensors, digits_cnn, train_digits_on};
 use indicatif::{ProgressBar, ProgressStyle};
 use rustytorch::compiler::format::{save, ParamStorage};
 use rustytorch::prelude::*;
@@ -15,10 +15,26 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().collect();
-    let epochs: usize = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(20);
+    // Positional EPOCHS and OUT_DIR, and `--device D` (or `--device=D`) anywhere.
+    let mut args: Vec<String> = Vec::new();
+    let mut device = Device::Cpu;
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        let value = match a.strip_prefix("--device") {
+            Some("") => it.next().ok_or("--device needs a value")?,
+            Some(v) if v.starts_with('=') => v[1..].to_string(),
+            _ => {
+                args.push(a);
+                continue;
+            }
+        };
+        device = Device::parse(&value).ok_or_else(|| {
+            format!("--device `{value}`: expected `cpu`, `cuda`, `cuda:N` or `auto`")
+        })?;
+    }
+    let epochs: usize = args.first().map(|s| s.parse()).transpose()?.unwrap_or(20);
     let out_dir = PathBuf::from(
-        args.get(2)
+        args.get(1)
             .cloned()
             .unwrap_or_else(|| "target/digits".into()),
     );
@@ -28,7 +44,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let data = rustytorch::data::load_digits(&data_path)?;
     let (train, test) = data.split(360, 42);
     println!(
-        "digits: {} train / {} test images (8x8), {} epochs",
+        "digits: {} train / {} test images (8x8), {} epochs, device {device}",
         train.len(),
         test.len(),
         epochs
@@ -43,13 +59,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let t0 = Instant::now();
     let mut ema = None::<f32>;
-    let (exe, last_loss) = train_digits(&train, batch, epochs, |epoch, _, loss| {
+    let (exe, last_loss) = train_digits_on(device, &train, batch, epochs, |epoch, _, loss| {
         let e = ema.map_or(loss, |m| 0.95 * m + 0.05 * loss);
         ema = Some(e);
         bar.set_message(format!("epoch {} loss {e:.4}", epoch + 1));
         bar.inc(1);
     })?;
     bar.finish();
+    if device == Device::Auto {
+        println!("placement: {}", exe.placement());
+    }
     let train_secs = t0.elapsed().as_secs_f64();
     let train_acc = accuracy(&exe, &train, 256)?;
     let test_acc = accuracy(&exe, &test, 256)?;
@@ -66,9 +85,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     g.output("class", &logits.argmax(-1, false));
     g.output("probs", &logits.softmax(-1));
     let mut classify = compile_graph(&g.graph()?, Device::Cpu, &CompileOptions::inference())?;
-    classify.copy_params_from(&exe);
+    classify.copy_params_from(&exe)?;
     let model = out_dir.join("digits.rtg");
-    save(&classify.export_graph(), &model, ParamStorage::Embedded)?;
+    save(&classify.export_graph()?, &model, ParamStorage::Embedded)?;
     let idx: Vec<usize> = (0..n).collect();
     let (xb, _) = batch_tensors(&test, &idx);
     let sample = out_dir.join("digits_sample.npy");

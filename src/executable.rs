@@ -1,12 +1,13 @@
-//! Compiling a graph into an [`Executable`] and running it with host tensors. An executable owns its
-//! parameter and optimizer state, which persists across runs and can be saved and loaded.
+//! Compiling a graph into an [`Executable`] and running it with host tensors. An executable holds a
+//! backend session that owns the parameter and optimizer state on its device; the state persists
+//! across runs and can be read, written, saved and loaded.
 
 use crate::{Error, Result};
-use rustytorch_codegen::{lower, Plan};
+use rustytorch_codegen::{lower, CodegenError, Plan, Storage};
 use rustytorch_compiler::{Graph, GraphBuilder, Tensor};
 use rustytorch_ops::HostTensor;
-use rustytorch_runtime::{Backend, CpuBackend, Device, RuntimeError};
-use std::collections::HashMap;
+use rustytorch_runtime::device::{place, Placement, Workload, COST_MODEL};
+use rustytorch_runtime::{Device, MemoryStats, Session, TransferStats};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -98,13 +99,14 @@ impl std::ops::Index<usize> for Outputs {
     }
 }
 
-/// A compiled graph bound to a device, with its parameter state.
+/// A compiled graph bound to a device: the lowered plan and the session that holds its parameter
+/// and state tensors.
 pub struct Executable {
     source: Graph,
     optimized: Graph,
-    plan: Plan,
-    backend: Box<dyn Backend>,
-    params: Vec<Arc<HostTensor>>,
+    plan: Arc<Plan>,
+    session: Box<dyn Session>,
+    placement: Placement,
     opts: CompileOptions,
     report: rustytorch_compiler::passes::Report,
 }
@@ -136,18 +138,10 @@ pub fn compile_with(
     compile_graph(&graph, device, opts)
 }
 
-/// Compiles a whole graph (its own outputs), e.g. one loaded from a file.
+/// Compiles a whole graph (its own outputs), e.g. one loaded from a file, and prepares it on
+/// `device` ([`Device::Auto`] picks the device from an estimate of the graph's cost; see
+/// [`Executable::placement`]).
 pub fn compile_graph(graph: &Graph, device: Device, opts: &CompileOptions) -> Result<Executable> {
-    let backend: Box<dyn Backend> = match device {
-        Device::Cpu => Box::new(CpuBackend),
-        Device::Cuda(i) => {
-            let n = rustytorch_runtime::cuda_device_count()?;
-            return Err(RuntimeError::Device(format!(
-                "cuda:{i} requested ({n} CUDA devices visible), but this build executes on the CPU only; use Device::Cpu"
-            ))
-            .into());
-        }
-    };
     let mut source = graph.clone();
     if !opts.updates {
         source.updates.clear();
@@ -159,7 +153,10 @@ pub fn compile_graph(graph: &Graph, device: Device, opts: &CompileOptions) -> Re
         ..Default::default()
     };
     let compiled = rustytorch_compiler::passes::run(&source, &popts)?;
-    let plan = lower(&compiled.graph)?;
+    let memory = compiled.report.memory.as_ref().ok_or_else(|| {
+        CodegenError::Invalid("the compile passes produced no memory plan".into())
+    })?;
+    let plan = Arc::new(lower(&compiled.graph, memory)?);
     let mut params = Vec::with_capacity(source.params.len());
     for p in &source.params {
         let v = match &p.data {
@@ -168,20 +165,84 @@ pub fn compile_graph(graph: &Graph, device: Device, opts: &CompileOptions) -> Re
         };
         params.push(Arc::new(v));
     }
+    let (placement, session) = prepare(device, &compiled.graph, &plan, params)?;
+    tracing::debug!(placement = %placement, "prepared");
     Ok(Executable {
         source,
         optimized: compiled.graph,
         plan,
-        backend,
-        params,
+        session,
+        placement,
         opts: opts.clone(),
         report: compiled.report,
     })
 }
 
+/// What one run of `plan` (lowered from `graph`) does, for the placement cost model: FLOPs from
+/// [`crate::stats::flops`], the bytes every kernel reads and writes, the bytes of the inputs and
+/// outputs, and the kernels launched (reshapes that alias their operand cost nothing).
+pub fn workload(graph: &Graph, plan: &Plan) -> Workload {
+    let size = |v: usize| plan.types[v].size_bytes() as u64;
+    let mut w = Workload {
+        flops: crate::stats::flops(graph),
+        ..Workload::default()
+    };
+    for step in &plan.steps {
+        if matches!(plan.storage.get(step.output), Some(Storage::Alias(_))) {
+            continue;
+        }
+        w.kernels += 1;
+        w.bytes = step.inputs.iter().map(|&v| size(v)).fold(
+            w.bytes.saturating_add(size(step.output)),
+            u64::saturating_add,
+        );
+    }
+    w.io_bytes = plan
+        .inputs
+        .iter()
+        .map(|(_, t)| t.size_bytes() as u64)
+        .chain(plan.outputs.iter().map(|(_, v)| size(*v)))
+        .fold(0, u64::saturating_add);
+    w
+}
+
+/// Picks the device (resolving [`Device::Auto`]) and prepares the plan there.
+fn prepare(
+    device: Device,
+    graph: &Graph,
+    plan: &Arc<Plan>,
+    params: Vec<Arc<HostTensor>>,
+) -> Result<(Placement, Box<dyn Session>)> {
+    if device != Device::Auto {
+        let session = device.backend()?.prepare(plan.clone(), params)?;
+        let placement = Placement {
+            requested: device,
+            device: session.device(),
+            reason: "requested".into(),
+        };
+        return Ok((placement, session));
+    }
+    let mut placement = place(&workload(graph, plan), &COST_MODEL);
+    if placement.device != Device::Cpu {
+        let gpu = placement.device;
+        match gpu
+            .backend()
+            .and_then(|b| b.prepare(plan.clone(), params.clone()))
+        {
+            Ok(session) => return Ok((placement, session)),
+            Err(e) => {
+                placement.device = Device::Cpu;
+                placement.reason = format!("{}; running on the cpu: {e}", placement.reason);
+            }
+        }
+    }
+    let session = Device::Cpu.backend()?.prepare(plan.clone(), params)?;
+    Ok((placement, session))
+}
+
 impl Executable {
     /// Runs the graph. `inputs` are matched by name; every graph input must be given with its
-    /// declared dtype and shape. Applies the state updates unless a guard fails.
+    /// declared dtype and shape. The session applies the state updates unless a guard fails.
     pub fn run(&mut self, inputs: &[(&str, HostTensor)]) -> Result<Outputs> {
         let mut vals: Vec<Option<Arc<HostTensor>>> = vec![None; self.source.inputs.len()];
         for (name, t) in inputs {
@@ -209,25 +270,21 @@ impl Executable {
                 reason: format!("missing (expected {})", d.ty),
             })?);
         }
-        let r = self.backend.run(&self.plan, &ins, &self.params)?;
+        let r = self.session.run(&ins)?;
         let failed = r
             .guards
             .iter()
             .find(|(_, ok)| !ok)
             .map(|(n, _)| n.strip_prefix("grad:").unwrap_or(n).to_string());
-        let skipped = match (&failed, self.opts.nonfinite) {
-            (Some(p), NonFinitePolicy::Error) => return Err(Error::NonFinite { param: p.clone() }),
-            (Some(p), NonFinitePolicy::SkipStep) => Some(p.clone()),
-            (None, _) => {
-                for (p, v) in r.updates {
-                    self.params[p] = v;
-                }
-                None
-            }
+        // The session has already refused to commit when a guard failed.
+        let skipped = match (failed, self.opts.nonfinite) {
+            (Some(p), NonFinitePolicy::Error) => return Err(Error::NonFinite { param: p }),
+            (Some(p), NonFinitePolicy::SkipStep) => Some(p),
+            (None, _) => None,
         };
         Ok(Outputs {
             names: self.plan.outputs.iter().map(|(n, _)| n.clone()).collect(),
-            values: r.outputs.into_iter().map(Arc::unwrap_or_clone).collect(),
+            values: r.outputs,
             skipped,
         })
     }
@@ -252,38 +309,62 @@ impl Executable {
         &self.report
     }
 
-    /// The backend's name.
+    /// The device the graph runs on.
+    pub fn device(&self) -> Device {
+        self.session.device()
+    }
+
+    /// The device's name (`cpu`, `cuda:0`).
     pub fn device_name(&self) -> String {
-        self.backend.name()
+        self.session.device().to_string()
     }
 
-    /// The current value of a parameter or state tensor.
-    pub fn param(&self, name: &str) -> Option<&HostTensor> {
-        let i = self.source.params.iter().position(|p| p.name == name)?;
-        Some(&self.params[i])
+    /// Where the graph was placed and why (for [`Device::Auto`], the cost estimate).
+    pub fn placement(&self) -> &Placement {
+        &self.placement
     }
 
-    /// Every parameter and state tensor by name.
-    pub fn params(&self) -> Vec<(String, HostTensor)> {
+    /// Statistics of the device memory pool (None on the CPU, which has none).
+    pub fn memory_stats(&self) -> Option<MemoryStats> {
+        self.session.memory_stats()
+    }
+
+    /// Host↔device copies so far (zero on the CPU).
+    pub fn transfers(&self) -> TransferStats {
+        self.session.transfers()
+    }
+
+    fn param_index(&self, name: &str) -> Result<usize> {
         self.source
-            .params
-            .iter()
-            .zip(&self.params)
-            .map(|(d, v)| (d.name.clone(), (**v).clone()))
-            .collect()
-    }
-
-    /// Sets a parameter or state tensor (type must match).
-    pub fn set_param(&mut self, name: &str, value: HostTensor) -> Result<()> {
-        let i = self
-            .source
             .params
             .iter()
             .position(|p| p.name == name)
             .ok_or_else(|| Error::Input {
                 name: name.into(),
                 reason: "no such parameter".into(),
-            })?;
+            })
+    }
+
+    /// A copy of the current value of a parameter or state tensor; None when the graph has no
+    /// such parameter (or the device could not copy it back).
+    pub fn param(&self, name: &str) -> Option<HostTensor> {
+        let i = self.source.params.iter().position(|p| p.name == name)?;
+        self.session.read_param(i).ok()
+    }
+
+    /// Every parameter and state tensor by name (copies from the device).
+    pub fn params(&self) -> Result<Vec<(String, HostTensor)>> {
+        self.source
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, d)| Ok((d.name.clone(), self.session.read_param(i)?)))
+            .collect()
+    }
+
+    /// Sets a parameter or state tensor (type must match).
+    pub fn set_param(&mut self, name: &str, value: HostTensor) -> Result<()> {
+        let i = self.param_index(name)?;
         let want = &self.source.params[i].ty;
         if &value.ty() != want {
             return Err(Error::Input {
@@ -291,53 +372,69 @@ impl Executable {
                 reason: format!("expected {want}, got {}", value.ty()),
             });
         }
-        self.params[i] = Arc::new(value);
+        self.session.write_param(i, &value)?;
         Ok(())
     }
 
     /// Copies every parameter that `other` has under the same name and type (e.g. from a training
-    /// executable into an inference one). Returns how many were copied.
-    pub fn copy_params_from(&mut self, other: &Executable) -> usize {
-        let theirs: HashMap<&str, &Arc<HostTensor>> = other
-            .source
-            .params
-            .iter()
-            .map(|p| p.name.as_str())
-            .zip(&other.params)
-            .collect();
+    /// executable into an inference one, on any devices). Returns how many were copied.
+    pub fn copy_params_from(&mut self, other: &Executable) -> Result<usize> {
         let mut n = 0;
-        for (d, v) in self.source.params.iter().zip(self.params.iter_mut()) {
-            if let Some(t) = theirs.get(d.name.as_str()) {
-                if t.ty() == d.ty {
-                    *v = (*t).clone();
-                    n += 1;
-                }
+        for (i, d) in self.source.params.iter().enumerate() {
+            let Some(j) = other.source.params.iter().position(|p| p.name == d.name) else {
+                continue;
+            };
+            if other.source.params[j].ty == d.ty {
+                let v = other.session.read_param(j)?;
+                self.session.write_param(i, &v)?;
+                n += 1;
             }
         }
-        n
+        Ok(n)
     }
 
     /// The source graph with the current parameter values embedded (to save a trained model).
-    pub fn export_graph(&self) -> Graph {
+    pub fn export_graph(&self) -> Result<Graph> {
         let mut g = self.source.clone();
-        for (d, v) in g.params.iter_mut().zip(&self.params) {
-            d.data = Some((**v).clone());
+        for (i, d) in g.params.iter_mut().enumerate() {
+            d.data = Some(self.session.read_param(i)?);
         }
-        g
+        Ok(g)
     }
 
     /// Saves every parameter and state tensor to a safetensors file.
     pub fn save_state(&self, path: &Path) -> Result<()> {
-        crate::npy::save_safetensors(path, &self.params())
+        crate::npy::save_safetensors(path, &self.params()?)
     }
 
-    /// Loads parameters and state saved by [`Executable::save_state`]; every tensor of the file
-    /// must match a parameter's name and type. Returns how many were loaded.
+    /// Loads parameters and state saved by [`Executable::save_state`]. All or nothing: every
+    /// tensor of the file must match a parameter's name and type, else the error names the first
+    /// that does not and no parameter changes. Returns how many were loaded.
     pub fn load_state(&mut self, path: &Path) -> Result<usize> {
         let tensors = crate::npy::load_safetensors(path)?;
-        let n = tensors.len();
+        let bad = |reason: String| Error::File {
+            path: path.display().to_string(),
+            reason: format!("{reason}; nothing was loaded"),
+        };
+        let mut indexed = Vec::with_capacity(tensors.len());
         for (name, t) in tensors {
-            self.set_param(&name, t)?;
+            let Some(i) = self.source.params.iter().position(|p| p.name == name) else {
+                return Err(bad(format!(
+                    "tensor `{name}`: the graph has no such parameter"
+                )));
+            };
+            let want = &self.source.params[i].ty;
+            if &t.ty() != want {
+                return Err(bad(format!(
+                    "tensor `{name}`: expected {want}, got {}",
+                    t.ty()
+                )));
+            }
+            indexed.push((i, t));
+        }
+        let n = indexed.len();
+        for (i, t) in indexed {
+            self.session.write_param(i, &t)?;
         }
         Ok(n)
     }

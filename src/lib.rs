@@ -1,7 +1,9 @@
 //! RustyTorch: a graph-compiling deep-learning runtime.
 //!
 //! Build a lazy graph with [`GraphBuilder`] and [`Tensor`] handles (or load a graph file), compile
-//! it for a [`Device`], and run it with host tensors:
+//! it for a [`Device`] (`Device::Auto` picks the CPU or a GPU from an estimate of the graph's
+//! cost), and run it with host tensors; parameters and optimizer state stay on the device between
+//! runs:
 //!
 //! ```
 //! use rustytorch::prelude::*;
@@ -23,7 +25,8 @@ pub mod npy;
 pub mod stats;
 
 pub use executable::{
-    compile, compile_graph, compile_with, CompileOptions, Executable, NonFinitePolicy, Outputs,
+    compile, compile_graph, compile_with, workload, CompileOptions, Executable, NonFinitePolicy,
+    Outputs,
 };
 pub use rustytorch_codegen as codegen;
 pub use rustytorch_compiler as compiler;
@@ -33,7 +36,8 @@ pub use rustytorch_compiler::{
 pub use rustytorch_ops as ops;
 pub use rustytorch_ops::{DType, HostTensor, Shape, TensorType};
 pub use rustytorch_runtime as runtime;
-pub use rustytorch_runtime::Device;
+pub use rustytorch_runtime::device::Placement;
+pub use rustytorch_runtime::{Device, MemoryStats, TransferStats};
 
 /// What a program using RustyTorch usually needs.
 pub mod prelude {

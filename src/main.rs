@@ -3,14 +3,14 @@
 //! text.
 //!
 //! ```text
-//! rustytorch run model.rtg --input x=x.npy --out results/
-//! rustytorch inspect model.rtg --passes
+//! rustytorch run model.rtg --input x=x.npy --out results/ --device auto --memory-stats
+//! rustytorch inspect model.rtg --passes --device cuda
 //! rustytorch convert model.rtg --to text -o model.rtir
 //! ```
 
 use clap::{Parser, Subcommand, ValueEnum};
 use rustytorch::compiler::{format, passes, text, Graph};
-use rustytorch::{npy, stats, CompileOptions, DType, Device, HostTensor};
+use rustytorch::{npy, stats, CompileOptions, DType, Device, Executable, HostTensor};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -37,20 +37,28 @@ enum Command {
         /// Directory for the output `.npy` files (created if missing).
         #[arg(short, long, default_value = ".")]
         out: PathBuf,
-        /// Device: `cpu`, `cuda` or `cuda:N`.
+        /// Device: `cpu`, `cuda`, `cuda:N` or `auto` (the CPU for graphs too small for a GPU to
+        /// win, else `cuda:0` when one is usable).
         #[arg(short, long, default_value = "cpu")]
         device: String,
         /// Also print the optimized IR.
         #[arg(short, long)]
         print: bool,
+        /// After the run, print the device memory pool's statistics and the host↔device copies.
+        #[arg(long)]
+        memory_stats: bool,
     },
-    /// Prints the IR text, the parameter count and a FLOP estimate.
+    /// Prints the IR text, the parameter count, a FLOP estimate and where `run --device` would
+    /// place the graph.
     Inspect {
         /// The graph: a graph file (`.rtg`) or IR text (`.txt`, `.rtir`).
         graph: PathBuf,
         /// Also print the IR after each compile pass, pass timings and the memory plan.
         #[arg(long)]
         passes: bool,
+        /// The device to show the placement for: `cpu`, `cuda`, `cuda:N` or `auto`.
+        #[arg(short, long, default_value = "auto")]
+        device: String,
     },
     /// Converts between a graph file and IR text.
     Convert {
@@ -98,8 +106,13 @@ fn main() -> ExitCode {
             out,
             device,
             print,
-        } => run(&graph, &inputs, &out, &device, print),
-        Command::Inspect { graph, passes } => inspect(&graph, passes),
+            memory_stats,
+        } => run(&graph, &inputs, &out, &device, print, memory_stats),
+        Command::Inspect {
+            graph,
+            passes,
+            device,
+        } => inspect(&graph, passes, &device),
         Command::Convert { graph, to, output } => convert(&graph, to, output),
     };
     match r {
@@ -275,12 +288,36 @@ fn summary(name: &str, t: &HostTensor) -> String {
     s
 }
 
-fn run(graph_path: &Path, args: &[String], out: &Path, device: &str, print: bool) -> Res<()> {
-    let Some(device) = Device::parse(device) else {
-        return fail(format!(
-            "--device `{device}`: expected `cpu`, `cuda` or `cuda:N`"
-        ));
-    };
+/// Parses `--device`.
+fn parse_device(device: &str) -> Res<Device> {
+    Device::parse(device).map_or_else(
+        || {
+            fail(format!(
+                "--device `{device}`: expected `cpu`, `cuda`, `cuda:N` or `auto`"
+            ))
+        },
+        Ok,
+    )
+}
+
+/// Compiles `graph` for inference on `device` (as `run` does).
+fn compile_for(graph: &Graph, device: Device) -> Res<Executable> {
+    Ok(rustytorch::compile_graph(
+        graph,
+        device,
+        &CompileOptions::inference(),
+    )?)
+}
+
+fn run(
+    graph_path: &Path,
+    args: &[String],
+    out: &Path,
+    device: &str,
+    print: bool,
+    memory_stats: bool,
+) -> Res<()> {
+    let device = parse_device(device)?;
     let graph = load_graph(graph_path)?;
     if graph.outputs.is_empty() {
         return fail(format!(
@@ -289,7 +326,10 @@ fn run(graph_path: &Path, args: &[String], out: &Path, device: &str, print: bool
         ));
     }
     let inputs = read_inputs(&graph, args)?;
-    let mut exe = rustytorch::compile_graph(&graph, device, &CompileOptions::inference())?;
+    let mut exe = compile_for(&graph, device)?;
+    if device == Device::Auto {
+        println!("placement: {}", exe.placement());
+    }
     if print {
         println!("{}", text::print_elided(exe.optimized_graph(), ELIDE));
     }
@@ -304,13 +344,28 @@ fn run(graph_path: &Path, args: &[String], out: &Path, device: &str, print: bool
         npy::write_npy(&path, t)?;
         println!("{}  -> {}", summary(name, t), path.display());
     }
+    if memory_stats {
+        match exe.memory_stats() {
+            Some(m) => println!("memory pool ({}):\n{m}", exe.device()),
+            None => println!(
+                "memory pool: the {} backend has no device pool (tensors are host memory)",
+                exe.device()
+            ),
+        }
+        let t = exe.transfers();
+        println!(
+            "transfers: {} host-to-device copies ({} bytes), {} device-to-host copies ({} bytes)",
+            t.htod_copies, t.htod_bytes, t.dtoh_copies, t.dtoh_bytes
+        );
+    }
     Ok(())
 }
 
 /// Tensors with more elements than this print as `[... N values]` in `inspect`.
 const ELIDE: usize = 16;
 
-fn inspect(graph_path: &Path, show_passes: bool) -> Res<()> {
+fn inspect(graph_path: &Path, show_passes: bool, device: &str) -> Res<()> {
+    let device = parse_device(device)?;
     let graph = load_graph(graph_path)?;
     println!("{}", text::print_elided(&graph, ELIDE));
     let trainable = graph.params.iter().filter(|p| p.trainable).count();
@@ -322,6 +377,11 @@ fn inspect(graph_path: &Path, show_passes: bool) -> Res<()> {
     );
     let f = stats::flops(&graph);
     println!("flops: {f} ({}FLOP per run)", stats::si(f));
+    if !graph.outputs.is_empty() {
+        // Where `run --device` puts it: the inference graph, compiled as `run` compiles it.
+        let exe = compile_for(&graph, device)?;
+        println!("placement (--device {device}): {}", exe.placement());
+    }
     if show_passes {
         let opts = passes::Options {
             dump: vec!["all".into()],

@@ -1,10 +1,12 @@
-//! The public API end to end: compile and run, build-site errors, input checking, outputs by name,
-//! exporting a trained graph to a file and loading it back, and parameter state files.
+//! The public API end to end: compile and run (on every test device), build-site errors, input
+//! checking, outputs by name, exporting a trained graph to a file and loading it back, parameter
+//! state files (all or nothing), and automatic placement.
 
 use rustytorch::compiler::format::{self, ParamStorage};
 use rustytorch::compiler::CompileError;
 use rustytorch::ops::testing::{assert_close, rand_tensor};
 use rustytorch::prelude::*;
+use rustytorch::runtime::device::test_devices;
 use rustytorch::{Error, TensorType};
 use std::path::PathBuf;
 
@@ -48,21 +50,29 @@ fn small_graph() -> (GraphBuilder, Tensor) {
 
 #[test]
 fn compile_and_run_matches_f64_reference() {
-    let (g, y) = small_graph();
-    let mut exe = rustytorch::compile(&g, &[&y], Device::Cpu).unwrap();
-    let x = rand_tensor(&f32_ty(&[3, 4]), 1, -2.0, 2.0);
-    let out = exe.run(&[("x", x.clone())]).unwrap();
-    assert_eq!(out.len(), 1);
-    assert_eq!(out[0].ty(), f32_ty(&[3, 5]));
-    let w = exe.param("w").unwrap().to_f64_vec();
-    let b = exe.param("b").unwrap().to_f64_vec();
-    // The initializers are not zero: the comparison can fail.
-    assert!(w.iter().all(|v| *v != 0.0) && b.iter().all(|v| *v != 0.0));
-    let want = linear_tanh_ref(&x.to_f64_vec(), &w, &b, 3, 4, 5);
-    assert_close(&out[0].to_f64_vec(), &want, 1e-5, "tanh(x·w + b)");
-    // Running again gives the same result (no state updates in this graph).
-    let again = exe.run(&[("x", x)]).unwrap();
-    assert_eq!(again[0].to_f64_vec(), out[0].to_f64_vec());
+    for device in test_devices() {
+        let (g, y) = small_graph();
+        let mut exe = rustytorch::compile(&g, &[&y], device).unwrap();
+        assert_eq!(exe.device(), device);
+        let x = rand_tensor(&f32_ty(&[3, 4]), 1, -2.0, 2.0);
+        let out = exe.run(&[("x", x.clone())]).unwrap();
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].ty(), f32_ty(&[3, 5]));
+        let w = exe.param("w").unwrap().to_f64_vec();
+        let b = exe.param("b").unwrap().to_f64_vec();
+        // The initializers are not zero: the comparison can fail.
+        assert!(w.iter().all(|v| *v != 0.0) && b.iter().all(|v| *v != 0.0));
+        let want = linear_tanh_ref(&x.to_f64_vec(), &w, &b, 3, 4, 5);
+        assert_close(
+            &out[0].to_f64_vec(),
+            &want,
+            1e-5,
+            &format!("tanh(x·w + b) on {device}"),
+        );
+        // Running again gives the same result (no state updates in this graph).
+        let again = exe.run(&[("x", x)]).unwrap();
+        assert_eq!(again[0].to_f64_vec(), out[0].to_f64_vec(), "{device}");
+    }
 }
 
 #[test]
@@ -78,7 +88,35 @@ fn compile_graph_with_inference_options() {
     let want = linear_tanh_ref(&x.to_f64_vec(), &w, &b, 3, 4, 5);
     assert_close(&out.get("y").unwrap().to_f64_vec(), &want, 1e-5, "y");
     assert!(!exe.optimized_ir().is_empty());
-    assert!(!exe.device_name().is_empty());
+    assert_eq!(exe.device_name(), "cpu");
+    assert_eq!(exe.placement().requested, Device::Cpu);
+    assert_eq!(exe.placement().reason, "requested");
+    // The CPU has no device pool and copies nothing.
+    assert!(exe.memory_stats().is_none());
+    assert_eq!(exe.transfers(), Default::default());
+}
+
+#[test]
+fn auto_places_a_tiny_graph_on_the_cpu() {
+    let (g, y) = small_graph();
+    let mut exe = rustytorch::compile(&g, &[&y], Device::Auto).unwrap();
+    assert_eq!(exe.device(), Device::Cpu, "{}", exe.placement());
+    let p = exe.placement();
+    assert_eq!(p.requested, Device::Auto);
+    assert_eq!(p.device, Device::Cpu);
+    assert!(
+        p.reason.starts_with("auto: estimated") && p.reason.contains("FLOPs"),
+        "{p}"
+    );
+    let x = rand_tensor(&f32_ty(&[3, 4]), 1, -2.0, 2.0);
+    assert_eq!(exe.run(&[("x", x)]).unwrap()[0].dims(), &[3, 5]);
+    // The estimate the decision used: a 3×4 by 4×5 matmul and a few elementwise kernels.
+    let w = rustytorch::workload(exe.optimized_graph(), exe.plan());
+    assert!(w.flops >= 2 * 3 * 4 * 5 && w.flops < 1000, "{w:?}");
+    assert!(
+        w.kernels >= 1 && w.bytes > 0 && w.io_bytes == (12 + 15) * 4,
+        "{w:?}"
+    );
 }
 
 #[test]
@@ -254,7 +292,12 @@ fn export_graph_save_load_gives_the_same_outputs() {
     );
 
     let path = dir.join("trained.rtg");
-    format::save(&train.export_graph(), &path, ParamStorage::Embedded).unwrap();
+    format::save(
+        &train.export_graph().unwrap(),
+        &path,
+        ParamStorage::Embedded,
+    )
+    .unwrap();
     let loaded = format::load(&path).unwrap();
     let mut a =
         rustytorch::compile_graph(&loaded, Device::Cpu, &CompileOptions::inference()).unwrap();
@@ -289,9 +332,15 @@ fn export_graph_save_load_gives_the_same_outputs() {
 
 #[test]
 fn save_state_load_state_round_trip() {
-    let dir = scratch("state");
+    for device in test_devices() {
+        save_load_round_trip(device);
+    }
+}
+
+fn save_load_round_trip(device: Device) {
+    let dir = scratch(&format!("state-{device}").replace(':', "-"));
     let (g, y, loss) = regression();
-    let mut train = rustytorch::compile(&g, &[&y, &loss], Device::Cpu).unwrap();
+    let mut train = rustytorch::compile(&g, &[&y, &loss], device).unwrap();
     let x = rand_tensor(&f32_ty(&[8, 4]), 8, -1.0, 1.0);
     let t = rand_tensor(&f32_ty(&[8, 2]), 9, -1.0, 1.0);
     for _ in 0..3 {
@@ -300,14 +349,14 @@ fn save_state_load_state_round_trip() {
     let path = dir.join("state.safetensors");
     train.save_state(&path).unwrap();
 
-    let mut fresh = rustytorch::compile(&g, &[&y, &loss], Device::Cpu).unwrap();
+    let mut fresh = rustytorch::compile(&g, &[&y, &loss], device).unwrap();
     assert_ne!(
         fresh.param("w").unwrap().to_f64_vec(),
         train.param("w").unwrap().to_f64_vec()
     );
     let n = fresh.load_state(&path).unwrap();
-    assert_eq!(n, train.params().len());
-    for (name, v) in train.params() {
+    assert_eq!(n, train.params().unwrap().len());
+    for (name, v) in train.params().unwrap() {
         let got = fresh.param(&name).unwrap();
         assert_eq!(got.ty(), v.ty(), "{name}");
         assert_eq!(got.to_f64_vec(), v.to_f64_vec(), "{name}");
@@ -327,11 +376,69 @@ fn save_state_load_state_round_trip() {
 
     // A state file of another graph is refused, naming the parameter.
     let (g2, y2) = small_graph();
-    let mut other = rustytorch::compile(&g2, &[&y2], Device::Cpu).unwrap();
+    let mut other = rustytorch::compile(&g2, &[&y2], device).unwrap();
     let msg = other.load_state(&path).unwrap_err().to_string();
     assert!(msg.contains('`'), "{msg}");
     // A missing file is an error naming the path.
     let missing = dir.join("nope.safetensors");
     let msg = fresh.load_state(&missing).unwrap_err().to_string();
     assert!(msg.contains("nope.safetensors"), "{msg}");
+}
+
+#[test]
+fn load_state_is_all_or_nothing() {
+    let dir = scratch("partial");
+    for device in test_devices() {
+        let (g, y, loss) = regression();
+        let mut exe = rustytorch::compile(&g, &[&y, &loss], device).unwrap();
+        let before = exe.params().unwrap();
+        let good_b = HostTensor::from_vec(vec![7.0f32, 8.0], [2]).unwrap();
+        // One good tensor and one of the wrong shape; the names sort the good one first, then
+        // the other way round.
+        let mistyped = dir.join("mistyped.safetensors");
+        let w_t = HostTensor::from_vec(vec![1.0f32; 8], [2, 4]).unwrap();
+        rustytorch::npy::save_safetensors(
+            &mistyped,
+            &[("b".into(), good_b.clone()), ("w".into(), w_t)],
+        )
+        .unwrap();
+        let good_w = HostTensor::from_vec(vec![1.0f32; 8], [4, 2]).unwrap();
+        let bad_b = HostTensor::from_vec(vec![1.0f64, 2.0], [2]).unwrap();
+        let mistyped_b = dir.join("mistyped_b.safetensors");
+        rustytorch::npy::save_safetensors(
+            &mistyped_b,
+            &[("b".into(), bad_b), ("w".into(), good_w.clone())],
+        )
+        .unwrap();
+        // A good tensor and one the graph does not have.
+        let unknown = dir.join("unknown.safetensors");
+        rustytorch::npy::save_safetensors(
+            &unknown,
+            &[("b".into(), good_b.clone()), ("zz".into(), good_w)],
+        )
+        .unwrap();
+        for (file, bad, parts) in [
+            (&mistyped, "w", &["f32[4,2]", "f32[2,4]"][..]),
+            (&mistyped_b, "b", &["f32[2]", "f64[2]"][..]),
+            (&unknown, "zz", &["no such parameter"][..]),
+        ] {
+            let e = exe.load_state(file).unwrap_err();
+            let msg = e.to_string();
+            assert!(msg.contains(&format!("`{bad}`")), "{device}: {msg}");
+            assert!(msg.contains(file.to_str().unwrap()), "{device}: {msg}");
+            for part in parts {
+                assert!(msg.contains(part), "{device}: `{part}` missing from {msg}");
+            }
+            // Nothing changed, not even the good tensor.
+            let now = exe.params().unwrap();
+            for ((name, a), (_, b)) in before.iter().zip(&now) {
+                assert_eq!(a.to_f64_vec(), b.to_f64_vec(), "{device}: {name} changed");
+            }
+        }
+        // A good file loads.
+        let good = dir.join("good.safetensors");
+        rustytorch::npy::save_safetensors(&good, &[("b".into(), good_b)]).unwrap();
+        assert_eq!(exe.load_state(&good).unwrap(), 1);
+        assert_eq!(exe.param("b").unwrap().to_f64_vec(), [7.0, 8.0]);
+    }
 }

@@ -123,8 +123,10 @@ fn random_graph(seed: u64, n_ops: usize) -> (GraphBuilder, Tensor, Vec<(String, 
     (g, out, inputs)
 }
 
+/// Runs `graph` as built (no optimizer, no fusion) on the CPU backend.
 fn run_plain(graph: &Graph, inputs: &[(String, HostTensor)]) -> Vec<f64> {
-    let plan = lower(graph).unwrap();
+    let memory = rustytorch::compiler::plan::plan(graph).unwrap();
+    let plan = Arc::new(lower(graph, &memory).unwrap());
     let ins: Vec<Arc<HostTensor>> = graph
         .inputs
         .iter()
@@ -135,7 +137,8 @@ fn run_plain(graph: &Graph, inputs: &[(String, HostTensor)]) -> Vec<f64> {
         .iter()
         .map(|p| Arc::new(p.init.materialize(&p.ty).unwrap()))
         .collect();
-    let r = CpuBackend.run(&plan, &ins, &params).unwrap();
+    let mut session = CpuBackend.prepare(plan, params).unwrap();
+    let r = session.run(&ins).unwrap();
     r.outputs[0].to_f64_vec()
 }
 

@@ -1,6 +1,7 @@
 //! The `rustytorch` command-line runner end to end: graph files and `.npy` inputs in, `.npy`
-//! outputs that match the library and a float64 reference; `inspect`; `convert` round trips; and
-//! clear errors (exit code 1, no panic) for missing, unknown or mistyped inputs and broken files.
+//! outputs that match the library and a float64 reference; `inspect`; `convert` round trips;
+//! devices (`auto`, `--memory-stats`); and clear errors (exit code 1, no panic) for missing,
+//! unknown or mistyped inputs, broken files and devices that are not there.
 
 use rustytorch::compiler::format::{self, ParamStorage};
 use rustytorch::npy::{read_npy, write_npy};
@@ -231,6 +232,16 @@ fn inspect_prints_ir_parameters_and_flops() {
     assert!(flops >= 2 * 4 * 16 * 32 + 2 * 4 * 32 * 10, "{flops}");
     assert!(text.contains(&format!("flops: {flops} ")), "{text}");
     assert!(text.contains("probs"), "{text}");
+    // The placement `run --device auto` would make: this graph is too small for a GPU.
+    assert!(
+        text.contains("placement (--device auto): cpu (auto: estimated"),
+        "{text}"
+    );
+    let text = ok(&cli(&["inspect", s(&path), "--device", "cpu"]));
+    assert!(
+        text.contains("placement (--device cpu): cpu (requested)"),
+        "{text}"
+    );
 
     let text = ok(&cli(&["inspect", s(&path), "--passes"]));
     for part in [
@@ -389,5 +400,68 @@ fn bad_device_is_an_error() {
         "--device",
         "tpu",
     ]));
-    assert!(err.contains("tpu") && err.contains("cuda:N"), "{err}");
+    assert!(
+        err.contains("tpu") && err.contains("cuda:N") && err.contains("auto"),
+        "{err}"
+    );
+    let err = fails(&cli(&["inspect", s(&path), "--device", "tpu"]));
+    assert!(err.contains("tpu"), "{err}");
+}
+
+#[test]
+fn cuda_without_a_gpu_is_a_clean_error() {
+    if std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
+        || rustytorch::runtime::cuda_device_count().is_ok_and(|n| n > 0)
+    {
+        return; // A GPU is present: `--device cuda` is tested where it runs.
+    }
+    let dir = scratch("nocuda");
+    let (_, path, x_path, _) = mlp_files(&dir);
+    let input = format!("x={}", s(&x_path));
+    for dev in ["cuda", "cuda:1"] {
+        let err = fails(&cli(&[
+            "run",
+            s(&path),
+            "--input",
+            &input,
+            "--out",
+            s(&dir),
+            "--device",
+            dev,
+        ]));
+        let want = if dev == "cuda" { "cuda:0" } else { dev };
+        assert!(err.contains(want), "{err}");
+        assert!(!dir.join("probs.npy").exists(), "an output was written");
+        let err = fails(&cli(&["inspect", s(&path), "--device", dev]));
+        assert!(err.contains(want), "{err}");
+    }
+}
+
+#[test]
+fn auto_device_and_memory_stats() {
+    let dir = scratch("auto");
+    let (_, path, x_path, _) = mlp_files(&dir);
+    let input = format!("x={}", s(&x_path));
+    let text = ok(&cli(&[
+        "run",
+        s(&path),
+        "--input",
+        &input,
+        "--out",
+        s(&dir),
+        "--device",
+        "auto",
+        "--memory-stats",
+    ]));
+    assert!(text.contains("placement: cpu (auto: estimated"), "{text}");
+    assert!(text.contains("probs"), "{text}");
+    assert!(
+        text.contains("the cpu backend has no device pool"),
+        "{text}"
+    );
+    assert!(
+        text.contains("transfers: 0 host-to-device copies (0 bytes)"),
+        "{text}"
+    );
+    assert!(dir.join("probs.npy").exists());
 }

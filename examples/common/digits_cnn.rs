@@ -55,10 +55,22 @@ pub fn shift_augment(x: &HostTensor, seed: u64) -> rustytorch::Result<HostTensor
     Ok(HostTensor::from_vec(out, x.dims().to_vec())?)
 }
 
-/// Trains for `epochs` and returns (train executable, final mean loss of the last epoch). Calls
-/// `progress(epoch, step, loss)` after every step.
+/// Trains on the CPU for `epochs` and returns (train executable, final mean loss of the last
+/// epoch). Calls `progress(epoch, step, loss)` after every step.
 #[allow(dead_code)]
 pub fn train_digits(
+    train: &rustytorch::data::Dataset,
+    batch: usize,
+    epochs: usize,
+    progress: impl FnMut(usize, usize, f32),
+) -> rustytorch::Result<(Executable, f32)> {
+    train_digits_on(Device::Cpu, train, batch, epochs, progress)
+}
+
+/// [`train_digits`] on `device`.
+#[allow(dead_code)]
+pub fn train_digits_on(
+    device: Device,
     train: &rustytorch::data::Dataset,
     batch: usize,
     epochs: usize,
@@ -73,7 +85,7 @@ pub fn train_digits(
         AdamW::new(2e-3).weight_decay(1e-4),
         &StepOptions::default(),
     )?;
-    let mut exe = compile(&g, &[&loss], Device::Cpu)?;
+    let mut exe = compile(&g, &[&loss], device)?;
     let steps = train.len() / batch;
     let mut last = 0.0;
     for epoch in 0..epochs {
@@ -94,8 +106,8 @@ pub fn train_digits(
     Ok((exe, last))
 }
 
-/// Accuracy of the trained parameters of `trained` on `test` (evaluated in batches of `batch`,
-/// the last partial batch padded).
+/// Accuracy of the trained parameters of `trained` on `test` (evaluated on the device `trained`
+/// runs on, in batches of `batch`, the last partial batch padded).
 #[allow(dead_code)]
 pub fn accuracy(
     trained: &Executable,
@@ -105,8 +117,8 @@ pub fn accuracy(
     let g = GraphBuilder::new();
     let (_, logits) = digits_cnn(&g, batch);
     let pred = logits.argmax(-1, false);
-    let mut eval = compile_with(&g, &[&pred], Device::Cpu, &CompileOptions::inference())?;
-    eval.copy_params_from(trained);
+    let mut eval = compile_with(&g, &[&pred], trained.device(), &CompileOptions::inference())?;
+    eval.copy_params_from(trained)?;
     let mut correct = 0;
     let mut start = 0;
     while start < test.len() {

@@ -1,7 +1,8 @@
-//! Devices and their discovery. The CUDA driver is loaded dynamically (cudarc `dynamic-loading`),
-//! so the build never needs CUDA and a machine without it gets a clear error, never a crash.
+//! Devices, their discovery and automatic placement. The CUDA driver is loaded dynamically
+//! (cudarc `dynamic-loading`), so the build never needs CUDA and a machine without it gets a clear
+//! error, never a crash.
 
-use crate::{Result, RuntimeError};
+use crate::{Backend, CpuBackend, CudaBackend, Result, RuntimeError};
 
 /// Where a graph runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -10,24 +11,50 @@ pub enum Device {
     Cpu,
     /// The CUDA device with this ordinal.
     Cuda(usize),
+    /// Chosen at compile time from an estimate of the graph's cost (see [`place`]): the CPU when
+    /// the graph is too small for a GPU to win, else `cuda:0` when a usable GPU exists.
+    Auto,
 }
 
 impl Device {
-    /// The best device available. The CUDA execution backend is not part of this build yet, so
-    /// this is the CPU; [`cuda_device_count`] reports what the driver sees.
+    /// The best device available: `cuda:0` when the driver reports a device and the CUDA backend
+    /// opens it, else the CPU.
     pub fn best() -> Device {
-        Device::Cpu
+        if cuda_device_count().is_ok_and(|n| n >= 1) && CudaBackend::new(0).is_ok() {
+            Device::Cuda(0)
+        } else {
+            Device::Cpu
+        }
     }
 
-    /// Parses `cpu`, `cuda` or `cuda:N`.
+    /// Parses `cpu`, `cuda`, `cuda:N` or `auto`.
     pub fn parse(s: &str) -> Option<Device> {
         match s {
             "cpu" => Some(Device::Cpu),
             "cuda" | "gpu" => Some(Device::Cuda(0)),
+            "auto" => Some(Device::Auto),
             _ => s
                 .strip_prefix("cuda:")
                 .and_then(|n| n.parse().ok())
                 .map(Device::Cuda),
+        }
+    }
+
+    /// The backend that executes on this device: the CPU backend, or the CUDA backend opened on
+    /// the device (an error naming the problem when the driver or the device is missing).
+    /// [`Device::Auto`] must be resolved to a device first.
+    pub fn backend(self) -> Result<Box<dyn Backend>> {
+        match self {
+            Device::Cpu => Ok(Box::new(CpuBackend)),
+            Device::Cuda(i) => Ok(Box::new(CudaBackend::new(i).map_err(|e| match e {
+                RuntimeError::Device(m) if !m.starts_with(&format!("cuda:{i}")) => {
+                    RuntimeError::Device(format!("cuda:{i} is not usable: {m}"))
+                }
+                other => other,
+            })?)),
+            Device::Auto => Err(RuntimeError::Invalid(
+                "`auto` is chosen when a graph is compiled; it has no backend of its own".into(),
+            )),
         }
     }
 }
@@ -37,6 +64,7 @@ impl std::fmt::Display for Device {
         match self {
             Device::Cpu => f.write_str("cpu"),
             Device::Cuda(i) => write!(f, "cuda:{i}"),
+            Device::Auto => f.write_str("auto"),
         }
     }
 }
@@ -56,4 +84,154 @@ pub fn cuda_device_count() -> Result<usize> {
     let n = cudarc::driver::result::device::get_count()
         .map_err(|e| RuntimeError::Device(format!("cannot count CUDA devices: {e}")))?;
     Ok(n.max(0) as usize)
+}
+
+/// The devices tests run on: the CPU, and `cuda:0` too when the environment variable
+/// `RUSTYTORCH_TEST_CUDA` is `1`. A test that gets `cuda:0` must use it and fail when it is not
+/// usable, never skip it.
+pub fn test_devices() -> Vec<Device> {
+    if std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1") {
+        vec![Device::Cpu, Device::Cuda(0)]
+    } else {
+        vec![Device::Cpu]
+    }
+}
+
+/// The figures of the placement cost model.
+///
+/// These are estimates of a typical machine (a multi-core CPU, a data-center GPU on PCIe), to be
+/// replaced by the figures measured in `docs/performance.md`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CostModel {
+    /// Seconds to launch one GPU kernel.
+    pub launch_s: f64,
+    /// Host↔device bandwidth (bytes/s) for the inputs and outputs of a run.
+    pub link_bytes_per_s: f64,
+    /// CPU arithmetic throughput (FLOP/s).
+    pub cpu_flops_per_s: f64,
+    /// CPU memory bandwidth (bytes/s).
+    pub cpu_bytes_per_s: f64,
+    /// GPU arithmetic throughput (FLOP/s).
+    pub gpu_flops_per_s: f64,
+    /// GPU memory bandwidth (bytes/s).
+    pub gpu_bytes_per_s: f64,
+}
+
+/// The cost model [`Device::Auto`] decides with (estimates; see [`CostModel`]).
+pub const COST_MODEL: CostModel = CostModel {
+    launch_s: 5e-6,
+    link_bytes_per_s: 10e9,
+    cpu_flops_per_s: 50e9,
+    cpu_bytes_per_s: 10e9,
+    gpu_flops_per_s: 50e12,
+    gpu_bytes_per_s: 3e12,
+};
+
+/// What one run of a plan does, as the cost model sees it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Workload {
+    /// Floating-point operations (an estimate).
+    pub flops: u64,
+    /// Bytes the kernels read and write.
+    pub bytes: u64,
+    /// Bytes of the inputs and outputs (they cross the host↔device link on a GPU).
+    pub io_bytes: u64,
+    /// Kernels launched.
+    pub kernels: u64,
+}
+
+impl CostModel {
+    /// Estimated seconds of one run on the CPU: the slower of arithmetic and memory traffic.
+    pub fn cpu_seconds(&self, w: &Workload) -> f64 {
+        (w.flops as f64 / self.cpu_flops_per_s).max(w.bytes as f64 / self.cpu_bytes_per_s)
+    }
+
+    /// Estimated seconds of one run on a GPU: kernel launches, the inputs and outputs over the
+    /// link, and the slower of arithmetic and memory traffic (parameters stay on the device).
+    pub fn gpu_seconds(&self, w: &Workload) -> f64 {
+        w.kernels as f64 * self.launch_s
+            + w.io_bytes as f64 / self.link_bytes_per_s
+            + (w.flops as f64 / self.gpu_flops_per_s).max(w.bytes as f64 / self.gpu_bytes_per_s)
+    }
+}
+
+/// Where a graph was placed and why.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Placement {
+    /// The device asked for.
+    pub requested: Device,
+    /// The device the graph runs on.
+    pub device: Device,
+    /// Why (the estimate for [`Device::Auto`]).
+    pub reason: String,
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.device, self.reason)
+    }
+}
+
+/// Formats seconds as `12.3 µs`, `4.56 ms` or `1.23 s`.
+fn secs(s: f64) -> String {
+    if s < 1e-3 {
+        format!("{:.1} µs", s * 1e6)
+    } else if s < 1.0 {
+        format!("{:.2} ms", s * 1e3)
+    } else {
+        format!("{s:.2} s")
+    }
+}
+
+/// The device [`Device::Auto`] prefers for `w` under `model`, with the estimate as the reason:
+/// `cuda:0` when its estimated time is below the CPU's, else the CPU. Whether a GPU is usable is
+/// the caller's to check (this function probes nothing).
+pub fn place(w: &Workload, model: &CostModel) -> Placement {
+    let cpu = model.cpu_seconds(w);
+    let gpu = model.gpu_seconds(w);
+    let device = if gpu < cpu {
+        Device::Cuda(0)
+    } else {
+        Device::Cpu
+    };
+    let reason = format!(
+        "auto: estimated {} on the cpu vs {} on cuda:0; {} FLOPs, {} bytes moved, {} kernels, {} bytes in/out",
+        secs(cpu),
+        secs(gpu),
+        w.flops,
+        w.bytes,
+        w.kernels,
+        w.io_bytes
+    );
+    Placement {
+        requested: Device::Auto,
+        device,
+        reason,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_work_stays_on_the_cpu_large_work_goes_to_the_gpu() {
+        let tiny = Workload {
+            flops: 1_000,
+            bytes: 4_000,
+            io_bytes: 1_000,
+            kernels: 4,
+        };
+        let p = place(&tiny, &COST_MODEL);
+        assert_eq!(p.device, Device::Cpu, "{p}");
+        assert!(p.reason.starts_with("auto: estimated"), "{p}");
+        // A 4096³ matmul: 137 GFLOP, about 2.7 s on the CPU and a few ms on a GPU.
+        let big = Workload {
+            flops: 2 * 4096 * 4096 * 4096,
+            bytes: 3 * 4096 * 4096 * 4,
+            io_bytes: 3 * 4096 * 4096 * 4,
+            kernels: 1,
+        };
+        assert_eq!(place(&big, &COST_MODEL).device, Device::Cuda(0));
+    }
 }
