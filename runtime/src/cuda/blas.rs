@@ -200,7 +200,7 @@ impl Blas {
 
     /// Runs `m` on `stream` with the step's buffers: `a`/`b` are cuBLASLt's A and B (the op's
     /// operand 1 and 0), `d` the output, `bias` the bias.
-    pub fn run(
+    pub(crate) fn run(
         &mut self,
         m: &MatmulDesc,
         a: u64,

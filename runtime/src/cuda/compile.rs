@@ -44,6 +44,11 @@ fn fnv(bytes: &[u8], mut h: u64) -> u64 {
 impl KernelCompiler {
     /// A compiler for compute capability `(major, minor)`; an error when NVRTC is missing.
     pub fn new(cc: (i32, i32)) -> Result<KernelCompiler> {
+        Self::with_dir(cc, cache_dir())
+    }
+
+    /// [`KernelCompiler::new`] with its disk cache in `dir` (None: memory only).
+    pub fn with_dir(cc: (i32, i32), dir: Option<PathBuf>) -> Result<KernelCompiler> {
         // SAFETY: only checks whether the NVRTC shared library can be loaded.
         if !unsafe { ns::is_culib_present() } {
             return Err(RuntimeError::Device(
@@ -58,10 +63,15 @@ impl KernelCompiler {
         Ok(KernelCompiler {
             arch: format!("sm_{}{}", cc.0, cc.1),
             nvrtc_version: (major, minor),
-            dir: cache_dir(),
+            dir,
             memory: Mutex::new(HashMap::new()),
             counters: Mutex::new((0, 0, 0)),
         })
+    }
+
+    /// The cache file of a source (whether or not it exists yet).
+    pub fn cache_path(&self, src: &str) -> Option<PathBuf> {
+        self.path(self.key(src))
     }
 
     /// The target architecture (`sm_90`).

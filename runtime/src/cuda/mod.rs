@@ -66,7 +66,8 @@ pub struct GpuDevice {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) pool: Mutex<Pool<DriverAllocator>>,
-    pub(crate) compiler: compile::KernelCompiler,
+    /// The NVRTC compiler and its caches.
+    pub compiler: compile::KernelCompiler,
     functions: Mutex<HashMap<String, CudaFunction>>,
     blas: Mutex<Option<(blas::Blas, Block)>>,
 }
