@@ -1,6 +1,8 @@
 //! Training end to end: a two-layer network's loss decreases under SGD and AdamW, non-finite
 //! gradients are detected and named (error and skip-step policies), optimizer state persists
-//! across runs and through safetensors, and a short digits training learns.
+//! across runs and through safetensors, the step counter counts exactly past 2²⁴, bf16 and f16
+//! parameters train through f32 masters like an f64 reference of AdamW, and a short digits
+//! training learns.
 
 #[path = "../examples/common/digits_cnn.rs"]
 mod digits_cnn;
@@ -52,8 +54,8 @@ fn sgd_and_adamw_decrease_the_loss() {
             l[59]
         );
         assert_eq!(
-            exe.param("optim.step").unwrap().to_vec::<f32>().unwrap(),
-            vec![60.0]
+            exe.param("optim.step").unwrap().to_vec::<i64>().unwrap(),
+            vec![60]
         );
     }
 }
@@ -71,6 +73,155 @@ fn state_round_trips_through_safetensors() {
     assert_eq!(n, a.params().unwrap().len());
     // Same state, same next step.
     assert_eq!(losses(&mut a, &x, &y, 3), losses(&mut b, &x, &y, 3));
+}
+
+#[test]
+fn the_step_counter_counts_past_2_pow_24() {
+    let (mut exe, x, y) = two_layer(AdamW::new(1e-2));
+    losses(&mut exe, &x, &y, 1);
+    // An f32 counter would stop here: 2²⁴ + 1 rounds back to 2²⁴.
+    exe.set_param("optim.step", HostTensor::scalar(16_777_216i64))
+        .unwrap();
+    let l = losses(&mut exe, &x, &y, 1);
+    assert!(l[0].is_finite());
+    assert_eq!(
+        exe.param("optim.step").unwrap().to_vec::<i64>().unwrap(),
+        vec![16_777_217]
+    );
+    // An f32 value is refused: the counter is an integer.
+    assert!(exe
+        .set_param("optim.step", HostTensor::scalar(1.0f32))
+        .is_err());
+}
+
+/// `loss = Σ w·x` with `w` of `dtype`: the gradient is `x`, so an f64 reference of the optimizer
+/// can be fed exactly the gradients the graph sees.
+fn linear_model(dtype: DType, n: usize, opt: AdamW) -> Executable {
+    let g = GraphBuilder::new();
+    let x = g.input("x", dtype, [n]);
+    let w = g.param_typed(
+        "w",
+        TensorType::new(dtype, [n]),
+        Init::Uniform {
+            low: 0.5,
+            high: 2.0,
+            seed: 7,
+        },
+        true,
+    );
+    let loss = w.mul(&x).sum_all();
+    g.train_step(&loss, opt, &StepOptions::default()).unwrap();
+    compile(&g, &[&loss], Device::Cpu).unwrap()
+}
+
+/// Gradients of random magnitude, each element keeping its sign (so the weights drift), rounded
+/// to `dtype`.
+fn drifting_grads(dtype: DType, n: usize, steps: usize) -> Vec<HostTensor> {
+    (0..steps)
+        .map(|k| {
+            let raw = rustytorch::ops::testing::rand_f64(n, 40 + k as u64, 0.25, 1.0);
+            let v: Vec<f32> = raw
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| if i % 2 == 0 { v as f32 } else { -v as f32 })
+                .collect();
+            HostTensor::from_vec(v, [n]).unwrap().cast(dtype)
+        })
+        .collect()
+}
+
+/// AdamW in f64 over the given gradients, from `p`.
+fn adamw_reference(a: &AdamW, mut p: Vec<f64>, grads: &[HostTensor]) -> Vec<f64> {
+    let n = p.len();
+    let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
+    for (t, g) in grads.iter().enumerate() {
+        let g = g.to_f64_vec();
+        let t = t as i32 + 1;
+        let (bc1, bc2) = (1.0 - a.beta1.powi(t), 1.0 - a.beta2.powi(t));
+        for i in 0..n {
+            m[i] = a.beta1 * m[i] + (1.0 - a.beta1) * g[i];
+            v[i] = a.beta2 * v[i] + (1.0 - a.beta2) * g[i] * g[i];
+            let denom = (v[i] / bc2).sqrt() + a.eps;
+            p[i] = p[i] * (1.0 - a.lr * a.weight_decay) - m[i] / denom * (a.lr / bc1);
+        }
+    }
+    p
+}
+
+#[test]
+fn half_precision_parameters_train_like_an_f64_reference() {
+    let n = 32;
+    let steps = 25;
+    // Steps of about lr = 1e-3 are under half an ulp of bf16 and f16 weights near 1: only the
+    // f32 master accumulates them.
+    for (dtype, mantissa) in [(DType::BF16, 7), (DType::F16, 10)] {
+        let opt = AdamW::new(1e-3);
+        let mut exe = linear_model(dtype, n, opt.clone());
+        let p0 = exe.param("w").unwrap().to_f64_vec();
+        let grads = drifting_grads(dtype, n, steps);
+        for x in &grads {
+            exe.run(&[("x", x.clone())]).unwrap();
+        }
+        let want = adamw_reference(&opt, p0.clone(), &grads);
+        let master = exe.param("optim.master.w").unwrap();
+        assert_eq!(master.dtype(), DType::F32);
+        for name in ["optim.m.w", "optim.v.w"] {
+            assert_eq!(exe.param(name).unwrap().dtype(), DType::F32, "{name}");
+        }
+        let w = exe.param("w").unwrap();
+        assert_eq!(w.dtype(), dtype);
+        assert_eq!(w.to_f64_vec(), master.cast(dtype).to_f64_vec());
+        let (w, master) = (w.to_f64_vec(), master.to_f64_vec());
+        for i in 0..n {
+            let r = want[i];
+            assert!((p0[i] - r).abs() > 0.01, "the reference moves");
+            assert!(
+                (master[i] - r).abs() < 1e-5,
+                "{dtype:?} master[{i}] = {} vs {r}",
+                master[i]
+            );
+            // Within half an ulp of the dtype (and the master's f32 error).
+            let half_ulp = 2f64.powi(r.abs().log2().floor() as i32 - mantissa - 1);
+            assert!(
+                (w[i] - r).abs() <= half_ulp + 1e-5,
+                "{dtype:?} w[{i}] = {} vs {r}",
+                w[i]
+            );
+        }
+    }
+}
+
+#[test]
+fn half_precision_state_round_trips_through_safetensors() {
+    let grads = drifting_grads(DType::BF16, 8, 6);
+    let mut a = linear_model(DType::BF16, 8, AdamW::new(1e-3));
+    for x in &grads[..3] {
+        a.run(&[("x", x.clone())]).unwrap();
+    }
+    let dir = std::env::temp_dir().join(format!("rt-bf16-state-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("state.safetensors");
+    a.save_state(&path).unwrap();
+    let mut b = linear_model(DType::BF16, 8, AdamW::new(1e-3));
+    assert_eq!(b.load_state(&path).unwrap(), a.params().unwrap().len());
+    for x in &grads[3..] {
+        a.run(&[("x", x.clone())]).unwrap();
+        b.run(&[("x", x.clone())]).unwrap();
+    }
+    for name in [
+        "w",
+        "optim.master.w",
+        "optim.m.w",
+        "optim.v.w",
+        "optim.step",
+    ] {
+        assert_eq!(
+            a.param(name).unwrap().to_f64_vec(),
+            b.param(name).unwrap().to_f64_vec(),
+            "{name}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 fn nan_graph(policy: NonFinitePolicy) -> Executable {
@@ -110,8 +261,8 @@ fn nan_gradients_are_detected_and_named() {
         vec![0.5; 3]
     );
     assert_eq!(
-        exe.param("optim.step").unwrap().to_vec::<f32>().unwrap(),
-        vec![0.0]
+        exe.param("optim.step").unwrap().to_vec::<i64>().unwrap(),
+        vec![0]
     );
 }
 

@@ -1,9 +1,20 @@
 //! Training in the graph: gradients, global-norm clipping, finiteness guards and optimizer updates
 //! (SGD with momentum and weight decay, AdamW) written as ordinary ops whose results are recorded as
-//! state updates (`param ← new value`). The learning rate and the step counter are state tensors
-//! too, so a schedule can change the rate between runs without recompiling; the fusion pass turns
-//! each parameter's update into one elementwise kernel.
-
+//! state updates (`param ← new value`). The learning rate (f32) and the step counter (i64, so it
+//! counts exactly past 2²⁴) are state tensors too, so a schedule can change the rate between runs
+//! without recompiling; the fusion pass turns each parameter's update into one elementwise kernel.
+//!
+//! State tensors are non-trainable parameters named `optim.<what>[.<param>]`: `optim.lr`,
+//! `optim.step`, `optim.momentum.<param>` (SGD with momentum), `optim.m.<param>` and
+//! `optim.v.<param>` (AdamW), and `optim.master.<param>` for f16/bf16 parameters.
+//!
+//! **Mixed precision.** An f16 or bf16 parameter is updated in f32: its gradient is cast to f32,
+//! its moments are f32, and an f32 master copy `optim.master.<param>` holds the value the updates
+//! accumulate into (a step smaller than half a bf16 ulp still moves it). Each step writes the new
+//! master and the parameter rounded to its dtype. The master starts at zero and, element by
+//! element, a master value that no longer rounds to the parameter is replaced by the parameter's
+//! value before the update: on the first step, and after the parameter was set or loaded on its
+//! own, the parameter is what training continues from.
 use crate::builder::{GraphBuilder, Tensor};
 use crate::graph::Init;
 use crate::{autodiff, CompileError, Result};
@@ -105,19 +116,28 @@ pub struct StepOptions {
 /// Handles to what a training step computes.
 #[derive(Clone, Debug)]
 pub struct TrainStep {
-    /// Gradient of each trainable parameter, by parameter name.
+    /// Gradient of each trainable parameter as the update uses it (clipped when clipping is on;
+    /// in f32 for f16 and bf16 parameters), by parameter name.
     pub grads: Vec<(String, Tensor)>,
     /// The global L2 norm of the gradients (before clipping).
     pub grad_norm: Tensor,
 }
 
-fn scalar_state(b: &GraphBuilder, name: &str, value: f64) -> Tensor {
+fn scalar_state(b: &GraphBuilder, name: &str, dtype: DType, value: f64) -> Tensor {
     b.param_typed(
         name,
-        TensorType::new(DType::F32, Shape::scalar()),
+        TensorType::new(dtype, Shape::scalar()),
         Init::Full(value),
         false,
     )
+}
+
+/// The dtype a parameter's update computes in: f32 for the 16-bit float types, else its own.
+fn compute_dtype(dt: DType) -> DType {
+    match dt {
+        DType::F16 | DType::BF16 => DType::F32,
+        d => d,
+    }
 }
 
 impl GraphBuilder {
@@ -170,76 +190,87 @@ impl GraphBuilder {
                 .minimum_scalar(1.0)
         });
 
-        let lr = scalar_state(self, "optim.lr", lr_of(&opt));
-        let t = scalar_state(self, "optim.step", 0.0);
+        let lr = scalar_state(self, "optim.lr", DType::F32, lr_of(&opt));
+        let t = scalar_state(self, "optim.step", DType::I64, 0.0);
         let t1 = t.add_scalar(1.0);
         self.update(&t, &t1);
+        // AdamW's bias corrections 1 − βᵗ as f32 scalars (the same for every parameter).
+        let bias_corrections = match &opt {
+            Optimizer::AdamW(a) => {
+                let tf = t1.cast(DType::F32);
+                let bc = |beta: f64| self.scalar(beta, DType::F32).pow(&tf).neg().add_scalar(1.0);
+                Some((bc(a.beta1), bc(a.beta2)))
+            }
+            Optimizer::Sgd(_) => None,
+        };
 
         let mut out = Vec::new();
         for (g, (name, pid, ty)) in grads.into_iter().zip(params) {
             let p = self.tensor(pid);
             let dt = ty.dtype;
+            let ct = compute_dtype(dt);
+            let cty = TensorType::new(ct, ty.shape.clone());
+            let state = |what: &str| {
+                self.param_typed(
+                    &format!("optim.{what}.{name}"),
+                    cty.clone(),
+                    Init::zeros(),
+                    false,
+                )
+            };
+            let g = if ct != dt { g.cast(ct) } else { g };
             let g = match &scale {
-                Some(s) => g.mul(&s.cast(dt)),
+                Some(s) => g.mul(&s.cast(ct)),
                 None => g,
             };
-            let lr_p = lr.cast(dt);
-            let new_p = match &opt {
+            // The value the update starts from, in the compute dtype: the parameter itself, or
+            // the f32 master where it still rounds to the parameter (see the module docs).
+            let (w, master) = if ct != dt {
+                let master = state("master");
+                let pc = p.cast(ct);
+                let w = self.where_(&master.cast(dt).eq(&p), &master, &pc);
+                (w, Some(master))
+            } else {
+                (p.clone(), None)
+            };
+            let lr_p = lr.cast(ct);
+            let new_w = match &opt {
                 Optimizer::Sgd(s) => {
                     let mut d = g.clone();
                     if s.weight_decay != 0.0 {
-                        d = d.add(&p.mul_scalar(s.weight_decay));
+                        d = d.add(&w.mul_scalar(s.weight_decay));
                     }
                     if s.momentum != 0.0 {
-                        let buf = self.param_typed(
-                            &format!("optim.momentum.{name}"),
-                            ty.clone(),
-                            Init::zeros(),
-                            false,
-                        );
+                        let buf = state("momentum");
                         let nb = buf.mul_scalar(s.momentum).add(&d);
                         self.update(&buf, &nb);
                         d = nb;
                     }
-                    p.sub(&d.mul(&lr_p))
+                    w.sub(&d.mul(&lr_p))
                 }
                 Optimizer::AdamW(a) => {
-                    let m = self.param_typed(
-                        &format!("optim.m.{name}"),
-                        ty.clone(),
-                        Init::zeros(),
-                        false,
-                    );
-                    let v = self.param_typed(
-                        &format!("optim.v.{name}"),
-                        ty.clone(),
-                        Init::zeros(),
-                        false,
-                    );
+                    let (bc1, bc2) = bias_corrections.as_ref().expect("AdamW");
+                    let m = state("m");
+                    let v = state("v");
                     let m1 = m.mul_scalar(a.beta1).add(&g.mul_scalar(1.0 - a.beta1));
                     let v1 = v
                         .mul_scalar(a.beta2)
                         .add(&g.mul(&g).mul_scalar(1.0 - a.beta2));
                     self.update(&m, &m1);
                     self.update(&v, &v1);
-                    // Bias corrections 1 − βᵗ as scalars.
-                    let bc1 = self
-                        .scalar(a.beta1, DType::F32)
-                        .pow(&t1)
-                        .neg()
-                        .add_scalar(1.0);
-                    let bc2 = self
-                        .scalar(a.beta2, DType::F32)
-                        .pow(&t1)
-                        .neg()
-                        .add_scalar(1.0);
-                    let step_size = lr.div(&bc1).cast(dt);
-                    let denom = v1.div(&bc2.cast(dt)).sqrt().add_scalar(a.eps);
-                    let decayed = p.mul(&lr_p.mul_scalar(a.weight_decay).neg().add_scalar(1.0));
+                    let step_size = lr.div(bc1).cast(ct);
+                    let denom = v1.div(&bc2.cast(ct)).sqrt().add_scalar(a.eps);
+                    let decayed = w.mul(&lr_p.mul_scalar(a.weight_decay).neg().add_scalar(1.0));
                     decayed.sub(&m1.div(&denom).mul(&step_size))
                 }
             };
-            self.update(&p, &new_p);
+            match master {
+                Some(master) => {
+                    self.update(&master, &new_w);
+                    self.update(&p, &new_w.cast(dt));
+                }
+                None => self.update(&p, &new_w),
+            }
             out.push((name, g));
         }
         self.check()?;
