@@ -1,6 +1,7 @@
 //! Property test: random graphs over many op kinds with random broadcastable shapes compute the
 //! same values before and after the optimizer and fusion, on the CPU. Each case is generated from
 //! one seed (printed on failure), so a failure reproduces with `PROPTEST_CASES=1` and that seed.
+//! Where `RUSTYTORCH_TEST_CUDA=1`, the same optimized graphs also run on CUDA against the CPU.
 
 use proptest::prelude::*;
 use rustytorch::codegen::lower;
@@ -155,6 +156,36 @@ fn check(seed: u64, n_ops: usize) {
         .collect();
     let got = exe.run(&refs).unwrap()[0].to_f64_vec();
     assert_close(&got, &want, 2e-4, &format!("seed {seed} ({n_ops} ops)"));
+}
+
+/// The same optimized graph on CUDA against the CPU (where `RUSTYTORCH_TEST_CUDA=1`).
+fn check_cuda(seed: u64, n_ops: usize) {
+    if std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() != Ok("1") {
+        return;
+    }
+    let (g, out, inputs) = random_graph(seed, n_ops);
+    g.output("out", &out);
+    let graph = g.graph().unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    let refs: Vec<(&str, HostTensor)> = inputs
+        .iter()
+        .map(|(n, t)| (n.as_str(), t.clone()))
+        .collect();
+    let run = |device| {
+        let mut exe = compile_graph(&graph, device, &CompileOptions::inference())
+            .unwrap_or_else(|e| panic!("seed {seed} on {device}: {e}"));
+        exe.run(&refs).unwrap()[0].to_f64_vec()
+    };
+    let want = run(Device::Cpu);
+    let got = run(Device::Cuda(0));
+    assert_close(&got, &want, 1e-4, &format!("seed {seed} ({n_ops} ops) cuda vs cpu"));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    #[test]
+    fn cuda_matches_cpu_on_optimized_graphs(seed in any::<u64>(), n_ops in 1usize..12) {
+        check_cuda(seed, n_ops);
+    }
 }
 
 proptest! {

@@ -1,0 +1,35 @@
+//! Measures what `Device::Auto` weighs: the fixed cost of one run of a one-kernel graph and the
+//! host↔device transfer rate of `Executable::run`, by timing `y = 2·x` for inputs of 1 to 16M
+//! f32 elements on a device.
+//!
+//! `cargo run --release --example device_overheads -- [cuda|cpu]`
+
+use rustytorch::prelude::*;
+use std::time::Instant;
+
+fn main() -> rustytorch::Result<()> {
+    let arg = std::env::args().nth(1).unwrap_or_else(|| "cuda".into());
+    let device = Device::parse(&arg).expect("device");
+    println!("| elements | bytes in+out | ms/run | GB/s (in+out) |");
+    println!("| --- | --- | --- | --- |");
+    for n in [1usize, 1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24] {
+        let g = GraphBuilder::new();
+        let x = g.input("x", DType::F32, [n]);
+        let y = x.mul_scalar(2.0);
+        let mut exe = compile_with(&g, &[&y], device, &CompileOptions::inference())?;
+        let xs = HostTensor::from_vec(vec![1.5f32; n], [n])?;
+        exe.run(&[("x", xs.clone())])?;
+        let iters = if n >= 1 << 22 { 10 } else { 100 };
+        let t = Instant::now();
+        for _ in 0..iters {
+            exe.run(&[("x", xs.clone())])?;
+        }
+        let ms = t.elapsed().as_secs_f64() * 1e3 / iters as f64;
+        let bytes = 8 * n;
+        println!(
+            "| {n} | {bytes} | {ms:.4} | {:.2} |",
+            bytes as f64 / (ms * 1e-3) / 1e9
+        );
+    }
+    Ok(())
+}
