@@ -31,5 +31,25 @@ fn main() -> rustytorch::Result<()> {
             bytes as f64 / (ms * 1e-3) / 1e9
         );
     }
+    // Per-kernel cost: a chain of k small softmaxes (one kernel each, nothing fuses them).
+    println!("\n| kernels | ms/run |");
+    println!("| --- | --- |");
+    for k in [1usize, 16, 64, 256] {
+        let g = GraphBuilder::new();
+        let x = g.input("x", DType::F32, [8, 64]);
+        let mut y = x.clone();
+        for _ in 0..k {
+            y = y.softmax(-1);
+        }
+        let mut exe = compile_with(&g, &[&y], device, &CompileOptions::inference())?;
+        let xs = HostTensor::from_vec(vec![0.5f32; 512], [8, 64])?;
+        exe.run(&[("x", xs.clone())])?;
+        let t = Instant::now();
+        for _ in 0..100 {
+            exe.run(&[("x", xs.clone())])?;
+        }
+        let ms = t.elapsed().as_secs_f64() * 1e3 / 100.0;
+        println!("| {} | {ms:.4} |", exe.plan().kernel_count());
+    }
     Ok(())
 }

@@ -20,7 +20,12 @@ fn main() -> rustytorch::Result<()> {
     let mut x = g.param_typed("x", ty(vec![tokens, d]), Init::kaiming_uniform(d, 1), false);
     for l in 0..layers {
         let p = |n: &str, dims: Vec<usize>, fan: usize, seed: u64| {
-            g.param_typed(&format!("h{l}.{n}"), ty(dims), Init::kaiming_uniform(fan, seed), true)
+            g.param_typed(
+                &format!("h{l}.{n}"),
+                ty(dims),
+                Init::kaiming_uniform(fan, seed),
+                true,
+            )
         };
         let w1 = p("fc.w", vec![d, h], d, 10 + l as u64);
         let b1 = p("fc.b", vec![h], d, 20 + l as u64);

@@ -99,10 +99,15 @@ pub fn test_devices() -> Vec<Device> {
 
 /// The figures of the placement cost model.
 ///
-/// These are estimates of a typical machine (a multi-core CPU, a data-center GPU on PCIe), to be
-/// replaced by the figures measured in `docs/performance.md`.
+/// Measured 2026-11-30 (`docs/performance.md`, "Device placement"): the GPU figures on an H200
+/// with `cargo run --release --example device_overheads -- cuda` and `--example gpu_mlp_stack`,
+/// the CPU figures on a 2-core machine (CPU GEMM bench, `device_overheads -- cpu`). A machine with
+/// more cores moves the threshold toward the GPU; the decision and its estimate are printed by
+/// `rustytorch inspect`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CostModel {
+    /// Seconds of a GPU run's fixed cost (launch, synchronize, read back a few bytes).
+    pub run_s: f64,
     /// Seconds to launch one GPU kernel.
     pub launch_s: f64,
     /// Host↔device bandwidth (bytes/s) for the inputs and outputs of a run.
@@ -119,11 +124,16 @@ pub struct CostModel {
 
 /// The cost model [`Device::Auto`] decides with (estimates; see [`CostModel`]).
 pub const COST_MODEL: CostModel = CostModel {
-    launch_s: 5e-6,
-    link_bytes_per_s: 10e9,
-    cpu_flops_per_s: 50e9,
-    cpu_bytes_per_s: 10e9,
-    gpu_flops_per_s: 50e12,
+    // 14 µs for a one-kernel run; (0.914 − 0.018) ms / 255 kernels ≈ 3.5 µs per extra kernel.
+    run_s: 14e-6,
+    launch_s: 3.5e-6,
+    // Inputs in and outputs out through `Executable::run` (host copies included): 1.0–1.5 GB/s.
+    link_bytes_per_s: 1.3e9,
+    // The CPU GEMM bench: 55–64 GFLOP/s; elementwise through `run`: about 1 GB/s.
+    cpu_flops_per_s: 55e9,
+    cpu_bytes_per_s: 1e9,
+    // f32 GEMMs (exact f32) sustain about 42 TFLOP/s; bf16 347 TFLOP/s; copies 4.2 TB/s.
+    gpu_flops_per_s: 40e12,
     gpu_bytes_per_s: 3e12,
 };
 
@@ -149,7 +159,8 @@ impl CostModel {
     /// Estimated seconds of one run on a GPU: kernel launches, the inputs and outputs over the
     /// link, and the slower of arithmetic and memory traffic (parameters stay on the device).
     pub fn gpu_seconds(&self, w: &Workload) -> f64 {
-        w.kernels as f64 * self.launch_s
+        self.run_s
+            + w.kernels as f64 * self.launch_s
             + w.io_bytes as f64 / self.link_bytes_per_s
             + (w.flops as f64 / self.gpu_flops_per_s).max(w.bytes as f64 / self.gpu_bytes_per_s)
     }

@@ -100,7 +100,8 @@ impl Blas {
         let op = |t: bool| t as i32;
         let set_desc = |attr, v: *const c_void, n: usize| {
             // SAFETY: `desc` is live; `v` points to `n` readable bytes of the attribute's type.
-            unsafe { lt::set_matmul_desc_attribute(desc, attr, v, n) }.map_err(|e| err("desc attr", e))
+            unsafe { lt::set_matmul_desc_attribute(desc, attr, v, n) }
+                .map_err(|e| err("desc attr", e))
         };
         let (ta, tb) = (op(m.trans_a), op(m.trans_b));
         set_desc(
@@ -131,8 +132,13 @@ impl Blas {
         // Stored shapes (column-major): A is m×k (k×m when transposed), B is k×n (n×k).
         let (ar, ac) = if m.trans_a { (m.k, m.m) } else { (m.m, m.k) };
         let (br, bc) = if m.trans_b { (m.n, m.k) } else { (m.k, m.n) };
-        let layout = |rows: u64, cols: u64, ld: u64, stride: i64| -> Result<sys::cublasLtMatrixLayout_t> {
-            let l = lt::create_matrix_layout(ty, rows, cols, ld as i64).map_err(|e| err("layout", e))?;
+        let layout = |rows: u64,
+                      cols: u64,
+                      ld: u64,
+                      stride: i64|
+         -> Result<sys::cublasLtMatrixLayout_t> {
+            let l = lt::create_matrix_layout(ty, rows, cols, ld as i64)
+                .map_err(|e| err("layout", e))?;
             if m.batch > 1 {
                 let count = m.batch as i32;
                 // SAFETY: `l` is live; the values are an i32 and an i64 as the attributes require.
@@ -185,9 +191,7 @@ impl Blas {
         // SAFETY: `pref` is live and no longer needed.
         let _ = unsafe { lt::destroy_matmul_pref(pref) };
         let h = h.map_err(|e| {
-            RuntimeError::Device(format!(
-                "cuBLASLt found no algorithm for {m:?}: {e:?}"
-            ))
+            RuntimeError::Device(format!("cuBLASLt found no algorithm for {m:?}: {e:?}"))
         })?;
         Ok(Prepared {
             desc,

@@ -89,7 +89,9 @@ impl KernelCompiler {
     }
 
     fn path(&self, key: u64) -> Option<PathBuf> {
-        self.dir.as_ref().map(|d| d.join(format!("{key:016x}.cubin")))
+        self.dir
+            .as_ref()
+            .map(|d| d.join(format!("{key:016x}.cubin")))
     }
 
     fn read_disk(&self, key: u64) -> Option<Vec<u8>> {
@@ -140,7 +142,10 @@ impl KernelCompiler {
             }
         };
         let c = std::sync::Arc::new(cubin);
-        self.memory.lock().expect("cache lock").insert(key, c.clone());
+        self.memory
+            .lock()
+            .expect("cache lock")
+            .insert(key, c.clone());
         Ok(c)
     }
 
@@ -173,7 +178,8 @@ impl KernelCompiler {
                 // SAFETY: `prog` is live; the log is NUL-terminated.
                 let log = unsafe { nr::get_program_log(prog) }
                     .map(|l| {
-                        let bytes: Vec<u8> = l.iter().map(|&c| c as u8).take_while(|&b| b != 0).collect();
+                        let bytes: Vec<u8> =
+                            l.iter().map(|&c| c as u8).take_while(|&b| b != 0).collect();
                         String::from_utf8_lossy(&bytes).into_owned()
                     })
                     .unwrap_or_default();
@@ -197,7 +203,9 @@ impl KernelCompiler {
                         // SAFETY: `cubin` has the size NVRTC reported.
                         unsafe { ns::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()) }
                             .result()
-                            .map_err(|e| RuntimeError::Device(format!("nvrtcGetCUBIN {name}: {e:?}")))?;
+                            .map_err(|e| {
+                                RuntimeError::Device(format!("nvrtcGetCUBIN {name}: {e:?}"))
+                            })?;
                         Ok(cubin)
                     })
             }

@@ -36,7 +36,9 @@ impl SegmentAllocator for DriverAllocator {
         // SAFETY: a plain device allocation; the pool owns the pointer until `free`.
         match unsafe { dr::malloc_sync(bytes) } {
             Ok(p) => Ok(p),
-            Err(e) if e.0 == ds::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(SegmentError::OutOfMemory),
+            Err(e) if e.0 == ds::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                Err(SegmentError::OutOfMemory)
+            }
             Err(e) => Err(SegmentError::Other(e.to_string())),
         }
     }
@@ -104,13 +106,18 @@ impl GpuDevice {
         // stream's work itself and never uses cudarc's tracked slices.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(derr("creating a stream"))?;
-        let cc = ctx.compute_capability().map_err(derr("compute capability"))?;
+        let cc = ctx
+            .compute_capability()
+            .map_err(derr("compute capability"))?;
         let sm_count = ctx
             .attribute(ds::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(derr("SM count"))? as u32;
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
         let compiler = compile::KernelCompiler::new(cc)?;
-        let pool = Pool::new(DriverAllocator { ctx: ctx.clone() }, format!("cuda:{ordinal}"));
+        let pool = Pool::new(
+            DriverAllocator { ctx: ctx.clone() },
+            format!("cuda:{ordinal}"),
+        );
         Ok(GpuDevice {
             ordinal,
             name,
@@ -126,7 +133,9 @@ impl GpuDevice {
     }
 
     pub(crate) fn bind(&self) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(derr("binding the context"))
+        self.ctx
+            .bind_to_thread()
+            .map_err(derr("binding the context"))
     }
 
     /// Allocates from the pool on this device's stream.
@@ -177,7 +186,10 @@ impl GpuDevice {
     }
 
     /// Runs `body` with this device's cuBLASLt state (opened on first use).
-    pub(crate) fn with_blas<T>(&self, body: impl FnOnce(&mut blas::Blas) -> Result<T>) -> Result<T> {
+    pub(crate) fn with_blas<T>(
+        &self,
+        body: impl FnOnce(&mut blas::Blas) -> Result<T>,
+    ) -> Result<T> {
         let mut g = self.blas.lock().expect("blas lock");
         if g.is_none() {
             let ws = self.alloc(blas::WORKSPACE_BYTES)?;

@@ -4,9 +4,13 @@
 
 use super::GpuDevice;
 use crate::pool::Block;
-use crate::{check_param_type, Device, MemoryStats, Result, RunOutput, RuntimeError, Session, TransferStats};
+use crate::{
+    check_param_type, Device, MemoryStats, Result, RunOutput, RuntimeError, Session, TransferStats,
+};
 use cudarc::driver::{result as dr, CudaFunction};
-use rustytorch_codegen::cuda::{lower_plan, source, ArgRef, CudaStep, Launch, MatmulDesc, StepKernels};
+use rustytorch_codegen::cuda::{
+    lower_plan, source, ArgRef, CudaStep, Launch, MatmulDesc, StepKernels,
+};
 use rustytorch_codegen::{Plan, Source, Storage};
 use rustytorch_ops::{DType, Data, HostTensor, TensorType};
 use std::ffi::c_void;
@@ -45,39 +49,63 @@ pub struct CudaSession {
     transfers: TransferStats,
 }
 
-/// The host bytes of a tensor (little-endian; bool as one byte 0/1).
-pub(crate) fn to_bytes(t: &HostTensor) -> Vec<u8> {
-    fn le<T: Copy, const N: usize>(v: &[T], f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
-        v.iter().flat_map(|&x| f(x)).collect()
+/// Copies a host tensor's elements to `dst` on `stream`, straight from its typed storage (f16 and
+/// bf16 are their bit patterns, bool one byte 0/1 on both sides); returns the bytes copied.
+fn htod(dst: u64, t: &HostTensor, stream: cudarc::driver::sys::CUstream) -> Result<usize> {
+    fn copy<T>(dst: u64, v: &[T], stream: cudarc::driver::sys::CUstream) -> Result<usize> {
+        if v.is_empty() {
+            return Ok(0);
+        }
+        // SAFETY: `dst` is a live pool block sized from this tensor's type, so it holds
+        // `size_of_val(v)` bytes; a pageable async copy returns once the source is staged.
+        unsafe { dr::memcpy_htod_async(dst, v, stream) }.map_err(drv("copying to the device"))?;
+        Ok(std::mem::size_of_val(v))
     }
     match t.data() {
-        Data::F32(v) => le(v, f32::to_le_bytes),
-        Data::F64(v) => le(v, f64::to_le_bytes),
-        Data::F16(v) => le(v, |x| x.to_bits().to_le_bytes()),
-        Data::BF16(v) => le(v, |x| x.to_bits().to_le_bytes()),
-        Data::I32(v) => le(v, i32::to_le_bytes),
-        Data::I64(v) => le(v, i64::to_le_bytes),
-        Data::U8(v) => v.clone(),
-        Data::Bool(v) => v.iter().map(|&b| b as u8).collect(),
+        Data::F32(v) => copy(dst, v, stream),
+        Data::F64(v) => copy(dst, v, stream),
+        Data::F16(v) => copy(dst, v, stream),
+        Data::BF16(v) => copy(dst, v, stream),
+        Data::I32(v) => copy(dst, v, stream),
+        Data::I64(v) => copy(dst, v, stream),
+        Data::U8(v) => copy(dst, v, stream),
+        Data::Bool(v) => copy(dst, v, stream),
     }
 }
 
-/// A host tensor of type `ty` from its little-endian bytes.
-pub(crate) fn from_bytes(ty: &TensorType, b: &[u8]) -> Result<HostTensor> {
-    fn chunks<T, const N: usize>(b: &[u8], f: impl Fn([u8; N]) -> T) -> Vec<T> {
-        b.chunks_exact(N)
-            .map(|c| f(c.try_into().expect("chunk of N bytes")))
-            .collect()
+/// Copies `ty`'s elements from `src` into a new host tensor (bool read as bytes, nonzero = true,
+/// so no byte pattern can make an invalid `bool`).
+fn dtoh(src: u64, ty: &TensorType, stream: cudarc::driver::sys::CUstream) -> Result<HostTensor> {
+    fn copy<T: Clone + Default>(
+        src: u64,
+        n: usize,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<Vec<T>> {
+        let mut v = vec![T::default(); n];
+        if n > 0 {
+            // SAFETY: `src` addresses a live buffer of `n` elements of `T`'s size; every bit
+            // pattern is a valid `T` for the types used here; a copy to pageable memory
+            // completes before it returns.
+            unsafe { dr::memcpy_dtoh_async(&mut v, src, stream) }
+                .map_err(drv("copying from the device"))?;
+        }
+        Ok(v)
     }
+    let n = ty.shape.numel();
     let data = match ty.dtype {
-        DType::F32 => Data::F32(chunks(b, f32::from_le_bytes)),
-        DType::F64 => Data::F64(chunks(b, f64::from_le_bytes)),
-        DType::F16 => Data::F16(chunks(b, |c| half::f16::from_bits(u16::from_le_bytes(c)))),
-        DType::BF16 => Data::BF16(chunks(b, |c| half::bf16::from_bits(u16::from_le_bytes(c)))),
-        DType::I32 => Data::I32(chunks(b, i32::from_le_bytes)),
-        DType::I64 => Data::I64(chunks(b, i64::from_le_bytes)),
-        DType::U8 => Data::U8(b.to_vec()),
-        DType::Bool => Data::Bool(b.iter().map(|&x| x != 0).collect()),
+        DType::F32 => Data::F32(copy(src, n, stream)?),
+        DType::F64 => Data::F64(copy(src, n, stream)?),
+        DType::F16 => Data::F16(copy(src, n, stream)?),
+        DType::BF16 => Data::BF16(copy(src, n, stream)?),
+        DType::I32 => Data::I32(copy(src, n, stream)?),
+        DType::I64 => Data::I64(copy(src, n, stream)?),
+        DType::U8 => Data::U8(copy(src, n, stream)?),
+        DType::Bool => Data::Bool(
+            copy::<u8>(src, n, stream)?
+                .into_iter()
+                .map(|b| b != 0)
+                .collect(),
+        ),
     };
     HostTensor::from_data(data, ty.shape.clone())
         .map_err(|e| RuntimeError::Invalid(format!("device result: {e}")))
@@ -89,7 +117,11 @@ fn drv(what: &'static str) -> impl Fn(dr::DriverError) -> RuntimeError {
 
 impl CudaSession {
     /// Prepares `plan` on `dev` with the initial parameter values.
-    pub fn new(dev: Arc<GpuDevice>, plan: Arc<Plan>, params: &[Arc<HostTensor>]) -> Result<CudaSession> {
+    pub fn new(
+        dev: Arc<GpuDevice>,
+        plan: Arc<Plan>,
+        params: &[Arc<HostTensor>],
+    ) -> Result<CudaSession> {
         let _span = tracing::info_span!("cuda_prepare", steps = plan.steps.len()).entered();
         dev.bind()?;
         // Lower first: an op without a CUDA implementation fails before anything is allocated.
@@ -215,36 +247,30 @@ impl CudaSession {
     }
 
     fn upload(&mut self, dst: u64, t: &HostTensor) -> Result<()> {
-        let bytes = to_bytes(t);
-        if bytes.is_empty() {
-            return Ok(());
+        let n = htod(dst, t, self.dev.stream.cu_stream())?;
+        if n > 0 {
+            self.transfers.htod_copies += 1;
+            self.transfers.htod_bytes += n as u64;
         }
-        // SAFETY: `dst` is a live pool block of at least `bytes.len()` bytes (sized from the
-        // same type); pageable async copies return once the source is staged.
-        unsafe { dr::memcpy_htod_async(dst, &bytes, self.dev.stream.cu_stream()) }
-            .map_err(drv("copying to the device"))?;
-        self.transfers.htod_copies += 1;
-        self.transfers.htod_bytes += bytes.len() as u64;
         Ok(())
     }
 
     fn download(&mut self, src: u64, ty: &TensorType) -> Result<HostTensor> {
-        let mut bytes = vec![0u8; ty.size_bytes()];
-        if !bytes.is_empty() {
-            // SAFETY: `src` addresses a live buffer of this type's size; a copy to pageable memory
-            // completes before it returns.
-            unsafe { dr::memcpy_dtoh_async(&mut bytes, src, self.dev.stream.cu_stream()) }
-                .map_err(drv("copying from the device"))?;
-            self.dev.sync()?;
+        let t = dtoh(src, ty, self.dev.stream.cu_stream())?;
+        let n = ty.size_bytes();
+        if n > 0 {
             self.transfers.dtoh_copies += 1;
-            self.transfers.dtoh_bytes += bytes.len() as u64;
+            self.transfers.dtoh_bytes += n as u64;
         }
-        from_bytes(ty, &bytes)
+        Ok(t)
     }
 
     fn launch(&self, r: &Resolved, step: usize) -> Result<()> {
         let mut args = r.args.clone();
-        let mut ptrs: Vec<*mut c_void> = args.iter_mut().map(|a| a as *mut u64 as *mut c_void).collect();
+        let mut ptrs: Vec<*mut c_void> = args
+            .iter_mut()
+            .map(|a| a as *mut u64 as *mut c_void)
+            .collect();
         // SAFETY: the function was compiled from a kernel whose parameters are exactly these
         // device pointers, in this order, each addressing a live buffer of the size its type
         // needs (resolved from the memory plan at prepare time); the launch copies the argument
@@ -360,14 +386,7 @@ impl Session for CudaSession {
             .get(i)
             .ok_or_else(|| RuntimeError::Invalid(format!("no parameter #{i}")))?
             .clone();
-        let mut bytes = vec![0u8; ty.size_bytes()];
-        if !bytes.is_empty() {
-            // SAFETY: the parameter's buffer holds exactly this type's bytes.
-            unsafe { dr::memcpy_dtoh_async(&mut bytes, self.params[i], self.dev.stream.cu_stream()) }
-                .map_err(drv("reading a parameter"))?;
-            self.dev.sync()?;
-        }
-        from_bytes(&ty, &bytes)
+        dtoh(self.params[i], &ty, self.dev.stream.cu_stream())
     }
 
     fn write_param(&mut self, i: usize, value: &HostTensor) -> Result<()> {
