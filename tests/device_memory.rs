@@ -24,27 +24,40 @@ fn out_of_memory_is_an_error_and_the_device_stays_usable() {
     if !cuda() {
         return;
     }
+    let (g, y) = small_graph();
+    let mut exe = compile(&g, &[&y], Device::Cuda(0)).unwrap();
+    let mut cpu = compile(&g, &[&y], Device::Cpu).unwrap();
+    let x = rustytorch::ops::testing::rand_tensor(
+        &TensorType::new(DType::F32, [256, 256]),
+        5,
+        -1.0,
+        1.0,
+    );
+    let want = cpu.run(&[("x", x.clone())]).unwrap()[0].to_f64_vec();
+    let before = exe.run(&[("x", x.clone())]).unwrap()[0].to_f64_vec();
+    rustytorch::ops::testing::assert_close(&before, &want, 1e-4, "before an OOM");
+
     // 64 Gi elements of f32 = 256 GiB: more than any current card holds.
-    let g = GraphBuilder::new();
-    let x = g.input("x", DType::F32, [1 << 18, 1 << 18]);
-    let y = x.mul_scalar(2.0);
-    let e = compile(&g, &[&y], Device::Cuda(0))
+    let big = GraphBuilder::new();
+    let bx = big.input("x", DType::F32, [1 << 18, 1 << 18]);
+    let by = bx.mul_scalar(2.0);
+    let e = compile(&big, &[&by], Device::Cuda(0))
         .err()
         .expect("a 256 GiB input cannot be placed");
     let msg = e.to_string();
     println!("{msg}");
     assert!(msg.contains("out of memory"), "{msg}");
 
-    let (g, y) = small_graph();
-    let mut exe = compile(&g, &[&y], Device::Cuda(0)).unwrap();
-    let mut cpu = compile(&g, &[&y], Device::Cpu).unwrap();
-    let x = rustytorch::ops::testing::rand_tensor(&TensorType::new(DType::F32, [256, 256]), 5, -1.0, 1.0);
-    let a = exe.run(&[("x", x.clone())]).unwrap()[0].to_f64_vec();
-    let b = cpu.run(&[("x", x)]).unwrap()[0].to_f64_vec();
-    rustytorch::ops::testing::assert_close(&a, &b, 1e-4, "after an OOM");
+    // The session prepared before the failure still runs, and new ones can be made.
+    let after = exe.run(&[("x", x.clone())]).unwrap()[0].to_f64_vec();
+    rustytorch::ops::testing::assert_close(&after, &want, 1e-4, "same session after an OOM");
+    let mut again = compile(&g, &[&y], Device::Cuda(0)).unwrap();
+    let fresh = again.run(&[("x", x)]).unwrap()[0].to_f64_vec();
+    rustytorch::ops::testing::assert_close(&fresh, &want, 1e-4, "new session after an OOM");
     let stats = exe.memory_stats().expect("the CUDA pool has statistics");
     println!("{stats}");
     assert!(stats.num_ooms >= 1);
+    assert!(stats.num_alloc_retries >= 1);
     assert!(stats.reserved_bytes.current >= stats.allocated_bytes.current);
 }
 
@@ -63,7 +76,11 @@ fn kernels_compile_once_and_a_corrupt_cache_entry_is_recompiled() {
     let c1 = KernelCompiler::with_dir(dev.cc, Some(dir.clone())).unwrap();
     let a = c1.cubin("probe_kernel", &src).unwrap();
     let _ = c1.cubin("probe_kernel", &src).unwrap();
-    assert_eq!(*c1.counters.lock().unwrap(), (1, 1, 0), "one compile, one memory hit");
+    assert_eq!(
+        *c1.counters.lock().unwrap(),
+        (1, 1, 0),
+        "one compile, one memory hit"
+    );
     let path = c1.cache_path(&src).unwrap();
     assert!(path.exists());
     // A fresh compiler reads it from disk.

@@ -179,7 +179,11 @@ fn reductions() {
                             axes: axes.clone(),
                             keep_dims,
                         };
-                        let (lo, hi) = if kind == Prod { (0.8, 1.2) } else { (-2.0, 2.0) };
+                        let (lo, hi) = if kind == Prod {
+                            (0.8, 1.2)
+                        } else {
+                            (-2.0, 2.0)
+                        };
                         let x = rnd(d, dims, 20 + si as u64, lo, hi);
                         if !accepts(&op, &[&x]) {
                             continue;
@@ -215,8 +219,16 @@ fn softmax_and_norms() {
             for axis in 0..dims.len() {
                 let x = rnd(d, dims, 41, -5.0, 5.0);
                 let what = format!("{d:?} {dims:?} axis {axis}");
-                check(&format!("softmax {what}"), Op::Softmax { axis }, vec![x.clone()]);
-                check(&format!("log_softmax {what}"), Op::LogSoftmax { axis }, vec![x]);
+                check(
+                    &format!("softmax {what}"),
+                    Op::Softmax { axis },
+                    vec![x.clone()],
+                );
+                check(
+                    &format!("log_softmax {what}"),
+                    Op::LogSoftmax { axis },
+                    vec![x],
+                );
             }
             let n = *dims.last().unwrap();
             let x = rnd(d, dims, 42, -3.0, 3.0);
@@ -224,8 +236,16 @@ fn softmax_and_norms() {
             let b = rnd(d, &[n], 44, -0.5, 0.5);
             let eps = F64Bits::new(1e-5);
             let ln = |weight, bias| Op::LayerNorm { eps, weight, bias };
-            check(&format!("layer_norm {d:?} {dims:?}"), ln(true, true), vec![x.clone(), w.clone(), b]);
-            check(&format!("layer_norm plain {d:?} {dims:?}"), ln(false, false), vec![x.clone()]);
+            check(
+                &format!("layer_norm {d:?} {dims:?}"),
+                ln(true, true),
+                vec![x.clone(), w.clone(), b],
+            );
+            check(
+                &format!("layer_norm plain {d:?} {dims:?}"),
+                ln(false, false),
+                vec![x.clone()],
+            );
             let rms = Op::RmsNorm { eps, weight: true };
             check(&format!("rms_norm {d:?} {dims:?}"), rms, vec![x, w]);
         }
@@ -238,7 +258,11 @@ fn movement() {
         let x = rnd(d, &[5, 6, 7], 51, -9.0, 9.0);
         let perm = |p: &[usize]| Op::Permute { perm: p.to_vec() };
         check(&format!("permute {d:?}"), perm(&[2, 0, 1]), vec![x.clone()]);
-        check(&format!("transpose {d:?}"), perm(&[0, 2, 1]), vec![x.clone()]);
+        check(
+            &format!("transpose {d:?}"),
+            perm(&[0, 2, 1]),
+            vec![x.clone()],
+        );
         let slice = Op::Slice {
             starts: vec![1, 0, 2],
             ends: vec![5, 6, 7],
@@ -263,20 +287,39 @@ fn movement() {
         check(&format!("expand {d:?}"), expand, vec![e]);
     }
     let big = rnd(DType::F32, &[513, 1031], 54, -1.0, 1.0);
-    check("transpose large", Op::Permute { perm: vec![1, 0] }, vec![big]);
+    check(
+        "transpose large",
+        Op::Permute { perm: vec![1, 0] },
+        vec![big],
+    );
 }
 
 #[test]
 fn indexing() {
-    for d in [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64] {
+    for d in [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::I64,
+    ] {
         for id in [DType::I32, DType::I64] {
             let x = rnd(d, &[6, 5], 61, -9.0, 9.0);
             let idx = rnd(id, &[4, 5], 62, 0.0, 6.0);
             let what = format!("{d:?} {id:?}");
-            check(&format!("gather {what}"), Op::Gather { axis: 0 }, vec![x.clone(), idx]);
+            check(
+                &format!("gather {what}"),
+                Op::Gather { axis: 0 },
+                vec![x.clone(), idx],
+            );
             let sel = rnd(id, &[9], 63, 0.0, 6.0);
             let op = Op::IndexSelect { axis: 0 };
-            check(&format!("index_select {what}"), op, vec![x.clone(), sel.clone()]);
+            check(
+                &format!("index_select {what}"),
+                op,
+                vec![x.clone(), sel.clone()],
+            );
             let src = rnd(d, &[9, 5], 64, -9.0, 9.0);
             let op = Op::IndexAdd { axis: 0 };
             check(&format!("index_add {what}"), op, vec![x.clone(), sel, src]);
@@ -329,7 +372,11 @@ fn matmuls() {
                 bias: true,
                 act,
             };
-            check(&format!("linear {d:?} {act:?}"), op, vec![x.clone(), w, bias]);
+            check(
+                &format!("linear {d:?} {act:?}"),
+                op,
+                vec![x.clone(), w, bias],
+            );
             let op = Op::MatmulEpilogue {
                 trans_a: false,
                 trans_b: true,
@@ -348,9 +395,7 @@ fn cross_entropy_and_grad() {
         for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
             for c in [10usize, 1500] {
                 let logits = rnd(d, &[37, c], 81, -4.0, 4.0);
-                let mut tv: Vec<i64> = rnd(DType::I64, &[37], 82, 0.0, c as f64)
-                    .to_vec()
-                    .unwrap();
+                let mut tv: Vec<i64> = rnd(DType::I64, &[37], 82, 0.0, c as f64).to_vec().unwrap();
                 tv[3] = -100;
                 let targets = HostTensor::from_vec(tv, [37]).unwrap();
                 let what = format!("{d:?} {reduction:?} {c}");
@@ -358,14 +403,26 @@ fn cross_entropy_and_grad() {
                     reduction,
                     ignore_index: -100,
                 };
-                check(&format!("cross_entropy {what}"), op, vec![logits.clone(), targets.clone()]);
-                let gshape: &[usize] = if reduction == Reduction::None { &[37] } else { &[] };
+                check(
+                    &format!("cross_entropy {what}"),
+                    op,
+                    vec![logits.clone(), targets.clone()],
+                );
+                let gshape: &[usize] = if reduction == Reduction::None {
+                    &[37]
+                } else {
+                    &[]
+                };
                 let g = rnd(d, gshape, 83, 0.5, 1.5);
                 let op = Op::CrossEntropyGrad {
                     reduction,
                     ignore_index: -100,
                 };
-                check(&format!("cross_entropy_grad {what}"), op, vec![logits, targets, g]);
+                check(
+                    &format!("cross_entropy_grad {what}"),
+                    op,
+                    vec![logits, targets, g],
+                );
             }
         }
     }

@@ -177,7 +177,12 @@ fn check_cuda(seed: u64, n_ops: usize) {
     };
     let want = run(Device::Cpu);
     let got = run(Device::Cuda(0));
-    assert_close(&got, &want, 1e-4, &format!("seed {seed} ({n_ops} ops) cuda vs cpu"));
+    assert_close(
+        &got,
+        &want,
+        1e-4,
+        &format!("seed {seed} ({n_ops} ops) cuda vs cpu"),
+    );
 }
 
 proptest! {
