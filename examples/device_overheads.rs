@@ -51,5 +51,35 @@ fn main() -> rustytorch::Result<()> {
         let ms = t.elapsed().as_secs_f64() * 1e3 / 100.0;
         println!("| {} | {ms:.4} |", exe.plan().kernel_count());
     }
+    // A tiny MLP at batch 1 (launch-bound).
+    let g = GraphBuilder::new();
+    let x = g.input("x", DType::F32, [1, 64]);
+    let w1 = g.param("w1", [64, 128], Init::kaiming_uniform(64, 1));
+    let b1 = g.param("b1", [128], Init::zeros());
+    let w2 = g.param("w2", [128, 128], Init::kaiming_uniform(128, 2));
+    let b2 = g.param("b2", [128], Init::zeros());
+    let w3 = g.param("w3", [128, 10], Init::kaiming_uniform(128, 3));
+    let y = x
+        .matmul(&w1)
+        .add(&b1)
+        .gelu()
+        .matmul(&w2)
+        .add(&b2)
+        .gelu()
+        .matmul(&w3)
+        .softmax(-1);
+    let mut exe = compile_with(&g, &[&y], device, &CompileOptions::inference())?;
+    let xs = HostTensor::from_vec(vec![0.25f32; 64], [1, 64])?;
+    exe.run(&[("x", xs.clone())])?;
+    let t = Instant::now();
+    for _ in 0..1000 {
+        exe.run(&[("x", xs.clone())])?;
+    }
+    let ms = t.elapsed().as_secs_f64();
+    println!(
+        "\ntiny MLP batch 1: {} kernels, {:.4} ms/run",
+        exe.plan().kernel_count(),
+        ms
+    );
     Ok(())
 }

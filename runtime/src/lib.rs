@@ -104,6 +104,11 @@ pub trait Session: Send {
     fn memory_stats(&self) -> Option<MemoryStats>;
     /// Host↔device copies so far.
     fn transfers(&self) -> TransferStats;
+    /// Runs that replayed a captured CUDA graph instead of launching step by step (0 on the
+    /// host).
+    fn graph_replays(&self) -> u64 {
+        0
+    }
 }
 
 /// Checks that `value` has the type of the plan's parameter `i` (shared by the backends).

@@ -7,6 +7,7 @@ use crate::pool::Block;
 use crate::{
     check_param_type, Device, MemoryStats, Result, RunOutput, RuntimeError, Session, TransferStats,
 };
+use cudarc::driver::sys::{self as ds, CUstream};
 use cudarc::driver::{result as dr, CudaFunction};
 use rustytorch_codegen::cuda::{
     lower_plan, source, ArgRef, CudaStep, Launch, MatmulDesc, StepKernels,
@@ -47,7 +48,22 @@ pub struct CudaSession {
     params: Vec<u64>,
     exec: Vec<(usize, Exec)>,
     transfers: TransferStats,
+    /// Replay a captured CUDA graph after the first run.
+    replay: bool,
+    graph: Option<Graph>,
+    runs: u64,
+    replays: u64,
 }
+
+/// A captured CUDA graph of a session's launches and its executable form.
+struct Graph {
+    graph: ds::CUgraph,
+    exec: ds::CUgraphExec,
+}
+
+// SAFETY: the handles are plain driver objects owned by one session; they are used only through
+// `&mut CudaSession` (one thread at a time), after binding the context, and destroyed once.
+unsafe impl Send for Graph {}
 
 /// Copies a host tensor's elements to `dst` on `stream`, straight from its typed storage (f16 and
 /// bf16 are their bit patterns, bool one byte 0/1 on both sides); returns the bytes copied.
@@ -142,6 +158,10 @@ impl CudaSession {
             params: vec![],
             exec: vec![],
             transfers: TransferStats::default(),
+            replay: std::env::var("RUSTYTORCH_CUDA_GRAPH").as_deref() != Ok("0"),
+            graph: None,
+            runs: 0,
+            replays: 0,
         };
         // Buffers: arena, inputs, parameters, constants, scratch. On error, Drop frees them.
         let arena = s.alloc(plan.arena_bytes)?;
@@ -265,7 +285,101 @@ impl CudaSession {
         Ok(t)
     }
 
-    fn launch(&self, r: &Resolved, step: usize) -> Result<()> {
+    /// Enqueues every step of the plan on `stream`.
+    fn enqueue(&self, stream: CUstream) -> Result<()> {
+        for (i, e) in &self.exec {
+            match e {
+                Exec::Kernels(ls) => {
+                    for l in ls {
+                        self.launch(l, *i, stream)?;
+                    }
+                }
+                Exec::Matmul {
+                    desc,
+                    a,
+                    b,
+                    d,
+                    bias,
+                    after,
+                } => {
+                    self.dev
+                        .with_blas(|bl| bl.run(desc, *a, *b, *d, *bias, stream as _))
+                        .map_err(|e| RuntimeError::Device(format!("step {i} (matmul): {e}")))?;
+                    for l in after {
+                        self.launch(l, *i, stream)?;
+                    }
+                }
+                Exec::Nothing => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Captures the plan's launches into a CUDA graph on a private stream (nothing runs during
+    /// capture; the device's shared stream is untouched). On any failure the session stays eager.
+    fn capture(&mut self) {
+        self.replay = false; // one attempt
+        let captured = (|| -> Result<Option<Graph>> {
+            let cs = dr::stream::create(dr::stream::StreamKind::NonBlocking)
+                .map_err(drv("creating the capture stream"))?;
+            // SAFETY: `cs` is a fresh stream used only here; thread-local capture records the
+            // launches this thread enqueues on it without running them.
+            let begun = unsafe {
+                dr::stream::begin_capture(
+                    cs,
+                    ds::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+            };
+            let enq = begun
+                .map_err(drv("beginning capture"))
+                .and_then(|_| self.enqueue(cs));
+            // SAFETY: ends the capture begun above (if it began) on the same stream.
+            let ended = unsafe { dr::stream::end_capture(cs) };
+            // SAFETY: the stream is idle (capture runs nothing) and destroyed once.
+            let _ = unsafe { dr::stream::destroy(cs) };
+            enq?;
+            let graph = ended.map_err(drv("ending capture"))?;
+            if graph.is_null() {
+                return Ok(None);
+            }
+            // SAFETY: `graph` was just captured and is destroyed on failure or in Drop.
+            match unsafe { dr::graph::instantiate(graph, ds::CUgraphInstantiate_flags(0)) } {
+                Ok(exec) => Ok(Some(Graph { graph, exec })),
+                Err(e) => {
+                    // SAFETY: `graph` is live and not used again.
+                    let _ = unsafe { dr::graph::destroy(graph) };
+                    Err(RuntimeError::Device(format!(
+                        "instantiating the graph: {e}"
+                    )))
+                }
+            }
+        })();
+        match captured {
+            Ok(g) => self.graph = g,
+            Err(e) => tracing::warn!("CUDA graph capture failed, running eagerly: {e}"),
+        }
+    }
+
+    /// Whether runs replay a captured CUDA graph (after the first, eager run).
+    pub fn set_graph_replay(&mut self, on: bool) {
+        self.replay = on && self.graph.is_none();
+        if !on {
+            self.drop_graph();
+        }
+    }
+
+    fn drop_graph(&mut self) {
+        if let Some(g) = self.graph.take() {
+            let _ = self.dev.sync();
+            // SAFETY: the graph and its executable were created once and are not used again.
+            unsafe {
+                let _ = dr::graph::exec_destroy(g.exec);
+                let _ = dr::graph::destroy(g.graph);
+            }
+        }
+    }
+
+    fn launch(&self, r: &Resolved, step: usize, stream: CUstream) -> Result<()> {
         let mut args = r.args.clone();
         let mut ptrs: Vec<*mut c_void> = args
             .iter_mut()
@@ -281,7 +395,7 @@ impl CudaSession {
                 (r.grid, 1, 1),
                 (r.block, 1, 1),
                 0,
-                self.dev.stream.cu_stream(),
+                stream,
                 &mut ptrs,
             )
         }
@@ -322,30 +436,19 @@ impl Session for CudaSession {
             self.upload(dst, t)?;
         }
         let stream = self.dev.stream.cu_stream();
-        for (i, e) in &self.exec {
-            match e {
-                Exec::Kernels(ls) => {
-                    for l in ls {
-                        self.launch(l, *i)?;
-                    }
-                }
-                Exec::Matmul {
-                    desc,
-                    a,
-                    b,
-                    d,
-                    bias,
-                    after,
-                } => {
-                    self.dev
-                        .with_blas(|bl| bl.run(desc, *a, *b, *d, *bias, stream as _))
-                        .map_err(|e| RuntimeError::Device(format!("step {i} (matmul): {e}")))?;
-                    for l in after {
-                        self.launch(l, *i)?;
-                    }
-                }
-                Exec::Nothing => {}
+        self.runs += 1;
+        if self.replay && self.graph.is_none() && self.runs >= 2 {
+            // The first run was eager (it warmed cuBLASLt's cached algorithms); capture now.
+            self.capture();
+        }
+        match &self.graph {
+            Some(g) => {
+                // SAFETY: the executable graph was instantiated from this session's launches,
+                // whose buffers stay allocated until the graph is destroyed in Drop.
+                unsafe { dr::graph::launch(g.exec, stream) }.map_err(drv("replaying the plan"))?;
+                self.replays += 1;
             }
+            None => self.enqueue(stream)?,
         }
         let plan = self.plan.clone();
         let mut outputs = Vec::with_capacity(plan.outputs.len());
@@ -404,11 +507,16 @@ impl Session for CudaSession {
     fn transfers(&self) -> TransferStats {
         self.transfers
     }
+
+    fn graph_replays(&self) -> u64 {
+        self.replays
+    }
 }
 
 impl Drop for CudaSession {
     fn drop(&mut self) {
         let _ = self.dev.bind();
+        self.drop_graph();
         // Stream-ordered: work already queued on the stream finishes before any later user of
         // these blocks, which is queued after it.
         for b in self.blocks.drain(..) {
