@@ -122,7 +122,7 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
 
 /// Offsets (in elements) of each batch's matrix in an operand with batch dims `own`, broadcast to
 /// `batch`, for matrices of `mat` elements.
-fn batch_offsets(own: &[usize], batch: &Shape, mat: usize) -> Vec<usize> {
+pub fn batch_offsets(own: &[usize], batch: &Shape, mat: usize) -> Vec<usize> {
     let strides = Shape::new(own).broadcast_strides(batch);
     let nb = batch.numel();
     let mut offs = Vec::with_capacity(nb);

@@ -16,6 +16,7 @@
 use super::ir::*;
 use super::{ArgRef, CudaStep, Launch, StepKernels};
 use crate::{CodegenError, Result};
+use rustytorch_ops::matmul::batch_offsets;
 use rustytorch_ops::{Activation, DType, Op, Shape, TensorType};
 
 /// The activation cuBLASLt applies in its epilogue.
@@ -171,26 +172,6 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaSt
             .push(epilogue_kernel(out, n, post_bias, post_act)?);
     }
     Ok(CudaStep::Matmul { desc, after })
-}
-
-/// Offsets (in elements) of each batch's matrix in an operand with batch dims `own` broadcast to
-/// `batch`, for matrices of `mat` elements.
-fn batch_offsets(own: &[usize], batch: &Shape, mat: usize) -> Vec<usize> {
-    let strides = Shape::new(own).broadcast_strides(batch);
-    let nb = batch.numel();
-    let mut offs = Vec::with_capacity(nb);
-    let mut idx = vec![0usize; batch.rank()];
-    for _ in 0..nb {
-        offs.push(idx.iter().zip(&strides).map(|(i, s)| i * s).sum::<usize>() * mat);
-        for d in (0..idx.len()).rev() {
-            idx[d] += 1;
-            if idx[d] < batch.dims()[d] {
-                break;
-            }
-            idx[d] = 0;
-        }
-    }
-    offs
 }
 
 /// `out = act(out + bias)` in place over the GEMM's output (bias along the last dim of `n`).
