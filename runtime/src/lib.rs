@@ -51,6 +51,9 @@ pub enum RuntimeError {
     /// The plan and the values given do not fit.
     #[error("{0}")]
     Invalid(String),
+    /// Anomaly mode: a step produced a NaN or infinite value.
+    #[error("{0}")]
+    NonFinite(Box<cpu::NonFiniteValue>),
 }
 
 /// The runtime crate's result.
@@ -108,6 +111,21 @@ pub trait Session: Send {
     /// host).
     fn graph_replays(&self) -> u64 {
         0
+    }
+    /// Whether runs after the first replay a captured CUDA graph of the whole plan (on by
+    /// default where the device supports it; `RUSTYTORCH_CUDA_GRAPH=0` turns the default off).
+    /// No effect on the host.
+    fn set_graph_replay(&mut self, on: bool) {
+        let _ = on;
+    }
+    /// Device time of the plan's steps, in milliseconds per execution, averaged over `iters`
+    /// back-to-back executions on the inputs of the last run: no copies, no commit (a
+    /// benchmark hook; call `run` once first).
+    fn time_steps(&mut self, iters: usize) -> Result<f64> {
+        let _ = iters;
+        Err(RuntimeError::Invalid(
+            "step timing needs a device session".into(),
+        ))
     }
 }
 

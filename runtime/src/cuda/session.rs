@@ -360,14 +360,6 @@ impl CudaSession {
         }
     }
 
-    /// Whether runs replay a captured CUDA graph (after the first, eager run).
-    pub fn set_graph_replay(&mut self, on: bool) {
-        self.replay = on && self.graph.is_none();
-        if !on {
-            self.drop_graph();
-        }
-    }
-
     fn drop_graph(&mut self) {
         if let Some(g) = self.graph.take() {
             let _ = self.dev.sync();
@@ -510,6 +502,48 @@ impl Session for CudaSession {
 
     fn graph_replays(&self) -> u64 {
         self.replays
+    }
+
+    fn set_graph_replay(&mut self, on: bool) {
+        self.replay = on && self.graph.is_none();
+        if !on {
+            self.drop_graph();
+        }
+    }
+
+    fn time_steps(&mut self, iters: usize) -> Result<f64> {
+        self.dev.bind()?;
+        let stream = self.dev.stream.cu_stream();
+        let ev = || {
+            dr::event::create(ds::CUevent_flags::CU_EVENT_DEFAULT).map_err(drv("creating an event"))
+        };
+        let (start, end) = (ev()?, ev()?);
+        let timed = (|| -> Result<f64> {
+            // SAFETY: both events and the stream are live; the graph (if any) was captured from
+            // this session's launches.
+            unsafe { dr::event::record(start, stream) }.map_err(drv("recording an event"))?;
+            for _ in 0..iters.max(1) {
+                match &self.graph {
+                    // SAFETY: as in `run`.
+                    Some(g) => unsafe { dr::graph::launch(g.exec, stream) }
+                        .map_err(drv("replaying the plan"))?,
+                    None => self.enqueue(stream)?,
+                }
+            }
+            // SAFETY: as above.
+            unsafe { dr::event::record(end, stream) }.map_err(drv("recording an event"))?;
+            // SAFETY: `end` was recorded on the stream above.
+            unsafe { dr::event::synchronize(end) }.map_err(drv("waiting for an event"))?;
+            // SAFETY: both events completed.
+            let ms = unsafe { dr::event::elapsed(start, end) }.map_err(drv("reading an event"))?;
+            Ok(ms as f64 / iters.max(1) as f64)
+        })();
+        // SAFETY: the events are destroyed once, after they completed (or were never recorded).
+        unsafe {
+            let _ = dr::event::destroy(start);
+            let _ = dr::event::destroy(end);
+        }
+        timed
     }
 }
 

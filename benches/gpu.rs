@@ -1,0 +1,214 @@
+//! The GPU bench harness: the workloads the CUDA backend is measured on, timed on the device
+//! (CUDA events around back-to-back executions of a prepared plan: no host copies), printed as a
+//! table and written as JSON to `$OUT/rustytorch_gpu.json`. Run it on the GPU machine through the
+//! `../shared/gpu` loop (`stage --bench`, then `run.sh --bench`) beside
+//! `../shared/peers/torch_peers.py`, which measures PyTorch on the same workloads in the same run.
+//!
+//! Without a GPU it prints why and exits successfully (CI builds it; only the GPU machine runs it).
+
+use rustytorch::codegen::lower;
+use rustytorch::compiler::passes;
+use rustytorch::prelude::*;
+use rustytorch::runtime::{Backend, CudaBackend, Session};
+use std::sync::Arc;
+
+struct Row {
+    name: String,
+    ms: f64,
+    kernels: usize,
+    metric: String,
+    value: f64,
+}
+
+/// Compiles the graph of `g` computing `outs` (inference), prepares it on cuda:0 with every
+/// parameter resident, runs it once, then times `iters` executions of its steps.
+fn time(g: &GraphBuilder, outs: &[&Tensor], iters: usize, replay: bool) -> (f64, usize) {
+    let mut graph = g.graph().expect("graph");
+    for (i, t) in outs.iter().enumerate() {
+        graph
+            .add_output(&format!("out{i}"), t.node().expect("node"))
+            .expect("output");
+    }
+    let compiled = passes::run(&graph, &passes::Options::default()).expect("compile");
+    let memory = compiled.report.memory.expect("memory plan");
+    let plan = Arc::new(lower(&compiled.graph, &memory).expect("lower"));
+    let params: Vec<Arc<HostTensor>> = graph
+        .params
+        .iter()
+        .map(|p| Arc::new(p.init.materialize(&p.ty).expect("init")))
+        .collect();
+    let backend = CudaBackend::new(0).expect("cuda:0");
+    let mut s: Box<dyn Session> = backend.prepare(plan.clone(), params).expect("prepare");
+    let inputs: Vec<Arc<HostTensor>> = plan
+        .inputs
+        .iter()
+        .map(|(_, ty)| Arc::new(rustytorch::ops::testing::rand_tensor(ty, 1, -1.0, 1.0)))
+        .collect();
+    s.set_graph_replay(replay);
+    s.run(&inputs).expect("run");
+    s.run(&inputs).expect("run"); // captures the CUDA graph when replay is on
+    let _ = s.time_steps(2).expect("warm-up");
+    (s.time_steps(iters).expect("timing"), plan.kernel_count())
+}
+
+fn p(g: &GraphBuilder, name: &str, dtype: DType, dims: &[usize]) -> Tensor {
+    g.param_typed(
+        name,
+        TensorType::new(dtype, Shape::new(dims.to_vec())),
+        Init::kaiming_uniform(*dims.last().unwrap_or(&1), name.len() as u64),
+        false,
+    )
+}
+
+fn main() {
+    if let Err(e) = rustytorch::runtime::cuda_device_count() {
+        println!("gpu bench: no CUDA device here ({e}); run it on the GPU machine");
+        return;
+    }
+    let bf = DType::BF16;
+    let mut rows: Vec<Row> = vec![];
+    let mut push = |name: &str, (ms, kernels): (f64, usize), metric: &str, value: f64| {
+        println!("{name:<44} {ms:>9.4} ms  {kernels:>3} kernels  {value:>8.2} {metric}");
+        rows.push(Row {
+            name: name.into(),
+            ms,
+            kernels,
+            metric: metric.into(),
+            value,
+        });
+    };
+    let (r, c) = (32768usize, 4096usize);
+    let tb = |bytes: f64, ms: f64| bytes / (ms * 1e-3) / 1e12;
+
+    // Copy-equivalent: one read and one write of 256 MiB.
+    let g = GraphBuilder::new();
+    let x = p(&g, "x", bf, &[r, c]);
+    let y = x.neg();
+    let t = time(&g, &[&y], 20, true);
+    push(
+        "copy-like neg bf16 32768x4096",
+        t,
+        "TB/s",
+        tb((2 * r * c * 2) as f64, t.0),
+    );
+
+    // GEMMs: plain, +bias+GELU(tanh), +bias+GELU(erf).
+    let (m, k, n) = (8192usize, 4096usize, 16384usize);
+    let flops = 2.0 * (m * k * n) as f64;
+    for (label, which) in [
+        ("gemm", 0),
+        ("linear+bias+gelu_tanh", 1),
+        ("linear+bias+gelu_erf", 2),
+    ] {
+        let g = GraphBuilder::new();
+        let x = p(&g, "x", bf, &[m, k]);
+        let w = p(&g, "w", bf, &[k, n]);
+        let b = p(&g, "b", bf, &[n]);
+        let y = match which {
+            0 => x.matmul(&w),
+            1 => x.matmul(&w).add(&b).gelu_tanh(),
+            _ => x.matmul(&w).add(&b).gelu(),
+        };
+        let t = time(&g, &[&y], 10, true);
+        push(
+            &format!("{label} bf16 8192x4096->16384"),
+            t,
+            "TFLOP/s",
+            flops / (t.0 * 1e-3) / 1e12,
+        );
+    }
+
+    // Norms and softmax, bf16 32768x4096: bytes of input + output.
+    let nb = (2 * r * c * 2) as f64;
+    for which in ["rms_norm", "layer_norm", "softmax"] {
+        let g = GraphBuilder::new();
+        let x = p(&g, "x", bf, &[r, c]);
+        let w = p(&g, "w", bf, &[c]);
+        let b = p(&g, "b", bf, &[c]);
+        let y = match which {
+            "rms_norm" => x.rms_norm(Some(&w), 1e-6),
+            "layer_norm" => x.layer_norm(Some(&w), Some(&b), 1e-5),
+            _ => x.softmax(-1),
+        };
+        let t = time(&g, &[&y], 20, true);
+        push(&format!("{which} bf16 32768x4096"), t, "TB/s", tb(nb, t.0));
+    }
+
+    // The elementwise chain tanh(silu(a)·b + 0.5·a)·2: inputs a, b and the output.
+    let g = GraphBuilder::new();
+    let a = p(&g, "a", bf, &[r, c]);
+    let b = p(&g, "b", bf, &[r, c]);
+    let y = a
+        .silu()
+        .mul(&b)
+        .add(&a.mul_scalar(0.5))
+        .tanh()
+        .mul_scalar(2.0);
+    let t = time(&g, &[&y], 20, true);
+    push(
+        "elementwise chain bf16 32768x4096",
+        t,
+        "TB/s",
+        tb((3 * r * c * 2) as f64, t.0),
+    );
+
+    // GPT-2-small LayerNorm + MLP stack, 12 layers, 8x1024 tokens.
+    let (tokens, d, h) = (8 * 1024, 768, 3072);
+    let g = GraphBuilder::new();
+    let mut x = p(&g, "x", bf, &[tokens, d]);
+    for l in 0..12 {
+        let lw = p(&g, &format!("h{l}.ln.w"), bf, &[d]);
+        let lb = p(&g, &format!("h{l}.ln.b"), bf, &[d]);
+        let w1 = p(&g, &format!("h{l}.fc.w"), bf, &[d, h]);
+        let b1 = p(&g, &format!("h{l}.fc.b"), bf, &[h]);
+        let w2 = p(&g, &format!("h{l}.proj.w"), bf, &[h, d]);
+        let b2 = p(&g, &format!("h{l}.proj.b"), bf, &[d]);
+        let y = x.layer_norm(Some(&lw), Some(&lb), 1e-5);
+        x = x.add(&y.matmul(&w1).add(&b1).gelu_tanh().matmul(&w2).add(&b2));
+    }
+    let t = time(&g, &[&x], 10, true);
+    let mlp_flops = 4.0 * (tokens * d * h) as f64 * 12.0;
+    push(
+        "mlp stack 12x (ln, fc+gelu, proj, residual)",
+        t,
+        "TFLOP/s",
+        mlp_flops / (t.0 * 1e-3) / 1e12,
+    );
+
+    // A tiny MLP at batch 1: launch-bound, with and without CUDA graph replay.
+    for replay in [false, true] {
+        let g = GraphBuilder::new();
+        let x = p(&g, "x", DType::F32, &[1, 64]);
+        let mut hdn = x;
+        for l in 0..4 {
+            let w = p(&g, &format!("w{l}"), DType::F32, &[64, 64]);
+            let b = p(&g, &format!("b{l}"), DType::F32, &[64]);
+            hdn = hdn.matmul(&w).add(&b).gelu();
+        }
+        let y = hdn.softmax(-1);
+        let t = time(&g, &[&y], 200, replay);
+        let label = if replay {
+            "tiny mlp b1, graph replay"
+        } else {
+            "tiny mlp b1, launches"
+        };
+        push(label, t, "us/run", t.0 * 1e3);
+    }
+
+    let json: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "  {{\"name\": \"{}\", \"ms\": {:.6}, \"kernels\": {}, \"{}\": {:.4}}}",
+                r.name, r.ms, r.kernels, r.metric, r.value
+            )
+        })
+        .collect();
+    let out = std::env::var("OUT").unwrap_or_else(|_| "target".into());
+    let path = std::path::Path::new(&out).join("rustytorch_gpu.json");
+    let _ = std::fs::create_dir_all(&out);
+    match std::fs::write(&path, format!("[\n{}\n]\n", json.join(",\n"))) {
+        Ok(()) => println!("wrote {}", path.display()),
+        Err(e) => println!("could not write {}: {e}", path.display()),
+    }
+}
