@@ -119,7 +119,8 @@ pub struct TrainStep {
     /// Gradient of each trainable parameter as the update uses it (clipped when clipping is on;
     /// in f32 for f16 and bf16 parameters), by parameter name.
     pub grads: Vec<(String, Tensor)>,
-    /// The global L2 norm of the gradients (before clipping).
+    /// The global L2 norm of the gradients (before clipping), in f64 when a parameter is f64,
+    /// else in f32.
     pub grad_norm: Tensor,
 }
 
@@ -169,13 +170,21 @@ impl GraphBuilder {
         let gids = self.with_graph(|g| autodiff::grad(g, loss_id, &wrt))?;
         let grads: Vec<Tensor> = gids.iter().map(|&id| self.tensor(id)).collect();
 
-        // Global norm (in f32) and per-parameter finiteness guards.
+        // The dtype of the shared scalars (global norm, clipping scale, bias corrections): f64
+        // when a parameter is f64, so that f64 training is not rounded to f32 anywhere but in
+        // the learning rate (an f32 state tensor); else f32.
+        let wide = if params.iter().any(|p| p.2.dtype == DType::F64) {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        // Global norm and per-parameter finiteness guards.
         let mut sq: Option<Tensor> = None;
         for (g, (name, _, _)) in grads.iter().zip(&params) {
             let ok = g.all_finite();
             let gid = ok.node()?;
             self.with_graph(|gr| gr.guards.push((format!("grad:{name}"), gid)));
-            let s = g.cast(DType::F32).mul(&g.cast(DType::F32)).sum_all();
+            let s = g.cast(wide).mul(&g.cast(wide)).sum_all();
             sq = Some(match sq {
                 Some(a) => a.add(&s),
                 None => s,
@@ -194,11 +203,17 @@ impl GraphBuilder {
         let t = scalar_state(self, "optim.step", DType::I64, 0.0);
         let t1 = t.add_scalar(1.0);
         self.update(&t, &t1);
-        // AdamW's bias corrections 1 − βᵗ as f32 scalars (the same for every parameter).
+        // AdamW's bias corrections 1 − βᵗ as scalars of the wide dtype (the same for every
+        // parameter), and the learning rate in that dtype.
+        let lr_wide = if wide == DType::F32 {
+            lr.clone()
+        } else {
+            lr.cast(wide)
+        };
         let bias_corrections = match &opt {
             Optimizer::AdamW(a) => {
-                let tf = t1.cast(DType::F32);
-                let bc = |beta: f64| self.scalar(beta, DType::F32).pow(&tf).neg().add_scalar(1.0);
+                let tf = t1.cast(wide);
+                let bc = |beta: f64| self.scalar(beta, wide).pow(&tf).neg().add_scalar(1.0);
                 Some((bc(a.beta1), bc(a.beta2)))
             }
             Optimizer::Sgd(_) => None,
@@ -258,7 +273,7 @@ impl GraphBuilder {
                         .add(&g.mul(&g).mul_scalar(1.0 - a.beta2));
                     self.update(&m, &m1);
                     self.update(&v, &v1);
-                    let step_size = lr.div(bc1).cast(ct);
+                    let step_size = lr_wide.div(bc1).cast(ct);
                     let denom = v1.div(&bc2.cast(ct)).sqrt().add_scalar(a.eps);
                     let decayed = w.mul(&lr_p.mul_scalar(a.weight_decay).neg().add_scalar(1.0));
                     decayed.sub(&m1.div(&denom).mul(&step_size))
