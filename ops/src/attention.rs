@@ -9,9 +9,10 @@
 //! The mask input gets no gradient.
 //!
 //! The CPU kernels work one (batch, head) pair at a time, in parallel, in f64 for f64 tensors and
-//! in f32 otherwise; the gradient recomputes the probabilities.
+//! in f32 otherwise (the softmax denominators accumulate in f64, pairwise); the gradient recomputes
+//! the probabilities.
 
-use crate::norm::{compute_view, from_compute, Real};
+use crate::norm::{acc_sum, compute_view, from_compute, Real};
 use crate::util::{arity, attr_err, dtype_err, shape_err, PAR_THRESHOLD};
 use crate::{AttnMask, Causal, DType, HostTensor, Op, Result, Shape, TensorType, Value, VjpCtx};
 use rayon::prelude::*;
@@ -180,12 +181,10 @@ impl<C: Real> Geometry<'_, C> {
                 prow.iter_mut().for_each(|x| *x = C::ZERO);
                 continue;
             }
-            let mut sum = C::ZERO;
             for x in prow.iter_mut() {
                 *x = (*x - m).exp();
-                sum += *x;
             }
-            let inv = C::ONE / sum;
+            let inv = C::from_acc(C::Acc::ONE / acc_sum(prow, &|e: C| e.acc()));
             for x in prow.iter_mut() {
                 *x = *x * inv;
             }

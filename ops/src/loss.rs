@@ -4,9 +4,10 @@
 //! Per row: `logsumexp(row) − row[target]` (max-subtracted). Rows whose target equals
 //! `ignore_index` are ignored: they give 0 (reduction `None`), add nothing and are not counted in
 //! the mean; a mean over zero counted rows is NaN, as in PyTorch. Any other target outside `0..C`
-//! is a runtime error. Kernels run in f64 for f64 logits and in f32 otherwise.
+//! is a runtime error. Kernels run in f64 for f64 logits and in f32 otherwise; the log-sum-exp,
+//! each row's loss and the batch sum or mean accumulate in f64, pairwise ([`acc_sum`]).
 
-use crate::norm::{compute_view, from_compute, Real};
+use crate::norm::{acc_sum, compute_view, from_compute, Real};
 use crate::util::{arity, attr_err, dtype_err, shape_err, PAR_THRESHOLD};
 use crate::{DType, HostTensor, Op, OpError, Reduction, Result, Shape, TensorType, Value, VjpCtx};
 use rayon::prelude::*;
@@ -87,19 +88,15 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
     }
 }
 
-/// `(max, ln Σ exp(x − max))` of a row; max is −∞ for an empty or all −∞ row.
-fn lse<C: Real>(row: &[C]) -> (C, C) {
+/// `(max, ln Σ exp(x − max))` of a row, the sum in f64; max is −∞ for an empty or all −∞ row.
+fn lse<C: Real>(row: &[C]) -> (C, C::Acc) {
     let mut m = C::NEG_INF;
     for &v in row {
         if v > m || v.is_nan() {
             m = v;
         }
     }
-    let mut s = C::ZERO;
-    for &v in row {
-        s += (v - m).exp();
-    }
-    (m, s.ln())
+    (m, acc_sum(row, &|v: C| (v - m).exp().acc()).ln())
 }
 
 fn cpu_in<C: Real>(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTensor> {
@@ -121,30 +118,24 @@ fn cpu_in<C: Real>(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<
     let par = n * c >= PAR_THRESHOLD;
     match op {
         Op::CrossEntropy { .. } => {
-            let row_loss = |r: usize| -> C {
+            let row_loss = |r: usize| -> C::Acc {
                 if t[r] == ignore {
-                    return C::ZERO;
+                    return C::Acc::ZERO;
                 }
                 let row = &x[r * c..(r + 1) * c];
                 let (m, l) = lse(row);
-                (m - row[t[r] as usize]) + l
+                (m.acc() - row[t[r] as usize].acc()) + l
             };
-            let losses: Vec<C> = if par {
+            let losses: Vec<C::Acc> = if par {
                 (0..n).into_par_iter().map(row_loss).collect()
             } else {
                 (0..n).map(row_loss).collect()
             };
-            let total = || {
-                let mut s = C::ZERO;
-                for &l in &losses {
-                    s += l;
-                }
-                s
-            };
+            let total = || acc_sum(&losses, &|l| l);
             let v = match reduction {
-                Reduction::None => losses,
-                Reduction::Sum => vec![total()],
-                Reduction::Mean => vec![total() / C::from_usize(count)],
+                Reduction::None => losses.iter().map(|&l| C::from_acc(l)).collect(),
+                Reduction::Sum => vec![C::from_acc(total())],
+                Reduction::Mean => vec![C::from_acc(total() / C::Acc::from_usize(count))],
             };
             from_compute(v, out)
         }
@@ -163,6 +154,7 @@ fn cpu_in<C: Real>(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<
                     };
                     let xr = &x[r * c..(r + 1) * c];
                     let (m, l) = lse(xr);
+                    let l = C::from_acc(l);
                     for (d, &v) in dr.iter_mut().zip(xr) {
                         *d = (v - m - l).exp() * gr;
                     }

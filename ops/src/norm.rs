@@ -2,7 +2,12 @@
 //! dim. Kernels run in f64 for f64 tensors and in f32 otherwise (f16/bf16 rounded once at the end),
 //! rows in parallel for large tensors. Gradients are written with primitive ops.
 //!
-//! This file also holds the small float-compute helpers ([`Real`], [`compute_view`],
+//! Accuracy: every sum (softmax denominators, the norms' mean and variance) accumulates in f64
+//! ([`Real::Acc`]) in blocks summed pairwise ([`acc_sum`]), so long rows lose nothing to
+//! accumulation. LayerNorm is two-pass (mean, then the mean of squared deviations), and the
+//! normalized value `(x − mean) · rstd` (with weight and bias) is formed in f64 and rounded once.
+//!
+//! This file also holds the small float-compute helpers ([`Real`], [`acc_sum`], [`compute_view`],
 //! [`from_compute`]) that the index, loss and attention kernels share.
 
 use crate::util::{arity, attr_err, dtype_err, shape_err, PAR_THRESHOLD};
@@ -24,6 +29,8 @@ pub(crate) trait Real:
     + Neg<Output = Self>
     + AddAssign
 {
+    /// The type sums of `Self` accumulate in: f64 for both f32 and f64.
+    type Acc: Real;
     /// 0
     const ZERO: Self;
     /// 1
@@ -40,11 +47,16 @@ pub(crate) trait Real:
     fn from_usize(n: usize) -> Self;
     /// x is NaN.
     fn is_nan(self) -> bool;
+    /// Widened to the accumulator (exact).
+    fn acc(self) -> Self::Acc;
+    /// An accumulator value rounded to `Self`.
+    fn from_acc(a: Self::Acc) -> Self;
 }
 
 macro_rules! real {
     ($t:ty) => {
         impl Real for $t {
+            type Acc = f64;
             const ZERO: Self = 0.0;
             const ONE: Self = 1.0;
             const NEG_INF: Self = <$t>::NEG_INFINITY;
@@ -68,11 +80,43 @@ macro_rules! real {
             fn is_nan(self) -> bool {
                 <$t>::is_nan(self)
             }
+            #[inline(always)]
+            fn acc(self) -> f64 {
+                self as f64
+            }
+            #[inline(always)]
+            fn from_acc(a: f64) -> Self {
+                a as $t
+            }
         }
     };
 }
 real!(f32);
 real!(f64);
+
+/// Elements summed sequentially (in 8 interleaved lanes) before blocks are combined pairwise.
+pub(crate) const SUM_BLOCK: usize = 128;
+
+/// `Σ f(x)` over `xs` in the accumulator `A`: blocks of [`SUM_BLOCK`] in 8 lanes, halves combined
+/// recursively, so the rounding error grows with `log n` (and in f64 stays far below an f32 ulp).
+pub(crate) fn acc_sum<T: Copy, A: Real>(xs: &[T], f: &impl Fn(T) -> A) -> A {
+    if xs.len() <= SUM_BLOCK {
+        let mut l = [A::ZERO; 8];
+        let mut chunks = xs.chunks_exact(8);
+        for c in &mut chunks {
+            for j in 0..8 {
+                l[j] += f(c[j]);
+            }
+        }
+        let mut tail = A::ZERO;
+        for &x in chunks.remainder() {
+            tail += f(x);
+        }
+        return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])) + tail;
+    }
+    let (lo, hi) = xs.split_at((xs.len() / 2).next_multiple_of(8));
+    acc_sum(lo, f) + acc_sum(hi, f)
+}
 
 /// The elements of a float tensor in compute type `C`: borrowed when the dtype is `C`, converted
 /// once otherwise (f16/bf16 to f32 is exact).
@@ -192,7 +236,7 @@ fn cpu_in<C: Real>(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<
             let w = weight.then(|| compute_view::<C>(inputs[1]));
             let b = has_bias.then(|| compute_view::<C>(inputs[1 + *weight as usize]));
             let d = *dims.last().expect("rank >= 1");
-            let eps = C::from_f64(eps.get());
+            let eps = C::Acc::from_f64(eps.get());
             if d > 0 {
                 let f = |(xr, yr): (&[C], &mut [C])| {
                     norm_row(xr, yr, w.as_deref(), b.as_deref(), eps, centered)
@@ -209,8 +253,11 @@ fn cpu_in<C: Real>(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<
     from_compute(y, out)
 }
 
-/// Softmax (or log-softmax) of a `[n, inner]` block along its first dim, max-subtracted.
+/// Softmax (or log-softmax) of a `[n, inner]` block along its first dim, max-subtracted; the
+/// denominators accumulate in f64 (pairwise along a contiguous row, in blocks of [`SUM_BLOCK`]
+/// rows along a strided one).
 fn softmax_block<C: Real>(x: &[C], y: &mut [C], n: usize, inner: usize, log: bool) {
+    debug_assert_eq!(x.len(), n * inner);
     let mut m = vec![C::NEG_INF; inner];
     for row in x.chunks(inner) {
         for (mk, &v) in m.iter_mut().zip(row) {
@@ -219,30 +266,44 @@ fn softmax_block<C: Real>(x: &[C], y: &mut [C], n: usize, inner: usize, log: boo
             }
         }
     }
-    let mut s = vec![C::ZERO; inner];
     for (xr, yr) in x.chunks(inner).zip(y.chunks_mut(inner)) {
         for k in 0..inner {
-            let e = (xr[k] - m[k]).exp();
-            yr[k] = e;
-            s[k] += e;
+            yr[k] = (xr[k] - m[k]).exp();
         }
     }
+    let s: Vec<C::Acc> = if inner == 1 {
+        vec![acc_sum(y, &|e: C| e.acc())]
+    } else {
+        let mut s = vec![C::Acc::ZERO; inner];
+        let mut part = vec![C::Acc::ZERO; inner];
+        for blk in y.chunks(inner * SUM_BLOCK) {
+            part.fill(C::Acc::ZERO);
+            for yr in blk.chunks(inner) {
+                for (p, &e) in part.iter_mut().zip(yr) {
+                    *p += e.acc();
+                }
+            }
+            for (t, &p) in s.iter_mut().zip(&part) {
+                *t += p;
+            }
+        }
+        s
+    };
     if log {
-        let ls: Vec<C> = s.iter().map(|&v| v.ln()).collect();
+        let ls: Vec<C::Acc> = s.iter().map(|&v| v.ln()).collect();
         for (xr, yr) in x.chunks(inner).zip(y.chunks_mut(inner)) {
             for k in 0..inner {
-                yr[k] = xr[k] - m[k] - ls[k];
+                yr[k] = C::from_acc((xr[k] - m[k]).acc() - ls[k]);
             }
         }
     } else {
-        let inv: Vec<C> = s.iter().map(|&v| C::ONE / v).collect();
+        let inv: Vec<C> = s.iter().map(|&v| C::from_acc(C::Acc::ONE / v)).collect();
         for yr in y.chunks_mut(inner) {
             for k in 0..inner {
                 yr[k] = yr[k] * inv[k];
             }
         }
     }
-    debug_assert_eq!(x.len(), n * inner);
 }
 
 /// One row of LayerNorm (`centered`) or RMSNorm, with optional weight and bias.
@@ -251,34 +312,29 @@ fn norm_row<C: Real>(
     y: &mut [C],
     w: Option<&[C]>,
     b: Option<&[C]>,
-    eps: C,
+    eps: C::Acc,
     centered: bool,
 ) {
-    let n = C::from_usize(x.len());
+    let n = C::Acc::from_usize(x.len());
     let mean = if centered {
-        let mut s = C::ZERO;
-        for &v in x {
-            s += v;
-        }
-        s / n
+        acc_sum(x, &|v: C| v.acc()) / n
     } else {
-        C::ZERO
+        C::Acc::ZERO
     };
-    let mut ss = C::ZERO;
-    for &v in x {
-        let c = v - mean;
-        ss += c * c;
-    }
-    let rstd = C::ONE / (ss / n + eps).sqrt();
+    let var = acc_sum(x, &|v: C| {
+        let c = v.acc() - mean;
+        c * c
+    }) / n;
+    let rstd = C::Acc::ONE / (var + eps).sqrt();
     for (k, (yk, &v)) in y.iter_mut().zip(x).enumerate() {
-        let mut r = (v - mean) * rstd;
+        let mut r = (v.acc() - mean) * rstd;
         if let Some(w) = w {
-            r = r * w[k];
+            r = r * w[k].acc();
         }
         if let Some(b) = b {
-            r += b[k];
+            r += b[k].acc();
         }
-        *yk = r;
+        *yk = C::from_acc(r);
     }
 }
 

@@ -4,11 +4,13 @@
 //! contiguous is `[outer, reduced, inner]` over the input as it is; otherwise the reduced axes are
 //! first gathered to the end (movement's strided gather) and the reduction is `[outer, reduced, 1]`.
 //!
-//! Accuracy: f16/bf16/f32 accumulate in f32 and f64 in f64, integers in i64 (wrapping, then
-//! truncated to the dtype with `as`). Float sums are pairwise over a contiguous run (blocks of 128
+//! Accuracy: float sums, means and products accumulate in f64 for every float dtype (max and min,
+//! which are exact, compare in f32 for f16/bf16/f32), integers in i64 (wrapping, then truncated to
+//! the dtype with `as`). Sums and products are pairwise over a contiguous run (blocks of 128
 //! elements in 8 lanes, halves combined recursively), and blocked over strided runs (256 rows are
 //! summed into a fresh partial row, and the partials are merged pairwise), so the error grows
-//! with `log n` instead of `n`. Mean divides the f32/f64 sum once; mean of nothing is
+//! with `log n` instead of `n`; an f32 result is the f64 value rounded once, so it is correctly
+//! rounded in all but contrived cases. Mean divides the f64 sum once; mean of nothing is
 //! NaN, sum of nothing 0, prod of nothing 1, max/min of nothing an error. NaN propagates through
 //! max/min, and argmax/argmin return the first index of the extreme, NaN counting as the extreme
 //! (as PyTorch).
@@ -167,17 +169,23 @@ impl Acc for i64 {
     }
 }
 
-/// A numeric element with its accumulator type.
+/// A numeric element with its accumulator types: `A` for max/min (exact), `S` for sum, mean and
+/// prod (f64 for every float dtype).
 trait Num: HostElement {
     type A: Acc;
+    type S: Acc;
     fn load(self) -> Self::A;
     fn store(a: Self::A) -> Self;
+    fn load_s(self) -> Self::S;
+    fn store_s(s: Self::S) -> Self;
 }
 
 macro_rules! num {
-    ($t:ty, $a:ty, |$x:ident| $load:expr, |$y:ident| $store:expr) => {
+    ($t:ty, $a:ty, |$x:ident| $load:expr, |$y:ident| $store:expr,
+     $s:ty, |$xs:ident| $load_s:expr, |$ys:ident| $store_s:expr) => {
         impl Num for $t {
             type A = $a;
+            type S = $s;
             #[inline(always)]
             fn load(self) -> $a {
                 let $x = self;
@@ -187,16 +195,50 @@ macro_rules! num {
             fn store($y: $a) -> Self {
                 $store
             }
+            #[inline(always)]
+            fn load_s(self) -> $s {
+                let $xs = self;
+                $load_s
+            }
+            #[inline(always)]
+            fn store_s($ys: $s) -> Self {
+                $store_s
+            }
         }
     };
 }
-num!(f32, f32, |x| x, |a| a);
-num!(f64, f64, |x| x, |a| a);
-num!(f16, f32, |x| x.to_f32(), |a| f16::from_f32(a));
-num!(bf16, f32, |x| x.to_f32(), |a| bf16::from_f32(a));
-num!(i32, i64, |x| x as i64, |a| a as i32);
-num!(i64, i64, |x| x, |a| a);
-num!(u8, i64, |x| x as i64, |a| a as u8);
+num!(f32, f32, |x| x, |a| a, f64, |x| x as f64, |s| s as f32);
+num!(f64, f64, |x| x, |a| a, f64, |x| x, |s| s);
+num!(
+    f16,
+    f32,
+    |x| x.to_f32(),
+    |a| f16::from_f32(a),
+    f64,
+    |x| x.to_f64(),
+    |s| f16::from_f64(s)
+);
+num!(
+    bf16,
+    f32,
+    |x| x.to_f32(),
+    |a| bf16::from_f32(a),
+    f64,
+    |x| x.to_f64(),
+    |s| bf16::from_f64(s)
+);
+num!(
+    i32,
+    i64,
+    |x| x as i64,
+    |a| a as i32,
+    i64,
+    |x| x as i64,
+    |s| s as i32
+);
+num!(i64, i64, |x| x, |a| a, i64, |x| x, |s| s);
+num!(u8, i64, |x| x as i64, |a| a as u8, i64, |x| x as i64, |s| s
+    as u8);
 
 /// One reduction: its identity and combining step (associative, so partials can be merged).
 trait Reducer<A>: Copy + Send + Sync {
@@ -479,16 +521,20 @@ fn reduce_num<T: Num>(src: &[T], dims: &[usize], axes: &[usize], kind: ReduceKin
     };
     let load = |x: T| x.load();
     let store = |a: T::A| T::store(a);
+    let load_s = |x: T| x.load_s();
+    let store_s = |a: T::S| T::store_s(a);
     let out = match kind {
-        ReduceKind::Sum => reduce_lanes::<_, _, _, SumR>(s, outer, red, inner, load, store),
-        ReduceKind::Mean => reduce_lanes::<_, _, _, SumR>(s, outer, red, inner, load, |a: T::A| {
-            if red == 0 {
-                T::from_f64(f64::NAN)
-            } else {
-                T::store(a.div_count(red))
-            }
-        }),
-        ReduceKind::Prod => reduce_lanes::<_, _, _, ProdR>(s, outer, red, inner, load, store),
+        ReduceKind::Sum => reduce_lanes::<_, _, _, SumR>(s, outer, red, inner, load_s, store_s),
+        ReduceKind::Mean => {
+            reduce_lanes::<_, _, _, SumR>(s, outer, red, inner, load_s, |a: T::S| {
+                if red == 0 {
+                    T::from_f64(f64::NAN)
+                } else {
+                    T::store_s(a.div_count(red))
+                }
+            })
+        }
+        ReduceKind::Prod => reduce_lanes::<_, _, _, ProdR>(s, outer, red, inner, load_s, store_s),
         ReduceKind::Max => reduce_lanes::<_, _, _, MaxR>(s, outer, red, inner, load, store),
         ReduceKind::Min => reduce_lanes::<_, _, _, MinR>(s, outer, red, inner, load, store),
         ReduceKind::Any | ReduceKind::All => unreachable!("bool reductions dispatch elsewhere"),
