@@ -1,5 +1,6 @@
 //! Graph files: round trips of a graph holding every op variant (embedded, safetensors and
-//! init-only parameters), and malformed files, which must each give an error, never a panic.
+//! init-only parameters), a committed golden file of every op (its encoding, and its values on the
+//! CPU), and malformed files, which must each give an error, never a panic.
 
 use proptest::prelude::*;
 use rustytorch_compiler::format::{
@@ -8,6 +9,7 @@ use rustytorch_compiler::format::{
 use rustytorch_compiler::text::print;
 use rustytorch_compiler::{CompileError, Graph, Init, NodeId};
 use rustytorch_ops::*;
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 fn t(dtype: DType, dims: &[usize]) -> TensorType {
@@ -22,10 +24,34 @@ fn geom(n: usize, stride: usize, padding: usize) -> ConvGeom {
     }
 }
 
-fn variant(op: &Op) -> usize {
-    op.variant_index()
+/// Adds one node of every op variant from [`Op::samples`], its operands fresh graph inputs named
+/// `op.k`; the `input`, `param` and `constant` samples become a declared input, a parameter with
+/// a seeded initializer and a constant of seeded integers. Returns the nodes with their op names.
+fn add_samples(g: &mut Graph) -> Vec<(String, NodeId)> {
+    let mut nodes = vec![];
+    for (i, (op, tys)) in Op::samples().into_iter().enumerate() {
+        let name = op.name().to_string();
+        let id = match op {
+            Op::Input { ty, .. } => g.add_input(&name, ty).unwrap(),
+            Op::Param { ty, .. } => g
+                .add_param(&name, ty, Init::kaiming_uniform(4, i as u64), true)
+                .unwrap(),
+            Op::Constant { ty, .. } => {
+                g.add_constant(testing::rand_tensor(&ty, i as u64, 0.0, 2.0))
+            }
+            op => {
+                let ins: Vec<NodeId> = tys
+                    .into_iter()
+                    .enumerate()
+                    .map(|(k, ty)| g.add_input(&format!("{name}.{k}"), ty).unwrap())
+                    .collect();
+                g.add(op, &ins).unwrap_or_else(|e| panic!("{name}: {e}"))
+            }
+        };
+        nodes.push((name, id));
+    }
+    nodes
 }
-const N_VARIANTS: usize = Op::VARIANT_COUNT;
 
 /// A graph with at least one node of every op variant (and every unary, binary and reduction),
 /// parameters of several dtypes with and without data, constants, outputs, an update and a guard.
@@ -492,6 +518,9 @@ fn every_op_graph() -> Graph {
     g.updates.push((7, new_mom));
     let finite = add(&mut g, Op::Unary(UnaryOp::IsFinite), &[ce]);
     g.guards.push(("finite.loss".into(), finite));
+    for (name, id) in add_samples(&mut g) {
+        g.add_output(&format!("sample.{name}"), id).unwrap();
+    }
     g.node_mut(ce).unwrap().name = Some("loss value".into());
     g.add_output("loss", ce).unwrap();
     for (i, o) in outs.iter().enumerate() {
@@ -557,11 +586,11 @@ fn tmp_dir(name: &str) -> PathBuf {
 #[test]
 fn the_sample_graph_holds_every_op_variant() {
     let g = every_op_graph();
-    let mut seen = [false; N_VARIANTS];
+    let mut seen = [false; Op::VARIANT_COUNT];
     for id in g.node_ids() {
-        seen[variant(&g.node(id).unwrap().op)] = true;
+        seen[g.node(id).unwrap().op.variant_index()] = true;
     }
-    let missing: Vec<usize> = (0..N_VARIANTS).filter(|i| !seen[*i]).collect();
+    let missing: Vec<usize> = (0..Op::VARIANT_COUNT).filter(|i| !seen[*i]).collect();
     assert!(
         missing.is_empty(),
         "variants missing from the sample graph: {missing:?}"
@@ -684,6 +713,177 @@ fn a_graph_without_data_writes_no_sidecar() {
         Err(CompileError::Io { .. })
     ));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// ---------------------------------------------------------------- the golden file
+
+/// The committed graph file of every op, and the values beside it.
+const GOLDEN: &str = "every_op.rtg";
+/// Its inputs (`input.NAME`) and the outputs the CPU kernels give for them (`output.NAME`).
+const GOLDEN_VALUES: &str = "every_op.values.safetensors";
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+/// One node of every op variant, each an output named by its op.
+fn golden_graph() -> Graph {
+    let mut g = Graph::new();
+    for (name, id) in add_samples(&mut g) {
+        g.add_output(&name, id).unwrap();
+    }
+    g.verify().unwrap();
+    g
+}
+
+/// Seeded inputs: floats in [-1, 1), integers in {0, 1} (valid indices and targets for every
+/// sample), random bools.
+fn golden_inputs(g: &Graph) -> Vec<(String, HostTensor)> {
+    g.inputs
+        .iter()
+        .enumerate()
+        .map(|(i, input)| {
+            let (lo, hi) = if input.ty.dtype.is_float() {
+                (-1.0, 1.0)
+            } else {
+                (0.0, 2.0)
+            };
+            let seed = 1000 + i as u64;
+            (
+                input.name.clone(),
+                testing::rand_tensor(&input.ty, seed, lo, hi),
+            )
+        })
+        .collect()
+}
+
+/// Runs a graph node by node with the CPU kernels; returns its outputs by name.
+fn run_cpu(g: &Graph, inputs: &HashMap<String, HostTensor>) -> Vec<(String, HostTensor)> {
+    let mut values: HashMap<NodeId, HostTensor> = HashMap::new();
+    for id in g.topo_order().unwrap() {
+        let node = g.node(id).unwrap();
+        let value = match &node.op {
+            Op::Input { index, .. } => {
+                let name = &g.inputs[*index as usize].name;
+                inputs
+                    .get(name)
+                    .unwrap_or_else(|| panic!("no value for input `{name}`"))
+                    .clone()
+            }
+            Op::Param { index, .. } => {
+                let p = &g.params[*index as usize];
+                match &p.data {
+                    Some(d) => d.clone(),
+                    None => p.init.materialize(&p.ty).unwrap(),
+                }
+            }
+            Op::Constant { index, .. } => g.constants[*index as usize].clone(),
+            op => {
+                let args: Vec<&HostTensor> = node.inputs.iter().map(|i| &values[i]).collect();
+                eval_cpu(op, &args).unwrap_or_else(|e| panic!("{op}: {e}"))
+            }
+        };
+        assert_eq!(value.ty(), node.ty, "{}", node.op);
+        values.insert(id, value);
+    }
+    g.outputs
+        .iter()
+        .map(|(name, id)| (name.clone(), values[id].clone()))
+        .collect()
+}
+
+/// Writes the golden file and its values (run with `RUSTYTORCH_BLESS=1` after a deliberate change
+/// of the op set or the encoding; bump the format version when an old file would read differently).
+fn bless(g: &Graph) {
+    let inputs = golden_inputs(g);
+    let outputs = run_cpu(g, &inputs.iter().cloned().collect());
+    let mut values: Vec<(String, HostTensor)> = inputs
+        .into_iter()
+        .map(|(n, t)| (format!("input.{n}"), t))
+        .collect();
+    values.extend(outputs.into_iter().map(|(n, t)| (format!("output.{n}"), t)));
+    std::fs::create_dir_all(fixture("")).unwrap();
+    save(g, &fixture(GOLDEN), ParamStorage::Embedded).unwrap();
+    std::fs::write(
+        fixture(GOLDEN_VALUES),
+        rustytorch_compiler::format::safetensors_bytes(&values).unwrap(),
+    )
+    .unwrap();
+}
+
+#[test]
+fn the_golden_file_reads_as_the_graph_of_every_op() {
+    let g = golden_graph();
+    if std::env::var_os("RUSTYTORCH_BLESS").is_some_and(|v| v == "1") {
+        bless(&g);
+    }
+    let bytes = std::fs::read(fixture(GOLDEN))
+        .expect("tests/fixtures/every_op.rtg is missing: run with RUSTYTORCH_BLESS=1");
+    assert_eq!(
+        u32::from_le_bytes(bytes[8..12].try_into().unwrap()),
+        1,
+        "the golden file is format version 1"
+    );
+    let back = from_bytes(&bytes).unwrap_or_else(|e| {
+        panic!("the golden file no longer loads ({e}): the op encoding changed")
+    });
+    back.verify().unwrap();
+    assert_same(&g, &back);
+    assert_eq!(
+        back.outputs
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>(),
+        g.outputs
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>()
+    );
+    for (p, q) in g.params.iter().zip(&back.params) {
+        assert_eq!((&p.ty, &p.data), (&q.ty, &q.data), "{}", p.name);
+    }
+    assert_eq!(
+        to_bytes(&g, ParamStorage::Embedded).unwrap(),
+        bytes,
+        "the graph of every op encodes differently from the golden file"
+    );
+}
+
+#[test]
+fn the_golden_file_runs_to_its_recorded_values() {
+    let graph = load(&fixture(GOLDEN)).unwrap();
+    let values = rustytorch_compiler::format::safetensors_tensors(
+        &std::fs::read(fixture(GOLDEN_VALUES)).unwrap(),
+        GOLDEN_VALUES,
+    )
+    .unwrap();
+    let mut inputs = HashMap::new();
+    let mut want = HashMap::new();
+    for (name, t) in values {
+        if let Some(n) = name.strip_prefix("input.") {
+            inputs.insert(n.to_string(), t);
+        } else if let Some(n) = name.strip_prefix("output.") {
+            want.insert(n.to_string(), t);
+        } else {
+            panic!("unexpected tensor `{name}` in {GOLDEN_VALUES}");
+        }
+    }
+    assert_eq!(inputs.len(), graph.inputs.len());
+    let got = run_cpu(&graph, &inputs);
+    assert_eq!(got.len(), want.len());
+    assert_eq!(got.len(), Op::VARIANT_COUNT);
+    for (name, t) in got {
+        let w = &want[&name];
+        assert_eq!(t.ty(), w.ty(), "output `{name}`");
+        testing::assert_close(
+            &t.to_f64_vec(),
+            &w.to_f64_vec(),
+            testing::tolerance(t.dtype()),
+            &format!("output `{name}`"),
+        );
+    }
 }
 
 /// A small valid file for the corruption tests.

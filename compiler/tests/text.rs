@@ -2,7 +2,7 @@
 
 use rustytorch_compiler::text::{parse, print, print_elided, print_node};
 use rustytorch_compiler::{CompileError, ConvOpts, Graph, GraphBuilder, Init};
-use rustytorch_ops::{Activation, Causal, DType, HostTensor, TensorType};
+use rustytorch_ops::{Activation, Causal, DType, HostTensor, Op, TensorType};
 
 /// A small model touching many op families, with parameters, state, constants, an update and a
 /// guard.
@@ -102,6 +102,48 @@ fn print_parse_print_is_identical() {
         "guard finite.loss = %",
     ] {
         assert!(text.contains(needle), "missing `{needle}` in\n{text}");
+    }
+}
+
+/// A graph with one node of every op variant (from `Op::samples`), operands as graph inputs.
+fn every_op() -> Graph {
+    let mut g = Graph::new();
+    for (i, (op, tys)) in Op::samples().into_iter().enumerate() {
+        let name = op.name();
+        let id = match op {
+            Op::Input { ty, .. } => g.add_input(name, ty).unwrap(),
+            Op::Param { ty, .. } => g.add_param(name, ty, Init::ones(), false).unwrap(),
+            Op::Constant { ty, .. } => g.add_constant(HostTensor::zeros(&ty)),
+            op => {
+                let ins: Vec<_> = tys
+                    .into_iter()
+                    .enumerate()
+                    .map(|(k, ty)| g.add_input(&format!("{i}.{k}"), ty).unwrap())
+                    .collect();
+                g.add(op, &ins).unwrap()
+            }
+        };
+        g.add_output(name, id).unwrap();
+    }
+    g
+}
+
+#[test]
+fn every_op_prints_and_parses_back() {
+    let g = every_op();
+    let text = print(&g);
+    let back = parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    back.verify().unwrap();
+    assert_eq!(print(&back), text);
+    let mut seen = [false; Op::VARIANT_COUNT];
+    for id in back.node_ids() {
+        seen[back.node(id).unwrap().op.variant_index()] = true;
+    }
+    assert!(seen.iter().all(|s| *s), "{text}");
+    for (op, _) in Op::samples() {
+        if !op.is_leaf() {
+            assert!(text.contains(&format!("= {op}(")), "no `{op}` in\n{text}");
+        }
     }
 }
 

@@ -578,7 +578,8 @@ impl Op {
         crate::text::op_name(self)
     }
 
-    /// Number of [`Op`] variants.
+    /// Number of [`Op`] variants (a test checks it against the enum; [`Op::samples`] has one
+    /// entry per variant).
     pub const VARIANT_COUNT: usize = 39;
 
     /// The position of this op's variant in the enum (0..[`Op::VARIANT_COUNT`]); the exhaustive
@@ -628,6 +629,311 @@ impl Op {
         }
     }
 
+    /// One op of every variant, in declaration order (`samples()[i].0.variant_index() == i`), each
+    /// with representative attributes and input types its inference accepts. Integer inputs are
+    /// valid indices and targets for any values in {0, 1}, float inputs for any finite values, so
+    /// the samples also run on seeded random data.
+    ///
+    /// This is the one list of every op: the text round trip, the graph-file golden test and the
+    /// e-graph's wildcard table all use it. Its length is [`Op::VARIANT_COUNT`], so a variant
+    /// added to [`Op::variant_index`] without a sample here does not compile.
+    pub fn samples() -> Vec<(Op, Vec<TensorType>)> {
+        let t = |dtype: DType, dims: &[usize]| TensorType::new(dtype, dims.to_vec());
+        let f32t = |dims: &[usize]| t(DType::F32, dims);
+        let f = F64Bits::new;
+        let geom2 = ConvGeom {
+            stride: vec![1, 2],
+            padding: vec![1, 0],
+            dilation: vec![1, 1],
+        };
+        let x = f32t(&[2, 3]);
+        let all: [(Op, Vec<TensorType>); Op::VARIANT_COUNT] = [
+            (
+                Op::Input {
+                    index: 0,
+                    ty: x.clone(),
+                },
+                vec![],
+            ),
+            (
+                Op::Param {
+                    index: 0,
+                    ty: f32t(&[3]),
+                },
+                vec![],
+            ),
+            (
+                Op::Constant {
+                    index: 0,
+                    ty: t(DType::I64, &[2]),
+                },
+                vec![],
+            ),
+            (
+                Op::Full {
+                    value: f(0.5),
+                    ty: f32t(&[2]),
+                },
+                vec![],
+            ),
+            (
+                Op::Iota {
+                    axis: 1,
+                    ty: t(DType::I64, &[2, 3]),
+                },
+                vec![],
+            ),
+            (
+                Op::RandUniform {
+                    low: f(-1.0),
+                    high: f(1.0),
+                    seed: 7,
+                    ty: x.clone(),
+                },
+                vec![],
+            ),
+            (
+                Op::RandNormal {
+                    mean: f(0.0),
+                    std: f(2.0),
+                    seed: 8,
+                    ty: t(DType::F64, &[4]),
+                },
+                vec![],
+            ),
+            (Op::Unary(UnaryOp::Tanh), vec![x.clone()]),
+            (Op::Binary(BinaryOp::Sub), vec![x.clone(), f32t(&[3])]),
+            (
+                Op::Where,
+                vec![t(DType::Bool, &[2, 3]), x.clone(), f32t(&[])],
+            ),
+            (Op::Cast { to: DType::F16 }, vec![x.clone()]),
+            (
+                Op::Reduce {
+                    kind: ReduceKind::Sum,
+                    axes: vec![1],
+                    keep_dims: true,
+                },
+                vec![x.clone()],
+            ),
+            (
+                Op::ArgReduce {
+                    kind: ArgKind::ArgMax,
+                    axis: 1,
+                    keep_dims: false,
+                },
+                vec![x.clone()],
+            ),
+            (
+                Op::Matmul {
+                    trans_a: false,
+                    trans_b: true,
+                },
+                vec![x.clone(), f32t(&[4, 3])],
+            ),
+            (
+                Op::MatmulEpilogue {
+                    trans_a: false,
+                    trans_b: false,
+                    bias: true,
+                    act: Activation::GeluErf,
+                },
+                vec![x.clone(), f32t(&[3, 4]), f32t(&[4])],
+            ),
+            (
+                Op::Reshape {
+                    shape: Shape::new([3, 2]),
+                },
+                vec![x.clone()],
+            ),
+            (
+                Op::Permute {
+                    perm: vec![2, 0, 1],
+                },
+                vec![f32t(&[2, 3, 4])],
+            ),
+            (
+                Op::Expand {
+                    shape: Shape::new([2, 3]),
+                },
+                vec![f32t(&[1, 3])],
+            ),
+            (
+                Op::Slice {
+                    starts: vec![0, 1],
+                    ends: vec![2, 3],
+                    steps: vec![1, 2],
+                },
+                vec![x.clone()],
+            ),
+            (Op::Concat { axis: 0 }, vec![x.clone(), f32t(&[1, 3])]),
+            (
+                Op::Pad {
+                    pads: vec![(0, 0), (1, 2)],
+                    value: f(-1.5),
+                },
+                vec![x.clone()],
+            ),
+            (Op::Softmax { axis: 1 }, vec![x.clone()]),
+            (Op::LogSoftmax { axis: 0 }, vec![x.clone()]),
+            (
+                Op::LayerNorm {
+                    eps: f(1e-5),
+                    weight: true,
+                    bias: true,
+                },
+                vec![x.clone(), f32t(&[3]), f32t(&[3])],
+            ),
+            (
+                Op::RmsNorm {
+                    eps: f(1e-6),
+                    weight: true,
+                },
+                vec![x.clone(), f32t(&[3])],
+            ),
+            (
+                Op::Gather { axis: 1 },
+                vec![x.clone(), t(DType::I64, &[2, 2])],
+            ),
+            (
+                Op::ScatterAdd { axis: 1 },
+                vec![x.clone(), t(DType::I64, &[2, 2]), f32t(&[2, 2])],
+            ),
+            (
+                Op::IndexSelect { axis: 0 },
+                vec![x.clone(), t(DType::I64, &[2])],
+            ),
+            (
+                Op::IndexAdd { axis: 0 },
+                vec![x.clone(), t(DType::I64, &[2]), x.clone()],
+            ),
+            (
+                Op::Conv {
+                    geom: geom2.clone(),
+                    groups: 1,
+                    bias: true,
+                },
+                vec![f32t(&[1, 2, 4, 5]), f32t(&[3, 2, 3, 3]), f32t(&[3])],
+            ),
+            (
+                Op::ConvGradInput {
+                    geom: geom2.clone(),
+                    groups: 1,
+                    input_shape: Shape::new([1, 2, 4, 5]),
+                },
+                vec![f32t(&[1, 3, 4, 2]), f32t(&[3, 2, 3, 3])],
+            ),
+            (
+                Op::ConvGradWeight {
+                    geom: geom2,
+                    groups: 1,
+                    weight_shape: Shape::new([3, 2, 3, 3]),
+                },
+                vec![f32t(&[1, 2, 4, 5]), f32t(&[1, 3, 4, 2])],
+            ),
+            (
+                Op::Pool {
+                    kind: PoolKind::Max,
+                    kernel: vec![2, 2],
+                    geom: ConvGeom {
+                        stride: vec![2, 2],
+                        padding: vec![0, 0],
+                        dilation: vec![1, 1],
+                    },
+                },
+                vec![f32t(&[1, 2, 4, 4])],
+            ),
+            (
+                Op::PoolGrad {
+                    kind: PoolKind::Avg {
+                        count_include_pad: false,
+                    },
+                    kernel: vec![3],
+                    geom: ConvGeom {
+                        stride: vec![1],
+                        padding: vec![1],
+                        dilation: vec![1],
+                    },
+                },
+                vec![f32t(&[1, 2, 5]), f32t(&[1, 2, 5])],
+            ),
+            (
+                Op::Attention {
+                    causal: Causal::TopLeft,
+                    mask: AttnMask::Additive,
+                    scale: f(0.5),
+                },
+                vec![
+                    f32t(&[1, 2, 3, 4]),
+                    f32t(&[1, 2, 3, 4]),
+                    f32t(&[1, 2, 3, 4]),
+                    f32t(&[3, 3]),
+                ],
+            ),
+            (
+                Op::AttentionGrad {
+                    causal: Causal::BottomRight,
+                    mask: AttnMask::None,
+                    scale: f(0.5),
+                    wrt: 1,
+                },
+                vec![
+                    f32t(&[1, 1, 2, 4]),
+                    f32t(&[1, 1, 3, 4]),
+                    f32t(&[1, 1, 3, 4]),
+                    f32t(&[1, 1, 2, 4]),
+                ],
+            ),
+            (
+                Op::CrossEntropy {
+                    reduction: Reduction::Mean,
+                    ignore_index: -100,
+                },
+                vec![f32t(&[3, 4]), t(DType::I64, &[3])],
+            ),
+            (
+                Op::CrossEntropyGrad {
+                    reduction: Reduction::Sum,
+                    ignore_index: 1,
+                },
+                vec![f32t(&[3, 4]), t(DType::I64, &[3]), f32t(&[])],
+            ),
+            (
+                Op::Fused(Box::new(FusedKernel {
+                    n_inputs: 2,
+                    instrs: vec![
+                        FusedInstr {
+                            op: Op::Binary(BinaryOp::Mul),
+                            args: vec![0, 1],
+                            dtype: DType::F32,
+                        },
+                        FusedInstr {
+                            op: Op::Full {
+                                value: f(0.5),
+                                ty: f32t(&[]),
+                            },
+                            args: vec![],
+                            dtype: DType::F32,
+                        },
+                        FusedInstr {
+                            op: Op::Binary(BinaryOp::Add),
+                            args: vec![2, 3],
+                            dtype: DType::F32,
+                        },
+                        FusedInstr {
+                            op: Op::Unary(UnaryOp::Exp),
+                            args: vec![4],
+                            dtype: DType::F32,
+                        },
+                    ],
+                    out: x.clone(),
+                })),
+                vec![x, f32t(&[3])],
+            ),
+        ];
+        all.into()
+    }
+
     /// Whether this op is a leaf (no inputs).
     pub fn is_leaf(&self) -> bool {
         matches!(
@@ -648,5 +954,115 @@ impl Op {
             self,
             Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } | Op::Fused(_)
         )
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::HostTensor;
+    use serde::de::{self, Visitor};
+
+    /// A deserializer that records the variant names serde's derive passes for an enum.
+    struct VariantNames(&'static [&'static str]);
+
+    impl<'de> de::Deserializer<'de> for &mut VariantNames {
+        type Error = de::value::Error;
+
+        fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
+            Err(de::Error::custom("not an enum"))
+        }
+
+        fn deserialize_enum<V: Visitor<'de>>(
+            self,
+            _name: &'static str,
+            variants: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Self::Error> {
+            self.0 = variants;
+            Err(de::Error::custom("names recorded"))
+        }
+
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf
+            option unit unit_struct newtype_struct seq tuple tuple_struct map struct identifier
+            ignored_any
+        }
+    }
+
+    /// An enum's variant names in declaration order, as its serde derive (and so the graph-file
+    /// encoding) numbers them.
+    pub(crate) fn declared_variants<T: for<'de> Deserialize<'de>>() -> &'static [&'static str] {
+        let mut names = VariantNames(&[]);
+        assert!(T::deserialize(&mut names).is_err());
+        names.0
+    }
+
+    /// The variant name of a value, from its derived `Debug` form.
+    pub(crate) fn debug_variant(op: &impl std::fmt::Debug) -> String {
+        format!("{op:?}")
+            .split([' ', '('])
+            .next()
+            .unwrap()
+            .to_string()
+    }
+
+    #[test]
+    fn variant_numbering_is_declaration_order() {
+        let declared = declared_variants::<Op>();
+        assert_eq!(
+            declared.len(),
+            Op::VARIANT_COUNT,
+            "Op::VARIANT_COUNT does not match the enum"
+        );
+        for (op, _) in Op::samples() {
+            assert_eq!(
+                declared[op.variant_index()],
+                debug_variant(&op),
+                "variant_index of {op:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn samples_cover_every_variant_in_order() {
+        let samples = Op::samples();
+        assert_eq!(samples.len(), Op::VARIANT_COUNT);
+        for (i, (op, _)) in samples.iter().enumerate() {
+            assert_eq!(op.variant_index(), i, "sample {i} is {op:?}");
+        }
+    }
+
+    #[test]
+    fn samples_infer_and_run() {
+        for (i, (op, tys)) in Op::samples().into_iter().enumerate() {
+            let refs: Vec<&TensorType> = tys.iter().collect();
+            let out = crate::infer(&op, &refs).unwrap_or_else(|e| panic!("{op}: {e}"));
+            assert!(out.shape.numel() > 0, "{op}: empty output");
+            if op.is_leaf() {
+                assert!(tys.is_empty(), "{op}: a leaf with inputs");
+            }
+            if matches!(
+                op,
+                Op::Input { .. } | Op::Param { .. } | Op::Constant { .. }
+            ) {
+                continue;
+            }
+            let inputs: Vec<HostTensor> = tys
+                .iter()
+                .enumerate()
+                .map(|(k, ty)| {
+                    let (lo, hi) = if ty.dtype.is_float() {
+                        (-1.0, 1.0)
+                    } else {
+                        (0.0, 2.0)
+                    };
+                    crate::testing::rand_tensor(ty, (i * 8 + k) as u64, lo, hi)
+                })
+                .collect();
+            let refs: Vec<&HostTensor> = inputs.iter().collect();
+            let got = crate::eval_cpu(&op, &refs).unwrap_or_else(|e| panic!("{op}: {e}"));
+            assert_eq!(got.ty(), out, "{op}");
+        }
     }
 }

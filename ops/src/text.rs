@@ -962,14 +962,12 @@ mod tests {
         }
     }
 
-    fn variant(op: &Op) -> usize {
-        op.variant_index()
-    }
-    const N_VARIANTS: usize = Op::VARIANT_COUNT;
-
+    /// Every variant's sample, then more attribute values: odd floats, every unary, binary,
+    /// cast, reduction, activation, mask and reduction kind, and nested fused kernels.
     fn samples() -> Vec<Op> {
         let f = F64Bits::new;
-        let mut ops = vec![
+        let mut ops: Vec<Op> = Op::samples().into_iter().map(|(op, _)| op).collect();
+        ops.extend([
             Op::Input {
                 index: 0,
                 ty: ty(DType::F32, &[8, 64]),
@@ -1030,8 +1028,7 @@ mod tests {
                 seed: 7,
                 ty: ty(DType::F16, &[4]),
             },
-            Op::Where,
-        ];
+        ]);
         ops.extend(UNARY_OPS.map(Op::Unary));
         ops.extend(BINARY_OPS.map(Op::Binary));
         ops.extend(DType::ALL.map(|to| Op::Cast { to }));
@@ -1223,10 +1220,7 @@ mod tests {
 
     #[test]
     fn every_op_round_trips() {
-        let ops = samples();
-        let mut seen = [false; N_VARIANTS];
-        for op in &ops {
-            seen[variant(op)] = true;
+        for op in &samples() {
             let text = op.to_string();
             assert!(
                 !text.contains([' ', '(', ')', '{', '}', '%']),
@@ -1236,8 +1230,24 @@ mod tests {
             assert_eq!(&back, op, "{text}");
             assert_eq!(back.to_string(), text);
         }
-        let missing: Vec<usize> = (0..N_VARIANTS).filter(|i| !seen[*i]).collect();
-        assert!(missing.is_empty(), "variants without a sample: {missing:?}");
+    }
+
+    #[test]
+    fn the_lists_of_every_kind_are_complete_and_in_order() {
+        use crate::op::tests::{debug_variant, declared_variants};
+        fn check<T: std::fmt::Debug + for<'de> serde::Deserialize<'de>>(list: &[T]) {
+            let names: Vec<String> = list.iter().map(debug_variant).collect();
+            assert_eq!(
+                names,
+                declared_variants::<T>(),
+                "{}",
+                std::any::type_name::<T>()
+            );
+        }
+        check(&UNARY_OPS);
+        check(&BINARY_OPS);
+        check(&REDUCE_KINDS);
+        check(&DType::ALL);
     }
 
     #[test]

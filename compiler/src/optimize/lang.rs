@@ -13,10 +13,8 @@
 //! the e-graph (see `rules::Ctx`). A wildcard never appears in an e-graph, only in patterns.
 
 use egg::{FromOp, Id, Language};
-use rustytorch_ops::{
-    Activation, ArgKind, AttnMask, Causal, ConvGeom, DType, F64Bits, Op, PoolKind, ReduceKind,
-    Reduction, Shape, TensorType,
-};
+use rustytorch_ops::text::REDUCE_KINDS;
+use rustytorch_ops::{ArgKind, DType, Op, Shape, TensorType};
 use std::fmt;
 /// An e-node: an op with its attributes over child e-classes.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -165,162 +163,38 @@ fn parse_leaf(text: &str) -> Result<Option<Op>, String> {
     Ok(Some(op))
 }
 
-/// An op of the given name with placeholder attributes (the operator of a wildcard node).
+/// An op of the given name with placeholder attributes (the operator of a wildcard node): the
+/// op itself when the name parses without attributes, else the sample of its variant from
+/// [`Op::samples`], with the reduction or arg kind the name selects. Only the op kind of a
+/// wildcard is ever compared, so the sample's attributes never matter.
 pub fn placeholder(name: &str) -> Option<Op> {
     if let Ok(op) = name.parse::<Op>() {
         return Some(op);
     }
-    let ty = TensorType::new(DType::F32, Shape::scalar());
-    let f = F64Bits::new(0.0);
-    let geom = ConvGeom {
-        stride: vec![],
-        padding: vec![],
-        dilation: vec![],
-    };
-    let reduce = |kind| Op::Reduce {
-        kind,
-        axes: vec![],
-        keep_dims: false,
-    };
-    let samples = [
-        Op::Input {
-            index: 0,
-            ty: ty.clone(),
-        },
-        Op::Param {
-            index: 0,
-            ty: ty.clone(),
-        },
-        Op::Constant {
-            index: 0,
-            ty: ty.clone(),
-        },
-        Op::Full {
-            value: f,
-            ty: ty.clone(),
-        },
-        Op::Iota {
-            axis: 0,
-            ty: ty.clone(),
-        },
-        Op::RandUniform {
-            low: f,
-            high: f,
-            seed: 0,
-            ty: ty.clone(),
-        },
-        Op::RandNormal {
-            mean: f,
-            std: f,
-            seed: 0,
-            ty: ty.clone(),
-        },
-        Op::Cast { to: DType::F32 },
-        reduce(ReduceKind::Sum),
-        reduce(ReduceKind::Mean),
-        reduce(ReduceKind::Max),
-        reduce(ReduceKind::Min),
-        reduce(ReduceKind::Prod),
-        reduce(ReduceKind::Any),
-        reduce(ReduceKind::All),
-        Op::ArgReduce {
-            kind: ArgKind::ArgMax,
-            axis: 0,
-            keep_dims: false,
-        },
-        Op::ArgReduce {
-            kind: ArgKind::ArgMin,
-            axis: 0,
-            keep_dims: false,
-        },
-        Op::Matmul {
-            trans_a: false,
-            trans_b: false,
-        },
-        Op::MatmulEpilogue {
-            trans_a: false,
-            trans_b: false,
-            bias: false,
-            act: Activation::None,
-        },
-        Op::Reshape {
-            shape: Shape::scalar(),
-        },
-        Op::Permute { perm: vec![] },
-        Op::Expand {
-            shape: Shape::scalar(),
-        },
-        Op::Slice {
-            starts: vec![],
-            ends: vec![],
-            steps: vec![],
-        },
-        Op::Concat { axis: 0 },
-        Op::Pad {
-            pads: vec![],
-            value: f,
-        },
-        Op::Softmax { axis: 0 },
-        Op::LogSoftmax { axis: 0 },
-        Op::LayerNorm {
-            eps: f,
-            weight: false,
-            bias: false,
-        },
-        Op::RmsNorm {
-            eps: f,
-            weight: false,
-        },
-        Op::Gather { axis: 0 },
-        Op::ScatterAdd { axis: 0 },
-        Op::IndexSelect { axis: 0 },
-        Op::IndexAdd { axis: 0 },
-        Op::Conv {
-            geom: geom.clone(),
-            groups: 1,
-            bias: false,
-        },
-        Op::ConvGradInput {
-            geom: geom.clone(),
-            groups: 1,
-            input_shape: Shape::scalar(),
-        },
-        Op::ConvGradWeight {
-            geom: geom.clone(),
-            groups: 1,
-            weight_shape: Shape::scalar(),
-        },
-        Op::Pool {
-            kind: PoolKind::Max,
-            kernel: vec![],
-            geom: geom.clone(),
-        },
-        Op::PoolGrad {
-            kind: PoolKind::Max,
-            kernel: vec![],
-            geom,
-        },
-        Op::Attention {
-            causal: Causal::None,
-            mask: AttnMask::None,
-            scale: f,
-        },
-        Op::AttentionGrad {
-            causal: Causal::None,
-            mask: AttnMask::None,
-            scale: f,
-            wrt: 0,
-        },
-        Op::CrossEntropy {
-            reduction: Reduction::Mean,
-            ignore_index: 0,
-        },
-        Op::CrossEntropyGrad {
-            reduction: Reduction::Mean,
-            ignore_index: 0,
-        },
-    ];
-    samples.into_iter().find(|op| op.name() == name)
+    Op::samples()
+        .into_iter()
+        .flat_map(|(op, _)| match op {
+            Op::Reduce {
+                axes, keep_dims, ..
+            } => REDUCE_KINDS
+                .map(|kind| Op::Reduce {
+                    kind,
+                    axes: axes.clone(),
+                    keep_dims,
+                })
+                .to_vec(),
+            Op::ArgReduce {
+                axis, keep_dims, ..
+            } => [ArgKind::ArgMax, ArgKind::ArgMin]
+                .map(|kind| Op::ArgReduce {
+                    kind,
+                    axis,
+                    keep_dims,
+                })
+                .to_vec(),
+            op => vec![op],
+        })
+        .find(|op| op.name() == name)
 }
 
 #[cfg(test)]
@@ -342,5 +216,40 @@ mod tests {
         assert!("(reduce_sum in0:f32:2)".parse::<RecExpr<TNode>>().is_err());
         assert!("(reduce_sum* in0:f32:2)".parse::<RecExpr<TNode>>().is_ok());
         assert!("(in0:f32:2 in1:f32:2)".parse::<RecExpr<TNode>>().is_err());
+    }
+
+    #[test]
+    fn every_op_name_has_a_wildcard() {
+        use rustytorch_ops::text::{BINARY_OPS, UNARY_OPS};
+        let mut ops: Vec<Op> = Op::samples().into_iter().map(|(op, _)| op).collect();
+        ops.extend(UNARY_OPS.map(Op::Unary));
+        ops.extend(BINARY_OPS.map(Op::Binary));
+        ops.extend(REDUCE_KINDS.map(|kind| Op::Reduce {
+            kind,
+            axes: vec![0],
+            keep_dims: false,
+        }));
+        ops.extend(
+            [ArgKind::ArgMax, ArgKind::ArgMin].map(|kind| Op::ArgReduce {
+                kind,
+                axis: 0,
+                keep_dims: false,
+            }),
+        );
+        for op in ops {
+            let name = op.name();
+            let wild = placeholder(name).unwrap_or_else(|| panic!("no wildcard for `{name}`"));
+            assert_eq!(wild.name(), name);
+            assert_eq!(op_kind(&wild), op_kind(&op), "{name}");
+            let pattern = if op.is_leaf() {
+                format!("{name}*")
+            } else {
+                format!("({name}* ?x)")
+            };
+            pattern
+                .parse::<egg::Pattern<TNode>>()
+                .unwrap_or_else(|e| panic!("{pattern}: {e}"));
+        }
+        assert!(placeholder("nosuchop").is_none());
     }
 }
