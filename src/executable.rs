@@ -4,10 +4,12 @@
 
 use crate::{Error, Result};
 use rustytorch_codegen::{lower, CodegenError, Plan, Storage};
-use rustytorch_compiler::{Graph, GraphBuilder, Tensor};
-use rustytorch_ops::HostTensor;
+use rustytorch_compiler::{Graph, GraphBuilder, MemoryPlan, Tensor};
+use rustytorch_ops::{HostTensor, Op, TensorType};
+use rustytorch_runtime::cpu::NonFiniteValue;
 use rustytorch_runtime::device::{place, Placement, Workload, COST_MODEL};
-use rustytorch_runtime::{Device, MemoryStats, Session, TransferStats};
+use rustytorch_runtime::{CpuBackend, Device, MemoryStats, RuntimeError, Session, TransferStats};
+use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -24,13 +26,18 @@ pub enum NonFinitePolicy {
 /// Compile options.
 #[derive(Clone, Debug)]
 pub struct CompileOptions {
-    /// Run the e-graph optimizer and fusion.
+    /// Run the e-graph optimizer and fusion (false runs neither).
     pub optimize: bool,
     /// Apply the graph's state updates (training); false compiles an inference executable of the
     /// same graph.
     pub updates: bool,
     /// Non-finite gradient policy.
     pub nonfinite: NonFinitePolicy,
+    /// Anomaly mode: check every value every step produces for NaN and infinite elements and
+    /// fail the run at the first with [`Error::Anomaly`], naming the op, the step and where the
+    /// value was built. Runs on the CPU only. Defaults to on when the environment sets
+    /// `RUSTYTORCH_ANOMALY=1`; off, it costs nothing.
+    pub anomaly: bool,
 }
 
 impl Default for CompileOptions {
@@ -39,6 +46,132 @@ impl Default for CompileOptions {
             optimize: true,
             updates: true,
             nonfinite: NonFinitePolicy::Error,
+            anomaly: std::env::var("RUSTYTORCH_ANOMALY").is_ok_and(|v| v.trim() == "1"),
+        }
+    }
+}
+
+/// The first NaN or infinite value a run produced in anomaly mode.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Anomaly {
+    /// The plan step that produced it.
+    pub step: usize,
+    /// The step's op (`fused` for a fused kernel).
+    pub op: &'static str,
+    /// The type of the step's result.
+    pub ty: TensorType,
+    /// Row-major index of the first non-finite element.
+    pub index: usize,
+    /// That element (NaN, inf or -inf).
+    pub value: f64,
+    /// Where the value was built (`file:line:col` of the builder call), when known: graphs
+    /// loaded from files carry no locations, and gradient and optimizer nodes have none.
+    pub location: Option<String>,
+    /// For a fused kernel: which of its original ops first produced a non-finite value at
+    /// that element.
+    pub origin: Option<FusedOrigin>,
+}
+
+/// The op inside a fused kernel that first produced a non-finite value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FusedOrigin {
+    /// Its instruction index in the kernel (`t{instr}` in the IR).
+    pub instr: usize,
+    /// Its op.
+    pub op: &'static str,
+    /// Where the original op was built, when known.
+    pub location: Option<String>,
+}
+
+impl fmt::Display for Anomaly {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let at = |l: &Option<String>| match l {
+            Some(l) => format!("built at {l}"),
+            None => "source location unknown".to_string(),
+        };
+        write!(
+            f,
+            "anomaly: step {} ({}, {}) produced {} at element {} of its {} result",
+            self.step,
+            self.op,
+            at(&self.location),
+            self.value,
+            self.index,
+            self.ty
+        )?;
+        if let Some(o) = &self.origin {
+            write!(
+                f,
+                "; inside the fused kernel it first comes from instruction t{} ({}, {})",
+                o.instr,
+                o.op,
+                at(&o.location)
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Per plan step, the source location of its node and, for a fused kernel, of each instruction.
+#[derive(Clone, Debug, Default)]
+struct StepSources {
+    steps: Vec<(Option<String>, Vec<Option<String>>)>,
+}
+
+impl StepSources {
+    /// The plan's steps are the memory plan's schedule without its leaves (as `lower` makes
+    /// them); each takes its node's provenance. Empty when the two do not line up.
+    fn new(graph: &Graph, memory: &MemoryPlan, plan: &Plan) -> StepSources {
+        let text = |l: Option<rustytorch_compiler::graph::SourceLocation>| l.map(|l| l.to_string());
+        let mut steps = Vec::with_capacity(plan.steps.len());
+        for &n in &memory.schedule {
+            let Ok(node) = graph.node(n) else {
+                return StepSources::default();
+            };
+            if matches!(
+                node.op,
+                Op::Input { .. }
+                    | Op::Param { .. }
+                    | Op::Constant { .. }
+                    | Op::Full { .. }
+                    | Op::Iota { .. }
+                    | Op::RandUniform { .. }
+                    | Op::RandNormal { .. }
+            ) {
+                continue;
+            }
+            if plan.steps.get(steps.len()).map(|s| &s.op) != Some(&node.op) {
+                return StepSources::default();
+            }
+            let instrs = graph
+                .provenance
+                .fused
+                .get(&n)
+                .map(|v| v.iter().map(|&l| text(l)).collect())
+                .unwrap_or_default();
+            steps.push((text(graph.location(n)), instrs));
+        }
+        if steps.len() != plan.steps.len() {
+            return StepSources::default();
+        }
+        StepSources { steps }
+    }
+
+    /// The anomaly a session reported, with its sources.
+    fn anomaly(&self, v: &NonFiniteValue) -> Anomaly {
+        let step = self.steps.get(v.step);
+        Anomaly {
+            step: v.step,
+            op: v.op,
+            ty: v.ty.clone(),
+            index: v.index,
+            value: v.value,
+            location: step.and_then(|s| s.0.clone()),
+            origin: v.instr.map(|(instr, op)| FusedOrigin {
+                instr,
+                op,
+                location: step.and_then(|s| s.1.get(instr).cloned().flatten()),
+            }),
         }
     }
 }
@@ -109,6 +242,8 @@ pub struct Executable {
     placement: Placement,
     opts: CompileOptions,
     report: rustytorch_compiler::passes::Report,
+    /// Sources of the plan's steps, in anomaly mode.
+    sources: Option<StepSources>,
 }
 
 /// Compiles the graph of `g` computing `outputs` (named as declared with [`GraphBuilder::output`],
@@ -148,8 +283,15 @@ pub fn compile_graph(graph: &Graph, device: Device, opts: &CompileOptions) -> Re
         source.guards.clear();
     }
     source.remove_dead();
+    if opts.anomaly && !matches!(device, Device::Cpu | Device::Auto) {
+        return Err(Error::Runtime(RuntimeError::Device(format!(
+            "anomaly mode runs on the cpu for now; compile for the cpu (not {device}) or turn \
+             anomaly mode off"
+        ))));
+    }
     let popts = rustytorch_compiler::passes::Options {
         optimize: opts.optimize,
+        fuse: opts.optimize,
         ..Default::default()
     };
     let compiled = rustytorch_compiler::passes::run(&source, &popts)?;
@@ -165,7 +307,23 @@ pub fn compile_graph(graph: &Graph, device: Device, opts: &CompileOptions) -> Re
         };
         params.push(Arc::new(v));
     }
-    let (placement, session) = prepare(device, &compiled.graph, &plan, params)?;
+    let (placement, session, sources) = if opts.anomaly {
+        let session = CpuBackend.prepare_with(plan.clone(), params, true)?;
+        let placement = Placement {
+            requested: device,
+            device: Device::Cpu,
+            reason: "anomaly mode runs on the cpu".into(),
+        };
+        let sources = StepSources::new(&compiled.graph, memory, &plan);
+        (
+            placement,
+            Box::new(session) as Box<dyn Session>,
+            Some(sources),
+        )
+    } else {
+        let (placement, session) = prepare(device, &compiled.graph, &plan, params)?;
+        (placement, session, None)
+    };
     tracing::debug!(placement = %placement, "prepared");
     Ok(Executable {
         source,
@@ -175,6 +333,7 @@ pub fn compile_graph(graph: &Graph, device: Device, opts: &CompileOptions) -> Re
         placement,
         opts: opts.clone(),
         report: compiled.report,
+        sources,
     })
 }
 
@@ -270,7 +429,17 @@ impl Executable {
                 reason: format!("missing (expected {})", d.ty),
             })?);
         }
-        let r = self.session.run(&ins)?;
+        let r = match self.session.run(&ins) {
+            Ok(r) => r,
+            Err(RuntimeError::NonFinite(v)) => {
+                let a = match &self.sources {
+                    Some(s) => s.anomaly(&v),
+                    None => StepSources::default().anomaly(&v),
+                };
+                return Err(Error::Anomaly(Box::new(a)));
+            }
+            Err(e) => return Err(e.into()),
+        };
         let failed = r
             .guards
             .iter()

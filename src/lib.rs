@@ -25,8 +25,8 @@ pub mod npy;
 pub mod stats;
 
 pub use executable::{
-    compile, compile_graph, compile_with, workload, CompileOptions, Executable, NonFinitePolicy,
-    Outputs,
+    compile, compile_graph, compile_with, workload, Anomaly, CompileOptions, Executable,
+    NonFinitePolicy, Outputs,
 };
 pub use rustytorch_codegen as codegen;
 pub use rustytorch_compiler as compiler;
@@ -79,6 +79,9 @@ pub enum Error {
         /// The parameter.
         param: String,
     },
+    /// Anomaly mode: a step produced a NaN or infinite value (the op, step and source).
+    #[error("{0}")]
+    Anomaly(Box<executable::Anomaly>),
     /// A file could not be read or written.
     #[error("{path}: {reason}")]
     File {

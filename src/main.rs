@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! rustytorch run model.rtg --input x=x.npy --out results/ --device auto --memory-stats
+//! rustytorch run model.rtg --input x=x.npy --anomaly
 //! rustytorch inspect model.rtg --passes --device cuda
 //! rustytorch convert model.rtg --to text -o model.rtir
 //! ```
@@ -27,7 +28,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Compiles a graph for inference and runs it on `.npy` inputs; writes each output as
-    /// `<out>/<name>.npy`.
+    /// `<out>/<name>.npy` (names that sanitize to the same file get `_1`, `_2`, ... suffixes).
     Run {
         /// The graph: a graph file (`.rtg`) or IR text (`.txt`, `.rtir`).
         graph: PathBuf,
@@ -47,6 +48,10 @@ enum Command {
         /// After the run, print the device memory pool's statistics and the host↔device copies.
         #[arg(long)]
         memory_stats: bool,
+        /// Anomaly mode: stop at the first NaN or infinite value any op produces and name the op
+        /// (also on when `RUSTYTORCH_ANOMALY=1`; runs on the cpu).
+        #[arg(long)]
+        anomaly: bool,
     },
     /// Prints the IR text, the parameter count, a FLOP estimate and where `run --device` would
     /// place the graph.
@@ -107,7 +112,8 @@ fn main() -> ExitCode {
             device,
             print,
             memory_stats,
-        } => run(&graph, &inputs, &out, &device, print, memory_stats),
+            anomaly,
+        } => run(&graph, &inputs, &out, &device, print, memory_stats, anomaly),
         Command::Inspect {
             graph,
             passes,
@@ -243,6 +249,30 @@ fn file_stem(name: &str) -> String {
     }
 }
 
+/// A distinct file stem per output, in order: the sanitized name ([`file_stem`]), or for a
+/// later output whose stem an earlier one already has (compared without case, for
+/// case-insensitive file systems), the stem with the first free `_1`, `_2`, ... suffix.
+fn file_stems<'a>(names: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    let stems: Vec<String> = names.into_iter().map(file_stem).collect();
+    let key = |s: &str| s.to_lowercase();
+    let mut taken: std::collections::HashSet<String> = stems.iter().map(|s| key(s)).collect();
+    let mut first: std::collections::HashSet<String> = std::collections::HashSet::new();
+    stems
+        .into_iter()
+        .map(|stem| {
+            if first.insert(key(&stem)) {
+                return stem;
+            }
+            let free = (1..)
+                .map(|k| format!("{stem}_{k}"))
+                .find(|c| !taken.contains(&key(c)))
+                .expect("a free suffix exists");
+            taken.insert(key(&free));
+            free
+        })
+        .collect()
+}
+
 /// One line describing an output: type, the first values, and per-row argmax of `[N, C]` logits.
 fn summary(name: &str, t: &HostTensor) -> String {
     const SHOW: usize = 8;
@@ -300,13 +330,12 @@ fn parse_device(device: &str) -> Res<Device> {
     )
 }
 
-/// Compiles `graph` for inference on `device` (as `run` does).
-fn compile_for(graph: &Graph, device: Device) -> Res<Executable> {
-    Ok(rustytorch::compile_graph(
-        graph,
-        device,
-        &CompileOptions::inference(),
-    )?)
+/// Compiles `graph` for inference on `device` (as `run` does), in anomaly mode when asked (or
+/// when `RUSTYTORCH_ANOMALY=1`).
+fn compile_for(graph: &Graph, device: Device, anomaly: bool) -> Res<Executable> {
+    let mut opts = CompileOptions::inference();
+    opts.anomaly |= anomaly;
+    Ok(rustytorch::compile_graph(graph, device, &opts)?)
 }
 
 fn run(
@@ -316,6 +345,7 @@ fn run(
     device: &str,
     print: bool,
     memory_stats: bool,
+    anomaly: bool,
 ) -> Res<()> {
     let device = parse_device(device)?;
     let graph = load_graph(graph_path)?;
@@ -326,7 +356,7 @@ fn run(
         ));
     }
     let inputs = read_inputs(&graph, args)?;
-    let mut exe = compile_for(&graph, device)?;
+    let mut exe = compile_for(&graph, device, anomaly)?;
     if device == Device::Auto {
         println!("placement: {}", exe.placement());
     }
@@ -339,8 +369,9 @@ fn run(
         .collect();
     let outs = exe.run(&named)?;
     std::fs::create_dir_all(out).map_err(|e| Failure(format!("{}: {e}", out.display())))?;
-    for (name, t) in outs.iter() {
-        let path = out.join(format!("{}.npy", file_stem(name)));
+    let stems = file_stems(outs.names().iter().map(|n| n.as_str()));
+    for ((name, t), stem) in outs.iter().zip(stems) {
+        let path = out.join(format!("{stem}.npy"));
         npy::write_npy(&path, t)?;
         println!("{}  -> {}", summary(name, t), path.display());
     }
@@ -379,7 +410,7 @@ fn inspect(graph_path: &Path, show_passes: bool, device: &str) -> Res<()> {
     println!("flops: {f} ({}FLOP per run)", stats::si(f));
     if !graph.outputs.is_empty() {
         // Where `run --device` puts it: the inference graph, compiled as `run` compiles it.
-        let exe = compile_for(&graph, device)?;
+        let exe = compile_for(&graph, device, false)?;
         println!("placement (--device {device}): {}", exe.placement());
     }
     if show_passes {

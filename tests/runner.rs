@@ -465,3 +465,45 @@ fn auto_device_and_memory_stats() {
     );
     assert!(dir.join("probs.npy").exists());
 }
+
+#[test]
+fn outputs_whose_names_sanitize_alike_get_distinct_files() {
+    let dir = scratch("collide");
+    let g = GraphBuilder::new();
+    let x = g.input("x", DType::F32, [2, 3]);
+    g.output("a/b", &x.mul_scalar(2.0));
+    g.output("a:b", &x.add_scalar(1.0));
+    g.output("a_b_1", &x.sub_scalar(3.0));
+    g.output("A b", &x.mul_scalar(-1.0));
+    let path = dir.join("collide.rtg");
+    format::save(&g.graph().unwrap(), &path, ParamStorage::Embedded).unwrap();
+    let x = rand_tensor(&TensorType::new(DType::F32, [2, 3]), 7, -1.0, 1.0);
+    let x_path = dir.join("x.npy");
+    write_npy(&x_path, &x).unwrap();
+    let out_dir = dir.join("out");
+    let input = format!("x={}", s(&x_path));
+    let text = ok(&cli(&[
+        "run",
+        s(&path),
+        "--input",
+        &input,
+        "--out",
+        s(&out_dir),
+    ]));
+    let xv = x.to_f64_vec();
+    // In output order: `a/b` keeps the stem, `a:b` takes the first suffix no output has, and
+    // `A b` differs from `a_b` only in case.
+    for (file, f) in [
+        ("a_b.npy", (|v| v * 2.0) as fn(f64) -> f64),
+        ("a_b_2.npy", |v| v + 1.0),
+        ("a_b_1.npy", |v| v - 3.0),
+        ("A_b_3.npy", |v| -v),
+    ] {
+        let p = out_dir.join(file);
+        assert!(text.contains(s(&p)), "{file} not reported:\n{text}");
+        let got = read_npy(&p).unwrap().to_f64_vec();
+        let want: Vec<f64> = xv.iter().map(|&v| f(v)).collect();
+        assert_close(&got, &want, 1e-6, file);
+    }
+    assert_eq!(std::fs::read_dir(&out_dir).unwrap().count(), 4);
+}

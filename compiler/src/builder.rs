@@ -137,6 +137,14 @@ impl GraphBuilder {
         }
     }
 
+    /// Records where a new node was built (for run-time anomaly reports).
+    fn located(&self, r: Result<NodeId>, at: &'static Location<'static>) -> Result<NodeId> {
+        if let Ok(id) = r {
+            self.inner.graph.borrow_mut().set_location(id, at);
+        }
+        r
+    }
+
     fn wrap(&self, r: Result<NodeId>, at: &Location<'_>) -> Tensor {
         match r {
             Ok(id) => Tensor {
@@ -198,6 +206,7 @@ impl GraphBuilder {
             }
         }
         let r = self.inner.graph.borrow_mut().add(op, &ids);
+        let r = self.located(r, at);
         self.wrap(r, at)
     }
 
@@ -210,6 +219,7 @@ impl GraphBuilder {
             .graph
             .borrow_mut()
             .add_input(name, TensorType::new(dtype, shape));
+        let r = self.located(r, at);
         self.wrap(r, at)
     }
 
@@ -229,6 +239,7 @@ impl GraphBuilder {
             .graph
             .borrow_mut()
             .add_param(name, ty, init, trainable);
+        let r = self.located(r, at);
         self.wrap(r, at)
     }
 

@@ -162,7 +162,11 @@ pub fn fuse(graph: &Graph) -> Result<(Graph, FuseReport)> {
 
     let mut immediates: HashSet<NodeId> = HashSet::new();
     for g in &groups {
-        let (kernel, inputs, imms) = build_kernel(&out, g)?;
+        let (kernel, inputs, imms, origins) = build_kernel(&out, g)?;
+        // Each instruction keeps the location of the node it was made from; the kernel keeps
+        // the root's.
+        let locs = origins.iter().map(|&o| out.location(o)).collect();
+        out.provenance.fused.insert(g.root, locs);
         report.groups += 1;
         report.ops_absorbed += g.members.len();
         report.immediates += imms.len();
@@ -173,7 +177,7 @@ pub fn fuse(graph: &Graph) -> Result<(Graph, FuseReport)> {
             .ok_or_else(|| CompileError::Invalid("fused root vanished".into()))?;
         node.op = Op::Fused(Box::new(kernel));
         for &m in g.members.iter().filter(|&&m| m != g.root) {
-            out.g.remove_node(m);
+            out.remove_node(m);
         }
     }
     report.expands_absorbed = expand_order.len();
@@ -184,11 +188,11 @@ pub fn fuse(graph: &Graph) -> Result<(Graph, FuseReport)> {
                 e.index()
             )));
         }
-        out.g.remove_node(e);
+        out.remove_node(e);
     }
     for f in immediates {
         if out.users(f).is_empty() && !roots.contains(&f) {
-            out.g.remove_node(f);
+            out.remove_node(f);
         }
     }
     report.kernels_after = count_kernels(&out);
@@ -264,8 +268,13 @@ fn read_through(graph: &Graph, mut n: NodeId, out: &Shape) -> NodeId {
     n
 }
 
-/// The kernel of a group, its input nodes, and the `Full` nodes it copied as immediates.
-fn build_kernel(graph: &Graph, g: &Group) -> Result<(FusedKernel, Vec<NodeId>, Vec<NodeId>)> {
+/// The kernel of a group, its input nodes, the `Full` nodes it copied as immediates, and the node
+/// each instruction was made from.
+#[allow(clippy::type_complexity)]
+fn build_kernel(
+    graph: &Graph,
+    g: &Group,
+) -> Result<(FusedKernel, Vec<NodeId>, Vec<NodeId>, Vec<NodeId>)> {
     let out_ty = graph.g[g.root].ty.clone();
     let members: HashSet<NodeId> = g.members.iter().copied().collect();
     let is_imm = |p: NodeId| match &graph.g[p].op {
@@ -301,6 +310,7 @@ fn build_kernel(graph: &Graph, g: &Group) -> Result<(FusedKernel, Vec<NodeId>, V
     // Member and immediate nodes → their instruction's value index.
     let mut value: HashMap<NodeId, u32> = HashMap::new();
     let mut imms: Vec<NodeId> = Vec::new();
+    let mut origins: Vec<NodeId> = Vec::new();
     for &m in &g.members {
         let mut args = Vec::with_capacity(graph.g[m].inputs.len());
         for &p in &graph.g[m].inputs {
@@ -316,6 +326,7 @@ fn build_kernel(graph: &Graph, g: &Group) -> Result<(FusedKernel, Vec<NodeId>, V
                     args: vec![],
                     dtype: ty.dtype,
                 });
+                origins.push(src);
                 let v = n_in + instrs.len() as u32 - 1;
                 value.insert(src, v);
                 imms.push(src);
@@ -336,6 +347,7 @@ fn build_kernel(graph: &Graph, g: &Group) -> Result<(FusedKernel, Vec<NodeId>, V
             args,
             dtype: graph.g[m].ty.dtype,
         });
+        origins.push(m);
         value.insert(m, n_in + instrs.len() as u32 - 1);
     }
     let kernel = FusedKernel {
@@ -343,7 +355,7 @@ fn build_kernel(graph: &Graph, g: &Group) -> Result<(FusedKernel, Vec<NodeId>, V
         instrs,
         out: out_ty,
     };
-    Ok((kernel, inputs, imms))
+    Ok((kernel, inputs, imms, origins))
 }
 
 /// One instruction in readable form (`mul(in0, t1)`, `cast<f16>(t0)`, `0.5`).

@@ -6,6 +6,8 @@ use petgraph::stable_graph::{NodeIndex, StableDiGraph};
 use petgraph::Direction;
 use rustytorch_ops::{infer, HostTensor, Op, TensorType};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::panic::Location;
 
 /// A node's id (stable across removals).
 pub type NodeId = NodeIndex<u32>;
@@ -144,6 +146,23 @@ pub struct Graph {
     /// Bool scalars that must all be true for the updates to be applied (gradient finiteness per
     /// parameter); the name says what failed.
     pub guards: Vec<(String, NodeId)>,
+    /// Where the nodes were built in the user's source (not saved in graph files).
+    pub provenance: Provenance,
+}
+
+/// A source location recorded by the builder API (`file:line:col` when displayed).
+pub type SourceLocation = &'static Location<'static>;
+
+/// A side table of where each node was built: the caller location of the builder call that
+/// made it, carried through the compile passes (a node a pass makes takes the location of the
+/// node it replaces where that is known), and for each fused kernel the location of each
+/// instruction's original node. Used to name the source of a run-time anomaly.
+#[derive(Clone, Debug, Default)]
+pub struct Provenance {
+    /// The source location of each node that has one.
+    pub locations: HashMap<NodeId, SourceLocation>,
+    /// Per `Op::Fused` node: the location of each instruction's original node, by instruction.
+    pub fused: HashMap<NodeId, Vec<Option<SourceLocation>>>,
 }
 
 impl Graph {
@@ -402,6 +421,96 @@ impl Graph {
         self.g[id].inputs = inputs;
     }
 
+    /// Where node `id` was built, when known.
+    pub fn location(&self, id: NodeId) -> Option<SourceLocation> {
+        self.provenance.locations.get(&id).copied()
+    }
+
+    /// Records where node `id` was built.
+    pub fn set_location(&mut self, id: NodeId, at: SourceLocation) {
+        self.provenance.locations.insert(id, at);
+    }
+
+    /// Removes a node and its provenance.
+    pub(crate) fn remove_node(&mut self, id: NodeId) {
+        self.g.remove_node(id);
+        self.provenance.locations.remove(&id);
+        self.provenance.fused.remove(&id);
+    }
+
+    /// Takes the source locations of `src`, a graph this one was rewritten from with the same
+    /// inputs, parameters, constants and roots in the same order. A node equal to a node of
+    /// `src` (same op over corresponding operands) takes its location; a node in the place of
+    /// another (a root at the same position, or the same operand of corresponding users) takes
+    /// the location of the node it replaces; any other node takes the location of its first
+    /// located user.
+    pub fn inherit_provenance(&mut self, src: &Graph) {
+        let order = self.live_order();
+        let mut map: HashMap<NodeId, NodeId> = HashMap::new();
+        for (a, b) in self.inputs.iter().zip(&src.inputs) {
+            map.insert(a.node, b.node);
+        }
+        for (a, b) in self.params.iter().zip(&src.params) {
+            map.insert(a.node, b.node);
+        }
+        let by_key: HashMap<(&Op, &[NodeId]), NodeId> = src
+            .g
+            .node_indices()
+            .map(|n| ((&src.g[n].op, src.g[n].inputs.as_slice()), n))
+            .collect();
+        // Equal nodes, operands first.
+        for &n in &order {
+            if map.contains_key(&n) {
+                continue;
+            }
+            let node = &self.g[n];
+            let ins: Option<Vec<NodeId>> =
+                node.inputs.iter().map(|i| map.get(i).copied()).collect();
+            if let Some(s) = ins.and_then(|ins| by_key.get(&(&node.op, ins.as_slice())).copied()) {
+                map.insert(n, s);
+            }
+        }
+        // Replacements, users first.
+        for (a, b) in self.roots().into_iter().zip(src.roots()) {
+            if self.g[a].ty == src.g[b].ty {
+                map.entry(a).or_insert(b);
+            }
+        }
+        for &n in order.iter().rev() {
+            let Some(&s) = map.get(&n) else { continue };
+            for (k, &i) in self.g[n].inputs.iter().enumerate() {
+                if let Some(&si) = src.g[s].inputs.get(k) {
+                    if self.g[i].ty == src.g[si].ty {
+                        map.entry(i).or_insert(si);
+                    }
+                }
+            }
+        }
+        let mut locations = HashMap::new();
+        let mut fused = HashMap::new();
+        for (&n, &s) in &map {
+            if let Some(l) = src.location(s) {
+                locations.insert(n, l);
+            }
+            if let (Some(f), true) = (src.provenance.fused.get(&s), self.g[n].op == src.g[s].op) {
+                fused.insert(n, f.clone());
+            }
+        }
+        for &n in order.iter().rev() {
+            if locations.contains_key(&n) {
+                continue;
+            }
+            let at = self
+                .users(n)
+                .into_iter()
+                .find_map(|u| locations.get(&u).copied());
+            if let Some(at) = at {
+                locations.insert(n, at);
+            }
+        }
+        self.provenance = Provenance { locations, fused };
+    }
+
     /// Removes nodes no root depends on (leaves that are declared inputs or parameters stay).
     pub fn remove_dead(&mut self) {
         let live: std::collections::HashSet<NodeId> = self.live_order().into_iter().collect();
@@ -413,7 +522,7 @@ impl Graph {
             })
             .collect();
         for n in dead {
-            self.g.remove_node(n);
+            self.remove_node(n);
         }
     }
 

@@ -113,7 +113,8 @@ pub fn run(graph: &Graph, opts: &Options) -> Result<Compiled> {
     if opts.optimize {
         let mut rep = None;
         g = step(&mut report, opts, "optimize", g, |g| {
-            let (out, r) = optimize(g, &opts.optimize_config)?;
+            let (mut out, r) = optimize(g, &opts.optimize_config)?;
+            out.inherit_provenance(g);
             rep = Some(r);
             Ok(out)
         })?;

@@ -2,13 +2,19 @@
 //! multi-threaded with rayon and dispatches on dtype once per tensor), freeing every intermediate
 //! right after its last use. Parameters and state stay host tensors owned by the session; a step's
 //! updates replace them only when every guard passed.
+//!
+//! In anomaly mode ([`CpuBackend::prepare_with`]) every step's result is checked for NaN and
+//! infinite elements as it is produced, and the run stops at the first one with a
+//! [`RuntimeError::NonFinite`]; for a fused kernel, the kernel's instructions are then evaluated
+//! one by one to find the first whose value at that element is not finite.
 
 use crate::{
     check_param_type, Backend, Device, MemoryStats, Result, RunOutput, RuntimeError, Session,
     TransferStats,
 };
 use rustytorch_codegen::{Plan, Source};
-use rustytorch_ops::{eval_cpu, HostTensor};
+use rustytorch_ops::{eval_cpu, Data, FusedKernel, HostTensor, Op, TensorType};
+use std::fmt;
 use std::sync::Arc;
 
 /// Executes plans on the host.
@@ -21,6 +27,20 @@ impl Backend for CpuBackend {
     }
 
     fn prepare(&self, plan: Arc<Plan>, params: Vec<Arc<HostTensor>>) -> Result<Box<dyn Session>> {
+        Ok(Box::new(self.prepare_with(plan, params, false)?))
+    }
+}
+
+impl CpuBackend {
+    /// [`Backend::prepare`], with anomaly mode on or off: when on, every step's result is checked
+    /// for NaN and infinite elements and a run stops at the first with
+    /// [`RuntimeError::NonFinite`].
+    pub fn prepare_with(
+        &self,
+        plan: Arc<Plan>,
+        params: Vec<Arc<HostTensor>>,
+        anomaly: bool,
+    ) -> Result<CpuSession> {
         if params.len() != plan.param_types.len() {
             return Err(RuntimeError::Invalid(format!(
                 "the plan has {} parameter and state tensors, {} were given",
@@ -31,8 +51,89 @@ impl Backend for CpuBackend {
         for (i, p) in params.iter().enumerate() {
             check_param_type(&plan, i, p)?;
         }
-        Ok(Box::new(CpuSession { plan, params }))
+        Ok(CpuSession {
+            plan,
+            params,
+            anomaly,
+        })
     }
+}
+
+/// The first NaN or infinite value found by anomaly mode.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NonFiniteValue {
+    /// The step that produced it.
+    pub step: usize,
+    /// The step's op (`fused` for a fused kernel).
+    pub op: &'static str,
+    /// The type of the step's result.
+    pub ty: TensorType,
+    /// Row-major index of the first non-finite element of the result.
+    pub index: usize,
+    /// That element (NaN, inf or -inf).
+    pub value: f64,
+    /// For a fused kernel: the first instruction whose value at `index` is not finite, and its
+    /// op.
+    pub instr: Option<(usize, &'static str)>,
+}
+
+impl fmt::Display for NonFiniteValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "step {} ({}) produced {} at element {} of its {} result",
+            self.step, self.op, self.value, self.index, self.ty
+        )?;
+        if let Some((j, op)) = self.instr {
+            write!(
+                f,
+                "; inside the kernel it first appears in instruction t{j} ({op})"
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The row-major index and value of the first NaN or infinite element of `t` (None for integer
+/// and bool tensors, which have none).
+pub fn first_non_finite(t: &HostTensor) -> Option<(usize, f64)> {
+    fn find<T: Copy>(
+        v: &[T],
+        finite: impl Fn(T) -> bool,
+        f64_of: impl Fn(T) -> f64,
+    ) -> Option<(usize, f64)> {
+        v.iter()
+            .position(|&x| !finite(x))
+            .map(|i| (i, f64_of(v[i])))
+    }
+    match t.data() {
+        Data::F32(v) => find(v, f32::is_finite, f64::from),
+        Data::F64(v) => find(v, f64::is_finite, |x| x),
+        Data::F16(v) => find(v, |x| x.is_finite(), f64::from),
+        Data::BF16(v) => find(v, |x| x.is_finite(), f64::from),
+        Data::I32(_) | Data::I64(_) | Data::U8(_) | Data::Bool(_) => None,
+    }
+}
+
+/// The first instruction of fused kernel `k` over `inputs` whose value at element `index` is not
+/// finite: each prefix of the program is evaluated as a kernel of its own, so every instruction
+/// computes exactly as inside the kernel (only the prefix's last value is rounded to its dtype).
+pub fn fused_origin(k: &FusedKernel, inputs: &[&HostTensor], index: usize) -> Option<usize> {
+    (0..k.instrs.len()).find(|&j| {
+        let ins = &k.instrs[j];
+        if !ins.dtype.is_float() {
+            return false;
+        }
+        let prefix = FusedKernel {
+            n_inputs: k.n_inputs,
+            instrs: k.instrs[..=j].to_vec(),
+            out: TensorType::new(ins.dtype, k.out.shape.clone()),
+        };
+        eval_cpu(&Op::Fused(Box::new(prefix)), inputs)
+            .ok()
+            .and_then(|v| v.to_f64_vec().get(index).copied())
+            .is_some_and(|x| !x.is_finite())
+    })
 }
 
 /// A plan prepared on the host, owning its parameter and state tensors.
@@ -40,6 +141,7 @@ impl Backend for CpuBackend {
 pub struct CpuSession {
     plan: Arc<Plan>,
     params: Vec<Arc<HostTensor>>,
+    anomaly: bool,
 }
 
 impl CpuSession {
@@ -81,11 +183,30 @@ impl CpuSession {
                     .map(|&v| vals[v].as_deref().expect("operand computed before use"))
                     .collect();
                 let _span = tracing::trace_span!("kernel", step = s, op = step.op.name()).entered();
-                eval_cpu(&step.op, &ins).map_err(|source| RuntimeError::Kernel {
+                let out = eval_cpu(&step.op, &ins).map_err(|source| RuntimeError::Kernel {
                     step: s,
                     op: step.op.name(),
                     source,
-                })?
+                })?;
+                if self.anomaly {
+                    if let Some((index, value)) = first_non_finite(&out) {
+                        let instr = match &step.op {
+                            Op::Fused(k) => {
+                                fused_origin(k, &ins, index).map(|j| (j, k.instrs[j].op.name()))
+                            }
+                            _ => None,
+                        };
+                        return Err(RuntimeError::NonFinite(Box::new(NonFiniteValue {
+                            step: s,
+                            op: step.op.name(),
+                            ty: out.ty(),
+                            index,
+                            value,
+                            instr,
+                        })));
+                    }
+                }
+                out
             };
             vals[step.output] = Some(Arc::new(out));
             for &f in &step.frees {
