@@ -21,7 +21,7 @@
 use crate::text::dense_order;
 use crate::{CompileError, Graph, Init, InputDef, NodeId, ParamDef, Result};
 use bincode::Options;
-use rustytorch_ops::{bf16, f16, ConvGeom, DType, Data, HostTensor, Op, Shape, TensorType};
+use rustytorch_ops::{bf16, f16, DType, Data, HostTensor, Op, Shape, TensorType};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -33,12 +33,11 @@ pub const VERSION: u32 = 1;
 /// Bytes before the body.
 pub const HEADER_LEN: usize = 24;
 
-/// Largest tensor a file may describe: 2^48 elements (zero dims counted as one).
-const MAX_ELEMENTS: u128 = 1 << 48;
-/// Largest rank, and largest length of a per-dim attribute list.
-const MAX_RANK: usize = 64;
-/// Largest integer attribute (axes, strides, paddings, slice bounds, groups ...).
-const MAX_ATTR: usize = 1 << 32;
+/// Largest tensor a file may describe (zero dims counted as one): the ops crate's limit, the same
+/// for graphs built in code or read from IR text.
+const MAX_ELEMENTS: u128 = rustytorch_ops::shape::MAX_ELEMENTS as u128;
+/// Largest rank.
+const MAX_RANK: usize = rustytorch_ops::shape::MAX_RANK;
 
 /// Where a saved graph keeps its parameters' values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -219,8 +218,10 @@ fn check_dims(dims: &[u64], what: &dyn Fn() -> String) -> Result<Vec<usize>> {
 }
 
 fn check_type(ty: &TensorType, what: &dyn Fn() -> String) -> Result<()> {
-    let dims: Vec<u64> = ty.shape.dims().iter().map(|&d| d as u64).collect();
-    check_dims(&dims, what).map(|_| ())
+    ty.shape
+        .check_limits()
+        .map(|_| ())
+        .map_err(|e| fmt_err(format!("{}: {e}", what())))
 }
 
 /// A tensor from little-endian bytes, checking the byte count against dtype × shape.
@@ -657,7 +658,7 @@ fn validate(def: &GraphDef) -> Result<()> {
     for (i, nd) in def.nodes.iter().enumerate() {
         let what = || format!("node {i} ({})", nd.op.name());
         check_type(&nd.ty, &what)?;
-        check_op(&nd.op, &what, 0)?;
+        check_op(&nd.op, &what)?;
         for &k in &nd.inputs {
             if k as usize >= i {
                 return Err(fmt_err(format!(
@@ -797,112 +798,10 @@ fn validate(def: &GraphDef) -> Result<()> {
     Ok(())
 }
 
-/// Bounds every size-like attribute of an op so that inference's arithmetic cannot overflow.
-fn check_op(op: &Op, what: &dyn Fn() -> String, depth: usize) -> Result<()> {
-    let ints = |v: &[usize]| -> Result<()> {
-        if v.len() > MAX_RANK {
-            return Err(fmt_err(format!(
-                "{}: an attribute list has {} entries",
-                what(),
-                v.len()
-            )));
-        }
-        match v.iter().find(|&&x| x > MAX_ATTR) {
-            Some(x) => Err(fmt_err(format!(
-                "{}: attribute value {x} is too large",
-                what()
-            ))),
-            None => Ok(()),
-        }
-    };
-    let geom = |g: &ConvGeom| -> Result<()> {
-        ints(&g.stride)?;
-        ints(&g.padding)?;
-        ints(&g.dilation)
-    };
-    let shape = |s: &Shape| check_type(&TensorType::new(DType::U8, s.clone()), what);
-    match op {
-        Op::Input { ty, .. }
-        | Op::Param { ty, .. }
-        | Op::Constant { ty, .. }
-        | Op::Full { ty, .. }
-        | Op::RandUniform { ty, .. }
-        | Op::RandNormal { ty, .. } => check_type(ty, what),
-        Op::Iota { axis, ty } => {
-            ints(&[*axis])?;
-            check_type(ty, what)
-        }
-        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } | Op::Matmul { .. } => Ok(()),
-        Op::MatmulEpilogue { .. } | Op::Attention { .. } | Op::AttentionGrad { .. } => Ok(()),
-        Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => Ok(()),
-        Op::LayerNorm { .. } | Op::RmsNorm { .. } => Ok(()),
-        Op::Reduce { axes, .. } => ints(axes),
-        Op::Permute { perm } => ints(perm),
-        Op::ArgReduce { axis, .. }
-        | Op::Concat { axis }
-        | Op::Softmax { axis }
-        | Op::LogSoftmax { axis }
-        | Op::Gather { axis }
-        | Op::ScatterAdd { axis }
-        | Op::IndexSelect { axis }
-        | Op::IndexAdd { axis } => ints(&[*axis]),
-        Op::Reshape { shape: s } | Op::Expand { shape: s } => shape(s),
-        Op::Slice {
-            starts,
-            ends,
-            steps,
-        } => {
-            ints(starts)?;
-            ints(ends)?;
-            ints(steps)
-        }
-        Op::Pad { pads, .. } => {
-            let flat: Vec<usize> = pads.iter().flat_map(|&(a, b)| [a, b]).collect();
-            ints(&flat)
-        }
-        Op::Conv {
-            geom: g, groups, ..
-        } => {
-            geom(g)?;
-            ints(&[*groups])
-        }
-        Op::ConvGradInput {
-            geom: g,
-            groups,
-            input_shape: s,
-        }
-        | Op::ConvGradWeight {
-            geom: g,
-            groups,
-            weight_shape: s,
-        } => {
-            geom(g)?;
-            ints(&[*groups])?;
-            shape(s)
-        }
-        Op::Pool {
-            kernel, geom: g, ..
-        }
-        | Op::PoolGrad {
-            kernel, geom: g, ..
-        } => {
-            ints(kernel)?;
-            geom(g)
-        }
-        Op::Fused(k) => {
-            if depth > 4 {
-                return Err(fmt_err(format!(
-                    "{}: fused kernels nested too deeply",
-                    what()
-                )));
-            }
-            check_type(&k.out, what)?;
-            for ins in &k.instrs {
-                check_op(&ins.op, what, depth + 1)?;
-            }
-            Ok(())
-        }
-    }
+/// Bounds every size-like attribute of an op so that inference's arithmetic cannot overflow (the
+/// check [`rustytorch_ops::infer`] makes too, here before anything is built).
+fn check_op(op: &Op, what: &dyn Fn() -> String) -> Result<()> {
+    rustytorch_ops::shape::check_op_limits(op).map_err(|e| fmt_err(format!("{}: {e}", what())))
 }
 
 /// Builds the graph from a validated body: every node through [`Graph::add`], then the tables.

@@ -9,6 +9,11 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::panic::Location;
 
+/// Checks a declared leaf type against the size limits (the error names the op, as inference's).
+fn check_leaf(op: &Op, ty: &TensorType) -> Result<()> {
+    rustytorch_ops::shape::check_type_limits(op, ty).map_err(CompileError::Op)
+}
+
 /// A node's id (stable across removals).
 pub type NodeId = NodeIndex<u32>;
 
@@ -203,6 +208,14 @@ impl Graph {
 
     /// Declares a named input.
     pub fn add_input(&mut self, name: &str, ty: TensorType) -> Result<NodeId> {
+        let index = self.inputs.len() as u32;
+        check_leaf(
+            &Op::Input {
+                index,
+                ty: ty.clone(),
+            },
+            &ty,
+        )?;
         if self.inputs.iter().any(|i| i.name == name) {
             return Err(CompileError::Invalid(format!(
                 "input `{name}` declared twice"
@@ -234,6 +247,14 @@ impl Graph {
         init: Init,
         trainable: bool,
     ) -> Result<NodeId> {
+        let index = self.params.len() as u32;
+        check_leaf(
+            &Op::Param {
+                index,
+                ty: ty.clone(),
+            },
+            &ty,
+        )?;
         if self.params.iter().any(|p| p.name == name) {
             return Err(CompileError::Invalid(format!(
                 "parameter `{name}` declared twice"
@@ -526,9 +547,15 @@ impl Graph {
         }
     }
 
-    /// Checks every invariant: operands exist and form a DAG, each node's type is its op's
-    /// inference, leaves agree with the input/parameter/constant tables, outputs exist.
+    /// Checks every invariant: operands exist and form a DAG; each node's type is its op's
+    /// inference (which checks the attributes and every type against the size limits of
+    /// [`rustytorch_ops::shape`]); leaves agree with the input/parameter/constant tables; input,
+    /// parameter and output names are unique; parameter values have the parameter's type;
+    /// outputs, updates and guards name existing nodes, updates of the parameter's type and guards
+    /// bool scalars. Graphs read from IR text and graph files are verified before they are
+    /// returned, so both formats pass exactly these checks.
     pub fn verify(&self) -> Result<()> {
+        self.verify_tables()?;
         for id in self.g.node_indices() {
             let n = &self.g[id];
             let mut tys = Vec::with_capacity(n.inputs.len());
@@ -582,6 +609,17 @@ impl Graph {
                 CompileError::Invalid(format!("output `{name}` names a missing node"))
             })?;
         }
+        for (name, o) in &self.guards {
+            let t = &self
+                .node(*o)
+                .map_err(|_| CompileError::Invalid(format!("guard `{name}` names a missing node")))?
+                .ty;
+            if t.dtype != rustytorch_ops::DType::Bool || t.shape.rank() != 0 {
+                return Err(CompileError::Invalid(format!(
+                    "guard `{name}` is {t}, not a bool scalar"
+                )));
+            }
+        }
         for (p, o) in &self.updates {
             let def = self.params.get(*p as usize).ok_or_else(|| {
                 CompileError::Invalid(format!("update of missing parameter #{p}"))
@@ -595,6 +633,48 @@ impl Graph {
             }
         }
         self.topo_order()?;
+        Ok(())
+    }
+
+    /// The table checks of [`Graph::verify`]: unique names and parameter values of the declared
+    /// type.
+    fn verify_tables(&self) -> Result<()> {
+        let mut seen = std::collections::HashSet::new();
+        for d in &self.inputs {
+            if !seen.insert(d.name.as_str()) {
+                return Err(CompileError::Invalid(format!(
+                    "input `{}` declared twice",
+                    d.name
+                )));
+            }
+        }
+        seen.clear();
+        for d in &self.params {
+            if !seen.insert(d.name.as_str()) {
+                return Err(CompileError::Invalid(format!(
+                    "parameter `{}` declared twice",
+                    d.name
+                )));
+            }
+            if let Some(t) = &d.data {
+                if t.ty() != d.ty {
+                    return Err(CompileError::Invalid(format!(
+                        "parameter `{}` is {} but its values are {}",
+                        d.name,
+                        d.ty,
+                        t.ty()
+                    )));
+                }
+            }
+        }
+        seen.clear();
+        for (name, _) in &self.outputs {
+            if !seen.insert(name.as_str()) {
+                return Err(CompileError::Invalid(format!(
+                    "output `{name}` declared twice"
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -613,7 +693,6 @@ impl Graph {
         self.params
             .iter()
             .filter(|p| p.trainable)
-            .map(|p| p.ty.shape.numel())
-            .sum()
+            .fold(0usize, |n, p| n.saturating_add(p.ty.shape.numel()))
     }
 }

@@ -36,6 +36,10 @@
 //! shortest round-trip form (`nan`, `inf`, `-inf` included; f16/bf16 through f32, exactly), integers
 //! in decimal, bools as `true`/`false`.
 //!
+//! Types obey the size limits of [`rustytorch_ops::shape`] (rank at most 64, at most 2^40
+//! elements), checked as each type is read, before any value list is counted against it; the
+//! parsed graph then passes [`Graph::verify`], the same checks a graph file passes on load.
+//!
 //! Node labels are any distinct numbers, defined before use; the printer numbers densely in a
 //! topological order (inputs, then parameters, then the rest by creation order where dependencies
 //! allow), so `print(&parse(&print(g))?) == print(g)`.
@@ -317,7 +321,13 @@ pub fn parse(text: &str) -> Result<Graph> {
                     state = 2;
                     close_line = line;
                 } else {
-                    p.line(&mut lx).map_err(err)?;
+                    // Inference belongs to the op families; a panic there on hostile attributes
+                    // must still surface as an error of this line (the parser is dropped).
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.line(&mut lx)))
+                        .unwrap_or_else(|_| {
+                            Err("an op's shape inference failed on this line's attributes".into())
+                        })
+                        .map_err(err)?;
                 }
             }
             _ => return Err(err("text after the closing `}`".into())),
@@ -708,7 +718,11 @@ impl<'a> Lexer<'a> {
                 self.punct(",")?;
             }
         }
-        Ok(TensorType::new(dtype, dims))
+        let ty = TensorType::new(dtype, dims);
+        ty.shape
+            .check_limits()
+            .map_err(|e| format!("type {dtype}: {e}"))?;
+        Ok(ty)
     }
 
     /// A number token: up to `,`, `)`, `]` or whitespace.

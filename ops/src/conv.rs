@@ -232,7 +232,7 @@ fn conv_out_shape(
             format!("groups {groups} must divide the input channels {c} and output channels {o}"),
         ));
     }
-    if w[1] * groups != c {
+    if w[1].checked_mul(groups) != Some(c) {
         return Err(shape_err(
             op,
             inputs,
@@ -251,9 +251,23 @@ fn conv_out_shape(
         if k == 0 {
             return Err(shape_err(op, inputs, "kernel dims must be >= 1"));
         }
-        // Saturating: absurd attributes give an error (or a huge size), never an overflow panic.
-        let span = d.saturating_mul(k - 1).saturating_add(1);
-        let padded = n.saturating_add(p.saturating_mul(2));
+        // Checked: absurd attributes give an error naming the op, never an overflow.
+        let overflow = |what: &str| {
+            shape_err(
+                op,
+                inputs,
+                format!("spatial dim {i}: the {what} overflows (size {n}, kernel {k}, stride {st}, padding {p}, dilation {d})"),
+            )
+        };
+        let span = d
+            .checked_mul(k - 1)
+            .and_then(|s| s.checked_add(1))
+            .ok_or_else(|| overflow("dilated kernel"))?;
+        let padded = p
+            .checked_mul(2)
+            .and_then(|pp| n.checked_add(pp))
+            .filter(|&pp| pp <= isize::MAX as usize)
+            .ok_or_else(|| overflow("padded size"))?;
         if padded < span {
             return Err(shape_err(
                 op,

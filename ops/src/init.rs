@@ -76,11 +76,31 @@ fn fill<T: Element>(out: &mut [T], f: impl Fn(usize) -> T + Sync) {
     }
 }
 
-/// A tensor of `ty` with `out[i] = T::from_f64(f(i))`.
-fn generate(ty: &TensorType, f: impl Fn(usize) -> f64 + Sync) -> Result<HostTensor> {
-    let n = ty.shape.numel();
+/// A zeroed buffer of `n` elements of `T` for `op`, or an error (never an abort) when the
+/// allocation fails.
+fn alloc<T: Element>(op: &Op, ty: &TensorType, n: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| OpError::Runtime {
+        op: op.name(),
+        reason: format!(
+            "cannot allocate {ty} ({} bytes)",
+            ty.try_size_bytes()
+                .map_or("too many".into(), |b| b.to_string())
+        ),
+    })?;
+    v.resize(n, T::default());
+    Ok(v)
+}
+
+/// A tensor of `ty` with `out[i] = T::from_f64(f(i))`; the type is checked against the size
+/// limits and the buffer allocated fallibly first.
+fn generate(op: &Op, ty: &TensorType, f: impl Fn(usize) -> f64 + Sync) -> Result<HostTensor> {
+    let n = ty
+        .shape
+        .check_limits()
+        .map_err(|e| attr_err(op, format!("type {}: {e}", ty.dtype)))?;
     let data = with_dtype!(ty.dtype, T => {
-        let mut v = vec![T::default(); n];
+        let mut v = alloc::<T>(op, ty, n)?;
         fill(&mut v, |i| <T as Element>::from_f64(f(i)));
         <T as HostElement>::wrap(v)
     });
@@ -97,24 +117,27 @@ pub fn cpu(op: &Op, _inputs: &[&HostTensor], out: &TensorType) -> Result<HostTen
                 "graph inputs, parameters and constants are supplied by the runtime, not computed"
                     .into(),
         }),
-        Op::Full { value, .. } => Ok(HostTensor::full(out, value.get())),
+        Op::Full { value, .. } => {
+            let v = value.get();
+            generate(op, out, |_| v)
+        }
         Op::Iota { axis, .. } => {
             let dims = out.shape.dims();
-            let stride = out.shape.strides()[*axis];
-            let len = dims[*axis];
-            generate(out, |i| ((i / stride) % len) as f64)
+            let stride = out.shape.strides()[*axis].max(1);
+            let len = dims[*axis].max(1);
+            generate(op, out, |i| ((i / stride) % len) as f64)
         }
         Op::RandUniform {
             low, high, seed, ..
         } => {
             let (lo, hi, seed) = (low.get(), high.get(), *seed);
-            generate(out, |i| lo + (hi - lo) * rng::uniform01(seed, i as u64))
+            generate(op, out, |i| lo + (hi - lo) * rng::uniform01(seed, i as u64))
         }
         Op::RandNormal {
             mean, std, seed, ..
         } => {
             let (m, s, seed) = (mean.get(), std.get(), *seed);
-            generate(out, |i| m + s * rng::normal(seed, i as u64))
+            generate(op, out, |i| m + s * rng::normal(seed, i as u64))
         }
         _ => Err(OpError::Runtime {
             op: op.name(),

@@ -36,9 +36,11 @@ pub use shape::{normalize_axis, Shape, TensorType};
 pub use tensor::{Data, HostTensor};
 
 /// The output type of `op` applied to inputs of types `inputs`, or a typed error naming the op,
-/// the input shapes and dtypes.
+/// the input shapes and dtypes. The op's attributes and the result are checked against the size
+/// limits of [`shape`] first and last.
 pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
-    match op {
+    shape::check_op_limits(op)?;
+    let ty = match op {
         Op::Input { .. }
         | Op::Param { .. }
         | Op::Constant { .. }
@@ -70,7 +72,9 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
         Op::Pool { .. } | Op::PoolGrad { .. } => pool::infer(op, inputs),
         Op::Attention { .. } | Op::AttentionGrad { .. } => attention::infer(op, inputs),
         Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => loss::infer(op, inputs),
-    }
+    }?;
+    shape::check_result_limits(op, inputs, &ty)?;
+    Ok(ty)
 }
 
 /// Runs `op`'s CPU kernel. Leaves that name graph data (`Input`, `Param`, `Constant`) are supplied

@@ -18,16 +18,20 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
         Op::Reshape { shape } => {
             arity(op, inputs, 1)?;
             let x = inputs[0];
-            if x.shape.numel() != shape.numel() {
+            let count = |s: &Shape| match s.try_numel() {
+                Some(n) => n.to_string(),
+                None => "too many".into(),
+            };
+            if x.shape.try_numel().is_none() || x.shape.try_numel() != shape.try_numel() {
                 return Err(shape_err(
                     op,
                     inputs,
                     format!(
                         "cannot reshape {} ({} elements) to {} ({} elements)",
                         x.shape,
-                        x.shape.numel(),
+                        count(&x.shape),
                         shape,
-                        shape.numel()
+                        count(shape)
                     ),
                 ));
             }
@@ -115,7 +119,7 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
             if inputs.iter().any(|t| t.dtype != first.dtype) {
                 return Err(dtype_err(op, inputs, "all inputs must have the same dtype"));
             }
-            let mut total = 0;
+            let mut total = 0usize;
             for (i, t) in inputs.iter().enumerate() {
                 let same = t.shape.rank() == r
                     && (0..r).all(|k| k == *axis || t.shape.dims()[k] == first.shape.dims()[k]);
@@ -129,7 +133,9 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
                         ),
                     ));
                 }
-                total += t.shape.dims()[*axis];
+                total = total.checked_add(t.shape.dims()[*axis]).ok_or_else(|| {
+                    shape_err(op, inputs, format!("the sizes along axis {axis} overflow"))
+                })?;
             }
             let mut dims = first.shape.dims().to_vec();
             dims[*axis] = total;
@@ -144,13 +150,24 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
                     format!("pads {pads:?} need one (before, after) pair per dim of {x}"),
                 ));
             }
-            let dims: Vec<usize> = x
+            let dims = x
                 .shape
                 .dims()
                 .iter()
                 .zip(pads)
-                .map(|(&d, &(b, a))| b + d + a)
-                .collect();
+                .enumerate()
+                .map(|(k, (&d, &(b, a)))| {
+                    d.checked_add(b)
+                        .and_then(|n| n.checked_add(a))
+                        .ok_or_else(|| {
+                            shape_err(
+                                op,
+                                inputs,
+                                format!("dim {k} of size {d} padded by ({b}, {a}) overflows"),
+                            )
+                        })
+                })
+                .collect::<Result<Vec<usize>>>()?;
             Ok(TensorType::new(x.dtype, dims))
         }
         _ => Err(OpError::Runtime {

@@ -47,7 +47,17 @@ fn pool_out_shape(
     let mut out = x[..2].to_vec();
     for i in 0..s {
         let (n, k, p) = (x[2 + i], kernel[i], geom.padding[i]);
-        let padded = n.saturating_add(2 * p);
+        let padded = p
+            .checked_mul(2)
+            .and_then(|pp| n.checked_add(pp))
+            .filter(|&pp| pp <= isize::MAX as usize)
+            .ok_or_else(|| {
+                shape_err(
+                    op,
+                    inputs,
+                    format!("spatial dim {i}: size {n} with padding {p} overflows"),
+                )
+            })?;
         if n == 0 || padded < k {
             return Err(shape_err(
                 op,
