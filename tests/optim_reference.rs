@@ -53,7 +53,7 @@ fn batch(step: usize) -> Batch {
 
 /// `loss = ½ Σ (x·w + b − y)²`; its gradient is `(xᵀr, Σ_rows r)` with `r = x·w + b − y`.
 fn closed_form_grad(p: &Params, d: &Batch) -> Params {
-    let mut r = vec![0.0; N * O];
+    let mut r = [0.0; N * O];
     for n in 0..N {
         for o in 0..O {
             let mut s = p.b[o] - d.y[n * O + o];
