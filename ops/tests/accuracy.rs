@@ -94,7 +94,9 @@ fn sum_and_mean_of_long_rows() {
 #[test]
 fn sum_and_mean_along_a_strided_axis() {
     // Sum over the first axis of [n, 3]: runs of 256 rows summed sequentially, then pairwise.
-    // Previous errors (max relative, f32 blocks): sum OLD_SUM_STRIDED, mean OLD_MEAN_STRIDED.
+    // Previous errors (max relative, f32 blocks) at 10^4 / 10^5 / 10^6: sum 6.9e-8 / 3.2e-8 /
+    // 1.7e-8, mean 8.2e-8 / 3.8e-8 / 4.0e-8, against correctly rounded 4.5e-8 / 3.2e-8 / 1.7e-8
+    // and 2.1e-8 / 2.3e-8 / 2.9e-8; now correctly rounded.
     for (i, n) in SIZES.into_iter().enumerate() {
         let x = big_mean(n, 3, 70 + i as u64);
         let xs = x.to_f64_vec();
