@@ -33,14 +33,13 @@ const X: &str = "in0:f32:2:8";
 // ---- algebra ----
 rewrites! {
     mul_one: "(mul in0:f32:2:3 1)" => "in0:f32:2:3";
-    add_zero: "(add in0:f32:2:3 0)" => "in0:f32:2:3";
+    add_zero: "(add in0:f32:2:3 -0)" => "in0:f32:2:3";
     sub_zero: "(sub in0:f32:2:3 0)" => "in0:f32:2:3";
     div_one: "(div in0:f32:2:3 1)" => "in0:f32:2:3";
     neg_neg: "(neg (neg in0:f32:4))" => "in0:f32:4";
-    exp_log: "(exp (log in0:f32:4))" => "in0:f32:4";
-    log_exp: "(log (exp in0:f32:4))" => "in0:f32:4";
+    exp_log: "(exp (log (exp in0:f32:4)))" => "(exp in0:f32:4)";
     mul_const_right: "(mul 2 in0:f32:4)" => "(mul in0:f32:4 2)";
-    add_const_right: "(add 0 in0:f32:4)" => "in0:f32:4";
+    add_const_right: "(add 0 in0:f32:4)" => "(add in0:f32:4 0)";
     cube_to_pow: "(mul (mul in0:f32:4 in0:f32:4) in0:f32:4)" => "(pow in0:f32:4 3)";
     cube_to_pow_rev: "(mul in0:f32:4 (mul in0:f32:4 in0:f32:4))" => "(pow in0:f32:4 3)";
     permute_compose_identity:
@@ -61,6 +60,9 @@ rewrites! {
 
 keeps! {
     mul_one_that_broadcasts: "(mul in0:f32:3 1:f32:2:3)" => "in0:f32:3";
+    add_positive_zero: "(add in0:f32:4 0)" => "in0:f32:4";
+    exp_log_of_any_sign: "(exp (log in0:f32:4))" => "in0:f32:4";
+    log_exp_overflows: "(log (exp in0:f32:4))" => "in0:f32:4";
     cast_cast_lossy: "(cast[to=f32] (cast[to=f16] in0:f32:4))" => "in0:f32:4";
     mul_const_right_needs_a_constant: "(mul in1:f32:4 in0:f32:4)" => "(mul in0:f32:4 in1:f32:4)";
 }

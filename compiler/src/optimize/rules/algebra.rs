@@ -2,14 +2,21 @@
 //! casts. Identities that drop an operation require the result to keep the operand's type (an
 //! identity that would undo a broadcast, such as `x[3] * ones[2,3]`, does not apply).
 //!
-//! Domains: `exp(log x) => x` holds where `log x` is defined (x >= 0); for x < 0 the left side is
-//! NaN, so the rewrite turns a NaN result into `x` (the usual compiler convention that the program
-//! does not rely on NaN). `log(exp x) => x` holds for every finite x, and is more accurate where
-//! `exp x` overflows.
+//! Domains: every rule here keeps the value of its left side for every input, NaN, ±∞, ±0 and
+//! negatives included (up to rounding where an op is replaced by another, such as `x·x·x =>
+//! x^3`), which `tests/rules_values.rs` checks on edge values. Where an identity holds only on
+//! part of the domain, a guard restricts it:
+//! - `x + 0 => x` is wrong for x = −0 (−0 + +0 = +0), so it applies to the constant −0 (and to
+//!   integers); `x − 0 => x` applies to +0 (x − (−0) = x + 0).
+//! - `exp(log x) => x` is wrong for x < 0 (NaN) and x = −0 (gives +0), so it applies only where x
+//!   is known non-negative and never −0 (an `exp`, `sigmoid`, `softmax` or `abs`).
+//! - `log(exp x) => x` is not a rule: `exp` overflows (x ≳ 88 in f32, 11 in f16) and underflows
+//!   to 0 (log gives −∞), and −0 comes back as +0, so the two sides differ on every dtype.
+//! - There is no `x·0 => 0` (∞·0 and NaN·0 are NaN), `x − x => 0` or `x / x => 1`.
 
-use super::{build, build_with, rule, rule_if_const, Ctx, Rw, ARITH_BINARY, FLOAT_UNARY};
+use super::{build, build_with, rule, rule_if, rule_if_const, Ctx, Rw, ARITH_BINARY, FLOAT_UNARY};
 use egg::Id;
-use rustytorch_ops::{eval_cpu, DType, F64Bits, HostTensor, Op, Shape, TensorType};
+use rustytorch_ops::{eval_cpu, DType, F64Bits, HostTensor, Op, Shape, TensorType, UnaryOp};
 
 /// Whether `to` represents every value of `from` exactly (a cast `from -> to` loses nothing).
 pub fn lossless(from: DType, to: DType) -> bool {
@@ -40,6 +47,28 @@ fn keeps_type(cx: &Ctx<'_>, v: &str) -> bool {
 
 fn is_const(cx: &Ctx<'_>, v: &str) -> bool {
     cx.konst(v).is_some()
+}
+
+/// Whether `v` is the constant zero that leaves every `x` unchanged under `x + c` (`negative`:
+/// −0) or `x − c` (+0); for integer types any zero.
+fn zero_with_sign(cx: &Ctx<'_>, v: &str, negative: bool) -> bool {
+    let Some(c) = cx.konst(v) else { return false };
+    let float = cx.ty(v).is_some_and(|t| t.dtype.is_float());
+    c == 0.0 && (!float || c.is_sign_negative() == negative)
+}
+
+/// Whether every value of `v`'s class is known to be NaN or >= +0 (never −0): the class holds an
+/// `exp`, `sigmoid`, `abs` or `softmax`, or a constant of that kind.
+fn non_negative(cx: &Ctx<'_>, v: &str) -> bool {
+    if let Some(c) = cx.konst(v) {
+        return c.is_nan() || (c >= 0.0 && c.is_sign_positive());
+    }
+    cx.eg[cx.id(v)].nodes.iter().any(|n| {
+        matches!(
+            n.op,
+            Op::Unary(UnaryOp::Exp | UnaryOp::Sigmoid | UnaryOp::Abs) | Op::Softmax { .. }
+        )
+    })
 }
 
 /// Folds an elementwise op over rank-0 float constants with the CPU kernel (exact kernel
@@ -74,13 +103,13 @@ pub fn rules() -> Vec<Rw> {
         rule_if_const("mul-one", "(mul ?x ?c)", &["?c"], "?x", |cx| {
             cx.konst("?c") == Some(1.0) && keeps_type(cx, "?x")
         }),
-        // x + 0 == x.
+        // x + (−0) == x (and x + 0 for integers; x + (+0) is +0 for x = −0).
         rule_if_const("add-zero", "(add ?x ?c)", &["?c"], "?x", |cx| {
-            cx.konst("?c") == Some(0.0) && keeps_type(cx, "?x")
+            zero_with_sign(cx, "?c", true) && keeps_type(cx, "?x")
         }),
-        // x - 0 == x.
+        // x − (+0) == x (and x − 0 for integers; x − (−0) is +0 for x = −0).
         rule_if_const("sub-zero", "(sub ?x ?c)", &["?c"], "?x", |cx| {
-            cx.konst("?c") == Some(0.0) && keeps_type(cx, "?x")
+            zero_with_sign(cx, "?c", false) && keeps_type(cx, "?x")
         }),
         // x / 1 == x.
         rule_if_const("div-one", "(div ?x ?c)", &["?c"], "?x", |cx| {
@@ -88,10 +117,10 @@ pub fn rules() -> Vec<Rw> {
         }),
         // --x == x.
         rule("neg-neg", "(neg (neg ?x))", "?x"),
-        // exp(log x) == x where log x is defined (see the module docs).
-        rule("exp-log", "(exp (log ?x))", "?x"),
-        // log(exp x) == x.
-        rule("log-exp", "(log (exp ?x))", "?x"),
+        // exp(log x) == x where x is known non-negative and not −0 (see the module docs).
+        rule_if("exp-log", "(exp (log ?x))", "?x", |cx| {
+            non_negative(cx, "?x")
+        }),
         // c * x == x * c for a constant c (constants go right; not blanket commutativity).
         rule_if_const(
             "mul-const-right",
