@@ -7,7 +7,10 @@
 //! rustytorch run model.rtg --input x=x.npy --anomaly
 //! rustytorch inspect model.rtg --passes --device cuda
 //! rustytorch convert model.rtg --to text -o model.rtir
+//! rustytorch embed --model ~/.cache/rustytorch/models/all-MiniLM-L6-v2 "A sentence." --out e.npy
 //! ```
+
+mod embed;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use rustytorch::compiler::{format, passes, text, Graph};
@@ -65,6 +68,9 @@ enum Command {
         #[arg(short, long, default_value = "auto")]
         device: String,
     },
+    /// Sentence embeddings from a sentence-transformers BERT model folder, as JSON
+    /// (`{"model":..., "dim":..., "embeddings":[[...], ...]}`) on stdout or in `--out`.
+    Embed(embed::EmbedArgs),
     /// Converts between a graph file and IR text.
     Convert {
         /// The graph: a graph file (`.rtg`) or IR text (`.txt`, `.rtir`).
@@ -120,6 +126,7 @@ fn main() -> ExitCode {
             device,
         } => inspect(&graph, passes, &device),
         Command::Convert { graph, to, output } => convert(&graph, to, output),
+        Command::Embed(args) => embed::run(args).map_err(Failure),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

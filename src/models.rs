@@ -3,6 +3,8 @@
 //! from exp/sum/div, GELU from tanh, attention from matmuls, a causal `where` and softmax), so the
 //! optimizer has something to recognize.
 
+pub mod bert;
+
 use crate::{DType, GraphBuilder, Init, Shape, Tensor, TensorType};
 
 /// GPT-2-style decoder configuration.
