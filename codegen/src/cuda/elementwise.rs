@@ -58,14 +58,17 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
     if n == 0 {
         return Ok(StepKernels::default());
     }
-    let kernel = match op {
+    let (kernel, grid) = match op {
         Op::Fused(k) => fused_kernel(k, inputs, out)?,
         Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } => {
             single_kernel(op, inputs, out)?
         }
         _ => return Err(not_mine(op, "an elementwise")),
     };
-    Ok(one_launch(kernel, inputs.len(), n))
+    Ok(StepKernels {
+        launches: vec![Launch::simple(kernel, inputs.len(), grid)],
+        scratch_bytes: 0,
+    })
 }
 
 /// Lowers a movement or indexing op: one strided-read kernel per output element (permute,
@@ -576,16 +579,65 @@ fn native_cast(b: &mut Body, from: DType, to: DType, x: Expr) -> Expr {
     }
 }
 
-/// The kernel of one `Unary`, `Binary`, `Where` or `Cast`.
-fn single_kernel(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<Kernel> {
+/// The kernel of one `Unary`, `Binary`, `Where` or `Cast`, and its grid.
+fn single_kernel(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<(Kernel, u32)> {
     let mut params: Vec<Param> = inputs
         .iter()
         .enumerate()
         .map(|(k, t)| param(&format!("in{k}"), t.dtype, false))
         .collect();
     params.push(param("out", out.dtype, true));
-    grid_kernel("ew", params, out.shape.numel(), |b, i| {
-        let idx = broadcast_indices(b, inputs, &out.shape, &i);
+    ew_kernel(params, inputs, out, |b, args| {
+        let a = |k: usize| args[k].clone();
+        Ok(match op {
+            Op::Unary(u) => native_unary(b, *u, inputs[0].dtype, a(0))?,
+            Op::Binary(o) => native_binary(*o, inputs[0].dtype, a(0), a(1))?,
+            Op::Where => select(a(0), a(1), a(2)),
+            Op::Cast { to } => native_cast(b, inputs[0].dtype, *to, a(0)),
+            _ => return Err(not_mine(op, "a single elementwise")),
+        })
+    })
+}
+
+/// Bytes every thread of a vectorized elementwise kernel moves per operand access.
+const VECTOR_BYTES: usize = 16;
+
+/// The elements per thread of the vectorized form of an elementwise kernel over `out`, when it
+/// has one: every operand has the output's shape (read at the output's index) or one element
+/// (loaded once), and there are at least [`BLOCK`] vectors. The widest element type sets the
+/// width so that its accesses are 16 bytes (narrower types move 8, 4 or 2 bytes per access).
+fn vector_width(inputs: &[&TensorType], out: &TensorType) -> Option<usize> {
+    let n = out.shape.numel();
+    let mut widest = CTy::storage(out.dtype);
+    for t in inputs {
+        if t.shape == out.shape {
+            if elem_bytes(CTy::storage(t.dtype)) > elem_bytes(widest) {
+                widest = CTy::storage(t.dtype);
+            }
+        } else if t.shape.numel() != 1 {
+            return None;
+        }
+    }
+    let w = VECTOR_BYTES / elem_bytes(widest);
+    (w > 1 && n / w >= BLOCK as usize).then_some(w)
+}
+
+/// An elementwise kernel over the contiguous `out`: the operands are loaded (as their storage's
+/// compute type) and `compute` makes the value stored at each element. The vectorized form
+/// ([`vector_width`]) loads `w` neighbouring elements of each same-shape operand in one access,
+/// computes the `w` values and stores them in one access, with a scalar loop over the last
+/// `n mod w` elements; otherwise one grid-stride loop reads each operand through its broadcast
+/// strides. Returns the kernel and its grid.
+fn ew_kernel(
+    params: Vec<Param>,
+    inputs: &[&TensorType],
+    out: &TensorType,
+    compute: impl Fn(&mut Body, &[Expr]) -> Result<Expr>,
+) -> Result<(Kernel, u32)> {
+    let n = out.shape.numel();
+    let elem_out = CTy::storage(out.dtype);
+    let scalar_body = |b: &mut Body, i: &Expr| -> Result<()> {
+        let idx = broadcast_indices(b, inputs, &out.shape, i);
         let args: Vec<Expr> = inputs
             .iter()
             .zip(idx)
@@ -595,17 +647,94 @@ fn single_kernel(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<Ke
                 b.named(&format!("a{k}"), CTy::compute(t.dtype), l)
             })
             .collect();
-        let a = |k: usize| args[k].clone();
-        let value = match op {
-            Op::Unary(u) => native_unary(b, *u, inputs[0].dtype, a(0))?,
-            Op::Binary(o) => native_binary(*o, inputs[0].dtype, a(0), a(1))?,
-            Op::Where => select(a(0), a(1), a(2)),
-            Op::Cast { to } => native_cast(b, inputs[0].dtype, *to, a(0)),
-            _ => return Err(not_mine(op, "a single elementwise")),
-        };
-        b.push(store("out", CTy::storage(out.dtype), i, value));
+        let value = compute(b, &args)?;
+        b.push(store("out", elem_out, i.clone(), value));
         Ok(())
-    })
+    };
+    let Some(w) = vector_width(inputs, out) else {
+        let mut b = Body::new();
+        scalar_body(&mut b, &var(I))?;
+        let k = Kernel {
+            name: String::new(),
+            params,
+            block: BLOCK,
+            body: vec![grid_stride(I, n as i64, b.stmts)],
+        };
+        return Ok((finish("ew", k)?, grid(n)));
+    };
+    let vectors = n / w;
+    let mut body = Vec::new();
+    // One-element operands, loaded once.
+    let mut b = Body::new();
+    let scalars: Vec<Option<Expr>> = inputs
+        .iter()
+        .enumerate()
+        .map(|(k, t)| {
+            (t.shape != out.shape).then(|| {
+                let l = load(&format!("in{k}"), CTy::storage(t.dtype), i64c(0));
+                b.named(&format!("s{k}"), CTy::compute(t.dtype), l)
+            })
+        })
+        .collect();
+    body.append(&mut b.stmts);
+    let mut b = Body::new();
+    let i = b.named("i", CTy::I64, mul(var("j"), i64c(w as i64)));
+    let mut lanes: Vec<Vec<Expr>> = vec![Vec::with_capacity(inputs.len()); w];
+    for (k, t) in inputs.iter().enumerate() {
+        match &scalars[k] {
+            Some(s) => lanes.iter_mut().for_each(|l| l.push(s.clone())),
+            None => {
+                let names: Vec<String> = (0..w).map(|l| format!("a{k}_{l}")).collect();
+                b.push(load_vec(
+                    &format!("in{k}"),
+                    CTy::storage(t.dtype),
+                    i.clone(),
+                    names.clone(),
+                ));
+                for (lane, name) in lanes.iter_mut().zip(&names) {
+                    lane.push(var(name));
+                }
+            }
+        }
+    }
+    let mut values = Vec::with_capacity(w);
+    for args in &lanes {
+        let v = compute(&mut b, args)?;
+        values.push(b.bind(elem_out.compute_of(), v));
+    }
+    b.push(store_vec("out", elem_out, i, values));
+    body.push(grid_stride("j", vectors as i64, b.stmts));
+    if n % w != 0 {
+        let mut t = Body::new();
+        let i = var(I);
+        let tail_args: Vec<Expr> = inputs
+            .iter()
+            .enumerate()
+            .map(|(k, tt)| match &scalars[k] {
+                Some(s) => s.clone(),
+                None => {
+                    let l = load(&format!("in{k}"), CTy::storage(tt.dtype), i.clone());
+                    t.named(&format!("a{k}"), CTy::compute(tt.dtype), l)
+                }
+            })
+            .collect();
+        let value = compute(&mut t, &tail_args)?;
+        t.push(store("out", elem_out, i, value));
+        body.push(for_(
+            I,
+            add(global_thread(), i64c((vectors * w) as i64)),
+            i64c(n as i64),
+            mul(special(Special::BlockDim), special(Special::GridDim)),
+            t.stmts,
+        ));
+    }
+    let k = Kernel {
+        name: String::new(),
+        params,
+        block: BLOCK,
+        body,
+    };
+    Ok((finish("ew", k)?, grid(vectors)))
 }
 
 /// Element indices of broadcast operands at the flat output index `flat`.
@@ -738,7 +867,11 @@ fn fused_instr(
 }
 
 /// The kernel of a fused elementwise chain.
-fn fused_kernel(k: &FusedKernel, inputs: &[&TensorType], out: &TensorType) -> Result<Kernel> {
+fn fused_kernel(
+    k: &FusedKernel,
+    inputs: &[&TensorType],
+    out: &TensorType,
+) -> Result<(Kernel, u32)> {
     let wide = out.dtype == DType::F64
         || k.instrs.iter().any(|i| i.dtype == DType::F64)
         || inputs.iter().any(|t| t.dtype == DType::F64);
@@ -758,17 +891,15 @@ fn fused_kernel(k: &FusedKernel, inputs: &[&TensorType], out: &TensorType) -> Re
         .map(|(j, t)| param(&format!("in{j}"), t.dtype, false))
         .collect();
     params.push(param("out", out.dtype, true));
-    grid_kernel("ew", params, out.shape.numel(), |b, i| {
-        let idx = broadcast_indices(b, inputs, &out.shape, &i);
+    ew_kernel(params, inputs, out, |b, loaded| {
         let mut vals: Vec<Expr> = Vec::with_capacity(n_in + k.instrs.len());
-        for (j, (t, ix)) in inputs.iter().zip(idx).enumerate() {
+        for (j, (t, l)) in inputs.iter().zip(loaded).enumerate() {
             if !used[j] {
                 vals.push(lit(0.0, c));
                 continue;
             }
             let s = CTy::storage(t.dtype);
-            let l = conv(load(&format!("in{j}"), s, ix), s.compute_of(), c);
-            vals.push(b.named(&format!("a{j}"), c, l));
+            vals.push(b.bind(c, conv(l.clone(), s.compute_of(), c)));
         }
         let mut dtypes: Vec<DType> = inputs.iter().map(|t| t.dtype).collect();
         for ins in &k.instrs {
@@ -779,13 +910,11 @@ fn fused_kernel(k: &FusedKernel, inputs: &[&TensorType], out: &TensorType) -> Re
         let last = vals
             .pop()
             .ok_or_else(|| ill_typed("a fused kernel without instructions".into()))?;
-        let value = if out.dtype == DType::BF16 && c == CTy::F64 {
+        Ok(if out.dtype == DType::BF16 && c == CTy::F64 {
             bf16_of_f64(b, last)
         } else {
             last
-        };
-        b.push(store("out", CTy::storage(out.dtype), i, value));
-        Ok(())
+        })
     })
 }
 

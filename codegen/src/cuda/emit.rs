@@ -3,7 +3,7 @@
 //! The printed source is self-contained (no headers): f16/bf16 conversions are PTX `cvt`
 //! instructions in [`PRELUDE`].
 
-use super::ir::{BinFn, CTy, Expr, Kernel, Lit, Special, Stmt, UnFn};
+use super::ir::{elem_bytes, BinFn, CTy, Expr, Kernel, Lit, Special, Stmt, UnFn};
 use std::collections::HashMap;
 use std::fmt::Write;
 
@@ -13,6 +13,7 @@ use std::fmt::Write;
 pub const PRELUDE: &str = r#"// RustyTorch generated kernel. Do not edit: regenerated from the kernel IR.
 typedef unsigned short rt_f16;
 typedef unsigned short rt_bf16;
+template <typename T, int N> struct alignas(sizeof(T) * N) rt_vec { T v[N]; };
 __device__ __forceinline__ float rt_h2f(rt_f16 h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
 __device__ __forceinline__ rt_f16 rt_f2h(float f) { rt_f16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
 __device__ __forceinline__ rt_f16 rt_d2h(double d) { rt_f16 h; asm("cvt.rn.f16.f64 %0, %1;" : "=h"(h) : "d"(d)); return h; }
@@ -88,6 +89,17 @@ struct Printer<'k> {
     /// Scopes of variable types.
     scopes: Vec<HashMap<String, CTy>>,
     bufs: HashMap<String, CTy>,
+    /// Vector temporaries printed so far (their names are `rt_v1`, `rt_v2`, ...).
+    vectors: usize,
+}
+
+/// A loaded storage element `raw` of type `elem` as its compute type.
+fn widen(elem: CTy, raw: String) -> String {
+    match elem {
+        CTy::F16 => format!("rt_h2f({raw})"),
+        CTy::BF16 => format!("rt_bf2f({raw})"),
+        _ => raw,
+    }
 }
 
 /// Prints a whole module (prelude + kernel).
@@ -104,6 +116,7 @@ pub fn emit_kernel(k: &Kernel) -> Result<String, EmitError> {
         out: String::new(),
         scopes: vec![HashMap::new()],
         bufs: k.params.iter().map(|p| (p.name.clone(), p.elem)).collect(),
+        vectors: 0,
     };
     let params: Vec<String> = k
         .params
@@ -292,12 +305,7 @@ impl Printer<'_> {
                     }
                     None => return self.err(format!("unknown buffer `{buf}`")),
                 }
-                let raw = format!("{buf}[{}]", self.expr(index)?);
-                match elem {
-                    CTy::F16 => format!("rt_h2f({raw})"),
-                    CTy::BF16 => format!("rt_bf2f({raw})"),
-                    _ => raw,
-                }
+                widen(*elem, format!("{buf}[{}]", self.expr(index)?))
             }
         })
     }
@@ -461,6 +469,21 @@ impl Printer<'_> {
         })
     }
 
+    /// The `rt_vec` type of a vector access of `n` elements of `elem`: a power of two, 2 to 16
+    /// bytes in all.
+    fn vector_type(&self, elem: CTy, n: usize) -> Result<String, EmitError> {
+        let bytes = n * elem_bytes(elem);
+        if !n.is_power_of_two() || !(2..=16).contains(&bytes) {
+            return self.err(format!("a vector access of {n} × {elem:?} ({bytes} bytes)"));
+        }
+        Ok(format!("rt_vec<{}, {n}>", c_type(elem)))
+    }
+
+    fn fresh_vector(&mut self) -> String {
+        self.vectors += 1;
+        format!("rt_v{}", self.vectors)
+    }
+
     fn check_buf(&self, buf: &str, elem: CTy) -> Result<(), EmitError> {
         match self.bufs.get(buf) {
             Some(b) if *b == elem => Ok(()),
@@ -508,6 +531,50 @@ impl Printer<'_> {
                         "{buf}[{}] = {};",
                         self.expr(index)?,
                         self.store_value(*elem, value)?
+                    );
+                    self.line(depth, &l);
+                }
+                Stmt::LoadVec {
+                    buf,
+                    elem,
+                    index,
+                    names,
+                } => {
+                    self.check_buf(buf, *elem)?;
+                    let vt = self.vector_type(*elem, names.len())?;
+                    let t = self.fresh_vector();
+                    let l = format!(
+                        "const {vt} {t} = *reinterpret_cast<const {vt}*>(&{buf}[{}]);",
+                        self.expr(index)?
+                    );
+                    self.line(depth, &l);
+                    for (k, name) in names.iter().enumerate() {
+                        let v = widen(*elem, format!("{t}.v[{k}]"));
+                        let l = format!("{} {name} = {v};", c_type(elem.compute_of()));
+                        self.line(depth, &l);
+                        self.scopes
+                            .last_mut()
+                            .expect("a scope")
+                            .insert(name.clone(), elem.compute_of());
+                    }
+                }
+                Stmt::StoreVec {
+                    buf,
+                    elem,
+                    index,
+                    values,
+                } => {
+                    self.check_buf(buf, *elem)?;
+                    let vt = self.vector_type(*elem, values.len())?;
+                    let t = self.fresh_vector();
+                    self.line(depth, &format!("{vt} {t};"));
+                    for (k, v) in values.iter().enumerate() {
+                        let l = format!("{t}.v[{k}] = {};", self.store_value(*elem, v)?);
+                        self.line(depth, &l);
+                    }
+                    let l = format!(
+                        "*reinterpret_cast<{vt}*>(&{buf}[{}]) = {t};",
+                        self.expr(index)?
                     );
                     self.line(depth, &l);
                 }

@@ -15,7 +15,9 @@
 //! bounds of a buffer, a store to a read-only parameter, a shuffle with an inactive lane, a
 //! `__syncthreads` reached by only part of the live threads of a block.
 
-use super::ir::{BinFn, CTy, Expr, Kernel, Lit, Special, Stmt, UnFn};
+use super::ir::{
+    add, i64c, load, elem_bytes, BinFn, CTy, Expr, Kernel, Lit, Special, Stmt, UnFn,
+};
 use super::{ArgRef, StepKernels};
 use crate::CodegenError;
 use rustytorch_ops::{bf16, f16, DType, Data, HostTensor, TensorType};
@@ -254,14 +256,6 @@ fn le<const N: usize>(b: &[u8], i: usize) -> [u8; N] {
     a
 }
 
-fn elem_size(t: CTy) -> usize {
-    match t {
-        CTy::F64 | CTy::I64 | CTy::U64 => 8,
-        CTy::F32 | CTy::I32 | CTy::U32 => 4,
-        CTy::F16 | CTy::BF16 => 2,
-        CTy::U8 | CTy::Bool => 1,
-    }
-}
 
 // ---- values ----
 
@@ -493,6 +487,14 @@ enum S {
         then: Vec<S>,
         els: Vec<S>,
     },
+    /// Statements run in order in the enclosing scope (a desugared vector access).
+    Seq(Vec<S>),
+    /// Faults unless `index` is a multiple of `width` (a vector access of `buf`).
+    Aligned {
+        buf: usize,
+        index: E,
+        width: usize,
+    },
     Sync,
     Return,
     Nop,
@@ -657,6 +659,22 @@ impl Compiler<'_> {
             )),
             None => self.err(format!("unknown buffer `{name}`")),
         }
+    }
+
+    /// The check of a vector access of `n` elements of `elem` (emit.rs's size rules, then the
+    /// index's alignment at run time).
+    fn aligned(&self, name: &str, buf: usize, elem: CTy, index: &Expr, n: usize) -> Result<S> {
+        let bytes = n * elem_bytes(elem);
+        if !n.is_power_of_two() || !(2..=16).contains(&bytes) {
+            return self.err(format!(
+                "a vector access of `{name}`: {n} × {elem:?} ({bytes} bytes)"
+            ));
+        }
+        Ok(S::Aligned {
+            buf,
+            index: conv(self.expr(index)?, CTy::I64),
+            width: n,
+        })
     }
 
     fn index(&self, buf: &str, index: &Expr) -> Result<E> {
@@ -917,6 +935,42 @@ impl Compiler<'_> {
                     value,
                 }
             }
+            Stmt::LoadVec {
+                buf,
+                elem,
+                index,
+                names,
+            } => {
+                let b = self.buf(buf, *elem)?;
+                let mut seq = vec![self.aligned(buf, b, *elem, index, names.len())?];
+                for (k, name) in names.iter().enumerate() {
+                    let at = add(index.clone(), i64c(k as i64));
+                    seq.push(self.stmt(&Stmt::Let {
+                        name: name.clone(),
+                        ty: elem.compute_of(),
+                        init: load(buf, *elem, at),
+                    })?);
+                }
+                S::Seq(seq)
+            }
+            Stmt::StoreVec {
+                buf,
+                elem,
+                index,
+                values,
+            } => {
+                let b = self.buf(buf, *elem)?;
+                let mut seq = vec![self.aligned(buf, b, *elem, index, values.len())?];
+                for (k, value) in values.iter().enumerate() {
+                    seq.push(self.stmt(&Stmt::Store {
+                        buf: buf.clone(),
+                        elem: *elem,
+                        index: add(index.clone(), i64c(k as i64)),
+                        value: value.clone(),
+                    })?);
+                }
+                S::Seq(seq)
+            }
             Stmt::AtomicAdd {
                 buf,
                 elem,
@@ -983,7 +1037,7 @@ impl Compiler<'_> {
                 }
             }
             Stmt::Shared { name, elem, len } => {
-                self.shared_bytes += elem_size(*elem) * *len as usize;
+                self.shared_bytes += elem_bytes(*elem) * *len as usize;
                 if self.shared_bytes > MAX_SHARED_BYTES {
                     return self.err(format!(
                         "{} bytes of shared memory (at most {MAX_SHARED_BYTES})",
@@ -1508,7 +1562,7 @@ fn execute(prog: &Prog, grid: u32, globals: &mut [Vec<u8>], map: &[usize]) -> Re
         shared: prog
             .bufs
             .iter()
-            .map(|b| vec![POISON; b.shared.map_or(0, |n| n as usize * elem_size(b.elem))])
+            .map(|b| vec![POISON; b.shared.map_or(0, |n| n as usize * elem_bytes(b.elem))])
             .collect(),
         vars: vec![vec![Value::Undef; dim]; prog.slot_names.len()],
         returned: vec![false; dim],
@@ -1596,7 +1650,7 @@ impl Machine<'_, '_> {
     }
 
     fn len_of(&self, buf: usize) -> usize {
-        self.mem(buf).len() / elem_size(self.prog.bufs[buf].elem)
+        self.mem(buf).len() / elem_bytes(self.prog.bufs[buf].elem)
     }
 
     fn exec(&mut self, body: &[S], lanes: &[u32]) -> Result<()> {
@@ -1731,6 +1785,26 @@ impl Machine<'_, '_> {
                             lanes.len()
                         ),
                     ));
+                }
+            }
+            S::Seq(body) => {
+                for s in body {
+                    self.stmt(s, lanes)?;
+                }
+            }
+            S::Aligned { buf, index, width } => {
+                for (&l, i) in lanes.iter().zip(self.eval(index, lanes)?) {
+                    let i = index_of(i).ok_or_else(|| self.internal(l, "a vector access"))?;
+                    if i % *width as i128 != 0 {
+                        return Err(self.fault(
+                            l,
+                            format!(
+                                "vector access of {width} elements of `{}` at {i}, not a \
+                                 multiple of {width}",
+                                self.prog.bufs[*buf].name
+                            ),
+                        ));
+                    }
                 }
             }
             S::Nop => {}

@@ -230,6 +230,32 @@ pub enum Stmt {
         /// The value (compute type).
         value: Expr,
     },
+    /// Loads `names.len()` consecutive elements `buf[index..]` in one vector access and declares
+    /// each as a variable of the element's compute type. `index` must be a multiple of the count
+    /// (a power of two, at most 16 bytes in all) and the buffer aligned to 16 bytes, which every
+    /// arena slot and pool block is.
+    LoadVec {
+        /// The buffer.
+        buf: String,
+        /// Its storage element type.
+        elem: CTy,
+        /// Element index of the first element (i64).
+        index: Expr,
+        /// The variables declared, one per element.
+        names: Vec<String>,
+    },
+    /// Stores `values` to consecutive elements `buf[index..]` in one vector access (the
+    /// alignment rules of [`Stmt::LoadVec`]); each value is rounded to the storage type once.
+    StoreVec {
+        /// The buffer.
+        buf: String,
+        /// Its storage element type.
+        elem: CTy,
+        /// Element index of the first element (i64).
+        index: Expr,
+        /// The values (compute type), one per element.
+        values: Vec<Expr>,
+    },
     /// An atomic `buf[index] += value` (any storage type; sub-word types through compare-and-swap).
     AtomicAdd {
         /// The buffer.
@@ -400,6 +426,33 @@ pub fn assign(name: &str, value: Expr) -> Stmt {
     Stmt::Assign {
         name: name.to_string(),
         value,
+    }
+}
+/// A vector load of `names.len()` elements into the variables `names`.
+pub fn load_vec(buf: &str, elem: CTy, index: Expr, names: Vec<String>) -> Stmt {
+    Stmt::LoadVec {
+        buf: buf.to_string(),
+        elem,
+        index,
+        names,
+    }
+}
+/// A vector store of `values` to consecutive elements.
+pub fn store_vec(buf: &str, elem: CTy, index: Expr, values: Vec<Expr>) -> Stmt {
+    Stmt::StoreVec {
+        buf: buf.to_string(),
+        elem,
+        index,
+        values,
+    }
+}
+/// Bytes of one element of storage type `t`.
+pub fn elem_bytes(t: CTy) -> usize {
+    match t {
+        CTy::F64 | CTy::I64 | CTy::U64 => 8,
+        CTy::F32 | CTy::I32 | CTy::U32 => 4,
+        CTy::F16 | CTy::BF16 => 2,
+        CTy::U8 | CTy::Bool => 1,
     }
 }
 /// `buf[index] = value;`
