@@ -503,7 +503,10 @@ fn placements() {
     assert_eq!(grid(&sum(&[0]), &[5000, 3]), [2, 1]);
     assert_eq!(grid(&Op::Softmax { axis: 1 }, &[6, 50, 7]), [2]);
     assert_eq!(grid(&Op::Softmax { axis: 1 }, &[3, 2000]), [3]);
-    assert_eq!(grid(&Op::Softmax { axis: 1 }, &[3000, 2000]), [375]);
+    // Last-axis rows that fit in registers: a block of 128 threads per row of 500 vectors.
+    assert_eq!(grid(&Op::Softmax { axis: 1 }, &[3000, 2000]), [3000]);
+    // A non-last axis: 32 columns per block.
+    assert_eq!(grid(&Op::Softmax { axis: 0 }, &[2000, 3000]), [94]);
 }
 
 #[test]
@@ -580,4 +583,89 @@ fn snapshot_reduce_sum_middle_axis() {
     let op = red(ReduceKind::Sum, &[1], false);
     let src = snapshot_source(&op, &[ty(DType::F32, &[8, 300, 64])]);
     insta::assert_snapshot!(src);
+}
+
+/// The one-pass row kernels (softmax, log-softmax, LayerNorm, RMSNorm over a last axis held in
+/// registers): every float dtype, rows of one vector to 1024 vectors a row, partial last vectors
+/// of a thread, row counts that leave a block's warps idle, against the CPU.
+#[test]
+fn one_pass_row_kernels() {
+    let eps = F64Bits::new(1e-5);
+    for dt in FLOATS {
+        let w = 16 / dt.size_bytes();
+        // (vectors per row, rows): one vector; 3 a thread exactly; 4 a thread with the last
+        // partial; 128 threads with a partial third vector; 256 threads exactly.
+        for (k, &(nv, count)) in [(1, 3), (96, 5), (100, 2), (300, 3), (1024, 1)]
+            .iter()
+            .enumerate()
+        {
+            let d = nv * w;
+            let seed = 7 * k as u64;
+            let x = rand(dt, &[count, d], seed, -4.0, 4.0);
+            let wt = rand(dt, &[d], seed + 1, 0.5, 1.5);
+            let b = rand(dt, &[d], seed + 2, -1.0, 1.0);
+            let mut cases: Vec<(Op, Vec<&HostTensor>)> = vec![
+                (Op::Softmax { axis: 1 }, vec![&x]),
+                (Op::LogSoftmax { axis: 1 }, vec![&x]),
+                (Op::RmsNorm { eps, weight: false }, vec![&x]),
+                (Op::RmsNorm { eps, weight: true }, vec![&x, &wt]),
+            ];
+            for (weight, bias) in [(false, false), (true, false), (false, true), (true, true)] {
+                let mut ins = vec![&x];
+                if weight {
+                    ins.push(&wt);
+                }
+                if bias {
+                    ins.push(&b);
+                }
+                cases.push((Op::LayerNorm { eps, weight, bias }, ins));
+            }
+            for (op, ins) in &cases {
+                let step = check(op, ins);
+                let name = &step.launches[0].kernel.name;
+                assert!(name.contains("_rows_"), "{op:?} {dt} [{count}, {d}]: {name}");
+            }
+        }
+    }
+    // Edge values through the one-pass softmax: NaN rows, -inf entries, +inf, magnitudes of 1e4,
+    // a row of only -inf (NaN both ways).
+    let (count, d) = (5, 96 * 4);
+    let mut v = rand(DType::F32, &[count, d], 61, -2.0, 2.0).to_f64_vec();
+    v[7] = f64::NAN;
+    v[d + 3] = f64::NEG_INFINITY;
+    v[d + 200] = f64::NEG_INFINITY;
+    v[2 * d + 9] = f64::INFINITY;
+    for x in &mut v[3 * d..4 * d] {
+        *x *= 1e4;
+    }
+    for x in &mut v[4 * d..] {
+        *x = f64::NEG_INFINITY;
+    }
+    let x = HostTensor::from_f64_slice(&ty(DType::F32, &[count, d]), &v).unwrap();
+    for op in [Op::Softmax { axis: 1 }, Op::LogSoftmax { axis: 1 }] {
+        let step = check(&op, &[&x]);
+        assert!(step.launches[0].kernel.name.contains("_rows_"));
+    }
+    // Rows whose length is not a whole number of vectors, or too long for the registers, keep
+    // the general kernels.
+    for dims in [[4usize, 4 * 97 + 1], [2, 4 * 4 * 1024 + 4]] {
+        let x = rand(DType::F32, &dims, 71, -2.0, 2.0);
+        let step = check(&Op::Softmax { axis: 1 }, &[&x]);
+        assert!(!step.launches[0].kernel.name.contains("_rows_"));
+    }
+}
+
+/// The benchmarked RMSNorm and softmax: bf16 rows of 4096, 128 threads a row holding four
+/// 16-byte vectors each.
+#[test]
+fn snapshot_bf16_rows_4096() {
+    let x = ty(DType::BF16, &[32768, 4096]);
+    let op = Op::RmsNorm {
+        eps: F64Bits::new(1e-6),
+        weight: true,
+    };
+    let src = snapshot_source(&op, &[x.clone(), ty(DType::BF16, &[4096])]);
+    insta::assert_snapshot!("rms_norm_bf16_4096", src);
+    let src = snapshot_source(&Op::Softmax { axis: 1 }, &[x]);
+    insta::assert_snapshot!("softmax_bf16_4096", src);
 }

@@ -11,6 +11,7 @@ pub mod interp;
 pub mod ir;
 pub mod matmul;
 pub mod reduce;
+pub mod rows;
 
 pub use matmul::MatmulDesc;
 

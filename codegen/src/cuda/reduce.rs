@@ -12,6 +12,9 @@
 //!   rows are neighbours in memory (a reduction over a non-last axis), so that a warp reads 32
 //!   consecutive elements; the 8 partials combine through shared memory.
 //!
+//! Softmax, log-softmax and the norms over a contiguous last axis take the one-pass kernels of
+//! [`super::rows`] when the rows fit in registers; the kernels here are their general form.
+//!
 //! A reduction with few outputs and a long reduced extent runs in two launches: partials of chunks
 //! of each output's elements into scratch, then a reduction of the partials.
 //!
@@ -27,6 +30,7 @@ use super::ir::{
     mul, rem, select, special, store, sub, un, var, BinFn, CTy, Expr, Kernel, Lit, Param, Special,
     Stmt, UnFn,
 };
+use super::rows::{self, RowOp};
 use super::{finish, grid_for, ArgRef, Launch, StepKernels};
 use crate::{CodegenError, Result};
 use rustytorch_ops::{ArgKind, DType, Op, OpError, ReduceKind, Reduction, TensorType};
@@ -906,6 +910,16 @@ fn softmax(axis: usize, log: bool, x: &TensorType) -> Result<StepKernels> {
     let n = dims[axis];
     let outer: usize = dims[..axis].iter().product();
     let inner: usize = dims[axis + 1..].iter().product();
+    if inner == 1 {
+        let op = if log {
+            RowOp::LogSoftmax
+        } else {
+            RowOp::Softmax
+        };
+        if let Some(step) = rows::lower(op, x)? {
+            return Ok(step);
+        }
+    }
     let rows = Rows::new(
         outer * inner,
         coalesce([(outer, n * inner), (inner, 1)]),
@@ -940,6 +954,14 @@ fn norm(x: &TensorType, eps: f64, weight: bool, bias: bool, centered: bool) -> R
         .dims()
         .last()
         .expect("rank >= 1 (checked by inference)");
+    let op = if centered {
+        RowOp::LayerNorm { eps, weight, bias }
+    } else {
+        RowOp::RmsNorm { eps, weight }
+    };
+    if let Some(step) = rows::lower(op, x)? {
+        return Ok(step);
+    }
     let count = x.shape.numel() / d;
     let rows = Rows::new(count, coalesce([(count, d)]), coalesce([(d, 1)]), d);
     let strat = choose(&rows);
