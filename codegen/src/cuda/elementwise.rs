@@ -150,6 +150,9 @@ fn grid(n: usize) -> u32 {
 struct Body {
     stmts: Vec<Stmt>,
     next: usize,
+    /// Whether f32 `exp`, `tanh` and sigmoid's reciprocal take the hardware approximations
+    /// (kernels whose result is f16/bf16; see [`approximate`]).
+    fast: bool,
 }
 
 impl Body {
@@ -157,6 +160,14 @@ impl Body {
         Body {
             stmts: vec![],
             next: 0,
+            fast: false,
+        }
+    }
+
+    fn with_fast(fast: bool) -> Body {
+        Body {
+            fast,
+            ..Body::new()
         }
     }
 
@@ -399,12 +410,45 @@ fn bf16_of_f64(b: &mut Body, x: Expr) -> Expr {
 // Elementwise formulas (the CPU's, in a float compute type `t`)
 // ================================================================================================
 
+/// Whether an elementwise kernel storing `out` computes f32 `exp`, `tanh` and reciprocals with
+/// the hardware approximations: when the result is f16 or bf16, whose rounding (a relative 2^-11
+/// or 2^-8) is at least the approximations' error (`ex2.approx` about 2^-21 near 0, `tanh.approx`
+/// 2^-10.9, a correctly rounded reciprocal), so the stored values are those of the exact functions
+/// but for an occasional last-bit difference. This is what keeps chains of transcendental
+/// functions on 16-bit data at memory speed instead of arithmetic speed; f32 and f64 results use
+/// the exact functions.
+fn approximate(out: DType) -> bool {
+    matches!(out, DType::F16 | DType::BF16)
+}
+
+/// `e^x` (approximate when `b.fast` and `t` is f32).
+fn exp(b: &Body, x: Expr, t: CTy) -> Expr {
+    let f = if b.fast && t == CTy::F32 {
+        UnFn::ExpApprox
+    } else {
+        UnFn::Exp
+    };
+    un(f, x)
+}
+
+/// `tanh x` (approximate when `b.fast` and `t` is f32).
+fn tanh(b: &Body, x: Expr, t: CTy) -> Expr {
+    let f = if b.fast && t == CTy::F32 {
+        UnFn::TanhApprox
+    } else {
+        UnFn::Tanh
+    };
+    un(f, x)
+}
+
 /// `1 / (1 + e^-x)`.
-fn sigmoid(x: Expr, t: CTy) -> Expr {
-    div(
-        lit(1.0, t),
-        add(lit(1.0, t), un(UnFn::Exp, un(UnFn::Neg, x))),
-    )
+fn sigmoid(b: &Body, x: Expr, t: CTy) -> Expr {
+    let d = add(lit(1.0, t), exp(b, un(UnFn::Neg, x), t));
+    if b.fast && t == CTy::F32 {
+        un(UnFn::Recip, d)
+    } else {
+        div(lit(1.0, t), d)
+    }
 }
 
 /// A float unary op on `x` of float type `t`: a value of type `t`, or bool for the predicates.
@@ -413,18 +457,18 @@ fn real_unary(b: &mut Body, u: UnaryOp, x: Expr, t: CTy) -> Result<Expr> {
     Ok(match u {
         UnaryOp::Neg => un(UnFn::Neg, x),
         UnaryOp::Abs => un(UnFn::Abs, x),
-        UnaryOp::Exp => un(UnFn::Exp, x),
+        UnaryOp::Exp => exp(b, x, t),
         UnaryOp::Log => un(UnFn::Log, x),
         UnaryOp::Sqrt => un(UnFn::Sqrt, x),
         UnaryOp::Rsqrt => un(UnFn::Rsqrt, x),
         UnaryOp::Reciprocal => div(one, x),
         UnaryOp::Sin => un(UnFn::Sin, x),
         UnaryOp::Cos => un(UnFn::Cos, x),
-        UnaryOp::Tanh => un(UnFn::Tanh, x),
+        UnaryOp::Tanh => tanh(b, x, t),
         UnaryOp::Floor => un(UnFn::Floor, x),
         UnaryOp::Ceil => un(UnFn::Ceil, x),
         UnaryOp::Round => un(UnFn::Rint, x),
-        UnaryOp::Sigmoid => sigmoid(x, t),
+        UnaryOp::Sigmoid => sigmoid(b, x, t),
         UnaryOp::Relu => {
             // NaN and -0.0 pass through.
             let x = b.bind(t, x);
@@ -446,11 +490,11 @@ fn real_unary(b: &mut Body, u: UnaryOp, x: Expr, t: CTy) -> Result<Expr> {
                 x.clone(),
             );
             let u = mul(lit(SQRT_2_OVER_PI, t), add(x.clone(), cube));
-            mul(mul(lit(0.5, t), x), add(one, un(UnFn::Tanh, u)))
+            mul(mul(lit(0.5, t), x), add(one, tanh(b, u, t)))
         }
         UnaryOp::Silu => {
             let x = b.bind(t, x);
-            mul(x.clone(), sigmoid(x, t))
+            mul(x.clone(), sigmoid(b, x, t))
         }
         UnaryOp::Sign => {
             // ±0 and NaN pass through.
@@ -636,6 +680,7 @@ fn ew_kernel(
 ) -> Result<(Kernel, u32)> {
     let n = out.shape.numel();
     let elem_out = CTy::storage(out.dtype);
+    let fast = approximate(out.dtype);
     let scalar_body = |b: &mut Body, i: &Expr| -> Result<()> {
         let idx = broadcast_indices(b, inputs, &out.shape, i);
         let args: Vec<Expr> = inputs
@@ -652,7 +697,7 @@ fn ew_kernel(
         Ok(())
     };
     let Some(w) = vector_width(inputs, out) else {
-        let mut b = Body::new();
+        let mut b = Body::with_fast(fast);
         scalar_body(&mut b, &var(I))?;
         let k = Kernel {
             name: String::new(),
@@ -665,7 +710,7 @@ fn ew_kernel(
     let vectors = n / w;
     let mut body = Vec::new();
     // One-element operands, loaded once.
-    let mut b = Body::new();
+    let mut b = Body::with_fast(fast);
     let scalars: Vec<Option<Expr>> = inputs
         .iter()
         .enumerate()
@@ -677,7 +722,7 @@ fn ew_kernel(
         })
         .collect();
     body.append(&mut b.stmts);
-    let mut b = Body::new();
+    let mut b = Body::with_fast(fast);
     let i = b.named("i", CTy::I64, mul(var("j"), i64c(w as i64)));
     let mut lanes: Vec<Vec<Expr>> = vec![Vec::with_capacity(inputs.len()); w];
     for (k, t) in inputs.iter().enumerate() {
@@ -705,7 +750,7 @@ fn ew_kernel(
     b.push(store_vec("out", elem_out, i, values));
     body.push(grid_stride("j", vectors as i64, b.stmts));
     if n % w != 0 {
-        let mut t = Body::new();
+        let mut t = Body::with_fast(fast);
         let i = var(I);
         let tail_args: Vec<Expr> = inputs
             .iter()

@@ -14,6 +14,7 @@ pub const PRELUDE: &str = r#"// RustyTorch generated kernel. Do not edit: regene
 typedef unsigned short rt_f16;
 typedef unsigned short rt_bf16;
 template <typename T, int N> struct alignas(sizeof(T) * N) rt_vec { T v[N]; };
+__device__ __forceinline__ float rt_tanh_approx(float x) { float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 __device__ __forceinline__ float rt_h2f(rt_f16 h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
 __device__ __forceinline__ rt_f16 rt_f2h(float f) { rt_f16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
 __device__ __forceinline__ rt_f16 rt_d2h(double d) { rt_f16 h; asm("cvt.rn.f16.f64 %0, %1;" : "=h"(h) : "d"(d)); return h; }
@@ -343,6 +344,15 @@ impl Printer<'_> {
             UnFn::Tanh => fl("tanhf", "tanh"),
             UnFn::Erf => fl("erff", "erf"),
             UnFn::Erfc => fl("erfcf", "erfc"),
+            UnFn::ExpApprox => fl("__expf", "exp"),
+            UnFn::TanhApprox => fl("rt_tanh_approx", "tanh"),
+            UnFn::Recip => {
+                if f32_ {
+                    format!("__frcp_rn({x})")
+                } else {
+                    format!("(1.0 / {x})")
+                }
+            }
             UnFn::Floor => fl("floorf", "floor"),
             UnFn::Ceil => fl("ceilf", "ceil"),
             UnFn::Rint => fl("rintf", "rint"),

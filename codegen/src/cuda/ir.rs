@@ -118,6 +118,15 @@ pub enum UnFn {
     Erf,
     /// erfc (1 - erf, accurate for large arguments)
     Erfc,
+    /// `e^x` through the hardware's `ex2.approx` (`__expf`: relative error about 2^-21 near 0,
+    /// growing with |x|); f64 values use the exact form.
+    ExpApprox,
+    /// `tanh x` through `tanh.approx.f32` (relative error below 2^-10.9); f64 values use the exact
+    /// form.
+    TanhApprox,
+    /// `1/x`, correctly rounded (`__frcp_rn`: one reciprocal and a Newton step instead of a
+    /// division).
+    Recip,
     /// floor
     Floor,
     /// ceil
