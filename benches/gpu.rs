@@ -175,6 +175,76 @@ fn main() {
         mlp_flops / (t.0 * 1e-3) / 1e12,
     );
 
+    // Causal attention, GPT-2-small heads (batch 8, 12 heads, 1024 tokens, head size 64).
+    let (bsz, heads, seq, hd) = (8usize, 12usize, 1024usize, 64usize);
+    let g = GraphBuilder::new();
+    let q = p(&g, "q", bf, &[bsz, heads, seq, hd]);
+    let k = p(&g, "k", bf, &[bsz, heads, seq, hd]);
+    let v = p(&g, "v", bf, &[bsz, heads, seq, hd]);
+    let y = rustytorch::models::causal_attention_primitives(&q, &k, &v);
+    let t = time(&g, &[&y], 5, true);
+    // Causal: half of the 4·B·H·S²·D multiply-adds of full attention.
+    let att_flops = 2.0 * (bsz * heads * seq * seq * hd) as f64;
+    push(
+        "attention causal bf16 b8 h12 s1024 d64",
+        t,
+        "TFLOP/s",
+        att_flops / (t.0 * 1e-3) / 1e12,
+    );
+
+    // GPT-2 small forward (f32, batch 8 x 1024): the CPU-side compile, then lowering and
+    // preparing for CUDA (kernels from NVRTC or the kernel caches), twice in this process.
+    let cfg = rustytorch::models::Gpt2Config::small();
+    let g = GraphBuilder::new();
+    let (_, hid) = rustytorch::models::gpt2(&g, &cfg);
+    let mut graph = g.graph().expect("graph");
+    graph
+        .add_output("h", hid.node().expect("node"))
+        .expect("output");
+    let t0 = std::time::Instant::now();
+    let compiled = passes::run(&graph, &passes::Options::default()).expect("compile");
+    let compile_s = t0.elapsed().as_secs_f64();
+    println!("gpt2-small forward: CPU-side compile {compile_s:.3} s");
+    let params: Vec<Arc<HostTensor>> = graph
+        .params
+        .iter()
+        .map(|p| Arc::new(p.init.materialize(&p.ty).expect("init")))
+        .collect();
+    let backend = CudaBackend::new(0).expect("cuda:0");
+    let mut session = None;
+    for attempt in ["first", "again"] {
+        let t0 = std::time::Instant::now();
+        let memory = compiled.report.memory.clone().expect("memory plan");
+        let plan = Arc::new(lower(&compiled.graph, &memory).expect("lower"));
+        let lower_s = t0.elapsed().as_secs_f64();
+        let s = backend
+            .prepare(plan.clone(), params.clone())
+            .expect("prepare");
+        let total = t0.elapsed().as_secs_f64();
+        println!(
+            "gpt2-small forward: lower {lower_s:.3} s, lower + prepare ({attempt} in this process) {total:.3} s, {} kernels",
+            plan.kernel_count()
+        );
+        session = Some((s, plan));
+    }
+    let (mut s, plan) = session.expect("a session");
+    let inputs: Vec<Arc<HostTensor>> = plan
+        .inputs
+        .iter()
+        .map(|(_, ty)| Arc::new(rustytorch::ops::testing::rand_tensor(ty, 1, -1.0, 1.0)))
+        .collect();
+    s.run(&inputs).expect("run");
+    s.run(&inputs).expect("run");
+    let _ = s.time_steps(1).expect("warm-up");
+    let ms = s.time_steps(5).expect("timing");
+    push(
+        "gpt2-small forward f32 b8 s1024",
+        (ms, plan.kernel_count()),
+        "ms",
+        ms,
+    );
+    drop(s);
+
     // A tiny MLP at batch 1: launch-bound, with and without CUDA graph replay.
     for replay in [false, true] {
         let g = GraphBuilder::new();

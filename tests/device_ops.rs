@@ -454,3 +454,98 @@ fn ops_without_cuda_kernels_are_clear_errors() {
     let msg = e.to_string();
     assert!(msg.contains("conv") && msg.contains("cuda"), "{msg}");
 }
+
+/// A fused elementwise chain `tanh(silu(a)·b + 0.5·a)·2` (what the optimizer makes of it) in 16-byte
+/// vectors with a scalar tail, every float dtype; f16/bf16 through the hardware approximations.
+#[test]
+fn fused_chains_in_vectors() {
+    use rustytorch::ops::{FusedInstr, FusedKernel};
+    let ins = |op: Op, args: &[u32], dtype: DType| FusedInstr {
+        op,
+        args: args.to_vec(),
+        dtype,
+    };
+    for d in FLOATS {
+        for dims in [&[64usize, 4096][..], &[3, 1001]] {
+            let full = |v: f64| {
+                ins(
+                    Op::Full {
+                        value: F64Bits::new(v),
+                        ty: t(d, &[]),
+                    },
+                    &[],
+                    d,
+                )
+            };
+            let k = FusedKernel {
+                n_inputs: 2,
+                instrs: vec![
+                    ins(Op::Unary(UnaryOp::Silu), &[0], d),
+                    ins(Op::Binary(BinaryOp::Mul), &[2, 1], d),
+                    full(0.5),
+                    ins(Op::Binary(BinaryOp::Mul), &[4, 0], d),
+                    ins(Op::Binary(BinaryOp::Add), &[3, 5], d),
+                    ins(Op::Unary(UnaryOp::Tanh), &[6], d),
+                    full(2.0),
+                    ins(Op::Binary(BinaryOp::Mul), &[7, 8], d),
+                ],
+                out: t(d, dims),
+            };
+            let a = rnd(d, dims, 71, -6.0, 6.0);
+            let b = rnd(d, dims, 72, -3.0, 3.0);
+            check(
+                &format!("chain {d:?} {dims:?}"),
+                Op::Fused(Box::new(k)),
+                vec![a, b],
+            );
+        }
+    }
+}
+
+/// Attention on the device: causal kinds, additive and bool masks (a fully masked row is zero),
+/// more keys than a warp has lanes, GPT-2 head sizes, every float dtype.
+#[test]
+fn attention() {
+    use rustytorch::ops::{AttnMask, Causal};
+    for d in FLOATS {
+        for (k, &(b, h, sq, sk, hd)) in [(2, 3, 17, 17, 64), (1, 2, 40, 75, 32)].iter().enumerate()
+        {
+            let seed = 90 + 10 * k as u64;
+            let q = rnd(d, &[b, h, sq, hd], seed, -1.0, 1.0);
+            let kk = rnd(d, &[b, h, sk, hd], seed + 1, -1.0, 1.0);
+            let v = rnd(d, &[b, h, sk, hd], seed + 2, -1.0, 1.0);
+            let scale = F64Bits::new(1.0 / (hd as f64).sqrt());
+            for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+                let what = format!("attention {d:?} {causal:?} [{b},{h},{sq},{sk},{hd}]");
+                let op = |mask| Op::Attention {
+                    causal,
+                    mask,
+                    scale,
+                };
+                check(
+                    &what,
+                    op(AttnMask::None),
+                    vec![q.clone(), kk.clone(), v.clone()],
+                );
+                let mut m = rnd(DType::F64, &[sq, sk], seed + 3, -2.0, 1.0).to_f64_vec();
+                for (x, mv) in m.iter_mut().enumerate() {
+                    if x < sk || x % 5 == 0 {
+                        *mv = f64::NEG_INFINITY;
+                    }
+                }
+                let add = HostTensor::from_f64_slice(&t(d, &[sq, sk]), &m).unwrap();
+                check(
+                    &format!("{what} additive"),
+                    op(AttnMask::Additive),
+                    vec![q.clone(), kk.clone(), v.clone(), add],
+                );
+                let keep = rnd(DType::Bool, &[b, 1, 1, sk], seed + 4, 0.0, 1.0);
+                check(
+                    &format!("{what} bool"),
+                    op(AttnMask::Bool),
+                    vec![q.clone(), kk.clone(), v.clone(), keep],
+                );
+            }
+        }
+    }
+}

@@ -7,7 +7,7 @@
 //! AdamW) give the same parameters after each of three steps with and without the optimizer.
 //! Each case is generated from one seed (printed on failure), so a failure reproduces with
 //! `PROPTEST_CASES=1` and that seed. Where `RUSTYTORCH_TEST_CUDA=1`, the same optimized graphs
-//! (without attention, which has no CUDA kernel) also run on CUDA against the CPU.
+//! also run on CUDA against the CPU.
 
 use proptest::prelude::*;
 use rustytorch::codegen::lower;
@@ -278,7 +278,7 @@ fn check_cuda(seed: u64, n_ops: usize) {
     if std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() != Ok("1") {
         return;
     }
-    let (g, outs, inputs) = random_graph(seed, n_ops, false);
+    let (g, outs, inputs) = random_graph(seed, n_ops, true);
     let graph = with_outputs(&g, &outs, seed);
     let refs: Vec<(&str, HostTensor)> = inputs
         .iter()

@@ -929,10 +929,18 @@ fn vectorized_elementwise_kernels() {
             if accepts(&Op::Unary(unary), &[x.ty()]) {
                 assert!(check_vector(&Op::Unary(unary), &[&x], &what("unary")));
             }
-            assert!(check_vector(&Op::Binary(binary), &[&x, &y], &what("binary")));
+            assert!(check_vector(
+                &Op::Binary(binary),
+                &[&x, &y],
+                &what("binary")
+            ));
             // A one-element operand is loaded once; the result keeps the vector's shape.
             let op = Op::Binary(binary);
-            assert!(check_vector(&op, &[&one, &x], &what("binary with a scalar")));
+            assert!(check_vector(
+                &op,
+                &[&one, &x],
+                &what("binary with a scalar")
+            ));
             let c = rand(DType::Bool, &[n], 14, 0.0, 1.0);
             assert!(check_vector(&Op::Where, &[&c, &x, &y], &what("where")));
             for to in [DType::F32, DType::BF16, DType::U8, DType::F64] {
@@ -952,7 +960,11 @@ fn vectorized_elementwise_kernels() {
     // A broadcast operand that is not one element keeps the strided loop.
     let a = rand(DType::F32, &[64, 32], 31, -1.0, 1.0);
     let b = rand(DType::F32, &[32], 32, -1.0, 1.0);
-    assert!(!check_vector(&Op::Binary(BinaryOp::Add), &[&a, &b], "row broadcast"));
+    assert!(!check_vector(
+        &Op::Binary(BinaryOp::Add),
+        &[&a, &b],
+        "row broadcast"
+    ));
     // So does a tensor too small to fill one block of vectors.
     let s = rand(DType::F32, &[1000], 33, -1.0, 1.0);
     assert!(!check_vector(&Op::Unary(UnaryOp::Neg), &[&s], "small"));

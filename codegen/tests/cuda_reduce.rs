@@ -623,7 +623,10 @@ fn one_pass_row_kernels() {
             for (op, ins) in &cases {
                 let step = check(op, ins);
                 let name = &step.launches[0].kernel.name;
-                assert!(name.contains("_rows_"), "{op:?} {dt} [{count}, {d}]: {name}");
+                assert!(
+                    name.contains("_rows_"),
+                    "{op:?} {dt} [{count}, {d}]: {name}"
+                );
             }
         }
     }

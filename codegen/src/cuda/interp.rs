@@ -15,9 +15,7 @@
 //! bounds of a buffer, a store to a read-only parameter, a shuffle with an inactive lane, a
 //! `__syncthreads` reached by only part of the live threads of a block.
 
-use super::ir::{
-    add, i64c, load, elem_bytes, BinFn, CTy, Expr, Kernel, Lit, Special, Stmt, UnFn,
-};
+use super::ir::{add, elem_bytes, i64c, load, BinFn, CTy, Expr, Kernel, Lit, Special, Stmt, UnFn};
 use super::{ArgRef, StepKernels};
 use crate::CodegenError;
 use rustytorch_ops::{bf16, f16, DType, Data, HostTensor, TensorType};
@@ -255,7 +253,6 @@ fn le<const N: usize>(b: &[u8], i: usize) -> [u8; N] {
     a.copy_from_slice(&b[i * N..i * N + N]);
     a
 }
-
 
 // ---- values ----
 

@@ -5,6 +5,7 @@
 //!
 //! Nothing here touches a GPU: the runtime compiles the sources with NVRTC and launches them.
 
+pub mod attention;
 pub mod elementwise;
 pub mod emit;
 pub mod interp;
@@ -127,7 +128,7 @@ pub fn lower_plan(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
 }
 
 /// Lowers one op with operand types `inputs` and result type `out` for CUDA. Convolution, pooling
-/// and attention have no CUDA implementation yet: they are an error naming the op.
+/// and the attention gradient have no CUDA implementation yet: they are an error naming the op.
 pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaStep> {
     let unsupported = || {
         Err(CodegenError::Unsupported {
@@ -176,7 +177,7 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         | Op::ConvGradWeight { .. }
         | Op::Pool { .. }
         | Op::PoolGrad { .. }
-        | Op::Attention { .. }
         | Op::AttentionGrad { .. } => unsupported(),
+        Op::Attention { .. } => attention::lower(op, inputs, out).map(CudaStep::Kernels),
     }
 }

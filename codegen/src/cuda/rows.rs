@@ -18,8 +18,8 @@
 
 use super::ir::{
     add, assign, bin, div, elem_bytes, fc, for_, i32c, i64c, if_, let_, lit, load, load_vec, mul,
-    rem, select, special, store, store_vec, sub, un, var, BinFn, CTy, Expr, Kernel, Param,
-    Special, Stmt, UnFn,
+    rem, select, special, store, store_vec, sub, un, var, BinFn, CTy, Expr, Kernel, Param, Special,
+    Stmt, UnFn,
 };
 use super::{finish, grid_for, ArgRef, Launch, StepKernels};
 use crate::Result;
@@ -195,7 +195,11 @@ impl Row {
 /// The one-pass kernel of `op` over the rows of `x` (last axis, contiguous), or `None` when the
 /// rows are not [`eligible`].
 pub fn lower(op: RowOp, x: &TensorType) -> Result<Option<StepKernels>> {
-    let d = *x.shape.dims().last().expect("rank >= 1 (checked by inference)");
+    let d = *x
+        .shape
+        .dims()
+        .last()
+        .expect("rank >= 1 (checked by inference)");
     let Some((w, nv, t, v)) = geometry(x, d).filter(|_| x.dtype.is_float()) else {
         return Ok(None);
     };
