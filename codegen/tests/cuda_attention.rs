@@ -106,3 +106,18 @@ fn nan_scores_make_their_row_nan() {
     let v = rand_tensor(&ty(DType::F32, &[b, h, sk, d]), 3, -1.0, 1.0);
     check(&op(Causal::None, AttnMask::None, 0.5), &[&q, &k, &v], "nan");
 }
+
+/// The benchmarked kernel: causal bf16 attention with GPT-2-small heads.
+#[test]
+fn snapshot_causal_bf16_gpt2_heads() {
+    let t = ty(DType::BF16, &[8, 12, 1024, 64]);
+    let op = op(Causal::TopLeft, AttnMask::None, 0.125);
+    let refs = [&t, &t, &t];
+    let step = match cuda::lower_step(&op, &refs, &t).unwrap() {
+        CudaStep::Kernels(k) => k,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(step.launches.len(), 1);
+    let src = cuda::source(&step.launches[0].kernel).unwrap();
+    insta::assert_snapshot!("attention_causal_bf16_gpt2", src);
+}

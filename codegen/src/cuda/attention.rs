@@ -1,12 +1,12 @@
 //! Scaled dot-product attention on CUDA: one kernel, a warp per query row, the softmax computed
 //! online (running maximum, rescaled sums) so that the scores never reach memory.
 //!
-//! The warp's lanes split the row's keys (`j = lane, lane + 32, ...`, up to the causal limit):
-//! each lane keeps its own maximum `m`, denominator `s` and output accumulator `o[Dv]` (registers),
-//! and for every key computes the score `scale · q·k_j (+ mask)`, then
-//! `m' = max(m, score)`, `o = o·e^(m−m') + e^(score−m')·v_j`. At the end the lanes combine their
-//! states through shuffles, rescaled to the row's maximum. The query row sits in shared memory
-//! (one slot per warp) while the lanes read it.
+//! The warp's lanes split the head dims (lane `l` holds elements `l, l + 32, ...` of the query
+//! row and of the output row, in registers), so that every load of a key or value row is one
+//! coalesced access of the warp. For each key up to the causal limit the lanes' partial dot
+//! products meet in a butterfly, giving every lane the score `scale · q·k_j (+ mask)`; then
+//! `m' = max(m, score)`, `s = s·e^(m−m') + e^(score−m')` and `o = o·e^(m−m') + e^(score−m')·v_j`
+//! for the lane's output elements. The row ends with `o / s`.
 //!
 //! Semantics are the CPU kernel's (`rustytorch_ops::attention`): statistics in f32 (f64 for f64);
 //! masked keys (causal, a false bool mask or a −∞ additive mask) weigh nothing; a row whose keys are
@@ -75,40 +75,29 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
     };
     params.push(param("out", e, true));
 
+    // This lane's share of a row of the head dims: elements `lane + 32·r`.
+    let (rq, ro) = (d.div_ceil(WARP as usize), dv.div_ceil(WARP as usize));
+    let col = |r: usize| add(var("lane"), i64c(r as i64 * WARP));
+    let guard = |r: usize, n: usize, s: Vec<Stmt>| -> Vec<Stmt> {
+        if (r + 1) * WARP as usize <= n {
+            s
+        } else {
+            vec![if_(bin(BinFn::Lt, col(r), i64c(n as i64)), s)]
+        }
+    };
     let mut body = vec![
-        let_(
-            "act",
-            CTy::Bool,
-            bin(BinFn::Lt, add(var("rb"), var("wid")), i64c(rows)),
-        ),
-        let_(
-            "row",
-            CTy::I64,
-            bin(BinFn::Min, add(var("rb"), var("wid")), i64c(rows - 1)),
-        ),
         let_("i", CTy::I64, rem(var("row"), i64c(sq as i64))),
         let_("bh", CTy::I64, div(var("row"), i64c(sq as i64))),
         let_("kb", CTy::I64, mul(var("bh"), i64c((sk * d) as i64))),
         let_("vb", CTy::I64, mul(var("bh"), i64c((sk * dv) as i64))),
     ];
-    // The query row into this warp's slot.
-    body.push(for_(
-        "t",
-        var("lane"),
-        i64c(d as i64),
-        i64c(WARP),
-        vec![store(
-            "qs",
-            ct,
-            add(mul(var("wid"), i64c(d as i64)), var("t")),
-            to_ct(
-                load("q", e, add(mul(var("row"), i64c(d as i64)), var("t"))),
-                e,
-                ct,
-            ),
-        )],
-    ));
-    body.push(Stmt::SyncThreads);
+    // The query row, spread over the lanes.
+    for r in 0..rq {
+        let qn = format!("q{r}");
+        body.push(let_(&qn, ct, lit(0.0, ct)));
+        let l = load("q", e, add(mul(var("row"), i64c(d as i64)), col(r)));
+        body.extend(guard(r, d, vec![assign(&qn, to_ct(l, e, ct))]));
+    }
     // The keys this row sees.
     let limit = match causal {
         Causal::None => i64c(sk as i64),
@@ -126,35 +115,30 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
     body.push(let_("jend", CTy::I64, limit));
     body.push(let_("m", ct, neg_inf()));
     body.push(let_("s", ct, lit(0.0, ct)));
-    for c in 0..dv {
-        body.push(let_(&format!("o{c}"), ct, lit(0.0, ct)));
+    for r in 0..ro {
+        body.push(let_(&format!("o{r}"), ct, lit(0.0, ct)));
     }
-    // One key: its score, then the online update.
+    // One key: the lanes' partial dot products, summed by a butterfly (every lane holds the
+    // score), then the online update of the lane's output elements.
     let mut key = vec![let_("dot", ct, lit(0.0, ct))];
-    key.push(for_(
-        "t",
-        i64c(0),
-        i64c(d as i64),
-        i64c(1),
-        vec![assign(
+    for r in 0..rq {
+        let kl = load(
+            "k",
+            e,
+            add(add(var("kb"), mul(var("j"), i64c(d as i64))), col(r)),
+        );
+        let upd = assign(
             "dot",
-            add(
-                var("dot"),
-                mul(
-                    load("qs", ct, add(mul(var("wid"), i64c(d as i64)), var("t"))),
-                    to_ct(
-                        load(
-                            "k",
-                            e,
-                            add(add(var("kb"), mul(var("j"), i64c(d as i64))), var("t")),
-                        ),
-                        e,
-                        ct,
-                    ),
-                ),
-            ),
-        )],
-    ));
+            add(var("dot"), mul(var(&format!("q{r}")), to_ct(kl, e, ct))),
+        );
+        key.extend(guard(r, d, vec![upd]));
+    }
+    for off in [16, 8, 4, 2, 1] {
+        key.push(assign(
+            "dot",
+            add(var("dot"), bin(BinFn::ShflXor, var("dot"), i32c(off))),
+        ));
+    }
     key.push(let_("sc", ct, mul(var("dot"), fc(scale.get(), ct))));
     let mask_at = |st: &[usize]| {
         let terms = [
@@ -188,103 +172,56 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
         let_("p", ct, un(UnFn::Exp, sub(var("sc"), var("mn")))),
         assign("s", add(mul(var("s"), var("alpha")), var("p"))),
     ];
-    for c in 0..dv {
-        let o = format!("o{c}");
-        let vj = to_ct(
-            load(
-                "v",
-                e,
-                add(
-                    add(var("vb"), mul(var("j"), i64c(dv as i64))),
-                    i64c(c as i64),
-                ),
-            ),
+    for r in 0..ro {
+        let o = format!("o{r}");
+        let vl = load(
+            "v",
             e,
-            ct,
+            add(add(var("vb"), mul(var("j"), i64c(dv as i64))), col(r)),
         );
-        upd.push(assign(
-            &o,
-            add(mul(var(&o), var("alpha")), mul(var("p"), vj)),
+        upd.push(assign(&o, mul(var(&o), var("alpha"))));
+        upd.extend(guard(
+            r,
+            dv,
+            vec![assign(&o, add(var(&o), mul(var("p"), to_ct(vl, e, ct))))],
         ));
     }
     upd.push(assign("m", var("mn")));
     key.push(if_(bin(BinFn::Ne, var("sc"), neg_inf()), upd));
-    body.push(for_("j", var("lane"), var("jend"), i64c(WARP), key));
-    // The lanes' states at the row's maximum.
-    body.push(let_("mr", ct, var("m")));
-    for off in [16, 8, 4, 2, 1] {
-        body.push(assign(
-            "mr",
-            bin(
-                BinFn::Max,
-                var("mr"),
-                bin(BinFn::ShflXor, var("mr"), i32c(off)),
-            ),
-        ));
-    }
-    body.push(let_(
-        "f",
-        ct,
-        select(
-            bin(BinFn::Eq, var("m"), neg_inf()),
-            lit(0.0, ct),
-            un(UnFn::Exp, sub(var("m"), var("mr"))),
-        ),
-    ));
-    let mut names = vec!["s".to_string()];
-    names.extend((0..dv).map(|c| format!("o{c}")));
-    for n in &names {
-        body.push(assign(n, mul(var(n), var("f"))));
-        for off in [16, 8, 4, 2, 1] {
-            body.push(assign(
-                n,
-                add(var(n), bin(BinFn::ShflXor, var(n), i32c(off))),
-            ));
-        }
-    }
+    body.push(for_("j", i64c(0), var("jend"), i64c(1), key));
     // Every key masked: a zero row.
     body.push(let_(
         "inv",
         ct,
         select(
-            bin(BinFn::Eq, var("mr"), neg_inf()),
+            bin(BinFn::Eq, var("m"), neg_inf()),
             lit(0.0, ct),
             div(lit(1.0, ct), var("s")),
         ),
     ));
-    let mut stores = Vec::new();
-    for c in 0..dv {
-        stores.push(if_(
-            bin(BinFn::Eq, var("lane"), i64c(c as i64 % WARP)),
-            vec![store(
-                "out",
-                e,
-                add(mul(var("row"), i64c(dv as i64)), i64c(c as i64)),
-                mul(var(&format!("o{c}")), var("inv")),
-            )],
-        ));
+    for r in 0..ro {
+        let st = store(
+            "out",
+            e,
+            add(mul(var("row"), i64c(dv as i64)), col(r)),
+            mul(var(&format!("o{r}")), var("inv")),
+        );
+        body.extend(guard(r, dv, vec![st]));
     }
-    body.push(if_(var("act"), stores));
-    // The slots are rewritten by the next rows only after every warp has read them.
-    body.push(Stmt::SyncThreads);
 
     let tid = || special(Special::ThreadIdx);
     let all = vec![
-        Stmt::Shared {
-            name: "qs".into(),
-            elem: ct,
-            len: (WARPS as usize * d.max(1)) as u32,
-        },
         let_("lane", CTy::I64, rem(tid(), i64c(WARP))),
         let_("wid", CTy::I64, div(tid(), i64c(WARP))),
         for_(
-            "rb",
-            mul(special(Special::BlockIdx), i64c(WARPS)),
+            "row",
+            add(mul(special(Special::BlockIdx), i64c(WARPS)), var("wid")),
             i64c(rows),
             mul(special(Special::GridDim), i64c(WARPS)),
             body,
         ),
     ];
+
     let kernel = finish(
         "attention",
         Kernel {

@@ -749,7 +749,7 @@ fn ew_kernel(
     }
     b.push(store_vec("out", elem_out, i, values));
     body.push(grid_stride("j", vectors as i64, b.stmts));
-    if n % w != 0 {
+    if !n.is_multiple_of(w) {
         let mut t = Body::with_fast(fast);
         let i = var(I);
         let tail_args: Vec<Expr> = inputs

@@ -63,7 +63,7 @@ pub enum RowOp {
 /// row, threads per row, vectors per thread), or `None` when the rows take the three-pass kernels.
 fn geometry(x: &TensorType, d: usize) -> Option<(usize, usize, usize, usize)> {
     let w = VECTOR_BYTES / elem_bytes(CTy::storage(x.dtype));
-    if w < 2 || d == 0 || d % w != 0 {
+    if w < 2 || d == 0 || !d.is_multiple_of(w) {
         return None;
     }
     let nv = d / w;
