@@ -8,10 +8,13 @@ use rustytorch_compiler::{Graph, GraphBuilder, MemoryPlan, Tensor};
 use rustytorch_ops::{HostTensor, Op, TensorType};
 use rustytorch_runtime::cpu::NonFiniteValue;
 use rustytorch_runtime::device::{place, Placement, Workload, COST_MODEL};
-use rustytorch_runtime::{CpuBackend, Device, MemoryStats, RuntimeError, Session, TransferStats};
+use rustytorch_runtime::{
+    CpuBackend, Device, MemoryStats, RuntimeError, Session, StepTimes, TransferStats,
+};
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// What to do when a gradient is NaN or infinite.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -244,6 +247,18 @@ pub struct Executable {
     report: rustytorch_compiler::passes::Report,
     /// Sources of the plan's steps, in anomaly mode.
     sources: Option<StepSources>,
+    /// Step timing and the Chrome trace.
+    observe: Observe,
+}
+
+/// An executable's step timing and trace.
+struct Observe {
+    compile: crate::trace::CompileTimes,
+    /// Step timing asked for through [`Executable::set_step_timing`].
+    timing: bool,
+    /// The step times of the last run made with timing on.
+    last: Option<StepTimes>,
+    trace: Option<crate::trace::Tracer>,
 }
 
 /// Compiles the graph of `g` computing `outputs` (named as declared with [`GraphBuilder::output`],
@@ -294,11 +309,15 @@ pub fn compile_graph(graph: &Graph, device: Device, opts: &CompileOptions) -> Re
         fuse: opts.optimize,
         ..Default::default()
     };
+    crate::trace::epoch();
+    let start = Instant::now();
     let compiled = rustytorch_compiler::passes::run(&source, &popts)?;
+    let passes_done = Instant::now();
     let memory = compiled.report.memory.as_ref().ok_or_else(|| {
         CodegenError::Invalid("the compile passes produced no memory plan".into())
     })?;
     let plan = Arc::new(lower(&compiled.graph, memory)?);
+    let lowered = Instant::now();
     let mut params = Vec::with_capacity(source.params.len());
     for p in &source.params {
         let v = match &p.data {
@@ -325,7 +344,13 @@ pub fn compile_graph(graph: &Graph, device: Device, opts: &CompileOptions) -> Re
         (placement, session, None)
     };
     tracing::debug!(placement = %placement, "prepared");
-    Ok(Executable {
+    let compile = crate::trace::CompileTimes {
+        start,
+        passes_done,
+        lowered,
+        prepared: Instant::now(),
+    };
+    let mut exe = Executable {
         source,
         optimized: compiled.graph,
         plan,
@@ -334,7 +359,17 @@ pub fn compile_graph(graph: &Graph, device: Device, opts: &CompileOptions) -> Re
         opts: opts.clone(),
         report: compiled.report,
         sources,
-    })
+        observe: Observe {
+            compile,
+            timing: false,
+            last: None,
+            trace: None,
+        },
+    };
+    if let Some(path) = std::env::var_os("RUSTYTORCH_TRACE").filter(|p| !p.is_empty()) {
+        exe.trace_to(Path::new(&path))?;
+    }
+    Ok(exe)
 }
 
 /// What one run of `plan` (lowered from `graph`) does, for the placement cost model: FLOPs from
@@ -429,7 +464,21 @@ impl Executable {
                 reason: format!("missing (expected {})", d.ty),
             })?);
         }
-        let r = match self.session.run(&ins) {
+        let start = Instant::now();
+        let r = self.session.run(&ins);
+        self.observe.last = None;
+        if self.observe.timing || self.observe.trace.is_some() {
+            self.observe.last = self.session.take_step_times();
+        }
+        if let Some(t) = &mut self.observe.trace {
+            if let Err(e) = t.run(start, Instant::now(), self.observe.last.as_ref(), r.is_ok()) {
+                // The trace is a side channel: a failed write stops it, not the run.
+                tracing::warn!("{e}; tracing stopped");
+                self.observe.trace = None;
+                self.session.set_step_timing(self.observe.timing);
+            }
+        }
+        let r = match r {
             Ok(r) => r,
             Err(RuntimeError::NonFinite(v)) => {
                 let a = match &self.sources {
@@ -456,6 +505,72 @@ impl Executable {
             values: r.outputs,
             skipped,
         })
+    }
+
+    /// Writes a Chrome trace (the Trace Event Format that Perfetto and chrome://tracing open)
+    /// of this executable to `path`: its compile passes now, and every following run with each
+    /// plan step named by its op and source location, its bytes and FLOPs (see
+    /// [`crate::trace`]). Executables tracing to one path in a process share the file; it is
+    /// valid JSON after every run. `RUSTYTORCH_TRACE=FILE.json` does this for every executable.
+    pub fn trace_to(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let steps = self.step_infos();
+        let outputs: Vec<&str> = self.plan.outputs.iter().map(|(n, _)| n.as_str()).collect();
+        let title = format!(
+            "rustytorch on {}: {} steps, outputs {}",
+            self.session.device(),
+            steps.len(),
+            outputs.join(", ")
+        );
+        let tracer = crate::trace::Tracer::start(
+            path.as_ref(),
+            &title,
+            steps,
+            &self.observe.compile,
+            &self.report,
+        )?;
+        self.session.set_step_timing(true);
+        self.observe.trace = Some(tracer);
+        Ok(())
+    }
+
+    /// Stops writing the trace started by [`Executable::trace_to`].
+    pub fn stop_trace(&mut self) {
+        self.observe.trace = None;
+        self.session.set_step_timing(self.observe.timing);
+    }
+
+    /// Turns the timing of every plan step of the following runs on or off (read them with
+    /// [`Executable::step_times`]). Returns whether the device's session times steps (the CPU
+    /// does; a session that does not ignores the call).
+    pub fn set_step_timing(&mut self, on: bool) -> bool {
+        self.observe.timing = on;
+        self.session
+            .set_step_timing(on || self.observe.trace.is_some())
+    }
+
+    /// The step times of the last run, when step timing (or a trace) was on.
+    pub fn step_times(&self) -> Option<&StepTimes> {
+        self.observe.last.as_ref()
+    }
+
+    /// What each plan step does: op, source location, output type, bytes moved and FLOPs.
+    pub fn step_infos(&self) -> Vec<crate::trace::StepInfo> {
+        crate::trace::step_infos(&self.optimized, self.report.memory.as_ref(), &self.plan)
+    }
+
+    /// The report of the static memory plan: its peak and the largest values live then.
+    pub fn memory_report(&self) -> Option<rustytorch_compiler::inspect::memory::MemoryReport> {
+        self.report
+            .memory
+            .as_ref()
+            .map(|m| rustytorch_compiler::inspect::memory::memory_report(&self.optimized, m))
+    }
+
+    /// The device time of the plan's steps in milliseconds per execution, averaged over
+    /// `iters` back-to-back executions on the last run's inputs (device sessions only; call
+    /// `run` first).
+    pub fn time_steps(&mut self, iters: usize) -> Result<f64> {
+        Ok(self.session.time_steps(iters)?)
     }
 
     /// The optimized, fused graph as IR text.

@@ -22,7 +22,9 @@ pub mod data;
 pub mod executable;
 pub mod models;
 pub mod npy;
+pub mod profile;
 pub mod stats;
+pub mod trace;
 
 pub use executable::{
     compile, compile_graph, compile_with, workload, Anomaly, CompileOptions, Executable,

@@ -6,10 +6,14 @@
 //! rustytorch run model.rtg --input x=x.npy --out results/ --device auto --memory-stats
 //! rustytorch run model.rtg --input x=x.npy --anomaly
 //! rustytorch inspect model.rtg --passes --device cuda
+//! rustytorch inspect model.rtg --svg -o model.svg
+//! rustytorch profile model.rtg --input x=x.npy --runs 20
+//! rustytorch run model.rtg --input x=x.npy --trace run.json
 //! rustytorch convert model.rtg --to text -o model.rtir
 //! rustytorch embed --model ~/.cache/rustytorch/models/all-MiniLM-L6-v2 "A sentence." --out e.npy
 //! ```
 
+mod cli_observe;
 mod embed;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -55,6 +59,10 @@ enum Command {
         /// (also on when `RUSTYTORCH_ANOMALY=1`; runs on the cpu).
         #[arg(long)]
         anomaly: bool,
+        /// Write a Chrome trace (Perfetto, chrome://tracing) of the compile and the run, each
+        /// step named by its op and source location (also `RUSTYTORCH_TRACE=FILE.json`).
+        #[arg(long, value_name = "FILE.json")]
+        trace: Option<PathBuf>,
     },
     /// Prints the IR text, the parameter count, a FLOP estimate and where `run --device` would
     /// place the graph.
@@ -67,7 +75,12 @@ enum Command {
         /// The device to show the placement for: `cpu`, `cuda`, `cuda:N` or `auto`.
         #[arg(short, long, default_value = "auto")]
         device: String,
+        #[command(flatten)]
+        picture: cli_observe::PictureArgs,
     },
+    /// Times every step of a graph over several runs and prints per-op totals (calls, time,
+    /// share, achieved GB/s and TFLOP/s against the device's limits), longest first.
+    Profile(cli_observe::ProfileArgs),
     /// Sentence embeddings from a sentence-transformers BERT model folder, as JSON
     /// (`{"model":..., "dim":..., "embeddings":[[...], ...]}`) on stdout or in `--out`.
     Embed(embed::EmbedArgs),
@@ -119,12 +132,24 @@ fn main() -> ExitCode {
             print,
             memory_stats,
             anomaly,
-        } => run(&graph, &inputs, &out, &device, print, memory_stats, anomaly),
+            trace,
+        } => run(
+            &graph,
+            &inputs,
+            &out,
+            &device,
+            print,
+            memory_stats,
+            anomaly,
+            trace.as_deref(),
+        ),
         Command::Inspect {
             graph,
             passes,
             device,
-        } => inspect(&graph, passes, &device),
+            picture,
+        } => inspect(&graph, passes, &device, &picture),
+        Command::Profile(args) => cli_observe::run_profile(args),
         Command::Convert { graph, to, output } => convert(&graph, to, output),
         Command::Embed(args) => embed::run(args).map_err(Failure),
     };
@@ -169,8 +194,8 @@ fn list_inputs(graph: &Graph) -> String {
 }
 
 /// Parses the `NAME=FILE` arguments and reads each file as the graph input it names, converting
-/// f32 data to bf16 where the input is bf16 (numpy has no bf16).
-fn read_inputs(graph: &Graph, args: &[String]) -> Res<Vec<(String, HostTensor)>> {
+/// f32 data to bf16 where the input is bf16 (numpy has no bf16). Inputs not given are left out.
+fn read_given_inputs(graph: &Graph, args: &[String]) -> Res<BTreeMap<String, HostTensor>> {
     let mut given: BTreeMap<String, HostTensor> = BTreeMap::new();
     for a in args {
         let Some((name, file)) = a.split_once('=') else {
@@ -211,6 +236,12 @@ fn read_inputs(graph: &Graph, args: &[String]) -> Res<Vec<(String, HostTensor)>>
         }
         given.insert(name.to_string(), t);
     }
+    Ok(given)
+}
+
+/// [`read_given_inputs`], requiring every graph input; in the graph's input order.
+fn read_inputs(graph: &Graph, args: &[String]) -> Res<Vec<(String, HostTensor)>> {
+    let mut given = read_given_inputs(graph, args)?;
     let missing: Vec<&str> = graph
         .inputs
         .iter()
@@ -353,6 +384,7 @@ fn run(
     print: bool,
     memory_stats: bool,
     anomaly: bool,
+    trace: Option<&Path>,
 ) -> Res<()> {
     let device = parse_device(device)?;
     let graph = load_graph(graph_path)?;
@@ -364,6 +396,9 @@ fn run(
     }
     let inputs = read_inputs(&graph, args)?;
     let mut exe = compile_for(&graph, device, anomaly)?;
+    if let Some(t) = trace {
+        exe.trace_to(t)?;
+    }
     if device == Device::Auto {
         println!("placement: {}", exe.placement());
     }
@@ -383,6 +418,7 @@ fn run(
         println!("{}  -> {}", summary(name, t), path.display());
     }
     if memory_stats {
+        cli_observe::print_memory_report(&exe);
         match exe.memory_stats() {
             Some(m) => println!("memory pool ({}):\n{m}", exe.device()),
             None => println!(
@@ -402,9 +438,21 @@ fn run(
 /// Tensors with more elements than this print as `[... N values]` in `inspect`.
 const ELIDE: usize = 16;
 
-fn inspect(graph_path: &Path, show_passes: bool, device: &str) -> Res<()> {
+fn inspect(
+    graph_path: &Path,
+    show_passes: bool,
+    device: &str,
+    picture: &cli_observe::PictureArgs,
+) -> Res<()> {
     let device = parse_device(device)?;
     let graph = load_graph(graph_path)?;
+    if picture.wanted() {
+        cli_observe::picture(&graph, show_passes, picture)?;
+        if picture.output.is_none() {
+            // The picture is stdout.
+            return Ok(());
+        }
+    }
     println!("{}", text::print_elided(&graph, ELIDE));
     let trainable = graph.params.iter().filter(|p| p.trainable).count();
     println!(
@@ -419,6 +467,7 @@ fn inspect(graph_path: &Path, show_passes: bool, device: &str) -> Res<()> {
         // Where `run --device` puts it: the inference graph, compiled as `run` compiles it.
         let exe = compile_for(&graph, device, false)?;
         println!("placement (--device {device}): {}", exe.placement());
+        cli_observe::print_memory_report(&exe);
     }
     if show_passes {
         let opts = passes::Options {

@@ -16,6 +16,7 @@ pub use graph::{Graph, Init, InputDef, Node, NodeId, ParamDef};
 pub use optim::{AdamW, Optimizer, Sgd, StepOptions, TrainStep};
 pub mod format;
 pub mod fuse;
+pub mod inspect;
 pub mod optimize;
 pub mod plan;
 pub use plan::MemoryPlan;

@@ -10,12 +10,13 @@
 
 use crate::{
     check_param_type, Backend, Device, MemoryStats, Result, RunOutput, RuntimeError, Session,
-    TransferStats,
+    StepClock, StepTime, StepTimes, TransferStats,
 };
 use rustytorch_codegen::{Plan, Source};
 use rustytorch_ops::{eval_cpu, Data, FusedKernel, HostTensor, Op, TensorType};
 use std::fmt;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// Executes plans on the host.
 #[derive(Debug, Default, Clone, Copy)]
@@ -55,6 +56,8 @@ impl CpuBackend {
             plan,
             params,
             anomaly,
+            timing: false,
+            times: None,
         })
     }
 }
@@ -142,12 +145,21 @@ pub struct CpuSession {
     plan: Arc<Plan>,
     params: Vec<Arc<HostTensor>>,
     anomaly: bool,
+    /// Whether runs measure each step's wall time.
+    timing: bool,
+    /// The step times of the last timed run, until taken.
+    times: Option<StepTimes>,
 }
 
 impl CpuSession {
     /// Executes every step; returns the values the caller reads after the run (outputs, updates,
-    /// guards), indexed by value id.
-    fn execute(&self, inputs: &[Arc<HostTensor>]) -> Result<Vec<Option<Arc<HostTensor>>>> {
+    /// guards), indexed by value id, and with step timing on, each step's wall time.
+    #[allow(clippy::type_complexity)]
+    fn execute(
+        &self,
+        inputs: &[Arc<HostTensor>],
+    ) -> Result<(Vec<Option<Arc<HostTensor>>>, Option<StepTimes>)> {
+        let origin = Instant::now();
         let plan = &*self.plan;
         if inputs.len() != plan.inputs.len() {
             return Err(RuntimeError::Invalid(format!(
@@ -175,7 +187,9 @@ impl CpuSession {
                 Source::Step(_) => None,
             });
         }
+        let mut times = self.timing.then(|| Vec::with_capacity(plan.steps.len()));
         for (s, step) in plan.steps.iter().enumerate() {
+            let start = times.as_ref().map(|_| Instant::now());
             let out = {
                 let ins: Vec<&HostTensor> = step
                     .inputs
@@ -212,8 +226,21 @@ impl CpuSession {
             for &f in &step.frees {
                 vals[f] = None;
             }
+            if let (Some(times), Some(start)) = (times.as_mut(), start) {
+                // Frees are part of the step: dropping a large buffer costs time too.
+                times.push(StepTime {
+                    step: s,
+                    start_us: start.duration_since(origin).as_secs_f64() * 1e6,
+                    dur_us: start.elapsed().as_secs_f64() * 1e6,
+                });
+            }
         }
-        Ok(vals)
+        let times = times.map(|steps| StepTimes {
+            clock: StepClock::Host,
+            origin,
+            steps,
+        });
+        Ok((vals, times))
     }
 }
 
@@ -223,7 +250,9 @@ impl Session for CpuSession {
     }
 
     fn run(&mut self, inputs: &[Arc<HostTensor>]) -> Result<RunOutput> {
-        let vals = self.execute(inputs)?;
+        self.times = None;
+        let (vals, times) = self.execute(inputs)?;
+        self.times = times;
         let get = |v: usize| vals[v].clone().expect("root values are kept");
         let guards: Vec<(String, bool)> = self
             .plan
@@ -270,5 +299,17 @@ impl Session for CpuSession {
 
     fn transfers(&self) -> TransferStats {
         TransferStats::default()
+    }
+
+    fn set_step_timing(&mut self, on: bool) -> bool {
+        self.timing = on;
+        if !on {
+            self.times = None;
+        }
+        true
+    }
+
+    fn take_step_times(&mut self) -> Option<StepTimes> {
+        self.times.take()
     }
 }

@@ -11,11 +11,13 @@ pub mod cpu;
 pub mod cuda;
 pub mod device;
 pub mod pool;
+pub mod timing;
 
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;
 pub use device::{cuda_device_count, Device};
 pub use pool::MemoryStats;
+pub use timing::{StepClock, StepTime, StepTimes};
 
 use rustytorch_codegen::Plan;
 use rustytorch_ops::{HostTensor, OpError};
@@ -126,6 +128,18 @@ pub trait Session: Send {
         Err(RuntimeError::Invalid(
             "step timing needs a device session".into(),
         ))
+    }
+    /// Turns the timing of every step of the following runs on or off (off by default: the
+    /// step loop then reads no clock). Returns whether this session can time its steps; one
+    /// that cannot ignores the call.
+    fn set_step_timing(&mut self, on: bool) -> bool {
+        let _ = on;
+        false
+    }
+    /// The step times of the last run made with step timing on, once (a second call returns
+    /// None until the next timed run).
+    fn take_step_times(&mut self) -> Option<StepTimes> {
+        None
     }
 }
 
