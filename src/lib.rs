@@ -22,6 +22,7 @@ pub mod data;
 pub mod executable;
 pub mod models;
 pub mod npy;
+pub mod sparse;
 pub mod profile;
 pub mod stats;
 pub mod trace;

@@ -115,6 +115,11 @@ pub fn node_flops(graph: &Graph, id: rustytorch_compiler::NodeId) -> u64 {
         Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => {
             numel(in_dims(0)).saturating_mul(4)
         }
+        // A multiply-add per nonzero (col_idx [nnz]) per dense column (x [_, n] or b [_, k]).
+        Op::SparseMatmul { .. } | Op::SampledMatmul => {
+            let width = in_dims(3).get(1).copied().unwrap_or(1) as u64;
+            mul(&[2, numel(in_dims(1)), width])
+        }
     }
 }
 

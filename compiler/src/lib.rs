@@ -8,12 +8,14 @@ pub mod error;
 pub mod graph;
 pub mod optim;
 pub mod passes;
+pub mod sparse;
 
 pub use autodiff::grad;
 pub use builder::{ConvOpts, GraphBuilder, Tensor};
 pub use error::{CompileError, Result};
 pub use graph::{Graph, Init, InputDef, Node, NodeId, ParamDef};
 pub use optim::{AdamW, Optimizer, Sgd, StepOptions, TrainStep};
+pub use sparse::CsrPattern;
 pub mod format;
 pub mod fuse;
 pub mod inspect;

@@ -739,22 +739,32 @@ fn golden_graph() -> Graph {
 }
 
 /// Seeded inputs: floats in [-1, 1), integers in {0, 1} (valid indices and targets for every
-/// sample), random bools.
+/// sample), random bools; a sample's operand `op.k` is made by `testing::sample_input`, which
+/// also makes a sparse op's row pointers valid.
 fn golden_inputs(g: &Graph) -> Vec<(String, HostTensor)> {
+    let samples: HashMap<String, (Op, Vec<TensorType>, usize)> = Op::samples()
+        .into_iter()
+        .flat_map(|(op, tys)| {
+            (0..tys.len())
+                .map(|k| (format!("{}.{k}", op.name()), (op.clone(), tys.clone(), k)))
+                .collect::<Vec<_>>()
+        })
+        .collect();
     g.inputs
         .iter()
         .enumerate()
         .map(|(i, input)| {
-            let (lo, hi) = if input.ty.dtype.is_float() {
-                (-1.0, 1.0)
-            } else {
-                (0.0, 2.0)
-            };
             let seed = 1000 + i as u64;
-            (
-                input.name.clone(),
-                testing::rand_tensor(&input.ty, seed, lo, hi),
-            )
+            let value = match samples.get(&input.name) {
+                Some((op, tys, k)) => testing::sample_input(op, tys, *k, seed),
+                None => testing::sample_input(
+                    &Op::Unary(UnaryOp::Neg),
+                    std::slice::from_ref(&input.ty),
+                    0,
+                    seed,
+                ),
+            };
+            (input.name.clone(), value)
         })
         .collect()
 }

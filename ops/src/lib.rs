@@ -26,6 +26,7 @@ pub mod movement;
 pub mod norm;
 pub mod pool;
 pub mod reduce;
+pub mod sparse;
 
 pub use dtype::{DType, Element, HostElement};
 pub use error::{fmt_types, OpError, Result};
@@ -33,6 +34,7 @@ pub use grad::{GradBuilder, Value, VjpCtx};
 pub use half::{bf16, f16};
 pub use op::*;
 pub use shape::{normalize_axis, Shape, TensorType};
+pub use sparse::{spgemm, CooMatrix, CsrMatrix};
 pub use tensor::{Data, HostTensor};
 
 /// The output type of `op` applied to inputs of types `inputs`, or a typed error naming the op,
@@ -72,6 +74,7 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
         Op::Pool { .. } | Op::PoolGrad { .. } => pool::infer(op, inputs),
         Op::Attention { .. } | Op::AttentionGrad { .. } => attention::infer(op, inputs),
         Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => loss::infer(op, inputs),
+        Op::SparseMatmul { .. } | Op::SampledMatmul => sparse::infer(op, inputs),
     }?;
     shape::check_result_limits(op, inputs, &ty)?;
     Ok(ty)
@@ -115,6 +118,7 @@ pub fn eval_cpu(op: &Op, inputs: &[&HostTensor]) -> Result<HostTensor> {
         Op::Pool { .. } | Op::PoolGrad { .. } => pool::cpu(op, inputs, &out),
         Op::Attention { .. } | Op::AttentionGrad { .. } => attention::cpu(op, inputs, &out),
         Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => loss::cpu(op, inputs, &out),
+        Op::SparseMatmul { .. } | Op::SampledMatmul => sparse::cpu(op, inputs, &out),
     }
 }
 
@@ -151,5 +155,6 @@ pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
         Op::Pool { .. } | Op::PoolGrad { .. } => pool::vjp(cx),
         Op::Attention { .. } | Op::AttentionGrad { .. } => attention::vjp(cx),
         Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => loss::vjp(cx),
+        Op::SparseMatmul { .. } | Op::SampledMatmul => sparse::vjp(cx),
     }
 }

@@ -547,6 +547,25 @@ pub enum Op {
     // ---- fused ----
     /// A fused elementwise kernel (made by the fusion pass).
     Fused(#[serde(deserialize_with = "deserialize_fused")] Box<FusedKernel>),
+
+    // ---- sparse ----
+    /// Sparse × dense product (SpMM) with a CSR matrix A of `rows` × `cols`; inputs row_ptr
+    /// [rows+1] and col_idx [nnz] (i32 or i64, one dtype), values [nnz] and a dense x (float, one
+    /// dtype). `A·x` with x [cols, n] gives [rows, n]; with `trans_a`, `Aᵀ·x` with x [rows, n]
+    /// gives [cols, n]. Column indices need not be sorted within a row; repeated ones add up.
+    SparseMatmul {
+        /// A's row count.
+        rows: usize,
+        /// A's column count.
+        cols: usize,
+        /// Multiply by Aᵀ.
+        trans_a: bool,
+    },
+    /// Sampled dense × dense product (SDDMM): `(a·bᵀ)` at the nonzeros of a CSR pattern;
+    /// inputs row_ptr [m+1], col_idx [nnz], a [m, k], b [n, k]; the result is [nnz] with
+    /// `out[e] = Σ_j a[row(e), j] · b[col_idx[e], j]` (the gradient of [`Op::SparseMatmul`]
+    /// with respect to A's values).
+    SampledMatmul,
 }
 
 /// How deeply fused kernels may nest inside each other's programs when deserialized.
@@ -580,7 +599,7 @@ impl Op {
 
     /// Number of [`Op`] variants (a test checks it against the enum; [`Op::samples`] has one
     /// entry per variant).
-    pub const VARIANT_COUNT: usize = 39;
+    pub const VARIANT_COUNT: usize = 41;
 
     /// The position of this op's variant in the enum (0..[`Op::VARIANT_COUNT`]); the exhaustive
     /// match makes a new variant a compile error here, which the tests that cover every variant
@@ -626,13 +645,17 @@ impl Op {
             Op::CrossEntropy { .. } => 36,
             Op::CrossEntropyGrad { .. } => 37,
             Op::Fused(_) => 38,
+            Op::SparseMatmul { .. } => 39,
+            Op::SampledMatmul => 40,
         }
     }
 
     /// One op of every variant, in declaration order (`samples()[i].0.variant_index() == i`), each
     /// with representative attributes and input types its inference accepts. Integer inputs are
     /// valid indices and targets for any values in {0, 1}, float inputs for any finite values, so
-    /// the samples also run on seeded random data.
+    /// the samples also run on seeded random data; the one exception is a CSR pattern's row
+    /// pointers (input 0 of the sparse ops), which must be a valid prefix sum:
+    /// [`crate::testing::sample_input`] makes every sample input, that one included.
     ///
     /// This is the one list of every op: the text round trip, the graph-file golden test and the
     /// e-graph's wildcard table all use it. Its length is [`Op::VARIANT_COUNT`], so a variant
@@ -930,6 +953,28 @@ impl Op {
                 })),
                 vec![x, f32t(&[3])],
             ),
+            (
+                Op::SparseMatmul {
+                    rows: 3,
+                    cols: 2,
+                    trans_a: false,
+                },
+                vec![
+                    t(DType::I64, &[4]),
+                    t(DType::I64, &[4]),
+                    f32t(&[4]),
+                    f32t(&[2, 3]),
+                ],
+            ),
+            (
+                Op::SampledMatmul,
+                vec![
+                    t(DType::I32, &[4]),
+                    t(DType::I32, &[4]),
+                    f32t(&[3, 2]),
+                    f32t(&[2, 2]),
+                ],
+            ),
         ];
         all.into()
     }
@@ -1048,17 +1093,8 @@ pub(crate) mod tests {
             ) {
                 continue;
             }
-            let inputs: Vec<HostTensor> = tys
-                .iter()
-                .enumerate()
-                .map(|(k, ty)| {
-                    let (lo, hi) = if ty.dtype.is_float() {
-                        (-1.0, 1.0)
-                    } else {
-                        (0.0, 2.0)
-                    };
-                    crate::testing::rand_tensor(ty, (i * 8 + k) as u64, lo, hi)
-                })
+            let inputs: Vec<HostTensor> = (0..tys.len())
+                .map(|k| crate::testing::sample_input(&op, &tys, k, (i * 8 + k) as u64))
                 .collect();
             let refs: Vec<&HostTensor> = inputs.iter().collect();
             let got = crate::eval_cpu(&op, &refs).unwrap_or_else(|e| panic!("{op}: {e}"));

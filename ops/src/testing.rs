@@ -31,6 +31,35 @@ pub fn rand_tensor(ty: &TensorType, seed: u64, lo: f64, hi: f64) -> HostTensor {
     HostTensor::from_f64_slice(ty, &vals).expect("sizes match")
 }
 
+/// Seeded input `k` of an op sample whose inputs have types `tys` (see [`Op::samples`]): floats
+/// uniform in [-1, 1), integers in {0, 1}, bools random; the row pointers of a sparse op (its
+/// input 0) are a valid CSR row-pointer array over `tys[1]`'s nonzeros, with random row lengths.
+pub fn sample_input(op: &Op, tys: &[TensorType], k: usize, seed: u64) -> HostTensor {
+    let ty = &tys[k];
+    if k == 0 && matches!(op, Op::SparseMatmul { .. } | Op::SampledMatmul) {
+        let rows = ty.shape.numel().saturating_sub(1);
+        let nnz = tys.get(1).map_or(0, |t| t.shape.numel());
+        // Row boundaries at sorted random cut points in 0..=nnz: random lengths, empty rows too.
+        let mut cuts: Vec<f64> = rand_f64(rows.saturating_sub(1), seed, 0.0, nnz as f64 + 1.0)
+            .into_iter()
+            .map(f64::floor)
+            .collect();
+        cuts.sort_by(f64::total_cmp);
+        let mut row_ptr = vec![0.0];
+        row_ptr.extend(cuts);
+        if rows > 0 {
+            row_ptr.push(nnz as f64);
+        }
+        return HostTensor::from_f64_slice(ty, &row_ptr).expect("sizes match");
+    }
+    let (lo, hi) = if ty.dtype.is_float() {
+        (-1.0, 1.0)
+    } else {
+        (0.0, 2.0)
+    };
+    rand_tensor(ty, seed, lo, hi)
+}
+
 /// Absolute+relative tolerance used to compare a dtype's results against a float64 reference.
 pub fn tolerance(dtype: DType) -> f64 {
     match dtype {

@@ -89,6 +89,8 @@ pub fn op_name(op: &Op) -> &'static str {
         Op::CrossEntropy { .. } => "cross_entropy",
         Op::CrossEntropyGrad { .. } => "cross_entropy_grad",
         Op::Fused(_) => "fused",
+        Op::SparseMatmul { .. } => "sparse_matmul",
+        Op::SampledMatmul => "sampled_matmul",
     }
 }
 
@@ -493,6 +495,16 @@ fn attrs_of(op: &Op) -> AttrOut {
                 .collect();
             a.kv("instrs", instrs.join(";"));
         }
+        Op::SparseMatmul {
+            rows,
+            cols,
+            trans_a,
+        } => {
+            a.kv("rows", rows);
+            a.kv("cols", cols);
+            a.flag("trans_a", *trans_a);
+        }
+        Op::SampledMatmul => {}
     }
     a
 }
@@ -927,6 +939,12 @@ fn parse_nested(text: &str, depth: usize) -> PResult<Op> {
                     out,
                 }))
             }
+            "sparse_matmul" => Op::SparseMatmul {
+                rows: a.usize("rows")?,
+                cols: a.usize("cols")?,
+                trans_a: a.flag("trans_a")?,
+            },
+            "sampled_matmul" => Op::SampledMatmul,
             _ => return Err(format!("unknown op `{name}`")),
         }
     };
@@ -1210,6 +1228,13 @@ mod tests {
             ],
             out: ty(DType::BF16, &[8, 64]),
         })));
+        for trans_a in [false, true] {
+            ops.push(Op::SparseMatmul {
+                rows: 0,
+                cols: usize::MAX,
+                trans_a,
+            });
+        }
         ops.push(Op::Fused(Box::new(FusedKernel {
             n_inputs: 0,
             instrs: vec![],

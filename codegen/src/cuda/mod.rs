@@ -179,5 +179,12 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         | Op::PoolGrad { .. }
         | Op::AttentionGrad { .. } => unsupported(),
         Op::Attention { .. } => attention::lower(op, inputs, out).map(CudaStep::Kernels),
+        Op::SparseMatmul { .. } | Op::SampledMatmul => Err(CodegenError::Unsupported {
+            op: op.name(),
+            device: "cuda",
+            reason: "sparse ops are not supported on CUDA yet (cuSPARSE SpMM/SDDMM); run this \
+                     graph with Device::Cpu"
+                .into(),
+        }),
     }
 }

@@ -91,6 +91,11 @@ impl CostModel {
                 let flops = 2.0 * out.shape.numel() as f64 * k;
                 kernel + flops / self.flop_rate
             }
+            Op::SparseMatmul { .. } | Op::SampledMatmul => {
+                // A multiply-add per nonzero of the pattern (col_idx [nnz]) per dense column.
+                let flops = 2.0 * dims(ins[1], 0) * dims(ins[3], 0);
+                kernel + flops / self.flop_rate
+            }
             Op::Attention { .. } | Op::AttentionGrad { .. } => {
                 // q [B,H,Sq,D], k [B,H,Sk,D], v [B,H,Sk,Dv]: two products over Sq×Sk.
                 let (q, k, v) = (ins[0], ins[1], ins[2]);

@@ -1,0 +1,276 @@
+//! SpGEMM on the CPU: `C = A·B` for CSR A and B with a CSR result, by Gustavson's row-by-row
+//! method in two phases over rayon:
+//!
+//! 1. *symbolic*: the number of distinct columns of each row of C (a per-thread marker array over
+//!    B's columns), summed into C's row pointers, so C's arrays are allocated once at their exact
+//!    size;
+//! 2. *numeric*: each row of C accumulated in a per-thread dense accumulator with a bitmap of
+//!    the touched columns; the columns come out sorted by reading the bitmap's words in order
+//!    (or, for a few columns spread over a wide range, by sorting them), written to C's slice.
+//!
+//! Rows are split into contiguous blocks of about equal work (multiply-adds plus one per row), a
+//! few per thread, so skewed rows do not idle threads. The number of nonzeros of C depends on the
+//! data, which is why SpGEMM is an eager operation and not a node of the static graph.
+
+use super::{err, with_index, CsrMatrix, SpIndex};
+use crate::{DType, HostElement, HostTensor, OpError, Result, TensorType};
+use rayon::prelude::*;
+use std::borrow::Cow;
+use std::ops::{Add, Mul};
+
+/// The accumulation type (f32 for f32/f16/bf16 values, f64 for f64).
+trait Acc: HostElement + Add<Output = Self> + Mul<Output = Self> {}
+impl Acc for f32 {}
+impl Acc for f64 {}
+
+/// `a · b` for CSR matrices (SpGEMM): the result is CSR with sorted column indices, the index
+/// dtype and value dtype of the operands (which must agree). Entries that cancel to zero are kept
+/// (the pattern is the symbolic product's). f16/bf16 products accumulate in f32 and round once.
+pub fn spgemm(a: &CsrMatrix, b: &CsrMatrix) -> Result<CsrMatrix> {
+    const W: &str = "spgemm";
+    let ty = |m: &CsrMatrix| TensorType::new(m.dtype(), [m.rows(), m.cols()]);
+    if a.cols() != b.rows() {
+        return Err(OpError::Shape {
+            op: W,
+            inputs: vec![ty(a), ty(b)],
+            reason: format!("A has {} columns but B has {} rows", a.cols(), b.rows()),
+        });
+    }
+    if a.dtype() != b.dtype() {
+        return Err(OpError::DType {
+            op: W,
+            inputs: vec![ty(a), ty(b)],
+            reason: "A and B must have one value dtype".into(),
+        });
+    }
+    if a.index_dtype() != b.index_dtype() {
+        return Err(err(
+            W,
+            format!(
+                "A has {} indices and B has {}; they must agree",
+                a.index_dtype(),
+                b.index_dtype()
+            ),
+        ));
+    }
+    let dtype = a.dtype();
+    let (rp, ci, v) = with_index!(a.index_dtype(), I => match dtype {
+        DType::F64 => typed::<I, f64>(a, b)?,
+        _ => typed::<I, f32>(a, b)?,
+    });
+    let values = if dtype == v.dtype() { v } else { v.cast(dtype) };
+    Ok(CsrMatrix::from_valid(a.rows(), b.cols(), rp, ci, values))
+}
+
+/// The values of a matrix in the accumulation type.
+fn acc_values<V: Acc>(t: &HostTensor) -> Cow<'_, [V]> {
+    match t.as_slice::<V>() {
+        Ok(s) => Cow::Borrowed(s),
+        Err(_) => Cow::Owned(
+            crate::with_data!(t.data(), v => v.iter().map(|x| V::from_f64(crate::Element::to_f64(*x))).collect()),
+        ),
+    }
+}
+
+/// Runs the two phases for index type `I` and accumulation type `V`.
+fn typed<I: SpIndex, V: Acc>(
+    a: &CsrMatrix,
+    b: &CsrMatrix,
+) -> Result<(HostTensor, HostTensor, HostTensor)> {
+    let (m, n) = (a.rows(), b.cols());
+    let arp = a.row_ptr().as_slice::<I>()?;
+    let aci = a.col_idx().as_slice::<I>()?;
+    let brp = b.row_ptr().as_slice::<I>()?;
+    let bci = b.col_idx().as_slice::<I>()?;
+    let av = acc_values::<V>(a.values());
+    let bv = acc_values::<V>(b.values());
+    let (av, bv) = (&av[..], &bv[..]);
+
+    // Work per row: multiply-adds, plus one for the row itself.
+    let work: Vec<usize> = (0..m)
+        .into_par_iter()
+        .map(|i| {
+            let (s, e) = (arp[i].to_usize(), arp[i + 1].to_usize());
+            1 + aci[s..e]
+                .iter()
+                .map(|&k| brp[k.to_usize() + 1].to_usize() - brp[k.to_usize()].to_usize())
+                .sum::<usize>()
+        })
+        .collect();
+    let blocks = split_rows(&work, rayon::current_num_threads() * 4);
+
+    // Phase 1: the size of each row of C.
+    let mut row_nnz = vec![0usize; m];
+    let parts = split_mut(&mut row_nnz, &blocks);
+    parts.into_par_iter().for_each(|(rows, out)| {
+        // A bitmap of the columns the current row has touched (n/8 bytes: in L1 for n ≤ 256 K),
+        // and the list of them, to clear the bitmap for the next row.
+        let mut bits = vec![0u64; n.div_ceil(64)];
+        let mut touched: Vec<usize> = Vec::new();
+        for (i, o) in rows.zip(out.iter_mut()) {
+            let (s, e) = (arp[i].to_usize(), arp[i + 1].to_usize());
+            if e - s == 1 {
+                let k = aci[s].to_usize();
+                *o = brp[k + 1].to_usize() - brp[k].to_usize();
+                continue;
+            }
+            touched.clear();
+            for &k in &aci[s..e] {
+                let k = k.to_usize();
+                for &j in &bci[brp[k].to_usize()..brp[k + 1].to_usize()] {
+                    let j = j.to_usize();
+                    let (w, bit) = (j >> 6, 1u64 << (j & 63));
+                    if bits[w] & bit == 0 {
+                        bits[w] |= bit;
+                        touched.push(j);
+                    }
+                }
+            }
+            *o = touched.len();
+            for &j in &touched {
+                bits[j >> 6] = 0;
+            }
+        }
+    });
+
+    // Row pointers of C.
+    let mut crp = Vec::with_capacity(m + 1);
+    crp.push(0usize);
+    let mut total = 0usize;
+    for &c in &row_nnz {
+        total += c;
+        crp.push(total);
+    }
+    if total > I::LIMIT {
+        return Err(err(
+            "spgemm",
+            format!(
+                "the product has {total} nonzeros, more than {} indices can address; use i64 \
+                 indices",
+                I::DTYPE
+            ),
+        ));
+    }
+
+    // Phase 2: values and sorted column indices, each block writing its own slice of C.
+    let mut cci = vec![I::default(); total];
+    let mut cv = vec![V::default(); total];
+    let spans: Vec<std::ops::Range<usize>> =
+        blocks.iter().map(|r| crp[r.start]..crp[r.end]).collect();
+    let ci_parts = split_mut(&mut cci, &spans);
+    let v_parts = split_mut(&mut cv, &spans);
+    let crp_ref = &crp;
+    blocks.into_par_iter().zip(ci_parts).zip(v_parts).for_each(
+        |((rows, (_, ci_out)), (_, v_out))| {
+            let base = crp_ref[rows.start];
+            // Which columns the current row has touched, one bit each (small enough for L1).
+            let mut bits = vec![0u64; n.div_ceil(64)];
+            let mut acc = vec![V::default(); n];
+            let mut cols: Vec<usize> = Vec::new();
+            for i in rows {
+                let (s, e) = (arp[i].to_usize(), arp[i + 1].to_usize());
+                let (os, oe) = (crp_ref[i] - base, crp_ref[i + 1] - base);
+                let (ci_row, v_row) = (&mut ci_out[os..oe], &mut v_out[os..oe]);
+                if e - s == 1 {
+                    // One nonzero in A's row: C's row is a scaled copy of B's (already sorted).
+                    let (k, x) = (aci[s].to_usize(), av[s]);
+                    let (bs, be) = (brp[k].to_usize(), brp[k + 1].to_usize());
+                    ci_row.copy_from_slice(&bci[bs..be]);
+                    for (o, &y) in v_row.iter_mut().zip(&bv[bs..be]) {
+                        *o = x * y;
+                    }
+                    continue;
+                }
+                cols.clear();
+                for p in s..e {
+                    let (k, x) = (aci[p].to_usize(), av[p]);
+                    let (bs, be) = (brp[k].to_usize(), brp[k + 1].to_usize());
+                    for (&j, &y) in bci[bs..be].iter().zip(&bv[bs..be]) {
+                        let j = j.to_usize();
+                        let (w, bit) = (j >> 6, 1u64 << (j & 63));
+                        if bits[w] & bit == 0 {
+                            bits[w] |= bit;
+                            acc[j] = x * y;
+                            cols.push(j);
+                        } else {
+                            acc[j] = acc[j] + x * y;
+                        }
+                    }
+                }
+                let len = cols.len();
+                let (lo, hi) = cols
+                    .iter()
+                    .fold((usize::MAX, 0), |(l, h), &j| (l.min(j >> 6), h.max(j >> 6)));
+                let log = (usize::BITS - len.leading_zeros()) as usize;
+                if len > 0 && hi + 1 - lo <= 4 * len * log {
+                    // Reading the touched words in order lists the columns sorted (and clears
+                    // the bits for the next row).
+                    let mut w_out = 0;
+                    for (w, word) in bits.iter_mut().enumerate().take(hi + 1).skip(lo) {
+                        let mut b = std::mem::take(word);
+                        while b != 0 {
+                            let j = w * 64 + b.trailing_zeros() as usize;
+                            ci_row[w_out] = I::from_usize(j);
+                            v_row[w_out] = acc[j];
+                            w_out += 1;
+                            b &= b - 1;
+                        }
+                    }
+                } else {
+                    // Few columns spread over a wide range: sort them.
+                    cols.sort_unstable();
+                    for ((c, o), &j) in ci_row.iter_mut().zip(v_row.iter_mut()).zip(&cols) {
+                        *c = I::from_usize(j);
+                        *o = acc[j];
+                        bits[j >> 6] = 0;
+                    }
+                }
+            }
+        },
+    );
+    let rp = HostTensor::from_data(
+        I::wrap(crp.into_iter().map(I::from_usize).collect()),
+        [m + 1],
+    )?;
+    Ok((
+        rp,
+        HostTensor::from_data(I::wrap(cci), [total])?,
+        HostTensor::from_data(V::wrap(cv), [total])?,
+    ))
+}
+
+/// Splits rows `0..work.len()` into at most `parts` contiguous ranges of about equal total work.
+fn split_rows(work: &[usize], parts: usize) -> Vec<std::ops::Range<usize>> {
+    let total: usize = work.iter().sum();
+    let parts = parts.clamp(1, work.len().max(1));
+    let target = total.div_ceil(parts).max(1);
+    let mut out = Vec::with_capacity(parts);
+    let (mut start, mut acc) = (0, 0);
+    for (i, &w) in work.iter().enumerate() {
+        acc += w;
+        if acc >= target {
+            out.push(start..i + 1);
+            start = i + 1;
+            acc = 0;
+        }
+    }
+    if start < work.len() || out.is_empty() {
+        out.push(start..work.len());
+    }
+    out
+}
+
+/// Splits `v` into the disjoint mutable slices covering `ranges` (contiguous, in order, from 0),
+/// each paired with its range.
+fn split_mut<'a, T>(
+    mut v: &'a mut [T],
+    ranges: &[std::ops::Range<usize>],
+) -> Vec<(std::ops::Range<usize>, &'a mut [T])> {
+    let mut out = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        let (head, tail) = std::mem::take(&mut v).split_at_mut(r.end - r.start);
+        out.push((r.clone(), head));
+        v = tail;
+    }
+    out
+}
