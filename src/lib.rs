@@ -22,8 +22,8 @@ pub mod data;
 pub mod executable;
 pub mod models;
 pub mod npy;
-pub mod sparse;
 pub mod profile;
+pub mod sparse;
 pub mod stats;
 pub mod trace;
 
