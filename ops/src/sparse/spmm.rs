@@ -194,7 +194,7 @@ fn spmm<C: Real>(rp: &[usize], ci: &[usize], v: &[C], x: &[C], n: usize) -> Vec<
         for e in rp[i]..rp[i + 1] {
             let (a, xr) = (v[e], &x[ci[e] * n..(ci[e] + 1) * n]);
             for (o, &xv) in yr.iter_mut().zip(xr) {
-                *o = *o + a * xv;
+                *o += a * xv;
             }
         }
     };
@@ -233,7 +233,7 @@ fn spmm_t<C: Real>(rp: &[usize], ci: &[usize], v: &[C], x: &[C], cols: usize, n:
         for &(i, e) in &by_col[start[c]..start[c + 1]] {
             let (a, xr) = (v[e], &x[i * n..(i + 1) * n]);
             for (o, &xv) in yr.iter_mut().zip(xr) {
-                *o = *o + a * xv;
+                *o += a * xv;
             }
         }
     };
