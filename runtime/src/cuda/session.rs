@@ -4,6 +4,7 @@
 
 use super::GpuDevice;
 use crate::pool::Block;
+use crate::timing::{StepClock, StepTime, StepTimes};
 use crate::{
     check_param_type, Device, MemoryStats, Result, RunOutput, RuntimeError, Session, TransferStats,
 };
@@ -53,7 +54,20 @@ pub struct CudaSession {
     graph: Option<Graph>,
     runs: u64,
     replays: u64,
+    /// Time every step of the following runs with events (runs are then eager, not replayed).
+    step_timing: bool,
+    /// One event before the first step and one after each step (created on first use).
+    events: Events,
+    /// The step times of the last timed run.
+    last_times: Option<StepTimes>,
 }
+
+/// Timing events of a session.
+struct Events(Vec<ds::CUevent>);
+
+// SAFETY: as for `Graph`: plain driver objects of one session, used through `&mut CudaSession`
+// after binding the context, destroyed once.
+unsafe impl Send for Events {}
 
 /// A captured CUDA graph of a session's launches and its executable form.
 struct Graph {
@@ -162,6 +176,9 @@ impl CudaSession {
             graph: None,
             runs: 0,
             replays: 0,
+            step_timing: false,
+            events: Events(Vec::new()),
+            last_times: None,
         };
         // Buffers: arena, inputs, parameters, constants, scratch. On error, Drop frees them.
         let arena = s.alloc(plan.arena_bytes)?;
@@ -288,10 +305,62 @@ impl CudaSession {
     /// Enqueues every step of the plan on `stream`.
     fn enqueue(&self, stream: CUstream) -> Result<()> {
         for (i, e) in &self.exec {
+            self.enqueue_step(*i, e, stream)?;
+        }
+        Ok(())
+    }
+
+    /// Enqueues every step with an event recorded before the first and after each one.
+    fn enqueue_timed(&mut self, stream: CUstream) -> Result<()> {
+        while self.events.0.len() < self.exec.len() + 1 {
+            let e = dr::event::create(ds::CUevent_flags::CU_EVENT_DEFAULT)
+                .map_err(drv("creating an event"))?;
+            self.events.0.push(e);
+        }
+        // SAFETY: the event is live and recorded on this session's stream.
+        unsafe { dr::event::record(self.events.0[0], stream) }
+            .map_err(drv("recording an event"))?;
+        for (k, (i, e)) in self.exec.iter().enumerate() {
+            self.enqueue_step(*i, e, stream)?;
+            // SAFETY: as above.
+            unsafe { dr::event::record(self.events.0[k + 1], stream) }
+                .map_err(drv("recording an event"))?;
+        }
+        Ok(())
+    }
+
+    /// The step times from the events of the last `enqueue_timed` (the stream has synchronized).
+    fn read_step_times(&self, origin: std::time::Instant) -> Result<StepTimes> {
+        let ev = &self.events.0;
+        let mut steps = Vec::with_capacity(self.exec.len());
+        for (k, (i, _)) in self.exec.iter().enumerate() {
+            // SAFETY: every event was recorded on the stream, which has synchronized since.
+            let (start, dur) = unsafe {
+                (
+                    dr::event::elapsed(ev[0], ev[k]).map_err(drv("reading an event"))?,
+                    dr::event::elapsed(ev[k], ev[k + 1]).map_err(drv("reading an event"))?,
+                )
+            };
+            steps.push(StepTime {
+                step: *i,
+                start_us: start as f64 * 1e3,
+                dur_us: dur as f64 * 1e3,
+            });
+        }
+        Ok(StepTimes {
+            clock: StepClock::Device,
+            origin,
+            steps,
+        })
+    }
+
+    /// Enqueues one step's library calls and kernels.
+    fn enqueue_step(&self, i: usize, e: &Exec, stream: CUstream) -> Result<()> {
+        {
             match e {
                 Exec::Kernels(ls) => {
                     for l in ls {
-                        self.launch(l, *i, stream)?;
+                        self.launch(l, i, stream)?;
                     }
                 }
                 Exec::Matmul {
@@ -306,7 +375,7 @@ impl CudaSession {
                         .with_blas(|bl| bl.run(desc, *a, *b, *d, *bias, stream as _))
                         .map_err(|e| RuntimeError::Device(format!("step {i} (matmul): {e}")))?;
                     for l in after {
-                        self.launch(l, *i, stream)?;
+                        self.launch(l, i, stream)?;
                     }
                 }
                 Exec::Nothing => {}
@@ -429,11 +498,13 @@ impl Session for CudaSession {
         }
         let stream = self.dev.stream.cu_stream();
         self.runs += 1;
-        if self.replay && self.graph.is_none() && self.runs >= 2 {
+        if self.replay && self.graph.is_none() && self.runs >= 2 && !self.step_timing {
             // The first run was eager (it warmed cuBLASLt's cached algorithms); capture now.
             self.capture();
         }
+        let timed_from = self.step_timing.then(std::time::Instant::now);
         match &self.graph {
+            _ if timed_from.is_some() => self.enqueue_timed(stream)?,
             Some(g) => {
                 // SAFETY: the executable graph was instantiated from this session's launches,
                 // whose buffers stay allocated until the graph is destroyed in Drop.
@@ -466,11 +537,23 @@ impl Session for CudaSession {
             }
         }
         self.dev.sync()?;
+        if let Some(origin) = timed_from {
+            self.last_times = Some(self.read_step_times(origin)?);
+        }
         Ok(RunOutput {
             outputs,
             guards,
             committed,
         })
+    }
+
+    fn set_step_timing(&mut self, on: bool) -> bool {
+        self.step_timing = on;
+        true
+    }
+
+    fn take_step_times(&mut self) -> Option<StepTimes> {
+        self.last_times.take()
     }
 
     fn read_param(&self, i: usize) -> Result<HostTensor> {
@@ -551,6 +634,11 @@ impl Drop for CudaSession {
     fn drop(&mut self) {
         let _ = self.dev.bind();
         self.drop_graph();
+        for e in self.events.0.drain(..) {
+            // SAFETY: each event was created once; the stream has no pending record of it
+            // after the last run's synchronize.
+            let _ = unsafe { dr::event::destroy(e) };
+        }
         // Stream-ordered: work already queued on the stream finishes before any later user of
         // these blocks, which is queued after it.
         for b in self.blocks.drain(..) {
