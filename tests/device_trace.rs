@@ -11,8 +11,9 @@ fn cuda() -> bool {
 }
 
 /// One GPT-2-small block (batch 2 × 256 tokens) traced on the device: the trace is valid JSON
-/// with one step event per plan step, and the steps' device times cover the run: their sum is
-/// within 10% of the span from the first step's start to the last step's end.
+/// with one step event per plan step, and the steps' device times account for the run: their
+/// sum is within 10% of the span from the first step's start to the last step's end, and of the
+/// plan's run time measured on its own.
 #[test]
 fn a_traced_gpt2_block_accounts_for_its_run_time() {
     let device = if cuda() { Device::Cuda(0) } else { Device::Cpu };
@@ -62,6 +63,16 @@ fn a_traced_gpt2_block_accounts_for_its_run_time() {
         "sum {sum} span {span}"
     );
     assert!(sum >= 0.9 * span, "steps cover {sum} us of a {span} us run");
+    // And against the run time measured on its own: the whole plan between two device
+    // timestamps (a device session's `time_steps`; the CPU has no such clock).
+    if cuda() {
+        let run_us = exe.time_steps(5).unwrap() * 1e3;
+        println!("run time measured alone: {run_us:.1} us");
+        assert!(
+            (sum - run_us).abs() <= 0.1 * run_us,
+            "steps sum to {sum} us, the run takes {run_us} us"
+        );
+    }
     // The file is Trace Event Format JSON with one step event per step per run.
     let trace: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let events = trace["traceEvents"].as_array().expect("traceEvents");
