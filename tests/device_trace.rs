@@ -10,17 +10,19 @@ fn cuda() -> bool {
     std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
 }
 
-/// One GPT-2-small block (batch 2 × 256 tokens) traced on the device: the trace is valid JSON
+/// One GPT-2-small block traced on the device: the trace is valid JSON
 /// with one step event per plan step, and the steps' device times account for the run: their
 /// sum is within 10% of the span from the first step's start to the last step's end, and of the
 /// plan's run time measured on its own.
 #[test]
 fn a_traced_gpt2_block_accounts_for_its_run_time() {
     let device = if cuda() { Device::Cuda(0) } else { Device::Cpu };
+    // GPT-2-small's shape on CUDA (batch 8 × 1024 tokens); a smaller batch on the CPU.
+    let (batch, seq) = if cuda() { (8, 1024) } else { (2, 256) };
     let cfg = Gpt2Config {
         layers: 1,
-        batch: 2,
-        seq: 256,
+        batch,
+        seq,
         d_model: 768,
         heads: 12,
     };
