@@ -17,8 +17,8 @@
 //! exists for their shape.
 
 use super::ir::{
-    add, assign, bin, div, fc, for_, i32c, i64c, if_, let_, lit, load, mul, rem, select, special,
-    store, sub, un, var, BinFn, CTy, Expr, Kernel, Param, Special, Stmt, UnFn,
+    add, assign, bin, div, fc, for_, i32c, i64c, if_, lane_and_warp, let_, lit, load, mul, rem,
+    select, store, sub, un, var, warp_row_loop, BinFn, CTy, Expr, Kernel, Param, Stmt, UnFn,
 };
 use super::{finish, grid_for, ArgRef, Launch, StepKernels};
 use crate::{CodegenError, Result};
@@ -209,18 +209,8 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
         body.extend(guard(r, dv, vec![st]));
     }
 
-    let tid = || special(Special::ThreadIdx);
-    let all = vec![
-        let_("lane", CTy::I64, rem(tid(), i64c(WARP))),
-        let_("wid", CTy::I64, div(tid(), i64c(WARP))),
-        for_(
-            "row",
-            add(mul(special(Special::BlockIdx), i64c(WARPS)), var("wid")),
-            i64c(rows),
-            mul(special(Special::GridDim), i64c(WARPS)),
-            body,
-        ),
-    ];
+    let mut all = lane_and_warp();
+    all.push(warp_row_loop(rows, WARPS, body));
 
     let kernel = finish(
         "attention",

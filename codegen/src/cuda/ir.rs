@@ -498,6 +498,25 @@ pub fn global_thread() -> Expr {
         special(Special::ThreadIdx),
     )
 }
+/// `lane = threadIdx.x % 32; wid = threadIdx.x / 32` (both i64).
+pub fn lane_and_warp() -> Vec<Stmt> {
+    let tid = || special(Special::ThreadIdx);
+    vec![
+        let_("lane", CTy::I64, rem(tid(), i64c(32))),
+        let_("wid", CTy::I64, div(tid(), i64c(32))),
+    ]
+}
+/// A loop giving each warp of the grid its rows: `row` from `blockIdx.x·warps + wid` below
+/// `rows`, in steps of the grid's warps (`warps` per block; needs [`lane_and_warp`]).
+pub fn warp_row_loop(rows: i64, warps: i64, body: Vec<Stmt>) -> Stmt {
+    for_(
+        "row",
+        add(mul(special(Special::BlockIdx), i64c(warps)), var("wid")),
+        i64c(rows),
+        mul(special(Special::GridDim), i64c(warps)),
+        body,
+    )
+}
 /// A grid-stride loop over `0..n`: `for (var = global thread; var < n; var += blockDim*gridDim)`.
 pub fn grid_stride(var: &str, n: i64, body: Vec<Stmt>) -> Stmt {
     for_(

@@ -26,9 +26,9 @@
 //! error on the CPU) gives a NaN loss, and NaN gradients for its row.
 
 use super::ir::{
-    add, assign, bin, cast, div, fc, for_, global_thread, i32c, i64c, if_, let_, lit, load, lt,
-    mul, rem, select, special, store, sub, un, var, BinFn, CTy, Expr, Kernel, Lit, Param, Special,
-    Stmt, UnFn,
+    add, assign, bin, cast, div, elem_bytes, fc, for_, global_thread, i32c, i64c, if_,
+    lane_and_warp, let_, lit, load, lt, mul, rem, select, special, store, sub, un, var,
+    warp_row_loop, BinFn, CTy, Expr, Kernel, Lit, Param, Special, Stmt, UnFn,
 };
 use super::rows::{self, RowOp};
 use super::{finish, grid_for, ArgRef, Launch, StepKernels};
@@ -238,16 +238,6 @@ fn acc_ty(d: DType) -> CTy {
         DType::F32 | DType::F16 | DType::BF16 => CTy::F32,
         DType::Bool => CTy::I32,
         DType::I32 | DType::I64 | DType::U8 => CTy::I64,
-    }
-}
-
-/// Bytes of a scratch element.
-fn size_of(t: CTy) -> usize {
-    match t {
-        CTy::F64 | CTy::I64 | CTy::U64 => 8,
-        CTy::F32 | CTy::I32 | CTy::U32 => 4,
-        CTy::F16 | CTy::BF16 => 2,
-        CTy::U8 | CTy::Bool => 1,
     }
 }
 
@@ -610,17 +600,8 @@ impl Tpl {
         let tid = || special(Special::ThreadIdx);
         let (pre, looped, grid) = match self.strat {
             Strat::Warp => (
-                vec![
-                    let_("lane", CTy::I64, rem(tid(), i64c(WARP))),
-                    let_("wid", CTy::I64, div(tid(), i64c(WARP))),
-                ],
-                for_(
-                    "row",
-                    add(mul(special(Special::BlockIdx), i64c(WARPS)), var("wid")),
-                    i64c(r),
-                    mul(special(Special::GridDim), i64c(WARPS)),
-                    decode,
-                ),
+                lane_and_warp(),
+                warp_row_loop(r, WARPS, decode),
                 grid_for(rows.count as u64, WARPS as u64),
             ),
             Strat::Block => {
@@ -851,7 +832,7 @@ fn reduce(
                 grid: k2.1,
             },
         ],
-        scratch_bytes: outputs * parts * size_of(acc.ty),
+        scratch_bytes: outputs * parts * elem_bytes(acc.ty),
     })
 }
 
@@ -1195,7 +1176,7 @@ fn cross_entropy(
                 grid: k2.1,
             },
         ],
-        scratch_bytes: n * size_of(ct),
+        scratch_bytes: n * elem_bytes(ct),
     })
 }
 
@@ -1227,7 +1208,7 @@ fn cross_entropy_grad(
             args: vec![ArgRef::Input(1), ArgRef::Scratch],
             grid: k.1,
         });
-        scratch_bytes = size_of(CTy::I64);
+        scratch_bytes = elem_bytes(CTy::I64);
     }
     let rows = logit_rows(logits);
     let mut t = Tpl::new(choose(&rows));
