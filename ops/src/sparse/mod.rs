@@ -269,6 +269,30 @@ pub struct CsrMatrix {
     values: HostTensor,
 }
 
+/// The checks shared by both formats' constructors: the first index tensor (`row_ptr` or
+/// `row_idx`, named) and `col_idx` are i32/i64 vectors of one dtype, `values` a float vector.
+fn check_components(
+    w: &'static str,
+    (name, first): (&str, &HostTensor),
+    col_idx: &HostTensor,
+    values: &HostTensor,
+) -> Result<()> {
+    check_index_tensor(w, name, first)?;
+    check_index_tensor(w, "col_idx", col_idx)?;
+    check_values(w, values)?;
+    if first.dtype() != col_idx.dtype() {
+        return Err(err(
+            w,
+            format!(
+                "{name} ({}) and col_idx ({}) must have one index dtype",
+                first.dtype(),
+                col_idx.dtype()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 impl CsrMatrix {
     /// A CSR matrix from its components, validated: `row_ptr` [rows+1] and `col_idx` [nnz] of
     /// one index dtype (i32 or i64), `values` [nnz] of a float dtype, row pointers starting at 0,
@@ -282,19 +306,7 @@ impl CsrMatrix {
         values: HostTensor,
     ) -> Result<CsrMatrix> {
         const W: &str = "csr";
-        check_index_tensor(W, "row_ptr", &row_ptr)?;
-        check_index_tensor(W, "col_idx", &col_idx)?;
-        check_values(W, &values)?;
-        if row_ptr.dtype() != col_idx.dtype() {
-            return Err(err(
-                W,
-                format!(
-                    "row_ptr ({}) and col_idx ({}) must have one index dtype",
-                    row_ptr.dtype(),
-                    col_idx.dtype()
-                ),
-            ));
-        }
+        check_components(W, ("row_ptr", &row_ptr), &col_idx, &values)?;
         if col_idx.numel() != values.numel() {
             return Err(err(
                 W,
@@ -520,19 +532,7 @@ impl CooMatrix {
         values: HostTensor,
     ) -> Result<CooMatrix> {
         const W: &str = "coo";
-        check_index_tensor(W, "row_idx", &row_idx)?;
-        check_index_tensor(W, "col_idx", &col_idx)?;
-        check_values(W, &values)?;
-        if row_idx.dtype() != col_idx.dtype() {
-            return Err(err(
-                W,
-                format!(
-                    "row_idx ({}) and col_idx ({}) must have one index dtype",
-                    row_idx.dtype(),
-                    col_idx.dtype()
-                ),
-            ));
-        }
+        check_components(W, ("row_idx", &row_idx), &col_idx, &values)?;
         if row_idx.numel() != col_idx.numel() || col_idx.numel() != values.numel() {
             return Err(err(
                 W,
