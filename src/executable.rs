@@ -438,6 +438,16 @@ impl Executable {
     /// Runs the graph. `inputs` are matched by name; every graph input must be given with its
     /// declared dtype and shape. The session applies the state updates unless a guard fails.
     pub fn run(&mut self, inputs: &[(&str, HostTensor)]) -> Result<Outputs> {
+        let shared: Vec<(&str, Arc<HostTensor>)> = inputs
+            .iter()
+            .map(|(n, t)| (*n, Arc::new(t.clone())))
+            .collect();
+        self.run_shared(&shared)
+    }
+
+    /// [`Executable::run`] with shared inputs: the session reads them where they are, without
+    /// the copy `run` makes (DLPack imports and Python callers use this).
+    pub fn run_shared(&mut self, inputs: &[(&str, Arc<HostTensor>)]) -> Result<Outputs> {
         let mut vals: Vec<Option<Arc<HostTensor>>> = vec![None; self.source.inputs.len()];
         for (name, t) in inputs {
             let Some(i) = self.source.inputs.iter().position(|d| d.name == *name) else {
@@ -454,7 +464,7 @@ impl Executable {
                     reason: format!("expected {want}, got {}", t.ty()),
                 });
             }
-            vals[i] = Some(Arc::new(t.clone()));
+            vals[i] = Some(t.clone());
         }
         let mut ins = Vec::with_capacity(vals.len());
         for (i, v) in vals.into_iter().enumerate() {
@@ -571,6 +581,24 @@ impl Executable {
     /// `run` first).
     pub fn time_steps(&mut self, iters: usize) -> Result<f64> {
         Ok(self.session.time_steps(iters)?)
+    }
+
+    /// The graph's inputs: name and type, in order.
+    pub fn input_types(&self) -> Vec<(&str, &TensorType)> {
+        self.source
+            .inputs
+            .iter()
+            .map(|d| (d.name.as_str(), &d.ty))
+            .collect()
+    }
+
+    /// The graph's parameter and state tensors: name and type, in order.
+    pub fn param_types(&self) -> Vec<(&str, &TensorType)> {
+        self.source
+            .params
+            .iter()
+            .map(|d| (d.name.as_str(), &d.ty))
+            .collect()
     }
 
     /// The optimized, fused graph as IR text.

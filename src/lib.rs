@@ -19,6 +19,7 @@
 //! ```
 
 pub mod data;
+pub mod dlpack;
 pub mod executable;
 pub mod models;
 pub mod npy;
@@ -27,6 +28,7 @@ pub mod sparse;
 pub mod stats;
 pub mod trace;
 
+pub use dlpack::{DlpackTensor, Imported};
 pub use executable::{
     compile, compile_graph, compile_with, workload, Anomaly, CompileOptions, Executable,
     NonFinitePolicy, Outputs,
@@ -85,6 +87,9 @@ pub enum Error {
     /// Anomaly mode: a step produced a NaN or infinite value (the op, step and source).
     #[error("{0}")]
     Anomaly(Box<executable::Anomaly>),
+    /// A DLPack tensor could not be exchanged (unsupported dtype or device, bad version ...).
+    #[error("dlpack: {0}")]
+    Dlpack(String),
     /// A file could not be read or written.
     #[error("{path}: {reason}")]
     File {

@@ -1,0 +1,655 @@
+//! DLPack: the ABI's layout, exports and imports of every dtype (versioned and legacy structs),
+//! strided, offset, broadcast, negative-stride, rank-0 and zero-size views from another producer,
+//! deleters called exactly once (from another thread too), and executables run on imported
+//! tensors. The CUDA paths run where `RUSTYTORCH_TEST_CUDA=1` (the GPU machine).
+
+use rustytorch::dlpack::{
+    contiguous_strides, DLDataType, DLDevice, DLDeviceType, DLManagedTensor,
+    DLManagedTensorVersioned, DLPackVersion, DLTensor, DlpackTensor, RawManaged,
+    DLPACK_FLAG_BITMASK_READ_ONLY, DLPACK_VERSION,
+};
+use rustytorch::ops::testing::rand_tensor;
+use rustytorch::prelude::*;
+use std::ffi::c_void;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+const DTYPES: [DType; 8] = [
+    DType::F32,
+    DType::F64,
+    DType::F16,
+    DType::BF16,
+    DType::I32,
+    DType::I64,
+    DType::U8,
+    DType::Bool,
+];
+
+fn cuda() -> bool {
+    std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
+}
+
+/// A random tensor of `dtype` (integers and bools over a range that gives varied values).
+fn sample(dtype: DType, dims: &[usize], seed: u64) -> HostTensor {
+    let (lo, hi) = match dtype {
+        DType::Bool => (0.0, 2.0),
+        DType::U8 => (0.0, 250.0),
+        d if d.is_int() => (-1000.0, 1000.0),
+        _ => (-3.0, 3.0),
+    };
+    let t = rand_tensor(&TensorType::new(DType::F64, dims.to_vec()), seed, lo, hi);
+    // Floor first so that integer and bool casts see whole numbers.
+    let v: Vec<f64> = t.to_f64_vec().iter().map(|x| x.floor()).collect();
+    let f = HostTensor::from_vec(v, dims.to_vec()).unwrap();
+    if dtype.is_float() {
+        t.cast(dtype)
+    } else {
+        f.cast(dtype)
+    }
+}
+
+#[test]
+fn layout_matches_dlpack_h() {
+    use std::mem::{offset_of, size_of};
+    assert_eq!(size_of::<DLDevice>(), 8);
+    assert_eq!(size_of::<DLDataType>(), 4);
+    assert_eq!(size_of::<DLTensor>(), 48);
+    assert_eq!(offset_of!(DLTensor, ndim), 16);
+    assert_eq!(offset_of!(DLTensor, shape), 24);
+    assert_eq!(offset_of!(DLTensor, byte_offset), 40);
+    assert_eq!(size_of::<DLManagedTensor>(), 64);
+    assert_eq!(offset_of!(DLManagedTensor, deleter), 56);
+    assert_eq!(size_of::<DLManagedTensorVersioned>(), 80);
+    assert_eq!(offset_of!(DLManagedTensorVersioned, manager_ctx), 8);
+    assert_eq!(offset_of!(DLManagedTensorVersioned, deleter), 16);
+    assert_eq!(offset_of!(DLManagedTensorVersioned, flags), 24);
+    assert_eq!(offset_of!(DLManagedTensorVersioned, dl_tensor), 32);
+}
+
+#[test]
+fn every_dtype_round_trips_without_a_copy() {
+    for (k, dtype) in DTYPES.into_iter().enumerate() {
+        for legacy in [false, true] {
+            let t = Arc::new(sample(dtype, &[3, 5], k as u64 + 1));
+            let e = if legacy {
+                DlpackTensor::from_host_legacy(t.clone())
+            } else {
+                DlpackTensor::from_host(t.clone())
+            };
+            assert_eq!(e.version(), (!legacy).then_some(DLPACK_VERSION));
+            assert_eq!(e.device(), DLDevice::CPU);
+            assert_eq!(e.dtype().unwrap(), dtype);
+            assert_eq!(e.shape(), &[3, 5]);
+            assert_eq!(e.strides(), Some(&[5i64, 1][..]));
+            assert!(e.is_contiguous() && !e.is_read_only());
+            assert_eq!(e.ty().unwrap(), t.ty());
+            // The export points into the tensor's own storage.
+            let storage = match t.data() {
+                rustytorch::ops::Data::F32(v) => v.as_ptr() as u64,
+                rustytorch::ops::Data::F64(v) => v.as_ptr() as u64,
+                rustytorch::ops::Data::F16(v) => v.as_ptr() as u64,
+                rustytorch::ops::Data::BF16(v) => v.as_ptr() as u64,
+                rustytorch::ops::Data::I32(v) => v.as_ptr() as u64,
+                rustytorch::ops::Data::I64(v) => v.as_ptr() as u64,
+                rustytorch::ops::Data::U8(v) => v.as_ptr() as u64,
+                rustytorch::ops::Data::Bool(v) => v.as_ptr() as u64,
+            };
+            assert_eq!(e.data_ptr(), storage, "{dtype}");
+            // A copy reads the same elements.
+            assert_eq!(&e.to_host().unwrap(), &*t, "{dtype} legacy={legacy}");
+            assert_eq!(Arc::strong_count(&t), 2, "the export holds the tensor");
+            // Importing our own export shares the tensor.
+            let back = e.into_host().unwrap();
+            assert!(back.copied.is_none(), "{dtype}");
+            assert!(Arc::ptr_eq(&back.tensor, &t), "{dtype}");
+            drop(back);
+            assert_eq!(Arc::strong_count(&t), 1, "the deleter released the tensor");
+        }
+    }
+}
+
+#[test]
+fn zero_size_and_rank_zero_tensors() {
+    for dims in [vec![0usize], vec![3, 0, 2], vec![]] {
+        for dtype in DTYPES {
+            let t = Arc::new(sample(dtype, &dims, 7));
+            let e = DlpackTensor::from_host(t.clone());
+            assert_eq!(e.shape().len(), dims.len());
+            assert_eq!(e.to_host().unwrap(), *t);
+            let back = e.into_host().unwrap();
+            assert!(back.copied.is_none());
+            assert_eq!(back.tensor.dims(), &dims[..]);
+        }
+    }
+}
+
+/// A managed tensor made the way another library would: its own buffer, shape, strides and a
+/// deleter that counts its calls.
+struct Foreign {
+    _bytes: Vec<u8>,
+    shape: Vec<i64>,
+    strides: Option<Vec<i64>>,
+    calls: Arc<AtomicUsize>,
+}
+
+unsafe extern "C" fn foreign_delete(p: *mut DLManagedTensorVersioned) {
+    // SAFETY: made by `foreign` below: the context is a boxed `Foreign`, released once here.
+    let ctx = unsafe { Box::from_raw((*p).manager_ctx.cast::<Foreign>()) };
+    ctx.calls.fetch_add(1, Ordering::SeqCst);
+    // SAFETY: the managed struct itself was boxed by `foreign`.
+    drop(unsafe { Box::from_raw(p) });
+}
+
+unsafe extern "C" fn foreign_delete_legacy(p: *mut DLManagedTensor) {
+    // SAFETY: as in `foreign_delete`.
+    let ctx = unsafe { Box::from_raw((*p).manager_ctx.cast::<Foreign>()) };
+    ctx.calls.fetch_add(1, Ordering::SeqCst);
+    // SAFETY: as above.
+    drop(unsafe { Box::from_raw(p) });
+}
+
+/// A foreign tensor over `bytes` (elements of `dtype` start `byte_offset` bytes in).
+fn foreign(
+    bytes: Vec<u8>,
+    dtype: DLDataType,
+    shape: &[i64],
+    strides: Option<&[i64]>,
+    byte_offset: u64,
+    version: DLPackVersion,
+) -> (DlpackTensor, Arc<AtomicUsize>) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let mut ctx = Box::new(Foreign {
+        _bytes: bytes,
+        shape: shape.to_vec(),
+        strides: strides.map(|s| s.to_vec()),
+        calls: calls.clone(),
+    });
+    let tensor = DLTensor {
+        data: ctx._bytes.as_mut_ptr().cast::<c_void>(),
+        device: DLDevice::CPU,
+        ndim: shape.len() as i32,
+        dtype,
+        shape: ctx.shape.as_mut_ptr(),
+        strides: ctx
+            .strides
+            .as_mut()
+            .map_or(std::ptr::null_mut(), |s| s.as_mut_ptr()),
+        byte_offset,
+    };
+    let m = Box::new(DLManagedTensorVersioned {
+        version,
+        manager_ctx: Box::into_raw(ctx).cast(),
+        deleter: Some(foreign_delete),
+        flags: DLPACK_FLAG_BITMASK_READ_ONLY,
+        dl_tensor: tensor,
+    });
+    let p = NonNull::new(Box::into_raw(m)).unwrap();
+    // SAFETY: a live managed tensor handed over once.
+    match unsafe { DlpackTensor::from_raw_versioned(p) } {
+        Ok(t) => (t, calls),
+        Err(e) => panic!("{e} (calls: {})", calls.load(Ordering::SeqCst)),
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+#[test]
+fn strided_views_from_another_library_are_copied_and_released_once() {
+    let base: Vec<f32> = (0..24).map(|i| i as f32 * 0.5 - 3.0).collect();
+    let f32_ty = DLDataType::of(DType::F32);
+    // (shape, strides, offset in elements, expected element i of the result as a base index)
+    type Case = (
+        Vec<i64>,
+        Option<Vec<i64>>,
+        usize,
+        Box<dyn Fn(&[usize]) -> usize>,
+    );
+    let cases: Vec<Case> = vec![
+        // compact, null strides (row-major)
+        (vec![4, 6], None, 0, Box::new(|i| i[0] * 6 + i[1])),
+        // a transpose of a 4x6 matrix
+        (
+            vec![6, 4],
+            Some(vec![1, 6]),
+            0,
+            Box::new(|i| i[1] * 6 + i[0]),
+        ),
+        // every second column, from element 1 (byte_offset)
+        (
+            vec![4, 3],
+            Some(vec![6, 2]),
+            1,
+            Box::new(|i| 1 + i[0] * 6 + i[1] * 2),
+        ),
+        // rows reversed: a negative stride from the last row
+        (
+            vec![4, 6],
+            Some(vec![-6, 1]),
+            18,
+            Box::new(|i| 18 - i[0] * 6 + i[1]),
+        ),
+        // a broadcast row: stride 0
+        (vec![3, 6], Some(vec![0, 1]), 6, Box::new(|i| 6 + i[1])),
+        // rank 3 with a size-1 dim of any stride
+        (
+            vec![2, 1, 6],
+            Some(vec![12, 99, 1]),
+            0,
+            Box::new(|i| i[0] * 12 + i[2]),
+        ),
+    ];
+    for (shape, strides, offset, at) in cases {
+        let (t, calls) = foreign(
+            f32_bytes(&base),
+            f32_ty,
+            &shape,
+            strides.as_deref(),
+            (offset * 4) as u64,
+            DLPACK_VERSION,
+        );
+        assert!(t.is_read_only());
+        let dims: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
+        let mut want = Vec::new();
+        let mut idx = vec![0usize; dims.len()];
+        for _ in 0..dims.iter().product::<usize>() {
+            want.push(base[at(&idx)]);
+            for d in (0..dims.len()).rev() {
+                idx[d] += 1;
+                if idx[d] < dims[d] {
+                    break;
+                }
+                idx[d] = 0;
+            }
+        }
+        let got = t.into_host().unwrap();
+        assert!(got.copied.is_some(), "memory of another library is copied");
+        assert_eq!(got.tensor.dims(), &dims[..]);
+        assert_eq!(
+            got.tensor.to_vec::<f32>().unwrap(),
+            want,
+            "{shape:?} {strides:?}"
+        );
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            1,
+            "deleter once, after the copy"
+        );
+    }
+}
+
+#[test]
+fn every_dtype_imports_from_another_library() {
+    for (k, dtype) in DTYPES.into_iter().enumerate() {
+        let t = sample(dtype, &[2, 3], 40 + k as u64);
+        // The elements' bytes as another library lays them out (bool: one byte each).
+        let bytes = rustytorch::compiler::format::tensor_bytes(&t);
+        assert_eq!(bytes.len(), 6 * dtype.size_bytes());
+        let (d, calls) = foreign(
+            bytes,
+            DLDataType::of(dtype),
+            &[2, 3],
+            Some(&[3, 1]),
+            0,
+            DLPACK_VERSION,
+        );
+        let got = d.into_host().unwrap();
+        assert_eq!(*got.tensor, t, "{dtype}");
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+    // Any nonzero byte is `true`: no byte pattern makes an invalid `bool`.
+    let (d, _) = foreign(
+        vec![0, 1, 2, 255],
+        DLDataType::of(DType::Bool),
+        &[4],
+        None,
+        0,
+        DLPACK_VERSION,
+    );
+    assert_eq!(
+        d.to_host().unwrap().to_vec::<bool>().unwrap(),
+        vec![false, true, true, true]
+    );
+}
+
+#[test]
+fn unsupported_types_and_versions_are_errors_and_still_released() {
+    // complex64 has no dtype here.
+    let (d, calls) = foreign(
+        vec![0; 16],
+        DLDataType {
+            code: 5,
+            bits: 64,
+            lanes: 1,
+        },
+        &[2],
+        None,
+        0,
+        DLPACK_VERSION,
+    );
+    let e = d.into_host().unwrap_err().to_string();
+    assert!(e.contains("code 5, 64 bits"), "{e}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+    // A major version this build does not read: refused, and the deleter runs at once.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let ctx = Box::new(Foreign {
+        _bytes: vec![],
+        shape: vec![],
+        strides: None,
+        calls: calls.clone(),
+    });
+    let m = Box::new(DLManagedTensorVersioned {
+        version: DLPackVersion { major: 2, minor: 0 },
+        manager_ctx: Box::into_raw(ctx).cast(),
+        deleter: Some(foreign_delete),
+        flags: 0,
+        dl_tensor: DLTensor {
+            data: std::ptr::null_mut(),
+            device: DLDevice::CPU,
+            ndim: 0,
+            dtype: DLDataType::of(DType::F32),
+            shape: std::ptr::null_mut(),
+            strides: std::ptr::null_mut(),
+            byte_offset: 0,
+        },
+    });
+    // SAFETY: a live managed tensor handed over once.
+    let r = unsafe { DlpackTensor::from_raw_versioned(NonNull::new(Box::into_raw(m)).unwrap()) };
+    let e = r.unwrap_err().to_string();
+    assert!(e.contains("DLPack 2.0"), "{e}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+    // Device memory is not host memory.
+    let t = Arc::new(sample(DType::F32, &[2], 3));
+    // SAFETY: `keep` holds the tensor whose storage the export names; nothing reads the
+    // pretend device address.
+    let d = unsafe {
+        DlpackTensor::from_device(
+            0x1000,
+            &t.ty(),
+            DLDevice {
+                device_type: DLDeviceType::CUDA,
+                device_id: 0,
+            },
+            Box::new(t.clone()),
+            0,
+            false,
+        )
+    };
+    assert_eq!(Arc::strong_count(&t), 2);
+    let e = d.into_host().unwrap_err().to_string();
+    assert!(e.contains("not host memory"), "{e}");
+    assert_eq!(Arc::strong_count(&t), 1, "the device keeper dropped once");
+}
+
+#[test]
+fn deleters_run_once_on_another_thread() {
+    // Our export, released on another thread.
+    let t = Arc::new(sample(DType::F32, &[64, 64], 5));
+    let exports: Vec<DlpackTensor> = (0..8)
+        .map(|i| {
+            if i % 2 == 0 {
+                DlpackTensor::from_host(t.clone())
+            } else {
+                DlpackTensor::from_host_legacy(t.clone())
+            }
+        })
+        .collect();
+    assert_eq!(Arc::strong_count(&t), 9);
+    let handles: Vec<_> = exports
+        .into_iter()
+        .map(|e| std::thread::spawn(move || drop(e)))
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert_eq!(Arc::strong_count(&t), 1);
+
+    // Another library's tensor, released on another thread.
+    let (d, calls) = foreign(
+        f32_bytes(&[1.0, 2.0]),
+        DLDataType::of(DType::F32),
+        &[2],
+        None,
+        0,
+        DLPACK_VERSION,
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    std::thread::spawn(move || {
+        assert_eq!(
+            d.to_host().unwrap().to_vec::<f32>().unwrap(),
+            vec![1.0, 2.0]
+        );
+    })
+    .join()
+    .unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn raw_hand_over_passes_ownership() {
+    let t = Arc::new(sample(DType::I64, &[4], 9));
+    // Versioned: a consumer takes the raw pointer and calls the deleter itself.
+    let RawManaged::Versioned(p) = DlpackTensor::from_host(t.clone()).into_raw() else {
+        panic!("a versioned export");
+    };
+    assert_eq!(Arc::strong_count(&t), 2, "into_raw does not release");
+    // SAFETY: the consumer owns `p` now and releases it once.
+    unsafe {
+        assert_eq!((*p.as_ptr()).dl_tensor.ndim, 1);
+        ((*p.as_ptr()).deleter.unwrap())(p.as_ptr());
+    }
+    assert_eq!(Arc::strong_count(&t), 1);
+    // Legacy: back into an owner, which releases once.
+    let RawManaged::Legacy(p) = DlpackTensor::from_host_legacy(t.clone()).into_raw() else {
+        panic!("a legacy export");
+    };
+    // SAFETY: handed back once.
+    let owned = unsafe { DlpackTensor::from_raw_legacy(p) };
+    assert_eq!(owned.to_host().unwrap(), *t);
+    drop(owned);
+    assert_eq!(Arc::strong_count(&t), 1);
+
+    // A legacy tensor from another producer: its deleter runs once.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let mut ctx = Box::new(Foreign {
+        _bytes: f32_bytes(&[4.0, 5.0, 6.0]),
+        shape: vec![2],
+        strides: None,
+        calls: calls.clone(),
+    });
+    let m = Box::new(DLManagedTensor {
+        dl_tensor: DLTensor {
+            data: ctx._bytes.as_mut_ptr().cast(),
+            device: DLDevice::CPU,
+            ndim: 1,
+            dtype: DLDataType::of(DType::F32),
+            shape: ctx.shape.as_mut_ptr(),
+            strides: std::ptr::null_mut(),
+            byte_offset: 4,
+        },
+        manager_ctx: std::ptr::null_mut(),
+        deleter: Some(foreign_delete_legacy),
+    });
+    let m = Box::into_raw(m);
+    // SAFETY: `m` is live; the context is set before the hand-over.
+    unsafe { (*m).manager_ctx = Box::into_raw(ctx).cast() };
+    // SAFETY: handed over once; two floats from byte 4 are in the buffer.
+    let d = unsafe { DlpackTensor::from_raw_legacy(NonNull::new(m).unwrap()) };
+    assert_eq!(d.version(), None);
+    let got = d.into_host().unwrap();
+    assert_eq!(got.tensor.to_vec::<f32>().unwrap(), vec![5.0, 6.0]);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn contiguity_and_strides() {
+    assert_eq!(contiguous_strides(&[2, 3, 4]), vec![12, 4, 1]);
+    assert_eq!(contiguous_strides(&[]), Vec::<i64>::new());
+    assert_eq!(contiguous_strides(&[5, 0, 2]), vec![0, 2, 1]);
+    let (t, _) = foreign(
+        vec![0; 48],
+        DLDataType::of(DType::F32),
+        &[3, 4],
+        Some(&[1, 3]),
+        0,
+        DLPACK_VERSION,
+    );
+    assert!(!t.is_contiguous());
+    let (t, _) = foreign(
+        vec![0; 48],
+        DLDataType::of(DType::F32),
+        &[1, 12],
+        Some(&[7, 1]),
+        0,
+        DLPACK_VERSION,
+    );
+    assert!(t.is_contiguous(), "a size-1 dim may have any stride");
+}
+
+/// x·w + b, relu: a small graph with a parameter.
+fn mlp(device: Device) -> Executable {
+    let g = GraphBuilder::new();
+    let x = g.input("x", DType::F32, [4, 6]);
+    let w = g.param("w", [6, 3], Init::kaiming_uniform(6, 3));
+    let b = g.param("b", [3], Init::zeros());
+    let y = x.matmul(&w).add(&b).relu();
+    rustytorch::compile(&g, &[&y], device).unwrap()
+}
+
+/// x·w + b, relu, computed in f64 on the host.
+fn mlp_reference(x: &[f32], w: &[f32], b: &[f32]) -> Vec<f32> {
+    let mut out = vec![0f32; 12];
+    for i in 0..4 {
+        for j in 0..3 {
+            let mut acc = b[j] as f64;
+            for k in 0..6 {
+                acc += x[i * 6 + k] as f64 * w[k * 3 + j] as f64;
+            }
+            out[i * 3 + j] = acc.max(0.0) as f32;
+        }
+    }
+    out
+}
+
+#[test]
+fn executables_run_on_imported_tensors_and_export_outputs() {
+    let mut exe = mlp(Device::Cpu);
+    assert_eq!(exe.input_types()[0].0, "x");
+    let names: Vec<&str> = exe.param_types().iter().map(|(n, _)| *n).collect();
+    assert_eq!(names, vec!["w", "b"]);
+    let w = exe.param("w").unwrap().to_vec::<f32>().unwrap();
+    let b = exe.param("b").unwrap().to_vec::<f32>().unwrap();
+    // x arrives transposed from another library: a 4x6 view of a 6x4 buffer.
+    let xt: Vec<f32> = (0..24)
+        .map(|i| ((i * 7) % 11) as f32 * 0.25 - 1.0)
+        .collect();
+    let x: Vec<f32> = (0..24).map(|i| xt[(i % 6) * 4 + i / 6]).collect();
+    let (view, calls) = foreign(
+        f32_bytes(&xt),
+        DLDataType::of(DType::F32),
+        &[4, 6],
+        Some(&[1, 4]),
+        0,
+        DLPACK_VERSION,
+    );
+    let imported = view.into_host().unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    let out = exe.run_shared(&[("x", imported.tensor.clone())]).unwrap();
+    let want = mlp_reference(&x, &w, &b);
+    let got = out[0].to_vec::<f32>().unwrap();
+    for (g, w) in got.iter().zip(&want) {
+        assert!(
+            (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+            "{got:?} vs {want:?}"
+        );
+    }
+    assert!(want.iter().any(|&v| v > 0.0), "a test that can fail");
+    // The output goes out without a copy and comes back as the same tensor.
+    let y = Arc::new(out.into_vec().remove(0));
+    let e = DlpackTensor::from_host(y.clone());
+    let again = e.into_host().unwrap();
+    assert!(again.copied.is_none() && Arc::ptr_eq(&again.tensor, &y));
+    // A shared input of the wrong type is refused with the graph's words.
+    let bad = Arc::new(HostTensor::zeros(&TensorType::new(DType::F64, vec![4, 6])));
+    let e = exe.run_shared(&[("x", bad)]).unwrap_err().to_string();
+    assert!(e.contains("expected f32[4,6]"), "{e}");
+}
+
+#[test]
+fn cuda_tensors_round_trip_through_the_device() {
+    if !cuda() {
+        return;
+    }
+    use rustytorch::dlpack::cuda;
+    for (k, dtype) in DTYPES.into_iter().enumerate() {
+        let t = sample(dtype, &[5, 7], 60 + k as u64);
+        for legacy in [false, true] {
+            let d = cuda::export_to_device(&t, 0, legacy).unwrap();
+            assert_eq!(d.tensor.device().device_type, DLDeviceType::CUDA);
+            assert_eq!(d.tensor.dtype().unwrap(), dtype);
+            // The consumer's stream (here the legacy default) waits for the upload.
+            // SAFETY: the export's stream and the legacy default stream are live in the bound
+            // context.
+            unsafe { cuda::hand_over(d.stream, cuda::ConsumerStream::Legacy) }.unwrap();
+            assert_eq!(
+                cuda::to_host(&d.tensor).unwrap(),
+                t,
+                "{dtype} legacy={legacy}"
+            );
+            // Not host memory: the host path refuses it.
+            assert!(d.tensor.to_host().is_err());
+        }
+    }
+    // A transposed view of device memory is gathered on the host.
+    let t = sample(DType::F32, &[3, 4], 77);
+    let d = cuda::export_to_device(&t, 0, false).unwrap();
+    let ptr = d.tensor.data_ptr();
+    let ty = TensorType::new(DType::F32, vec![4, 3]);
+    // SAFETY: the view's memory is owned by `d.tensor`, kept alive by `keep` until the view drops.
+    let view = unsafe {
+        DlpackTensor::from_device(ptr, &ty, d.tensor.device(), Box::new(d.tensor), 0, false)
+    };
+    // Make it a transpose by hand: strides (1, 4).
+    let RawManaged::Versioned(p) = view.into_raw() else {
+        panic!("versioned")
+    };
+    // SAFETY: `p` is live and ours; its strides array holds two entries.
+    let view = unsafe {
+        let s = (*p.as_ptr()).dl_tensor.strides;
+        s.write(1);
+        s.add(1).write(4);
+        DlpackTensor::from_raw_versioned(p).unwrap()
+    };
+    let got = cuda::to_host(&view).unwrap().to_vec::<f32>().unwrap();
+    let src = t.to_vec::<f32>().unwrap();
+    let want: Vec<f32> = (0..12).map(|i| src[(i % 3) * 4 + i / 3]).collect();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn cuda_executables_run_on_device_tensors() {
+    if !cuda() {
+        return;
+    }
+    use rustytorch::dlpack::cuda;
+    let mut exe = mlp(Device::Cuda(0));
+    let x = sample(DType::F32, &[4, 6], 91);
+    let w = exe.param("w").unwrap().to_vec::<f32>().unwrap();
+    let b = exe.param("b").unwrap().to_vec::<f32>().unwrap();
+    let d = cuda::export_to_device(&x, 0, false).unwrap();
+    let host = Arc::new(cuda::to_host(&d.tensor).unwrap());
+    let out = exe.run_shared(&[("x", host)]).unwrap();
+    let y = cuda::export_to_device(&out[0], 0, false).unwrap();
+    let got = cuda::to_host(&y.tensor).unwrap().to_vec::<f32>().unwrap();
+    let want = mlp_reference(&x.to_vec::<f32>().unwrap(), &w, &b);
+    for (g, w) in got.iter().zip(&want) {
+        assert!(
+            (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+            "{got:?} vs {want:?}"
+        );
+    }
+}
