@@ -7,7 +7,8 @@
 //! Without a GPU it prints why and exits successfully (CI builds it; only the GPU machine runs it).
 
 use rustytorch::codegen::lower;
-use rustytorch::compiler::passes;
+use rustytorch::compiler::{passes, Graph};
+use rustytorch::ops::{ConvGeom, Op, PoolKind};
 use rustytorch::prelude::*;
 use rustytorch::runtime::{Backend, CudaBackend, Session};
 use std::sync::Arc;
@@ -29,7 +30,12 @@ fn time(g: &GraphBuilder, outs: &[&Tensor], iters: usize, replay: bool) -> (f64,
             .add_output(&format!("out{i}"), t.node().expect("node"))
             .expect("output");
     }
-    let compiled = passes::run(&graph, &passes::Options::default()).expect("compile");
+    time_graph(&graph, iters, replay)
+}
+
+/// [`time`] for a graph whose outputs are set.
+fn time_graph(graph: &Graph, iters: usize, replay: bool) -> (f64, usize) {
+    let compiled = passes::run(graph, &passes::Options::default()).expect("compile");
     let memory = compiled.report.memory.expect("memory plan");
     let plan = Arc::new(lower(&compiled.graph, &memory).expect("lower"));
     let params: Vec<Arc<HostTensor>> = graph
@@ -60,6 +66,156 @@ fn p(g: &GraphBuilder, name: &str, dtype: DType, dims: &[usize]) -> Tensor {
     )
 }
 
+fn tt(d: DType, dims: &[usize]) -> TensorType {
+    TensorType::new(d, Shape::new(dims.to_vec()))
+}
+
+/// A graph of one convolution: forward only, or forward and both gradients (from a given output
+/// gradient, as a training step computes them). Inputs x, w (and dy).
+fn conv_graph(x: &[usize], w: &[usize], pad: usize, d: DType, backward: bool) -> Graph {
+    let n = x.len() - 2;
+    let geom = ConvGeom {
+        stride: vec![1; n],
+        padding: vec![pad; n],
+        dilation: vec![1; n],
+    };
+    let mut g = Graph::new();
+    let xi = g.add_input("x", tt(d, x)).expect("x");
+    let wi = g.add_input("w", tt(d, w)).expect("w");
+    let fwd = Op::Conv {
+        geom: geom.clone(),
+        groups: 1,
+        bias: false,
+    };
+    let y = g.add(fwd, &[xi, wi]).expect("conv");
+    g.add_output("y", y).expect("y");
+    if backward {
+        let yt = g.node(y).expect("node").ty.clone();
+        let dy = g.add_input("dy", yt).expect("dy");
+        let gi = Op::ConvGradInput {
+            geom: geom.clone(),
+            groups: 1,
+            input_shape: Shape::new(x.to_vec()),
+        };
+        let gw = Op::ConvGradWeight {
+            geom,
+            groups: 1,
+            weight_shape: Shape::new(w.to_vec()),
+        };
+        let dx = g.add(gi, &[dy, wi]).expect("dx");
+        let dw = g.add(gw, &[xi, dy]).expect("dw");
+        g.add_output("dx", dx).expect("dx");
+        g.add_output("dw", dw).expect("dw");
+    }
+    g
+}
+
+/// A graph of one pooling (and its gradient with `backward`) over `x`.
+fn pool_graph(
+    x: &[usize],
+    kind: PoolKind,
+    k: usize,
+    s: usize,
+    pad: usize,
+    backward: bool,
+) -> Graph {
+    let geom = ConvGeom {
+        stride: vec![s; 2],
+        padding: vec![pad; 2],
+        dilation: vec![1; 2],
+    };
+    let mut g = Graph::new();
+    let xi = g.add_input("x", tt(DType::F16, x)).expect("x");
+    let fwd = Op::Pool {
+        kind,
+        kernel: vec![k; 2],
+        geom: geom.clone(),
+    };
+    let y = g.add(fwd, &[xi]).expect("pool");
+    g.add_output("y", y).expect("y");
+    if backward {
+        let yt = g.node(y).expect("node").ty.clone();
+        let dy = g.add_input("dy", yt).expect("dy");
+        let bwd = Op::PoolGrad {
+            kind,
+            kernel: vec![k; 2],
+            geom,
+        };
+        let dx = g.add(bwd, &[xi, dy]).expect("dx");
+        g.add_output("dx", dx).expect("dx");
+    }
+    g
+}
+
+/// Convolutions and pooling through cuDNN (NCHW), at the shapes PyTorch is measured on.
+fn conv_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
+    let f16 = DType::F16;
+    let tflops = |fl: f64, ms: f64| fl / (ms * 1e-3) / 1e12;
+    let fl2 = 2.0 * (64u64 * 64 * 64 * 56 * 56 * 9) as f64;
+    for (label, d, bwd) in [
+        ("conv2d 3x3 64c 56x56 b64 f16 fwd", f16, false),
+        ("conv2d 3x3 64c 56x56 b64 f16 fwd+bwd", f16, true),
+        ("conv2d 3x3 64c 56x56 b64 f32 fwd", DType::F32, false),
+    ] {
+        let g = conv_graph(&[64, 64, 56, 56], &[64, 64, 3, 3], 1, d, bwd);
+        let t = time_graph(&g, 10, true);
+        let fl = if bwd { 3.0 * fl2 } else { fl2 };
+        push(label, t, "TFLOP/s", tflops(fl, t.0));
+    }
+    let fl1 = 2.0 * (32u64 * 256 * 256 * 4096 * 3) as f64;
+    for bwd in [false, true] {
+        let g = conv_graph(&[32, 256, 4096], &[256, 256, 3], 1, f16, bwd);
+        let t = time_graph(&g, 10, true);
+        let label = if bwd { "fwd+bwd" } else { "fwd" };
+        let fl = if bwd { 3.0 * fl1 } else { fl1 };
+        push(
+            &format!("conv1d k3 256c L4096 b32 f16 {label}"),
+            t,
+            "TFLOP/s",
+            tflops(fl, t.0),
+        );
+    }
+    let fl3 = 2.0 * (8u64 * 64 * 64 * 16 * 56 * 56 * 27) as f64;
+    for bwd in [false, true] {
+        let g = conv_graph(&[8, 64, 16, 56, 56], &[64, 64, 3, 3, 3], 1, f16, bwd);
+        let t = time_graph(&g, 5, true);
+        let label = if bwd { "fwd+bwd" } else { "fwd" };
+        let fl = if bwd { 3.0 * fl3 } else { fl3 };
+        push(
+            &format!("conv3d 3x3x3 64c 16x56x56 b8 f16 {label}"),
+            t,
+            "TFLOP/s",
+            tflops(fl, t.0),
+        );
+    }
+    // Pooling: bytes of the input plus the output over the time.
+    let x = [64usize, 64, 112, 112];
+    let n: usize = x.iter().product();
+    let tb = |bytes: f64, ms: f64| bytes / (ms * 1e-3) / 1e12;
+    let g = pool_graph(&x, PoolKind::Max, 3, 2, 1, false);
+    let t = time_graph(&g, 20, true);
+    push(
+        "max pool 3x3 s2 64x64x112x112 f16 fwd",
+        t,
+        "TB/s",
+        tb(n as f64 * 2.0 * 1.25, t.0),
+    );
+    let g = pool_graph(&x, PoolKind::Max, 3, 2, 1, true);
+    let t = time_graph(&g, 20, true);
+    push("max pool 3x3 s2 64x64x112x112 f16 fwd+bwd", t, "ms", t.0);
+    let avg = PoolKind::Avg {
+        count_include_pad: true,
+    };
+    let g = pool_graph(&x, avg, 2, 2, 0, false);
+    let t = time_graph(&g, 20, true);
+    push(
+        "avg pool 2x2 64x64x112x112 f16 fwd",
+        t,
+        "TB/s",
+        tb(n as f64 * 2.0 * 1.25, t.0),
+    );
+}
+
 fn main() {
     if let Err(e) = rustytorch::runtime::cuda_device_count() {
         println!("gpu bench: no CUDA device here ({e}); run it on the GPU machine");
@@ -77,194 +233,198 @@ fn main() {
             value,
         });
     };
-    let (r, c) = (32768usize, 4096usize);
-    let tb = |bytes: f64, ms: f64| bytes / (ms * 1e-3) / 1e12;
+    // `bench-gpu conv` measures the convolution rows only.
+    let only_conv = std::env::args().skip(1).any(|a| a == "conv");
+    conv_rows(&mut push);
+    if !only_conv {
+        let (r, c) = (32768usize, 4096usize);
+        let tb = |bytes: f64, ms: f64| bytes / (ms * 1e-3) / 1e12;
 
-    // Copy-equivalent: one read and one write of 256 MiB.
-    let g = GraphBuilder::new();
-    let x = p(&g, "x", bf, &[r, c]);
-    let y = x.neg();
-    let t = time(&g, &[&y], 20, true);
-    push(
-        "copy-like neg bf16 32768x4096",
-        t,
-        "TB/s",
-        tb((2 * r * c * 2) as f64, t.0),
-    );
-
-    // GEMMs: plain, +bias+GELU(tanh), +bias+GELU(erf).
-    let (m, k, n) = (8192usize, 4096usize, 16384usize);
-    let flops = 2.0 * (m * k * n) as f64;
-    for (label, which) in [
-        ("gemm", 0),
-        ("linear+bias+gelu_tanh", 1),
-        ("linear+bias+gelu_erf", 2),
-    ] {
-        let g = GraphBuilder::new();
-        let x = p(&g, "x", bf, &[m, k]);
-        let w = p(&g, "w", bf, &[k, n]);
-        let b = p(&g, "b", bf, &[n]);
-        let y = match which {
-            0 => x.matmul(&w),
-            1 => x.matmul(&w).add(&b).gelu_tanh(),
-            _ => x.matmul(&w).add(&b).gelu(),
-        };
-        let t = time(&g, &[&y], 10, true);
-        push(
-            &format!("{label} bf16 8192x4096->16384"),
-            t,
-            "TFLOP/s",
-            flops / (t.0 * 1e-3) / 1e12,
-        );
-    }
-
-    // Norms and softmax, bf16 32768x4096: bytes of input + output.
-    let nb = (2 * r * c * 2) as f64;
-    for which in ["rms_norm", "layer_norm", "softmax"] {
+        // Copy-equivalent: one read and one write of 256 MiB.
         let g = GraphBuilder::new();
         let x = p(&g, "x", bf, &[r, c]);
-        let w = p(&g, "w", bf, &[c]);
-        let b = p(&g, "b", bf, &[c]);
-        let y = match which {
-            "rms_norm" => x.rms_norm(Some(&w), 1e-6),
-            "layer_norm" => x.layer_norm(Some(&w), Some(&b), 1e-5),
-            _ => x.softmax(-1),
-        };
+        let y = x.neg();
         let t = time(&g, &[&y], 20, true);
-        push(&format!("{which} bf16 32768x4096"), t, "TB/s", tb(nb, t.0));
-    }
+        push(
+            "copy-like neg bf16 32768x4096",
+            t,
+            "TB/s",
+            tb((2 * r * c * 2) as f64, t.0),
+        );
 
-    // The elementwise chain tanh(silu(a)·b + 0.5·a)·2: inputs a, b and the output.
-    let g = GraphBuilder::new();
-    let a = p(&g, "a", bf, &[r, c]);
-    let b = p(&g, "b", bf, &[r, c]);
-    let y = a
-        .silu()
-        .mul(&b)
-        .add(&a.mul_scalar(0.5))
-        .tanh()
-        .mul_scalar(2.0);
-    let t = time(&g, &[&y], 20, true);
-    push(
-        "elementwise chain bf16 32768x4096",
-        t,
-        "TB/s",
-        tb((3 * r * c * 2) as f64, t.0),
-    );
+        // GEMMs: plain, +bias+GELU(tanh), +bias+GELU(erf).
+        let (m, k, n) = (8192usize, 4096usize, 16384usize);
+        let flops = 2.0 * (m * k * n) as f64;
+        for (label, which) in [
+            ("gemm", 0),
+            ("linear+bias+gelu_tanh", 1),
+            ("linear+bias+gelu_erf", 2),
+        ] {
+            let g = GraphBuilder::new();
+            let x = p(&g, "x", bf, &[m, k]);
+            let w = p(&g, "w", bf, &[k, n]);
+            let b = p(&g, "b", bf, &[n]);
+            let y = match which {
+                0 => x.matmul(&w),
+                1 => x.matmul(&w).add(&b).gelu_tanh(),
+                _ => x.matmul(&w).add(&b).gelu(),
+            };
+            let t = time(&g, &[&y], 10, true);
+            push(
+                &format!("{label} bf16 8192x4096->16384"),
+                t,
+                "TFLOP/s",
+                flops / (t.0 * 1e-3) / 1e12,
+            );
+        }
 
-    // GPT-2-small LayerNorm + MLP stack, 12 layers, 8x1024 tokens.
-    let (tokens, d, h) = (8 * 1024, 768, 3072);
-    let g = GraphBuilder::new();
-    let mut x = p(&g, "x", bf, &[tokens, d]);
-    for l in 0..12 {
-        let lw = p(&g, &format!("h{l}.ln.w"), bf, &[d]);
-        let lb = p(&g, &format!("h{l}.ln.b"), bf, &[d]);
-        let w1 = p(&g, &format!("h{l}.fc.w"), bf, &[d, h]);
-        let b1 = p(&g, &format!("h{l}.fc.b"), bf, &[h]);
-        let w2 = p(&g, &format!("h{l}.proj.w"), bf, &[h, d]);
-        let b2 = p(&g, &format!("h{l}.proj.b"), bf, &[d]);
-        let y = x.layer_norm(Some(&lw), Some(&lb), 1e-5);
-        x = x.add(&y.matmul(&w1).add(&b1).gelu_tanh().matmul(&w2).add(&b2));
-    }
-    let t = time(&g, &[&x], 10, true);
-    let mlp_flops = 4.0 * (tokens * d * h) as f64 * 12.0;
-    push(
-        "mlp stack 12x (ln, fc+gelu, proj, residual)",
-        t,
-        "TFLOP/s",
-        mlp_flops / (t.0 * 1e-3) / 1e12,
-    );
+        // Norms and softmax, bf16 32768x4096: bytes of input + output.
+        let nb = (2 * r * c * 2) as f64;
+        for which in ["rms_norm", "layer_norm", "softmax"] {
+            let g = GraphBuilder::new();
+            let x = p(&g, "x", bf, &[r, c]);
+            let w = p(&g, "w", bf, &[c]);
+            let b = p(&g, "b", bf, &[c]);
+            let y = match which {
+                "rms_norm" => x.rms_norm(Some(&w), 1e-6),
+                "layer_norm" => x.layer_norm(Some(&w), Some(&b), 1e-5),
+                _ => x.softmax(-1),
+            };
+            let t = time(&g, &[&y], 20, true);
+            push(&format!("{which} bf16 32768x4096"), t, "TB/s", tb(nb, t.0));
+        }
 
-    // Causal attention, GPT-2-small heads (batch 8, 12 heads, 1024 tokens, head size 64).
-    let (bsz, heads, seq, hd) = (8usize, 12usize, 1024usize, 64usize);
-    let g = GraphBuilder::new();
-    let q = p(&g, "q", bf, &[bsz, heads, seq, hd]);
-    let k = p(&g, "k", bf, &[bsz, heads, seq, hd]);
-    let v = p(&g, "v", bf, &[bsz, heads, seq, hd]);
-    let y = rustytorch::models::causal_attention_primitives(&q, &k, &v);
-    let t = time(&g, &[&y], 5, true);
-    // Causal: half of the 4·B·H·S²·D multiply-adds of full attention.
-    let att_flops = 2.0 * (bsz * heads * seq * seq * hd) as f64;
-    push(
-        "attention causal bf16 b8 h12 s1024 d64",
-        t,
-        "TFLOP/s",
-        att_flops / (t.0 * 1e-3) / 1e12,
-    );
+        // The elementwise chain tanh(silu(a)·b + 0.5·a)·2: inputs a, b and the output.
+        let g = GraphBuilder::new();
+        let a = p(&g, "a", bf, &[r, c]);
+        let b = p(&g, "b", bf, &[r, c]);
+        let y = a
+            .silu()
+            .mul(&b)
+            .add(&a.mul_scalar(0.5))
+            .tanh()
+            .mul_scalar(2.0);
+        let t = time(&g, &[&y], 20, true);
+        push(
+            "elementwise chain bf16 32768x4096",
+            t,
+            "TB/s",
+            tb((3 * r * c * 2) as f64, t.0),
+        );
 
-    // GPT-2 small forward (f32, batch 8 x 1024): the CPU-side compile, then lowering and
-    // preparing for CUDA (kernels from NVRTC or the kernel caches), twice in this process.
-    let cfg = rustytorch::models::Gpt2Config::small();
-    let g = GraphBuilder::new();
-    let (_, hid) = rustytorch::models::gpt2(&g, &cfg);
-    let mut graph = g.graph().expect("graph");
-    graph
-        .add_output("h", hid.node().expect("node"))
-        .expect("output");
-    let t0 = std::time::Instant::now();
-    let compiled = passes::run(&graph, &passes::Options::default()).expect("compile");
-    let compile_s = t0.elapsed().as_secs_f64();
-    println!("gpt2-small forward: CPU-side compile {compile_s:.3} s");
-    let params: Vec<Arc<HostTensor>> = graph
-        .params
-        .iter()
-        .map(|p| Arc::new(p.init.materialize(&p.ty).expect("init")))
-        .collect();
-    let backend = CudaBackend::new(0).expect("cuda:0");
-    let mut session = None;
-    for attempt in ["first", "again"] {
+        // GPT-2-small LayerNorm + MLP stack, 12 layers, 8x1024 tokens.
+        let (tokens, d, h) = (8 * 1024, 768, 3072);
+        let g = GraphBuilder::new();
+        let mut x = p(&g, "x", bf, &[tokens, d]);
+        for l in 0..12 {
+            let lw = p(&g, &format!("h{l}.ln.w"), bf, &[d]);
+            let lb = p(&g, &format!("h{l}.ln.b"), bf, &[d]);
+            let w1 = p(&g, &format!("h{l}.fc.w"), bf, &[d, h]);
+            let b1 = p(&g, &format!("h{l}.fc.b"), bf, &[h]);
+            let w2 = p(&g, &format!("h{l}.proj.w"), bf, &[h, d]);
+            let b2 = p(&g, &format!("h{l}.proj.b"), bf, &[d]);
+            let y = x.layer_norm(Some(&lw), Some(&lb), 1e-5);
+            x = x.add(&y.matmul(&w1).add(&b1).gelu_tanh().matmul(&w2).add(&b2));
+        }
+        let t = time(&g, &[&x], 10, true);
+        let mlp_flops = 4.0 * (tokens * d * h) as f64 * 12.0;
+        push(
+            "mlp stack 12x (ln, fc+gelu, proj, residual)",
+            t,
+            "TFLOP/s",
+            mlp_flops / (t.0 * 1e-3) / 1e12,
+        );
+
+        // Causal attention, GPT-2-small heads (batch 8, 12 heads, 1024 tokens, head size 64).
+        let (bsz, heads, seq, hd) = (8usize, 12usize, 1024usize, 64usize);
+        let g = GraphBuilder::new();
+        let q = p(&g, "q", bf, &[bsz, heads, seq, hd]);
+        let k = p(&g, "k", bf, &[bsz, heads, seq, hd]);
+        let v = p(&g, "v", bf, &[bsz, heads, seq, hd]);
+        let y = rustytorch::models::causal_attention_primitives(&q, &k, &v);
+        let t = time(&g, &[&y], 5, true);
+        // Causal: half of the 4·B·H·S²·D multiply-adds of full attention.
+        let att_flops = 2.0 * (bsz * heads * seq * seq * hd) as f64;
+        push(
+            "attention causal bf16 b8 h12 s1024 d64",
+            t,
+            "TFLOP/s",
+            att_flops / (t.0 * 1e-3) / 1e12,
+        );
+
+        // GPT-2 small forward (f32, batch 8 x 1024): the CPU-side compile, then lowering and
+        // preparing for CUDA (kernels from NVRTC or the kernel caches), twice in this process.
+        let cfg = rustytorch::models::Gpt2Config::small();
+        let g = GraphBuilder::new();
+        let (_, hid) = rustytorch::models::gpt2(&g, &cfg);
+        let mut graph = g.graph().expect("graph");
+        graph
+            .add_output("h", hid.node().expect("node"))
+            .expect("output");
         let t0 = std::time::Instant::now();
-        let memory = compiled.report.memory.clone().expect("memory plan");
-        let plan = Arc::new(lower(&compiled.graph, &memory).expect("lower"));
-        let lower_s = t0.elapsed().as_secs_f64();
-        let s = backend
-            .prepare(plan.clone(), params.clone())
-            .expect("prepare");
-        let total = t0.elapsed().as_secs_f64();
-        println!(
+        let compiled = passes::run(&graph, &passes::Options::default()).expect("compile");
+        let compile_s = t0.elapsed().as_secs_f64();
+        println!("gpt2-small forward: CPU-side compile {compile_s:.3} s");
+        let params: Vec<Arc<HostTensor>> = graph
+            .params
+            .iter()
+            .map(|p| Arc::new(p.init.materialize(&p.ty).expect("init")))
+            .collect();
+        let backend = CudaBackend::new(0).expect("cuda:0");
+        let mut session = None;
+        for attempt in ["first", "again"] {
+            let t0 = std::time::Instant::now();
+            let memory = compiled.report.memory.clone().expect("memory plan");
+            let plan = Arc::new(lower(&compiled.graph, &memory).expect("lower"));
+            let lower_s = t0.elapsed().as_secs_f64();
+            let s = backend
+                .prepare(plan.clone(), params.clone())
+                .expect("prepare");
+            let total = t0.elapsed().as_secs_f64();
+            println!(
             "gpt2-small forward: lower {lower_s:.3} s, lower + prepare ({attempt} in this process) {total:.3} s, {} kernels",
             plan.kernel_count()
         );
-        session = Some((s, plan));
-    }
-    let (mut s, plan) = session.expect("a session");
-    let inputs: Vec<Arc<HostTensor>> = plan
-        .inputs
-        .iter()
-        .map(|(_, ty)| Arc::new(rustytorch::ops::testing::rand_tensor(ty, 1, -1.0, 1.0)))
-        .collect();
-    s.run(&inputs).expect("run");
-    s.run(&inputs).expect("run");
-    let _ = s.time_steps(1).expect("warm-up");
-    let ms = s.time_steps(5).expect("timing");
-    push(
-        "gpt2-small forward f32 b8 s1024",
-        (ms, plan.kernel_count()),
-        "ms",
-        ms,
-    );
-    drop(s);
-
-    // A tiny MLP at batch 1: launch-bound, with and without CUDA graph replay.
-    for replay in [false, true] {
-        let g = GraphBuilder::new();
-        let x = p(&g, "x", DType::F32, &[1, 64]);
-        let mut hdn = x;
-        for l in 0..4 {
-            let w = p(&g, &format!("w{l}"), DType::F32, &[64, 64]);
-            let b = p(&g, &format!("b{l}"), DType::F32, &[64]);
-            hdn = hdn.matmul(&w).add(&b).gelu();
+            session = Some((s, plan));
         }
-        let y = hdn.softmax(-1);
-        let t = time(&g, &[&y], 200, replay);
-        let label = if replay {
-            "tiny mlp b1, graph replay"
-        } else {
-            "tiny mlp b1, launches"
-        };
-        push(label, t, "us/run", t.0 * 1e3);
-    }
+        let (mut s, plan) = session.expect("a session");
+        let inputs: Vec<Arc<HostTensor>> = plan
+            .inputs
+            .iter()
+            .map(|(_, ty)| Arc::new(rustytorch::ops::testing::rand_tensor(ty, 1, -1.0, 1.0)))
+            .collect();
+        s.run(&inputs).expect("run");
+        s.run(&inputs).expect("run");
+        let _ = s.time_steps(1).expect("warm-up");
+        let ms = s.time_steps(5).expect("timing");
+        push(
+            "gpt2-small forward f32 b8 s1024",
+            (ms, plan.kernel_count()),
+            "ms",
+            ms,
+        );
+        drop(s);
 
+        // A tiny MLP at batch 1: launch-bound, with and without CUDA graph replay.
+        for replay in [false, true] {
+            let g = GraphBuilder::new();
+            let x = p(&g, "x", DType::F32, &[1, 64]);
+            let mut hdn = x;
+            for l in 0..4 {
+                let w = p(&g, &format!("w{l}"), DType::F32, &[64, 64]);
+                let b = p(&g, &format!("b{l}"), DType::F32, &[64]);
+                hdn = hdn.matmul(&w).add(&b).gelu();
+            }
+            let y = hdn.softmax(-1);
+            let t = time(&g, &[&y], 200, replay);
+            let label = if replay {
+                "tiny mlp b1, graph replay"
+            } else {
+                "tiny mlp b1, launches"
+            };
+            push(label, t, "us/run", t.0 * 1e3);
+        }
+    }
     let json: Vec<String> = rows
         .iter()
         .map(|r| {

@@ -434,25 +434,150 @@ fn ops_without_cuda_kernels_are_clear_errors() {
         return;
     }
     let mut g = Graph::new();
-    let x = g.add_input("x", t(DType::F32, &[1, 2, 8, 8])).unwrap();
-    let w = g.add_input("w", t(DType::F32, &[3, 2, 3, 3])).unwrap();
-    let geom = ConvGeom {
-        stride: vec![1, 1],
-        padding: vec![1, 1],
-        dilation: vec![1, 1],
+    let ty = t(DType::F32, &[1, 2, 8, 4]);
+    let ids: Vec<_> = ["q", "k", "v", "g"]
+        .iter()
+        .map(|n| g.add_input(n, ty.clone()).unwrap())
+        .collect();
+    let op = Op::AttentionGrad {
+        causal: rustytorch::ops::Causal::None,
+        mask: rustytorch::ops::AttnMask::None,
+        scale: F64Bits::new(0.5),
+        wrt: 0,
     };
-    let conv = Op::Conv {
-        geom,
-        groups: 1,
-        bias: false,
-    };
-    let y = g.add(conv, &[x, w]).unwrap();
+    let y = g.add(op, &ids).unwrap();
     g.add_output("y", y).unwrap();
     let e = rustytorch::compile_graph(&g, Device::Cuda(0), &CompileOptions::default())
         .err()
-        .expect("conv has no CUDA kernel yet");
+        .expect("attention_grad has no CUDA kernel yet");
     let msg = e.to_string();
-    assert!(msg.contains("conv") && msg.contains("cuda"), "{msg}");
+    assert!(
+        msg.contains("attention_grad") && msg.contains("cuda"),
+        "{msg}"
+    );
+}
+
+fn conv_geom(n: usize, stride: usize, pad: usize, dil: usize) -> ConvGeom {
+    ConvGeom {
+        stride: vec![stride; n],
+        padding: vec![pad; n],
+        dilation: vec![dil; n],
+    }
+}
+
+/// Convolutions through cuDNN, forward (with and without bias) and both gradients, 1-D, 2-D and
+/// 3-D: groups (depthwise included), dilation, stride larger than the window, 1×1 and 7×7 windows,
+/// odd and asymmetric spatial sizes, every float dtype.
+#[test]
+fn convolutions() {
+    // (x, w, stride, padding, dilation, groups, bias)
+    let cases: [(&[usize], &[usize], usize, usize, usize, usize, bool); 9] = [
+        (&[3, 4, 37], &[6, 4, 3], 1, 1, 1, 1, true),
+        (&[2, 6, 50], &[6, 2, 5], 2, 2, 3, 3, false),
+        (&[2, 3, 17, 13], &[5, 3, 3, 3], 1, 1, 1, 1, true),
+        (&[2, 8, 15, 16], &[8, 1, 3, 3], 2, 1, 1, 8, false),
+        (&[1, 4, 9, 11], &[6, 4, 1, 1], 1, 0, 1, 1, true),
+        (&[2, 3, 20, 18], &[4, 3, 7, 7], 2, 3, 1, 1, false),
+        (&[1, 2, 12, 12], &[3, 2, 2, 2], 3, 0, 2, 1, false),
+        (&[2, 16, 10, 9], &[32, 16, 3, 3], 1, 1, 1, 1, true),
+        (&[2, 3, 6, 7, 8], &[4, 3, 3, 3, 3], 1, 1, 1, 1, true),
+    ];
+    for (k, &(xd, wd, s, p, d, groups, bias)) in cases.iter().enumerate() {
+        let geom = conv_geom(xd.len() - 2, s, p, d);
+        for (j, dt) in FLOATS.into_iter().enumerate() {
+            let seed = 1000 + 10 * k as u64 + j as u64;
+            let x = rnd(dt, xd, seed, -1.0, 1.0);
+            let w = rnd(dt, wd, seed + 1, -1.0, 1.0);
+            let fwd = Op::Conv {
+                geom: geom.clone(),
+                groups,
+                bias,
+            };
+            let mut ins = vec![x.clone(), w.clone()];
+            if bias {
+                ins.push(rnd(dt, &[wd[0]], seed + 2, -1.0, 1.0));
+            }
+            let what = format!("conv {xd:?} * {wd:?} {dt:?}");
+            let y_ty = {
+                let tys: Vec<TensorType> = ins.iter().map(|x| x.ty()).collect();
+                let refs: Vec<&TensorType> = tys.iter().collect();
+                rustytorch::ops::infer(&fwd, &refs).unwrap()
+            };
+            check(&what, fwd, ins);
+            let gy = rand_tensor(&y_ty, seed + 3, -1.0, 1.0);
+            let gi = Op::ConvGradInput {
+                geom: geom.clone(),
+                groups,
+                input_shape: Shape::new(xd.to_vec()),
+            };
+            check(&format!("{what} grad input"), gi, vec![gy.clone(), w]);
+            let gw = Op::ConvGradWeight {
+                geom: geom.clone(),
+                groups,
+                weight_shape: Shape::new(wd.to_vec()),
+            };
+            check(&format!("{what} grad weight"), gw, vec![x, gy]);
+        }
+    }
+}
+
+/// Distinct values (`k·37 mod 251` in steps of 1/8, exact in every float dtype), so that a max
+/// pool's winner, and so its gradient, is the same whatever order the device compares in.
+fn distinct(d: DType, dims: &[usize], seed: u64) -> HostTensor {
+    let n: usize = dims.iter().product();
+    let vals: Vec<f64> = (0..n)
+        .map(|i| ((i as u64 * 37 + seed) % 251) as f64 * 0.125 - 15.0)
+        .collect();
+    HostTensor::from_f64_slice(&t(d, dims), &vals).unwrap()
+}
+
+/// Pooling through cuDNN, forward and backward: max and both averages, 1-D, 2-D and 3-D, with
+/// padding and a stride larger than the window, every float dtype.
+#[test]
+fn pooling() {
+    use rustytorch::ops::PoolKind;
+    // (x, window, stride, padding)
+    let cases: [(&[usize], &[usize], usize, usize); 6] = [
+        (&[3, 4, 29], &[3], 2, 1),
+        (&[2, 3, 17, 13], &[3, 3], 2, 1),
+        (&[2, 5, 16, 16], &[2, 2], 2, 0),
+        (&[1, 2, 13, 11], &[2, 3], 4, 1),
+        (&[2, 3, 7, 9, 8], &[3, 3, 3], 2, 1),
+        (&[2, 64, 14, 14], &[3, 3], 1, 1),
+    ];
+    let kinds = [
+        PoolKind::Max,
+        PoolKind::Avg {
+            count_include_pad: true,
+        },
+        PoolKind::Avg {
+            count_include_pad: false,
+        },
+    ];
+    for (k, &(xd, window, s, p)) in cases.iter().enumerate() {
+        let geom = conv_geom(xd.len() - 2, s, p, 1);
+        for kind in kinds {
+            for (j, dt) in FLOATS.into_iter().enumerate() {
+                let seed = 2000 + 10 * k as u64 + j as u64;
+                let x = distinct(dt, xd, seed);
+                let fwd = Op::Pool {
+                    kind,
+                    kernel: window.to_vec(),
+                    geom: geom.clone(),
+                };
+                let y_ty = rustytorch::ops::infer(&fwd, &[&x.ty()]).unwrap();
+                let what = format!("pool {kind:?} {xd:?} window {window:?} {dt:?}");
+                check(&what, fwd, vec![x.clone()]);
+                let gy = rand_tensor(&y_ty, seed + 1, -1.0, 1.0);
+                let bwd = Op::PoolGrad {
+                    kind,
+                    kernel: window.to_vec(),
+                    geom: geom.clone(),
+                };
+                check(&format!("{what} grad"), bwd, vec![x, gy]);
+            }
+        }
+    }
 }
 
 /// A fused elementwise chain `tanh(silu(a)·b + 0.5·a)·2` (what the optimizer makes of it) in 16-byte

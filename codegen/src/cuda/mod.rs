@@ -6,6 +6,7 @@
 //! Nothing here touches a GPU: the runtime compiles the sources with NVRTC and launches them.
 
 pub mod attention;
+pub mod dnn;
 pub mod elementwise;
 pub mod emit;
 pub mod interp;
@@ -14,6 +15,7 @@ pub mod matmul;
 pub mod reduce;
 pub mod rows;
 
+pub use dnn::DnnDesc;
 pub use matmul::MatmulDesc;
 
 use crate::{CodegenError, Result};
@@ -77,6 +79,10 @@ pub enum CudaStep {
         /// Kernels run after it, over the output.
         after: StepKernels,
     },
+    /// A cuDNN convolution or pooling call. Its workspace (and the recomputed forward result a
+    /// pooling backward reads) lives in the step's scratch, sized by the runtime once it has
+    /// picked the algorithm.
+    Dnn(DnnDesc),
     /// Nothing to run: the output aliases its operand's bytes (a reshape placed as an alias by
     /// the memory plan).
     Alias,
@@ -127,8 +133,8 @@ pub fn lower_plan(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
         .collect()
 }
 
-/// Lowers one op with operand types `inputs` and result type `out` for CUDA. Convolution, pooling
-/// and the attention gradient have no CUDA implementation yet: they are an error naming the op.
+/// Lowers one op with operand types `inputs` and result type `out` for CUDA. The attention
+/// gradient and the sparse ops have no CUDA implementation yet: they are an error naming the op.
 pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaStep> {
     let unsupported = || {
         Err(CodegenError::Unsupported {
@@ -176,8 +182,8 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         | Op::ConvGradInput { .. }
         | Op::ConvGradWeight { .. }
         | Op::Pool { .. }
-        | Op::PoolGrad { .. }
-        | Op::AttentionGrad { .. } => unsupported(),
+        | Op::PoolGrad { .. } => dnn::lower(op, inputs, out).map(CudaStep::Dnn),
+        Op::AttentionGrad { .. } => unsupported(),
         Op::Attention { .. } => attention::lower(op, inputs, out).map(CudaStep::Kernels),
         Op::SparseMatmul { .. } | Op::SampledMatmul => Err(CodegenError::Unsupported {
             op: op.name(),

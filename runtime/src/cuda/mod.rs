@@ -11,6 +11,7 @@
 
 pub mod blas;
 pub mod compile;
+pub mod dnn;
 mod session;
 
 pub use session::CudaSession;
@@ -72,6 +73,7 @@ pub struct GpuDevice {
     pub compiler: compile::KernelCompiler,
     functions: Mutex<HashMap<String, CudaFunction>>,
     blas: Mutex<Option<(blas::Blas, Block)>>,
+    dnn: Mutex<Option<dnn::Dnn>>,
 }
 
 fn derr(what: &str) -> impl Fn(dr::DriverError) -> RuntimeError + '_ {
@@ -129,6 +131,7 @@ impl GpuDevice {
             compiler,
             functions: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
+            dnn: Mutex::new(None),
         })
     }
 
@@ -202,6 +205,15 @@ impl GpuDevice {
             }
         }
         body(&mut g.as_mut().expect("opened above").0)
+    }
+
+    /// Runs `body` with this device's cuDNN state (opened on first use).
+    pub(crate) fn with_dnn<T>(&self, body: impl FnOnce(&mut dnn::Dnn) -> Result<T>) -> Result<T> {
+        let mut g = self.dnn.lock().expect("dnn lock");
+        if g.is_none() {
+            *g = Some(dnn::Dnn::new()?);
+        }
+        body(g.as_mut().expect("opened above"))
     }
 
     /// Waits for the device's stream.

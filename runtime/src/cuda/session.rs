@@ -11,7 +11,7 @@ use crate::{
 use cudarc::driver::sys::{self as ds, CUstream};
 use cudarc::driver::{result as dr, CudaFunction};
 use rustytorch_codegen::cuda::{
-    lower_plan, source, ArgRef, CudaStep, Launch, MatmulDesc, StepKernels,
+    lower_plan, source, ArgRef, CudaStep, DnnDesc, Launch, MatmulDesc, StepKernels,
 };
 use rustytorch_codegen::{Plan, Source, Storage};
 use rustytorch_ops::{DType, Data, HostTensor, TensorType};
@@ -35,6 +35,11 @@ enum Exec {
         bias: Option<u64>,
         after: Vec<Resolved>,
     },
+    Dnn {
+        desc: DnnDesc,
+        ins: Vec<u64>,
+        out: u64,
+    },
     Nothing,
 }
 
@@ -48,6 +53,8 @@ pub struct CudaSession {
     inputs: Vec<u64>,
     params: Vec<u64>,
     exec: Vec<(usize, Exec)>,
+    /// The scratch buffer every step shares (the largest any step needs).
+    scratch: u64,
     transfers: TransferStats,
     /// Replay a captured CUDA graph after the first run.
     replay: bool,
@@ -171,6 +178,7 @@ impl CudaSession {
             inputs: vec![],
             params: vec![],
             exec: vec![],
+            scratch: 0,
             transfers: TransferStats::default(),
             replay: std::env::var("RUSTYTORCH_CUDA_GRAPH").as_deref() != Ok("0"),
             graph: None,
@@ -210,16 +218,19 @@ impl CudaSession {
                 }
             };
         }
-        let scratch_bytes = steps
-            .iter()
-            .map(|st| match st {
+        // cuDNN steps learn their scratch (workspace) once their algorithm is chosen.
+        let stream = dev.stream.cu_stream();
+        let mut scratch_bytes = 0;
+        for st in &steps {
+            scratch_bytes = scratch_bytes.max(match st {
                 CudaStep::Kernels(k) => k.scratch_bytes,
                 CudaStep::Matmul { after, .. } => after.scratch_bytes,
+                CudaStep::Dnn(d) => dev.with_dnn(|dn| dn.prepare(d, stream as _))?,
                 CudaStep::Alias => 0,
-            })
-            .max()
-            .unwrap_or(0);
+            });
+        }
         let scratch = s.alloc(scratch_bytes)?;
+        s.scratch = scratch;
 
         // Compile (or fetch from the caches) every distinct kernel, in parallel.
         let mut sources = vec![];
@@ -227,7 +238,7 @@ impl CudaSession {
             let ks: Vec<&Launch> = match st {
                 CudaStep::Kernels(k) => k.launches.iter().collect(),
                 CudaStep::Matmul { after, .. } => after.launches.iter().collect(),
-                CudaStep::Alias => vec![],
+                CudaStep::Dnn(_) | CudaStep::Alias => vec![],
             };
             for l in ks {
                 sources.push((l.kernel.name.clone(), source(&l.kernel)?));
@@ -267,6 +278,11 @@ impl CudaSession {
                     bias: desc.bias.then(|| ins[2]),
                     after: resolve(&after),
                     desc,
+                },
+                CudaStep::Dnn(desc) => Exec::Dnn {
+                    desc,
+                    ins: ins.clone(),
+                    out,
                 },
                 CudaStep::Alias => Exec::Nothing,
             };
@@ -377,6 +393,13 @@ impl CudaSession {
                     for l in after {
                         self.launch(l, i, stream)?;
                     }
+                }
+                Exec::Dnn { desc, ins, out } => {
+                    self.dev
+                        .with_dnn(|dn| dn.run(desc, ins, *out, self.scratch, stream as _))
+                        .map_err(|e| {
+                            RuntimeError::Device(format!("step {i} ({:?}): {e}", desc.kind))
+                        })?;
                 }
                 Exec::Nothing => {}
             }
