@@ -7,6 +7,7 @@
 //! returned by [`GraphBuilder::graph`], [`GraphBuilder::check`] and everything that compiles or
 //! saves the graph. This keeps chains free of `?` while never losing an error.
 
+use crate::dims::DimExpr;
 use crate::graph::{Graph, Init, NodeId};
 use crate::{CompileError, Result};
 use rustytorch_ops::{
@@ -205,7 +206,44 @@ impl GraphBuilder {
                 }
             }
         }
-        let r = self.inner.graph.borrow_mut().add(op, &ids);
+        let r = {
+            let mut g = self.inner.graph.borrow_mut();
+            let r = g.add(op, &ids);
+            if let Ok(id) = r {
+                g.derive_sym_shape(id);
+            }
+            r
+        };
+        let r = self.located(r, at);
+        self.wrap(r, at)
+    }
+
+    /// Declares the named dim `name` with its default size, the size the graph is built at;
+    /// use it in [`GraphBuilder::input_dims`]. An executable of the graph runs at any size
+    /// (see [`crate::dims`]).
+    #[track_caller]
+    pub fn dim(&self, name: &str, size: usize) -> DimExpr {
+        let at = Location::caller();
+        let r = self.inner.graph.borrow_mut().declare_dim(name, size);
+        match r {
+            Ok(d) => d,
+            Err(e) => {
+                self.wrap(Err(e), at);
+                DimExpr::named(name)
+            }
+        }
+    }
+
+    /// Declares a named input whose dims may be named: `g.input_dims("x", DType::F32,
+    /// &[batch, 1.into(), 8.into(), 8.into()])` with `let batch = g.dim("batch", 16)`.
+    #[track_caller]
+    pub fn input_dims(&self, name: &str, dtype: DType, dims: &[DimExpr]) -> Tensor {
+        let at = Location::caller();
+        let r = self
+            .inner
+            .graph
+            .borrow_mut()
+            .add_input_dims(name, dtype, dims);
         let r = self.located(r, at);
         self.wrap(r, at)
     }
@@ -466,6 +504,51 @@ impl Tensor {
     /// The dims (empty when poisoned).
     pub fn dims(&self) -> Vec<usize> {
         self.shape().map(|s| s.0).unwrap_or_default()
+    }
+
+    /// The dims as expressions of the graph's named dims (`[batch, 512]`; fixed sizes where
+    /// the shape does not depend on them; empty when poisoned).
+    pub fn sym_dims(&self) -> Vec<DimExpr> {
+        match self.id {
+            Some(id) => self.b.inner.graph.borrow().sym_shape(id),
+            None => Vec::new(),
+        }
+    }
+
+    /// The result of a shape op built at the default sizes of `dims`, with `dims` recorded as
+    /// its symbolic shape.
+    #[track_caller]
+    fn sym_shaped(&self, dims: &[DimExpr], op: impl FnOnce(Shape) -> Op) -> Tensor {
+        let at = Location::caller();
+        let shape = self.b.inner.graph.borrow().eval_dims(dims);
+        let t = match shape {
+            Ok(shape) => self.b.apply(op(shape), &[self]),
+            Err(e) => self.b.wrap(Err(e), at),
+        };
+        if let Some(id) = t.id {
+            let r = self
+                .b
+                .inner
+                .graph
+                .borrow_mut()
+                .set_sym_shape(id, dims.to_vec())
+                .map(|_| id);
+            return self.b.wrap(r, at);
+        }
+        t
+    }
+
+    /// Reshape to dims given as expressions of named dims (`[batch, 512.into()]`), so the
+    /// reshape follows the named dims when the graph runs at other sizes.
+    #[track_caller]
+    pub fn reshape_dims(&self, dims: &[DimExpr]) -> Tensor {
+        self.sym_shaped(dims, |shape| Op::Reshape { shape })
+    }
+
+    /// Broadcast to dims given as expressions of named dims.
+    #[track_caller]
+    pub fn expand_dims(&self, dims: &[DimExpr]) -> Tensor {
+        self.sym_shaped(dims, |shape| Op::Expand { shape })
     }
 
     /// The dtype (None when poisoned).

@@ -41,6 +41,22 @@ pub enum CompileError {
         /// The error.
         source: std::io::Error,
     },
+    /// Inputs given to a graph with named dims do not fit its declared dims.
+    #[error("input `{input}`: {reason}")]
+    Bind {
+        /// The input.
+        input: String,
+        /// What does not fit.
+        reason: String,
+    },
+    /// A graph with named dims does not hold at the sizes it was specialized to.
+    #[error("at {at}: {source}")]
+    Specialize {
+        /// The sizes (`batch=5`).
+        at: String,
+        /// The op that refused its shapes.
+        source: OpError,
+    },
     /// An optimizer pass failed.
     #[error("optimizer: {0}")]
     Optimize(String),

@@ -18,6 +18,7 @@
 //! [`Graph::add`] (which re-infers every type) and [`Graph::verify`]. Every failure is a
 //! [`CompileError::Format`] (or [`CompileError::Io`]), never a panic.
 
+use crate::dims::{DimExpr, NamedDim};
 use crate::text::dense_order;
 use crate::{CompileError, Graph, Init, InputDef, NodeId, ParamDef, Result};
 use bincode::Options;
@@ -28,8 +29,10 @@ use std::path::Path;
 
 /// The file's first eight bytes.
 pub const MAGIC: [u8; 8] = *b"RTGRAPH\0";
-/// The format version this build writes and the newest it reads.
-pub const VERSION: u32 = 1;
+/// The format version this build writes and the newest it reads (2 added named dims).
+pub const VERSION: u32 = 2;
+/// The first version whose body holds named dims.
+const NAMED_DIMS_VERSION: u32 = 2;
 /// Bytes before the body.
 pub const HEADER_LEN: usize = 24;
 
@@ -69,6 +72,55 @@ struct GraphDef {
     /// The safetensors file (a plain file name in the graph file's folder) holding the values of
     /// the parameters marked [`ParamData::Sidecar`].
     sidecar: Option<String>,
+    /// Named dims with their default sizes (version 2).
+    dims: Vec<DimDecl>,
+    /// (node, its shape as dim expressions) for the nodes whose shape depends on named dims
+    /// (version 2).
+    shapes: Vec<(u32, Vec<DimDef>)>,
+}
+
+/// The body of version 1: [`GraphDef`] without named dims.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+struct GraphDefV1 {
+    nodes: Vec<NodeDef>,
+    inputs: Vec<InputDecl>,
+    params: Vec<ParamDecl>,
+    constants: Vec<TensorDef>,
+    outputs: Vec<(String, u32)>,
+    updates: Vec<(u32, u32)>,
+    guards: Vec<(String, u32)>,
+    sidecar: Option<String>,
+}
+
+impl From<GraphDefV1> for GraphDef {
+    fn from(d: GraphDefV1) -> GraphDef {
+        GraphDef {
+            nodes: d.nodes,
+            inputs: d.inputs,
+            params: d.params,
+            constants: d.constants,
+            outputs: d.outputs,
+            updates: d.updates,
+            guards: d.guards,
+            sidecar: d.sidecar,
+            dims: Vec::new(),
+            shapes: Vec::new(),
+        }
+    }
+}
+
+/// A named dim and its default size.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+struct DimDecl {
+    name: String,
+    size: u64,
+}
+
+/// A dim: `coeff` times the named dims at these indices of [`GraphDef::dims`].
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+struct DimDef {
+    coeff: u64,
+    names: Vec<u32>,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
@@ -473,8 +525,46 @@ fn encode(
             .map(|(n, id)| Ok((n.clone(), map(*id)?)))
             .collect::<Result<_>>()?,
         sidecar,
+        dims: graph
+            .dims
+            .named
+            .iter()
+            .map(|d| DimDecl {
+                name: d.name.clone(),
+                size: d.size as u64,
+            })
+            .collect(),
+        shapes: dim_defs(graph, &map)?,
     };
     Ok((frame(&def)?, sidecar_bytes))
+}
+
+/// The symbolic shapes, by dense node id (sorted), names as indices of the dims table.
+fn dim_defs(graph: &Graph, map: &dyn Fn(NodeId) -> Result<u32>) -> Result<Vec<(u32, Vec<DimDef>)>> {
+    let index = |n: &str| {
+        graph
+            .dims
+            .named
+            .iter()
+            .position(|d| d.name == n)
+            .map(|k| k as u32)
+            .ok_or_else(|| CompileError::Invalid(format!("undeclared named dim `{n}`")))
+    };
+    let mut out = Vec::with_capacity(graph.dims.shapes.len());
+    for (&id, dims) in &graph.dims.shapes {
+        let defs = dims
+            .iter()
+            .map(|d| {
+                Ok(DimDef {
+                    coeff: d.coeff() as u64,
+                    names: d.names().iter().map(|n| index(n)).collect::<Result<_>>()?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        out.push((map(id)?, defs));
+    }
+    out.sort_by_key(|(k, _)| *k);
+    Ok(out)
 }
 
 /// Header plus encoded body.
@@ -590,8 +680,22 @@ fn decode_body(body: &[u8]) -> Result<GraphDef> {
         .map_err(|e| fmt_err(format!("malformed body: {e}")))
 }
 
+/// Decodes the body of a file of `version` (an older version through its own schema).
+fn decode_versioned(body: &[u8], version: u32) -> Result<GraphDef> {
+    if version >= NAMED_DIMS_VERSION {
+        return decode_body(body);
+    }
+    write_options()
+        .with_limit(body.len() as u64)
+        .deserialize::<GraphDefV1>(body)
+        .map(GraphDef::from)
+        .map_err(|e| fmt_err(format!("malformed body (version {version}): {e}")))
+}
+
 fn decode(bytes: &[u8], sidecar: &mut dyn FnMut(&str) -> Result<Vec<u8>>) -> Result<Graph> {
-    let def = decode_body(unframe(bytes)?)?;
+    let body = unframe(bytes)?;
+    let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+    let def = decode_versioned(body, version)?;
     validate(&def)?;
     let mut side: HashMap<String, HostTensor> = HashMap::new();
     if def.params.iter().any(|p| p.data == ParamData::Sidecar) {
@@ -795,6 +899,45 @@ fn validate(def: &GraphDef) -> Result<()> {
     for (name, id) in &def.guards {
         node_ref(&|| format!("guard `{name}`"), *id)?;
     }
+    names.clear();
+    for d in &def.dims {
+        if !crate::dims::is_dim_name(&d.name) {
+            return Err(fmt_err(format!("`{}` cannot name a dim", d.name)));
+        }
+        if d.size == 0 || d.size > rustytorch_ops::shape::MAX_ATTR as u64 {
+            return Err(fmt_err(format!(
+                "named dim `{}`: default size {} is out of range",
+                d.name, d.size
+            )));
+        }
+        if !names.insert(d.name.as_str()) {
+            return Err(fmt_err(format!("named dim `{}` is declared twice", d.name)));
+        }
+    }
+    let mut shaped = HashSet::new();
+    for (id, dims) in &def.shapes {
+        let what = || format!("the named dims of node {id}");
+        node_ref(&what, *id)?;
+        if !shaped.insert(*id) {
+            return Err(fmt_err(format!("{} are given twice", what())));
+        }
+        if dims.len() != def.nodes[*id as usize].ty.shape.rank() {
+            return Err(fmt_err(format!("{}: not the node's rank", what())));
+        }
+        for d in dims {
+            if d.names.len() > crate::dims::MAX_FACTORS || d.coeff > MAX_ELEMENTS as u64 {
+                return Err(fmt_err(format!("{}: a dim is too large", what())));
+            }
+            if d.names.iter().any(|&k| k as usize >= def.dims.len()) {
+                return Err(fmt_err(format!(
+                    "{}: a dim names dim #{}, but the file declares {}",
+                    what(),
+                    d.names.iter().max().copied().unwrap_or(0),
+                    def.dims.len()
+                )));
+            }
+        }
+    }
     Ok(())
 }
 
@@ -873,6 +1016,27 @@ fn rebuild(def: GraphDef, mut side: HashMap<String, HostTensor>) -> Result<Graph
     g.outputs = def.outputs.into_iter().map(|(n, k)| (n, node(k))).collect();
     g.updates = def.updates.into_iter().map(|(p, k)| (p, node(k))).collect();
     g.guards = def.guards.into_iter().map(|(n, k)| (n, node(k))).collect();
+    g.dims.named = def
+        .dims
+        .iter()
+        .map(|d| NamedDim {
+            name: d.name.clone(),
+            size: d.size as usize,
+        })
+        .collect();
+    for (k, dims) in def.shapes {
+        let exprs = dims
+            .into_iter()
+            .map(|d| {
+                d.names
+                    .iter()
+                    .fold(DimExpr::fixed(d.coeff as usize), |e, &n| {
+                        e.mul(&DimExpr::named(&def.dims[n as usize].name))
+                    })
+            })
+            .collect();
+        g.dims.shapes.insert(node(k), exprs);
+    }
     g.verify()
         .map_err(|e| fmt_err(format!("the decoded graph is invalid: {e}")))?;
     Ok(g)
@@ -927,6 +1091,70 @@ mod tests {
 
     fn node_of(def: &GraphDef, pred: impl Fn(&Op) -> bool) -> usize {
         def.nodes.iter().position(|n| pred(&n.op)).unwrap()
+    }
+
+    /// A body with the named dim `b` (default 2): x : f32[b,3], exp(x).
+    fn named_def() -> GraphDef {
+        let mut g = Graph::new();
+        let b = g.declare_dim("b", 2).unwrap();
+        let x = g
+            .add_input_dims("x", DType::F32, &[b.clone(), DimExpr::fixed(3)])
+            .unwrap();
+        let y = g
+            .add(Op::Unary(rustytorch_ops::UnaryOp::Exp), &[x])
+            .unwrap();
+        g.set_sym_shape(y, vec![b, DimExpr::fixed(3)]).unwrap();
+        g.add_output("y", y).unwrap();
+        let bytes = to_bytes(&g, ParamStorage::Embedded).unwrap();
+        decode_body(unframe(&bytes).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn bad_named_dims_are_refused() {
+        let def = named_def();
+        assert_eq!(def.dims.len(), 1);
+        assert_eq!(def.shapes.len(), 2);
+        let g = from_bytes(&frame(&def).unwrap()).unwrap();
+        assert_eq!(g.dims.named[0].size, 2);
+        let mut d = named_def();
+        d.shapes[0].1[0].names = vec![5];
+        assert!(load_err(&d).contains("names dim #5"), "{}", load_err(&d));
+        let mut d = named_def();
+        d.shapes[0].1.pop();
+        assert!(load_err(&d).contains("not the node's rank"));
+        let mut d = named_def();
+        d.shapes[1].0 = 99;
+        assert!(load_err(&d).contains("names node 99"));
+        let mut d = named_def();
+        d.shapes.push(d.shapes[0].clone());
+        assert!(load_err(&d).contains("given twice"));
+        let mut d = named_def();
+        d.shapes[1].1[0].coeff = 2;
+        assert!(
+            load_err(&d).contains("at the default sizes"),
+            "{}",
+            load_err(&d)
+        );
+        let mut d = named_def();
+        d.dims[0].size = 0;
+        assert!(load_err(&d).contains("out of range"));
+        let mut d = named_def();
+        d.dims[0].name = "1b".into();
+        assert!(load_err(&d).contains("cannot name a dim"));
+        let mut d = named_def();
+        d.dims.push(d.dims[0].clone());
+        assert!(load_err(&d).contains("declared twice"));
+        let mut d = named_def();
+        d.shapes[0].1[0].names = vec![0; 65];
+        assert!(load_err(&d).contains("too large"));
+        // A version-1 body cannot carry them: read as version 1, the new tables are trailing
+        // bytes.
+        let body = write_options().serialize(&named_def()).unwrap();
+        let m = match from_bytes(&frame_body(1, &body)) {
+            Err(CompileError::Format(m)) => m,
+            other => panic!("expected a format error, got {other:?}"),
+        };
+        assert!(m.starts_with("malformed body (version 1)"), "{m}");
     }
 
     #[test]
@@ -1164,6 +1392,7 @@ mod tests {
         body.push(0); // no name
         body.extend([0u8; 8 * 6]); // six empty tables
         body.push(0); // no sidecar
+        body.extend([0u8; 8 * 2]); // no named dims, no symbolic shapes
         body
     }
 

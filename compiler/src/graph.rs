@@ -153,6 +153,9 @@ pub struct Graph {
     pub guards: Vec<(String, NodeId)>,
     /// Where the nodes were built in the user's source (not saved in graph files).
     pub provenance: Provenance,
+    /// Named dims and the symbolic shapes of the nodes that depend on them (see
+    /// [`crate::dims`]).
+    pub dims: crate::dims::Dims,
 }
 
 /// A source location recorded by the builder API (`file:line:col` when displayed).
@@ -200,6 +203,8 @@ impl Graph {
             ty,
             name: None,
         });
+        // A reused id must not inherit the symbolic shape of a removed node.
+        self.dims.shapes.remove(&id);
         for (k, &i) in inputs.iter().enumerate() {
             self.g.add_edge(i, id, k as u32);
         }
@@ -455,6 +460,7 @@ impl Graph {
     /// Removes a node and its provenance.
     pub(crate) fn remove_node(&mut self, id: NodeId) {
         self.g.remove_node(id);
+        self.dims.shapes.remove(&id);
         self.provenance.locations.remove(&id);
         self.provenance.fused.remove(&id);
     }
@@ -552,10 +558,12 @@ impl Graph {
     /// [`rustytorch_ops::shape`]); leaves agree with the input/parameter/constant tables; input,
     /// parameter and output names are unique; parameter values have the parameter's type;
     /// outputs, updates and guards name existing nodes, updates of the parameter's type and guards
-    /// bool scalars. Graphs read from IR text and graph files are verified before they are
+    /// bool scalars; named dims are declared once and every symbolic shape gives its node's
+    /// shape at the default sizes. Graphs read from IR text and graph files are verified before they are
     /// returned, so both formats pass exactly these checks.
     pub fn verify(&self) -> Result<()> {
         self.verify_tables()?;
+        self.verify_dims()?;
         for id in self.g.node_indices() {
             let n = &self.g[id];
             let mut tys = Vec::with_capacity(n.inputs.len());

@@ -4,6 +4,7 @@
 
 pub mod autodiff;
 pub mod builder;
+pub mod dims;
 pub mod error;
 pub mod graph;
 pub mod optim;
@@ -12,6 +13,7 @@ pub mod sparse;
 
 pub use autodiff::grad;
 pub use builder::{ConvOpts, GraphBuilder, Tensor};
+pub use dims::{DimExpr, NamedDim};
 pub use error::{CompileError, Result};
 pub use graph::{Graph, Init, InputDef, Node, NodeId, ParamDef};
 pub use optim::{AdamW, Optimizer, Sgd, StepOptions, TrainStep};

@@ -2,13 +2,14 @@
 //!
 //! ```text
 //! graph {
-//!   %0 = input x : f32[8,64]
+//!   dim batch = 8
+//!   %0 = input x : f32[batch,64]
 //!   %1 = param w1 : f32[64,128] = uniform(-0.125, 0.125, seed=7)
 //!   %2 = state adam_m.w1 : f32[64,128] = full(0.0)
 //!   %3 = param emb : f32[2,2] = data [0.5, -1.0, 2.0, 0.25]
 //!   %4 = constant : i64[3] = [1, 2, 3]
-//!   %5 = matmul(%0, %1) : f32[8,128]
-//!   %6 = reduce_sum[axes=1,keep](%5) : f32[8,1] as row_sums
+//!   %5 = matmul(%0, %1) : f32[batch,128]
+//!   %6 = reduce_sum[axes=1,keep](%5) : f32[batch,1] as row_sums
 //!   output logits = %6
 //!   update w1 <- %9
 //!   guard finite.w1 = %10
@@ -18,6 +19,8 @@
 //! Grammar, one item per line (blank lines and `#` comments are ignored):
 //!
 //! - `graph {` opens the graph and `}` closes it; nothing may follow.
+//! - `dim NAME = SIZE` declares a named dim and its default size, before the first node
+//!   (see [`crate::dims`]).
 //! - `%N = input NAME : TYPE` declares the next graph input.
 //! - `%N = param NAME : TYPE = INIT [VALUES]` declares the next parameter (trainable), and
 //!   `state` instead of `param` declares persistent state that is not trainable. `INIT` is
@@ -30,11 +33,16 @@
 //! - `output NAME = %N`, `update PARAM <- %N` (a parameter's new value after each run) and
 //!   `guard NAME = %N` (a bool scalar that must hold for updates to apply).
 //!
-//! `TYPE` is `dtype[d0,d1,...]` (`f32[]` is a scalar). `NAME` is bare when made of ASCII letters,
-//! digits and `_ . - /`, otherwise a double-quoted string with `\\`, `\"`, `\n`, `\r`, `\t` and
-//! `\u{..}` escapes. `VALUES` is `[v, v, ...]`, every element in row-major order: floats in their
-//! shortest round-trip form (`nan`, `inf`, `-inf` included; f16/bf16 through f32, exactly), integers
-//! in decimal, bools as `true`/`false`.
+//! `TYPE` is `dtype[d0,d1,...]` (`f32[]` is a scalar). In inputs and op results a dim may be an
+//! expression of named dims, `batch` or `4*batch*seq` (a constant and names joined by `*`):
+//! the node's shape at the default sizes is its value, and the expression is what the graph
+//! keeps when it runs at other sizes. An op's attributes are written at the default sizes
+//! (`reshape[shape=16:512](%4) : f32[batch,512]`). Parameters and constants have fixed types.
+//!
+//! `NAME` is bare when made of ASCII letters, digits and `_ . - /`, otherwise a double-quoted
+//! string with `\\`, `\"`, `\n`, `\r`, `\t` and `\u{..}` escapes. `VALUES` is `[v, v, ...]`, every
+//! element in row-major order: floats in their shortest round-trip form (`nan`, `inf`, `-inf`
+//! included; f16/bf16 through f32, exactly), integers in decimal, bools as `true`/`false`.
 //!
 //! Types obey the size limits of [`rustytorch_ops::shape`] (rank at most 64, at most 2^40
 //! elements), checked as each type is read, before any value list is counted against it; the
@@ -48,6 +56,7 @@
 //! written as `nan`; the binary [`crate::format`] keeps every bit). [`print_elided`] shortens
 //! tensors with many elements to `[... N values]` for dumps; such text does not parse back.
 
+use crate::dims::DimExpr;
 use crate::{CompileError, Graph, Init, NodeId, Result};
 use rustytorch_ops::text::{format_f64, parse_f64, parse_op};
 use rustytorch_ops::{bf16, f16, with_data, DType, Data, F64Bits, HostTensor, Op, TensorType};
@@ -127,6 +136,9 @@ pub fn print_elided(graph: &Graph, max_values: usize) -> String {
         None => format!("%?{}", id.index()),
     };
     let mut out = String::from("graph {\n");
+    for d in &graph.dims.named {
+        let _ = writeln!(out, "  dim {} = {}", d.name, d.size);
+    }
     for &id in &order {
         out.push_str("  ");
         out.push_str(&node_line(graph, id, &num, max_values));
@@ -169,7 +181,11 @@ fn node_line(
     match &n.op {
         Op::Input { index, .. } => {
             if let Some(d) = graph.inputs.get(*index as usize).filter(|d| d.node == id) {
-                return format!("{head} = input {} : {}", name_text(&d.name), n.ty);
+                return format!(
+                    "{head} = input {} : {}",
+                    name_text(&d.name),
+                    graph.sym_type_text(id)
+                );
             }
         }
         Op::Param { index, .. } => {
@@ -208,7 +224,7 @@ fn node_line(
         let args: Vec<String> = n.inputs.iter().map(|&i| num(i)).collect();
         let _ = write!(s, "({})", args.join(", "));
     }
-    let _ = write!(s, " : {}", n.ty);
+    let _ = write!(s, " : {}", graph.sym_type_text(id));
     if let Some(name) = &n.name {
         let _ = write!(s, " as {}", name_text(name));
     }
@@ -366,6 +382,27 @@ impl Parser {
         }
         let kw = lx.word()?;
         match kw {
+            "dim" => {
+                let name = lx.word()?;
+                lx.punct("=")?;
+                let size = lx.word()?;
+                lx.end()?;
+                let size = size
+                    .parse::<usize>()
+                    .map_err(|_| format!("dim `{name}`: bad size `{size}`"))?;
+                if self.graph.dims.size(name).is_some() {
+                    return Err(format!("dim `{name}` is declared twice"));
+                }
+                if !self.graph.is_empty() {
+                    return Err(format!(
+                        "dim `{name}`: declare named dims before the first node"
+                    ));
+                }
+                self.graph
+                    .declare_dim(name, size)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            }
             "output" => {
                 let name = lx.name()?;
                 lx.punct("=")?;
@@ -396,7 +433,8 @@ impl Parser {
                 Ok(())
             }
             other => Err(format!(
-                "expected a node (`%N = ...`), `output`, `update`, `guard` or `}}`, found `{other}`"
+                "expected a node (`%N = ...`), `dim`, `output`, `update`, `guard` or `}}`, found \
+                 `{other}`"
             )),
         }
     }
@@ -420,9 +458,11 @@ impl Parser {
             "input" => {
                 let name = lx.name()?;
                 lx.punct(":")?;
-                let ty = lx.ty()?;
+                let (dtype, dims) = lx.sym_ty(&self.graph)?;
                 lx.end()?;
-                self.graph.add_input(&name, ty).map_err(|e| e.to_string())?
+                self.graph
+                    .add_input_dims(&name, dtype, &dims)
+                    .map_err(|e| e.to_string())?
             }
             "param" | "state" => {
                 let name = lx.name()?;
@@ -484,7 +524,7 @@ impl Parser {
                     }
                 }
                 lx.punct(":")?;
-                let ty = lx.ty()?;
+                let (dtype, dims) = lx.sym_ty(&self.graph)?;
                 let name = if lx.eat_word("as") {
                     Some(lx.name()?)
                 } else {
@@ -493,11 +533,19 @@ impl Parser {
                 lx.end()?;
                 let id = self.graph.add(op, &args).map_err(|e| e.to_string())?;
                 let inferred = self.graph.ty(id);
+                let ty = TensorType::new(
+                    dtype,
+                    self.graph.eval_dims(&dims).map_err(|e| e.to_string())?,
+                );
                 if *inferred != ty {
                     return Err(format!(
-                        "the type is written {ty} but the op infers {inferred}"
+                        "the type is written {} but the op infers {inferred}",
+                        crate::dims::type_text(dtype, &dims)
                     ));
                 }
+                self.graph
+                    .set_sym_shape(id, dims)
+                    .map_err(|e| e.to_string())?;
                 if let Some(n) = self.graph.node_mut(id) {
                     n.name = name;
                 }
@@ -700,6 +748,41 @@ impl<'a> Lexer<'a> {
     }
 
     /// `dtype[d0,d1,...]`.
+    /// A type whose dims may be expressions of the graph's named dims (`f32[batch,512]`):
+    /// its dtype and dims. The dims at the default sizes obey the size limits.
+    fn sym_ty(&mut self, graph: &Graph) -> PResult<(DType, Vec<DimExpr>)> {
+        let w = self.word()?;
+        let dtype = DType::from_name(w).ok_or_else(|| format!("unknown dtype `{w}`"))?;
+        self.punct("[")?;
+        let mut dims = Vec::new();
+        if !self.eat("]") {
+            loop {
+                let r = self.rest();
+                let n = r
+                    .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '*'))
+                    .unwrap_or(r.len());
+                let d = &r[..n];
+                self.pos += n;
+                let e = DimExpr::parse(d)?;
+                if let Some(u) = e.names().iter().find(|u| graph.dims.size(u).is_none()) {
+                    return Err(format!(
+                        "unknown named dim `{u}` (declare it with `dim {u} = SIZE` first)"
+                    ));
+                }
+                dims.push(e);
+                if self.eat("]") {
+                    break;
+                }
+                self.punct(",")?;
+            }
+        }
+        let shape = graph.eval_dims(&dims).map_err(|e| e.to_string())?;
+        shape
+            .check_limits()
+            .map_err(|e| format!("type {dtype}: {e}"))?;
+        Ok((dtype, dims))
+    }
+
     fn ty(&mut self) -> PResult<TensorType> {
         let w = self.word()?;
         let dtype = DType::from_name(w).ok_or_else(|| format!("unknown dtype `{w}`"))?;

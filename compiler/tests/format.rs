@@ -833,8 +833,8 @@ fn the_golden_file_reads_as_the_graph_of_every_op() {
         .expect("tests/fixtures/every_op.rtg is missing: run with RUSTYTORCH_BLESS=1");
     assert_eq!(
         u32::from_le_bytes(bytes[8..12].try_into().unwrap()),
-        1,
-        "the golden file is format version 1"
+        VERSION,
+        "the golden file is this build's format version"
     );
     let back = from_bytes(&bytes).unwrap_or_else(|e| {
         panic!("the golden file no longer loads ({e}): the op encoding changed")
@@ -864,9 +864,36 @@ fn the_golden_file_reads_as_the_graph_of_every_op() {
 #[test]
 fn the_golden_file_runs_to_its_recorded_values() {
     let graph = load(&fixture(GOLDEN)).unwrap();
+    let got = runs_to_recorded_values(&graph, GOLDEN_VALUES);
+    assert_eq!(got, Op::VARIANT_COUNT);
+}
+
+/// The golden file as version 1 wrote it (frozen: never blessed again), with its values.
+const GOLDEN_V1: &str = "every_op_v1.rtg";
+const GOLDEN_V1_VALUES: &str = "every_op_v1.values.safetensors";
+
+#[test]
+fn a_version_1_file_still_loads_and_runs() {
+    let bytes = std::fs::read(fixture(GOLDEN_V1)).unwrap();
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 1);
+    let graph = from_bytes(&bytes).unwrap();
+    assert!(graph.dims.named.is_empty() && graph.dims.shapes.is_empty());
+    assert!(runs_to_recorded_values(&graph, GOLDEN_V1_VALUES) > 30);
+    // Saved again, it is this build's version and reads back the same.
+    let again = to_bytes(&graph, ParamStorage::Embedded).unwrap();
+    assert_eq!(
+        u32::from_le_bytes(again[8..12].try_into().unwrap()),
+        VERSION
+    );
+    assert_same(&graph, &from_bytes(&again).unwrap());
+}
+
+/// Runs `graph` on the inputs recorded in the fixture `values` and checks its outputs against
+/// the recorded ones; returns how many outputs it checked.
+fn runs_to_recorded_values(graph: &Graph, file: &str) -> usize {
     let values = rustytorch_compiler::format::safetensors_tensors(
-        &std::fs::read(fixture(GOLDEN_VALUES)).unwrap(),
-        GOLDEN_VALUES,
+        &std::fs::read(fixture(file)).unwrap(),
+        file,
     )
     .unwrap();
     let mut inputs = HashMap::new();
@@ -877,13 +904,13 @@ fn the_golden_file_runs_to_its_recorded_values() {
         } else if let Some(n) = name.strip_prefix("output.") {
             want.insert(n.to_string(), t);
         } else {
-            panic!("unexpected tensor `{name}` in {GOLDEN_VALUES}");
+            panic!("unexpected tensor `{name}` in {file}");
         }
     }
     assert_eq!(inputs.len(), graph.inputs.len());
-    let got = run_cpu(&graph, &inputs);
+    let got = run_cpu(graph, &inputs);
     assert_eq!(got.len(), want.len());
-    assert_eq!(got.len(), Op::VARIANT_COUNT);
+    let n = got.len();
     for (name, t) in got {
         let w = &want[&name];
         assert_eq!(t.ty(), w.ty(), "output `{name}`");
@@ -894,6 +921,7 @@ fn the_golden_file_runs_to_its_recorded_values() {
             &format!("output `{name}`"),
         );
     }
+    n
 }
 
 /// A small valid file for the corruption tests.
