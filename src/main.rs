@@ -1,6 +1,6 @@
 //! The `rustytorch` command-line runner: run a graph file on `.npy` inputs, inspect a graph (IR,
-//! parameter count, FLOPs, what each compile pass did), and convert between graph files and IR
-//! text.
+//! parameter count, FLOPs, what each compile pass did), convert between graph files and IR
+//! text, and import ONNX models.
 //!
 //! ```text
 //! rustytorch run model.rtg --input x=x.npy --out results/ --device auto --memory-stats
@@ -10,11 +10,14 @@
 //! rustytorch profile model.rtg --input x=x.npy --runs 20
 //! rustytorch run model.rtg --input x=x.npy --trace run.json
 //! rustytorch convert model.rtg --to text -o model.rtir
+//! rustytorch import model.onnx -o model.rtg --dim batch=8
+//! rustytorch run model.onnx --input x=x.npy
 //! rustytorch embed --model ~/.cache/rustytorch/models/all-MiniLM-L6-v2 "A sentence." --out e.npy
 //! ```
 
 mod cli_observe;
 mod embed;
+mod onnx_cli;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use rustytorch::compiler::{format, passes, text, Graph};
@@ -37,7 +40,7 @@ enum Command {
     /// Compiles a graph for inference and runs it on `.npy` inputs; writes each output as
     /// `<out>/<name>.npy` (names that sanitize to the same file get `_1`, `_2`, ... suffixes).
     Run {
-        /// The graph: a graph file (`.rtg`) or IR text (`.txt`, `.rtir`).
+        /// The graph: a graph file (`.rtg`), IR text (`.txt`, `.rtir`) or an ONNX model (`.onnx`).
         graph: PathBuf,
         /// An input as NAME=FILE.npy (repeat for each graph input).
         #[arg(short, long = "input", value_name = "NAME=FILE.npy")]
@@ -67,7 +70,7 @@ enum Command {
     /// Prints the IR text, the parameter count, a FLOP estimate and where `run --device` would
     /// place the graph.
     Inspect {
-        /// The graph: a graph file (`.rtg`) or IR text (`.txt`, `.rtir`).
+        /// The graph: a graph file (`.rtg`), IR text (`.txt`, `.rtir`) or an ONNX model (`.onnx`).
         graph: PathBuf,
         /// Also print the IR after each compile pass, pass timings and the memory plan.
         #[arg(long)]
@@ -84,9 +87,12 @@ enum Command {
     /// Sentence embeddings from a sentence-transformers BERT model folder, as JSON
     /// (`{"model":..., "dim":..., "embeddings":[[...], ...]}`) on stdout or in `--out`.
     Embed(embed::EmbedArgs),
+    /// Imports an ONNX model (`.onnx`) as a graph file. `run`, `inspect`, `profile` and
+    /// `convert` also take `.onnx` files directly, importing them on the fly.
+    Import(onnx_cli::ImportArgs),
     /// Converts between a graph file and IR text.
     Convert {
-        /// The graph: a graph file (`.rtg`) or IR text (`.txt`, `.rtir`).
+        /// The graph: a graph file (`.rtg`), IR text (`.txt`, `.rtir`) or an ONNX model (`.onnx`).
         graph: PathBuf,
         /// The target format.
         #[arg(long, value_enum)]
@@ -152,6 +158,7 @@ fn main() -> ExitCode {
         Command::Profile(args) => cli_observe::run_profile(args),
         Command::Convert { graph, to, output } => convert(&graph, to, output),
         Command::Embed(args) => embed::run(args).map_err(Failure),
+        Command::Import(args) => onnx_cli::run_import(args),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -170,9 +177,11 @@ fn is_text(path: &Path) -> bool {
     )
 }
 
-/// Loads a graph file or IR text.
+/// Loads a graph file, IR text or an ONNX model.
 fn load_graph(path: &Path) -> Res<Graph> {
-    if is_text(path) {
+    if onnx_cli::is_onnx(path) {
+        onnx_cli::import_default(path)
+    } else if is_text(path) {
         let src = std::fs::read_to_string(path)
             .map_err(|e| Failure(format!("{}: {e}", path.display())))?;
         text::parse(&src).map_err(|e| Failure(format!("{}: {e}", path.display())))
@@ -387,7 +396,11 @@ fn run(
     trace: Option<&Path>,
 ) -> Res<()> {
     let device = parse_device(device)?;
-    let graph = load_graph(graph_path)?;
+    let graph = if onnx_cli::is_onnx(graph_path) {
+        onnx_cli::import_for_run(graph_path, args)?
+    } else {
+        load_graph(graph_path)?
+    };
     if graph.outputs.is_empty() {
         return fail(format!(
             "{}: the graph declares no outputs; nothing to run",

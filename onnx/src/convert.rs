@@ -1,0 +1,1984 @@
+//! ONNX nodes as RustyTorch ops. Values known at import (constants, integer initializers, shapes
+//! of statically shaped tensors and everything computed from them) are folded on the host with
+//! the ops' CPU kernels, so shape subgraphs (`Shape`, `Gather` of a shape, `Concat`, `Range`,
+//! `ConstantOfShape` ...) leave only their result in the graph.
+
+use crate::error::{model_err, ImportError, Result};
+use crate::proto::{attribute_proto::AttributeType, AttributeProto, ModelProto, NodeProto};
+use crate::tensor::{dtype_from_onnx, tensor_from_proto};
+use crate::ImportOptions;
+use rustytorch_compiler::{Graph, Init, NodeId};
+use rustytorch_ops::{
+    eval_cpu, ArgKind, BinaryOp, ConvGeom, DType, Data, F64Bits, HostTensor, Op, PoolKind,
+    ReduceKind, Shape, TensorType, UnaryOp,
+};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::path::Path;
+use std::rc::Rc;
+
+/// The oldest default-domain opset accepted. Opset 13 onwards is the supported range; older
+/// models import where their ops' older forms (attributes that later became inputs, Softmax's
+/// 2-D coercion) are handled, which the unknown-attribute check keeps honest.
+pub const OPSET_MIN: i64 = 7;
+/// The newest default-domain opset accepted.
+pub const OPSET_MAX: i64 = 24;
+
+/// A value during import: known on the host (folded), or a node of the graph.
+#[derive(Clone, Debug)]
+enum Val {
+    Known(Rc<HostTensor>),
+    Node(NodeId),
+}
+
+fn known(t: HostTensor) -> Val {
+    Val::Known(Rc::new(t))
+}
+
+/// An error of the node being converted (the caller adds the node's name and op type).
+fn why<T>(msg: impl Into<String>) -> Result<T> {
+    Err(ImportError::Model(msg.into()))
+}
+
+/// The integers of a known integer tensor.
+fn ints_of(t: &HostTensor) -> Result<Vec<i64>> {
+    Ok(match t.data() {
+        Data::I64(v) => v.clone(),
+        Data::I32(v) => v.iter().map(|&x| x as i64).collect(),
+        Data::U8(v) => v.iter().map(|&x| x as i64).collect(),
+        other => return why(format!("expected integers, got {}", other.dtype())),
+    })
+}
+
+/// `axis` (possibly negative) as an index into `rank` dims.
+fn norm_axis(axis: i64, rank: usize) -> Result<usize> {
+    let r = rank as i64;
+    if axis < -r || axis >= r.max(1) {
+        return why(format!("axis {axis} is out of range for rank {rank}"));
+    }
+    Ok(if axis < 0 { axis + r } else { axis } as usize)
+}
+
+/// Sorted, unique, non-negative axes.
+fn norm_axes(axes: &[i64], rank: usize) -> Result<Vec<usize>> {
+    let mut out = axes
+        .iter()
+        .map(|&a| norm_axis(a, rank))
+        .collect::<Result<Vec<_>>>()?;
+    out.sort_unstable();
+    out.dedup();
+    Ok(out)
+}
+
+/// A node's attributes, recording which were read: one left unread is an attribute the
+/// importer does not understand, and an error.
+struct Attrs<'a> {
+    list: &'a [AttributeProto],
+    used: RefCell<Vec<bool>>,
+}
+
+impl<'a> Attrs<'a> {
+    fn new(list: &'a [AttributeProto]) -> Attrs<'a> {
+        Attrs {
+            list,
+            used: RefCell::new(vec![false; list.len()]),
+        }
+    }
+
+    fn find(&self, name: &str, ty: AttributeType) -> Result<Option<&'a AttributeProto>> {
+        let Some(k) = self.list.iter().position(|a| a.name() == name) else {
+            return Ok(None);
+        };
+        self.used.borrow_mut()[k] = true;
+        let a = &self.list[k];
+        if a.r#type.is_some() && a.r#type() != ty {
+            return why(format!(
+                "attribute `{name}` is {:?}, expected {:?}",
+                a.r#type(),
+                ty
+            ));
+        }
+        Ok(Some(a))
+    }
+
+    fn int_opt(&self, name: &str) -> Result<Option<i64>> {
+        Ok(self.find(name, AttributeType::Int)?.map(|a| a.i()))
+    }
+
+    fn int(&self, name: &str, default: i64) -> Result<i64> {
+        Ok(self.int_opt(name)?.unwrap_or(default))
+    }
+
+    fn ints(&self, name: &str) -> Result<Option<Vec<i64>>> {
+        Ok(self
+            .find(name, AttributeType::Ints)?
+            .map(|a| a.ints.clone()))
+    }
+
+    fn float(&self, name: &str, default: f32) -> Result<f32> {
+        Ok(self
+            .find(name, AttributeType::Float)?
+            .map_or(default, |a| a.f()))
+    }
+
+    fn floats(&self, name: &str) -> Result<Option<Vec<f32>>> {
+        Ok(self
+            .find(name, AttributeType::Floats)?
+            .map(|a| a.floats.clone()))
+    }
+
+    fn string(&self, name: &str, default: &str) -> Result<String> {
+        Ok(self
+            .find(name, AttributeType::String)?
+            .map_or(default.to_string(), |a| {
+                String::from_utf8_lossy(a.s()).into_owned()
+            }))
+    }
+
+    fn tensor(&self, name: &str) -> Result<Option<&'a crate::proto::TensorProto>> {
+        Ok(self
+            .find(name, AttributeType::Tensor)?
+            .and_then(|a| a.t.as_ref()))
+    }
+
+    /// The first attribute that was never read.
+    fn unread(&self) -> Option<&'a str> {
+        let used = self.used.borrow();
+        self.list
+            .iter()
+            .zip(used.iter())
+            .find(|(_, &u)| !u)
+            .map(|(a, _)| a.name())
+    }
+}
+
+/// The node being converted: its attributes and input names (`None` for an omitted optional
+/// input).
+struct Ctx<'a> {
+    attrs: Attrs<'a>,
+    inputs: Vec<Option<&'a str>>,
+    n_outputs: usize,
+}
+
+/// Every op type the importer converts (default domain).
+pub fn supported_ops() -> &'static [&'static str] {
+    &[
+        "Abs",
+        "Add",
+        "And",
+        "ArgMax",
+        "ArgMin",
+        "AveragePool",
+        "BatchNormalization",
+        "Cast",
+        "CastLike",
+        "Ceil",
+        "Celu",
+        "Clip",
+        "Concat",
+        "Constant",
+        "ConstantOfShape",
+        "Conv",
+        "Cos",
+        "Div",
+        "Dropout",
+        "Elu",
+        "Equal",
+        "Exp",
+        "Expand",
+        "Flatten",
+        "Floor",
+        "Gather",
+        "GatherElements",
+        "Gelu",
+        "Gemm",
+        "GlobalAveragePool",
+        "GlobalMaxPool",
+        "Greater",
+        "GreaterOrEqual",
+        "HardSigmoid",
+        "HardSwish",
+        "Identity",
+        "InstanceNormalization",
+        "IsInf",
+        "IsNaN",
+        "LayerNormalization",
+        "LeakyRelu",
+        "Less",
+        "LessOrEqual",
+        "Log",
+        "LogSoftmax",
+        "MatMul",
+        "Max",
+        "MaxPool",
+        "Mean",
+        "Min",
+        "Mish",
+        "Mul",
+        "Neg",
+        "Not",
+        "Or",
+        "Pad",
+        "Pow",
+        "PRelu",
+        "Range",
+        "Reciprocal",
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceLogSum",
+        "ReduceLogSumExp",
+        "ReduceMax",
+        "ReduceMean",
+        "ReduceMin",
+        "ReduceProd",
+        "ReduceSum",
+        "ReduceSumSquare",
+        "Relu",
+        "Reshape",
+        "Round",
+        "Selu",
+        "Shape",
+        "Sigmoid",
+        "Sign",
+        "Sin",
+        "Size",
+        "Slice",
+        "Softmax",
+        "Softplus",
+        "Softsign",
+        "Split",
+        "Sqrt",
+        "Squeeze",
+        "Sub",
+        "Sum",
+        "Tan",
+        "Tanh",
+        "ThresholdedRelu",
+        "Tile",
+        "Transpose",
+        "Unsqueeze",
+        "Where",
+        "Xor",
+    ]
+}
+
+/// Imports a decoded model.
+pub(crate) fn import_model(
+    model: &ModelProto,
+    base_dir: Option<&Path>,
+    opts: &ImportOptions,
+) -> Result<Graph> {
+    let mut opset = None;
+    for o in &model.opset_import {
+        if matches!(o.domain(), "" | "ai.onnx") {
+            opset = Some(o.version());
+        }
+    }
+    let Some(opset) = opset else {
+        return model_err("the model imports no default-domain (ai.onnx) opset");
+    };
+    if !(OPSET_MIN..=OPSET_MAX).contains(&opset) {
+        return model_err(format!(
+            "opset {opset} is not supported (ai.onnx opsets {OPSET_MIN} to {OPSET_MAX}; 13 and later are the supported range)"
+        ));
+    }
+    let Some(graph) = &model.graph else {
+        return model_err("the model has no graph");
+    };
+    let mut im = Importer {
+        g: Graph::new(),
+        vals: HashMap::new(),
+        pending: HashMap::new(),
+        opset,
+        bound: HashMap::new(),
+    };
+    for init in &graph.initializer {
+        let t = tensor_from_proto(init, base_dir)?;
+        let name = init.name().to_string();
+        if name.is_empty() {
+            return model_err("an initializer has no name");
+        }
+        // Float tensors are the model's weights: parameters. Integer and bool initializers (shapes,
+        // indices, axes) and scalars stay constants, so that what depends on them folds.
+        if t.dtype().is_float() && t.numel() > 1 {
+            im.pending.insert(name, t);
+        } else {
+            im.vals.insert(name, known(t));
+        }
+    }
+    if !graph.sparse_initializer.is_empty() {
+        return model_err("sparse initializers are not supported");
+    }
+    for input in &graph.input {
+        let name = input.name();
+        if im.vals.contains_key(name) || im.pending.contains_key(name) {
+            continue; // an initializer listed as an input (older IR versions)
+        }
+        let ty = input_type(input, opts)?;
+        if let Some(v) = opts.input_values.get(name) {
+            if v.ty() != ty {
+                return model_err(format!(
+                    "input `{name}`: the value given for import is {}, the model declares {ty}",
+                    v.ty()
+                ));
+            }
+            im.bound.insert(name.to_string(), v.clone());
+        }
+        let id = im.g.add_input(name, ty)?;
+        im.vals.insert(name.to_string(), Val::Node(id));
+    }
+    for node in &graph.node {
+        im.convert(node)?;
+    }
+    for out in &graph.output {
+        let name = out.name();
+        let v = im.value(name).map_err(|_| {
+            ImportError::Model(format!("output `{name}` is not computed by the graph"))
+        })?;
+        let id = im.node(&v)?;
+        im.g.add_output(name, id)?;
+    }
+    im.g.remove_dead();
+    Ok(im.g)
+}
+
+/// The type of a graph input, symbolic dims taken from the options.
+fn input_type(input: &crate::proto::ValueInfoProto, opts: &ImportOptions) -> Result<TensorType> {
+    use crate::proto::tensor_shape_proto::dimension::Value as Dim;
+    use crate::proto::type_proto::Value as Ty;
+    let name = input.name();
+    let Some(Ty::TensorType(tt)) = input.r#type.as_ref().and_then(|t| t.value.as_ref()) else {
+        return model_err(format!(
+            "input `{name}`: only tensor inputs are supported (not sequences, maps or optionals)"
+        ));
+    };
+    let dtype = dtype_from_onnx(tt.elem_type())
+        .map_err(|e| ImportError::Model(format!("input `{name}`: {e}")))?;
+    let Some(shape) = &tt.shape else {
+        return model_err(format!("input `{name}`: the model does not give its shape"));
+    };
+    let mut dims = Vec::with_capacity(shape.dim.len());
+    for (k, d) in shape.dim.iter().enumerate() {
+        let n = match &d.value {
+            Some(Dim::DimValue(v)) if *v >= 0 => *v as usize,
+            Some(Dim::DimValue(v)) => {
+                return model_err(format!("input `{name}`: dimension {k} is {v}"))
+            }
+            Some(Dim::DimParam(p)) => match opts.dims.get(p).copied().or(opts.default_dim) {
+                Some(n) => n,
+                None => {
+                    return model_err(format!(
+                        "input `{name}`: dimension {k} is symbolic (`{p}`); give its size with --dim {p}=N"
+                    ))
+                }
+            },
+            None => {
+                return model_err(format!(
+                    "input `{name}`: dimension {k} has no size or name; give the input a concrete shape"
+                ))
+            }
+        };
+        dims.push(n);
+    }
+    let ty = TensorType::new(dtype, dims);
+    ty.shape
+        .check_limits()
+        .map_err(|e| ImportError::Model(format!("input `{name}`: {e}")))?;
+    Ok(ty)
+}
+
+struct Importer {
+    g: Graph,
+    /// Values by name.
+    vals: HashMap<String, Val>,
+    /// Float initializers not yet used by a graph node (they become parameters when they are).
+    pending: HashMap<String, HostTensor>,
+    opset: i64,
+    /// Graph inputs' values known at import ([`ImportOptions::input_values`]).
+    bound: HashMap<String, HostTensor>,
+}
+
+impl Importer {
+    fn convert(&mut self, node: &NodeProto) -> Result<()> {
+        let op_type = node.op_type();
+        let label = || {
+            if !node.name().is_empty() {
+                node.name().to_string()
+            } else {
+                node.output.first().cloned().unwrap_or_default()
+            }
+        };
+        let node_err = |reason: String| ImportError::Node {
+            node: label(),
+            op_type: if matches!(node.domain(), "" | "ai.onnx") {
+                op_type.to_string()
+            } else {
+                format!("{}:{op_type}", node.domain())
+            },
+            reason,
+        };
+        if !matches!(node.domain(), "" | "ai.onnx") {
+            return Err(node_err(format!(
+                "the `{}` domain is not supported (only ai.onnx ops)",
+                node.domain()
+            )));
+        }
+        let cx = Ctx {
+            attrs: Attrs::new(&node.attribute),
+            inputs: node
+                .input
+                .iter()
+                .map(|s| (!s.is_empty()).then_some(s.as_str()))
+                .collect(),
+            n_outputs: node.output.len(),
+        };
+        let outs = self.op(op_type, &cx).map_err(|e| match e {
+            ImportError::Node { .. } => e,
+            other => node_err(other.to_string()),
+        })?;
+        if let Some(a) = cx.attrs.unread() {
+            return Err(node_err(format!("attribute `{a}` is not supported")));
+        }
+        for (k, name) in node.output.iter().enumerate() {
+            if name.is_empty() {
+                continue;
+            }
+            let Some(v) = outs.get(k) else {
+                return Err(node_err(format!(
+                    "output {k} (`{name}`) is not supported; only the first {} output{} can be imported",
+                    outs.len(),
+                    if outs.len() == 1 { "" } else { "s" }
+                )));
+            };
+            self.vals.insert(name.clone(), v.clone());
+        }
+        Ok(())
+    }
+
+    // ---- values ----
+
+    /// The value named `name`, turning a float initializer into a parameter on first use.
+    fn value(&mut self, name: &str) -> Result<Val> {
+        if let Some(v) = self.vals.get(name) {
+            return Ok(v.clone());
+        }
+        if let Some(t) = self.pending.remove(name) {
+            let id = self.g.add_param(name, t.ty(), Init::Data, true)?;
+            let p = self.g.params.len() - 1;
+            self.g.params[p].data = Some(t);
+            self.vals.insert(name.to_string(), Val::Node(id));
+            return Ok(Val::Node(id));
+        }
+        why(format!(
+            "`{name}` is not a graph input, an initializer or an earlier node's output"
+        ))
+    }
+
+    /// Input `k` (required).
+    fn input(&mut self, cx: &Ctx, k: usize) -> Result<Val> {
+        match cx.inputs.get(k).copied().flatten() {
+            Some(name) => self.value(name),
+            None => why(format!("input {k} is required")),
+        }
+    }
+
+    /// Input `k`, or `None` when omitted.
+    fn opt_input(&mut self, cx: &Ctx, k: usize) -> Result<Option<Val>> {
+        match cx.inputs.get(k).copied().flatten() {
+            Some(name) => self.value(name).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// The value of input `k` when it is known at import (a constant, an initializer, or
+    /// computed from them); `None` when omitted; an error when it is computed at run time.
+    fn static_input(&self, cx: &Ctx, k: usize, what: &str) -> Result<Option<HostTensor>> {
+        let Some(name) = cx.inputs.get(k).copied().flatten() else {
+            return Ok(None);
+        };
+        if let Some(t) = self.pending.get(name).or_else(|| self.bound.get(name)) {
+            return Ok(Some(t.clone()));
+        }
+        match self.vals.get(name) {
+            Some(Val::Known(t)) => Ok(Some((**t).clone())),
+            Some(Val::Node(_)) => why(format!(
+                "input {k} ({what}) must be known at import (a constant, computed from shapes, or a graph input whose value is given at import), but `{name}` is computed at run time"
+            )),
+            None => why(format!("`{name}` is not defined before this node")),
+        }
+    }
+
+    /// The integers of input `k` when it is known at import.
+    fn static_ints(&self, cx: &Ctx, k: usize, what: &str) -> Result<Option<Vec<i64>>> {
+        self.static_input(cx, k, what)?
+            .map(|t| ints_of(&t))
+            .transpose()
+    }
+
+    fn ty(&self, v: &Val) -> TensorType {
+        match v {
+            Val::Known(t) => t.ty(),
+            Val::Node(id) => self.g.ty(*id).clone(),
+        }
+    }
+
+    fn dims(&self, v: &Val) -> Vec<usize> {
+        self.ty(v).shape.dims().to_vec()
+    }
+
+    fn dtype(&self, v: &Val) -> DType {
+        self.ty(v).dtype
+    }
+
+    /// The graph node of a value: a known value becomes a `Full` when all its elements are equal,
+    /// otherwise a constant.
+    fn node(&mut self, v: &Val) -> Result<NodeId> {
+        match v {
+            Val::Node(id) => Ok(*id),
+            Val::Known(t) => {
+                let vals = t.to_f64_vec();
+                let uniform = vals
+                    .first()
+                    .is_some_and(|&f| vals.iter().all(|&x| x.to_bits() == f.to_bits()));
+                if uniform && t.dtype() != DType::F64 && t.dtype() != DType::I64 || vals.len() == 1
+                {
+                    Ok(self.g.add(
+                        Op::Full {
+                            value: F64Bits::new(vals[0]),
+                            ty: t.ty(),
+                        },
+                        &[],
+                    )?)
+                } else {
+                    Ok(self.g.add_constant((**t).clone()))
+                }
+            }
+        }
+    }
+
+    /// Applies `op`: folded on the host when every operand is known, else a graph node.
+    fn emit(&mut self, op: Op, ins: &[&Val]) -> Result<Val> {
+        if ins.iter().all(|v| matches!(v, Val::Known(_))) && !ins.is_empty() {
+            let ts: Vec<&HostTensor> = ins
+                .iter()
+                .map(|v| match v {
+                    Val::Known(t) => &**t,
+                    Val::Node(_) => unreachable!("checked above"),
+                })
+                .collect();
+            return Ok(known(eval_cpu(&op, &ts)?));
+        }
+        let mut ids = Vec::with_capacity(ins.len());
+        for v in ins {
+            ids.push(self.node(v)?);
+        }
+        Ok(Val::Node(self.g.add(op, &ids)?))
+    }
+
+    fn scalar(&self, v: f64, dtype: DType) -> Val {
+        known(HostTensor::full(
+            &TensorType::new(dtype, Shape::scalar()),
+            v,
+        ))
+    }
+
+    fn un(&mut self, u: UnaryOp, x: &Val) -> Result<Val> {
+        self.emit(Op::Unary(u), &[x])
+    }
+
+    fn bin(&mut self, b: BinaryOp, x: &Val, y: &Val) -> Result<Val> {
+        self.emit(Op::Binary(b), &[x, y])
+    }
+
+    /// `x op s` with a scalar of x's dtype.
+    fn bin_s(&mut self, b: BinaryOp, x: &Val, s: f64) -> Result<Val> {
+        let c = self.scalar(s, self.dtype(x));
+        self.bin(b, x, &c)
+    }
+
+    /// `s op x` with a scalar of x's dtype.
+    fn s_bin(&mut self, b: BinaryOp, s: f64, x: &Val) -> Result<Val> {
+        let c = self.scalar(s, self.dtype(x));
+        self.bin(b, &c, x)
+    }
+
+    fn cast(&mut self, x: &Val, to: DType) -> Result<Val> {
+        if self.dtype(x) == to {
+            return Ok(x.clone());
+        }
+        self.emit(Op::Cast { to }, &[x])
+    }
+
+    fn reshape(&mut self, x: &Val, dims: Vec<usize>) -> Result<Val> {
+        if self.dims(x) == dims {
+            return Ok(x.clone());
+        }
+        self.emit(
+            Op::Reshape {
+                shape: Shape::new(dims),
+            },
+            &[x],
+        )
+    }
+
+    fn permute(&mut self, x: &Val, perm: Vec<usize>) -> Result<Val> {
+        if perm.iter().enumerate().all(|(i, &p)| i == p) {
+            return Ok(x.clone());
+        }
+        self.emit(Op::Permute { perm }, &[x])
+    }
+
+    fn expand(&mut self, x: &Val, dims: Vec<usize>) -> Result<Val> {
+        if self.dims(x) == dims {
+            return Ok(x.clone());
+        }
+        self.emit(
+            Op::Expand {
+                shape: Shape::new(dims),
+            },
+            &[x],
+        )
+    }
+
+    fn reduce(&mut self, kind: ReduceKind, x: &Val, axes: Vec<usize>, keep: bool) -> Result<Val> {
+        if axes.is_empty() {
+            return Ok(x.clone());
+        }
+        self.emit(
+            Op::Reduce {
+                kind,
+                axes,
+                keep_dims: keep,
+            },
+            &[x],
+        )
+    }
+
+    /// `x[..., start..end:step, ...]` along one axis (step >= 1).
+    fn slice_axis(
+        &mut self,
+        x: &Val,
+        axis: usize,
+        start: usize,
+        end: usize,
+        step: usize,
+    ) -> Result<Val> {
+        let d = self.dims(x);
+        if start == 0 && end == d[axis] && step == 1 {
+            return Ok(x.clone());
+        }
+        let mut starts = vec![0; d.len()];
+        let mut ends = d.clone();
+        let mut steps = vec![1; d.len()];
+        starts[axis] = start;
+        ends[axis] = end;
+        steps[axis] = step;
+        self.emit(
+            Op::Slice {
+                starts,
+                ends,
+                steps,
+            },
+            &[x],
+        )
+    }
+
+    /// Rows `index` of x along `axis` (indices known at import).
+    fn select(&mut self, x: &Val, axis: usize, index: Vec<i64>) -> Result<Val> {
+        let n = index.len();
+        let idx = known(HostTensor::from_vec(index, [n])?);
+        self.emit(Op::IndexSelect { axis }, &[x, &idx])
+    }
+
+    /// Indices made non-negative: `i < 0 ? i + n : i`.
+    fn wrap_index(&mut self, idx: &Val, n: usize) -> Result<Val> {
+        let zero = self.scalar(0.0, self.dtype(idx));
+        let neg = self.bin(BinaryOp::Lt, idx, &zero)?;
+        let shifted = self.bin_s(BinaryOp::Add, idx, n as f64)?;
+        self.emit(Op::Where, &[&neg, &shifted, idx])
+    }
+
+    /// Constant padding of x by `(before, after)` per dim.
+    fn pad_const(&mut self, x: &Val, pads: Vec<(usize, usize)>, value: f64) -> Result<Val> {
+        if pads.iter().all(|&(a, b)| a == 0 && b == 0) {
+            return Ok(x.clone());
+        }
+        self.emit(
+            Op::Pad {
+                pads,
+                value: F64Bits::new(value),
+            },
+            &[x],
+        )
+    }
+
+    // ---- ops ----
+
+    fn op(&mut self, op_type: &str, cx: &Ctx) -> Result<Vec<Val>> {
+        let a = &cx.attrs;
+        let one = |v: Val| Ok(vec![v]);
+        match op_type {
+            // ---- elementwise ----
+            "Add" | "Sub" | "Mul" | "Div" | "Pow" | "Equal" | "Less" | "LessOrEqual"
+            | "Greater" | "GreaterOrEqual" | "And" | "Or" | "Xor" => {
+                let x = self.input(cx, 0)?;
+                let mut y = self.input(cx, 1)?;
+                if op_type == "Pow" {
+                    y = self.cast(&y, self.dtype(&x))?;
+                }
+                let b = match op_type {
+                    "Add" => BinaryOp::Add,
+                    "Sub" => BinaryOp::Sub,
+                    "Mul" => BinaryOp::Mul,
+                    "Div" => BinaryOp::Div,
+                    "Pow" => BinaryOp::Pow,
+                    "Equal" => BinaryOp::Eq,
+                    "Less" => BinaryOp::Lt,
+                    "LessOrEqual" => BinaryOp::Le,
+                    "Greater" => BinaryOp::Gt,
+                    "GreaterOrEqual" => BinaryOp::Ge,
+                    "And" => BinaryOp::And,
+                    "Or" => BinaryOp::Or,
+                    _ => BinaryOp::Ne, // Xor of bools
+                };
+                if op_type == "Xor" && self.dtype(&x) != DType::Bool {
+                    return why("Xor needs bool operands");
+                }
+                one(self.bin(b, &x, &y)?)
+            }
+            "Max" | "Min" | "Sum" | "Mean" => {
+                let b = match op_type {
+                    "Max" => BinaryOp::Maximum,
+                    "Min" => BinaryOp::Minimum,
+                    _ => BinaryOp::Add,
+                };
+                let n = cx.inputs.len();
+                let mut acc = self.input(cx, 0)?;
+                for k in 1..n {
+                    let y = self.input(cx, k)?;
+                    acc = self.bin(b, &acc, &y)?;
+                }
+                if op_type == "Mean" && n > 1 {
+                    acc = self.bin_s(BinaryOp::Div, &acc, n as f64)?;
+                }
+                one(acc)
+            }
+            "Neg" | "Abs" | "Exp" | "Log" | "Sqrt" | "Reciprocal" | "Sin" | "Cos" | "Tanh"
+            | "Sigmoid" | "Relu" | "Sign" | "Floor" | "Ceil" | "Round" | "Not" | "IsNaN" => {
+                let u = match op_type {
+                    "Neg" => UnaryOp::Neg,
+                    "Abs" => UnaryOp::Abs,
+                    "Exp" => UnaryOp::Exp,
+                    "Log" => UnaryOp::Log,
+                    "Sqrt" => UnaryOp::Sqrt,
+                    "Reciprocal" => UnaryOp::Reciprocal,
+                    "Sin" => UnaryOp::Sin,
+                    "Cos" => UnaryOp::Cos,
+                    "Tanh" => UnaryOp::Tanh,
+                    "Sigmoid" => UnaryOp::Sigmoid,
+                    "Relu" => UnaryOp::Relu,
+                    "Sign" => UnaryOp::Sign,
+                    "Floor" => UnaryOp::Floor,
+                    "Ceil" => UnaryOp::Ceil,
+                    "Round" => UnaryOp::Round,
+                    "Not" => UnaryOp::Not,
+                    _ => UnaryOp::IsNan,
+                };
+                let x = self.input(cx, 0)?;
+                one(self.un(u, &x)?)
+            }
+            "Tan" => {
+                let x = self.input(cx, 0)?;
+                let s = self.un(UnaryOp::Sin, &x)?;
+                let c = self.un(UnaryOp::Cos, &x)?;
+                one(self.bin(BinaryOp::Div, &s, &c)?)
+            }
+            "Asin" | "Acos" | "Atan" => why(format!(
+                "{op_type} has no RustyTorch op (inverse trigonometric functions are not supported)"
+            )),
+            "IsInf" => {
+                let pos = a.int("detect_positive", 1)? != 0;
+                let neg = a.int("detect_negative", 1)? != 0;
+                let x = self.input(cx, 0)?;
+                let inf = self.un(UnaryOp::IsInf, &x)?;
+                let r = match (pos, neg) {
+                    (true, true) => inf,
+                    (false, false) => {
+                        let f = self.scalar(0.0, DType::Bool);
+                        self.bin(BinaryOp::And, &inf, &f)?
+                    }
+                    (p, _) => {
+                        let sign = self.bin_s(if p { BinaryOp::Gt } else { BinaryOp::Lt }, &x, 0.0)?;
+                        self.bin(BinaryOp::And, &inf, &sign)?
+                    }
+                };
+                one(r)
+            }
+            "Identity" => one(self.input(cx, 0)?),
+            "Dropout" => {
+                let _ = a.float("ratio", 0.5)?;
+                let _ = a.int("seed", 0)?;
+                if let Some(t) = self.static_input(cx, 2, "training_mode")? {
+                    if t.to_f64_vec().first().copied().unwrap_or(0.0) != 0.0 {
+                        return why("training mode is not supported (inference only)");
+                    }
+                } else if cx.inputs.get(2).copied().flatten().is_some() {
+                    return why("training_mode must be known at import");
+                }
+                let x = self.input(cx, 0)?;
+                let mask = known(HostTensor::full(
+                    &TensorType::new(DType::Bool, self.dims(&x)),
+                    1.0,
+                ));
+                Ok(vec![x, mask])
+            }
+            "Cast" => {
+                let to = a
+                    .int_opt("to")?
+                    .ok_or_else(|| ImportError::Model("attribute `to` is required".into()))?;
+                let _ = a.int("saturate", 1)?;
+                let _ = a.string("round_mode", "up")?;
+                let to = dtype_from_onnx(to as i32).map_err(ImportError::Model)?;
+                let x = self.input(cx, 0)?;
+                one(self.cast(&x, to)?)
+            }
+            "CastLike" => {
+                let _ = a.int("saturate", 1)?;
+                let _ = a.string("round_mode", "up")?;
+                let x = self.input(cx, 0)?;
+                let t = self.input(cx, 1)?;
+                let to = self.dtype(&t);
+                one(self.cast(&x, to)?)
+            }
+            "Where" => {
+                let c = self.input(cx, 0)?;
+                let x = self.input(cx, 1)?;
+                let y = self.input(cx, 2)?;
+                one(self.emit(Op::Where, &[&c, &x, &y])?)
+            }
+            "Clip" => {
+                let mut x = self.input(cx, 0)?;
+                let (lo, hi) = if self.opset < 11 {
+                    let lo = a.float("min", f32::MIN)? as f64;
+                    let hi = a.float("max", f32::MAX)? as f64;
+                    (Some(self.scalar(lo, self.dtype(&x))), Some(self.scalar(hi, self.dtype(&x))))
+                } else {
+                    (self.opt_input(cx, 1)?, self.opt_input(cx, 2)?)
+                };
+                if let Some(lo) = lo {
+                    x = self.bin(BinaryOp::Maximum, &x, &lo)?;
+                }
+                if let Some(hi) = hi {
+                    x = self.bin(BinaryOp::Minimum, &x, &hi)?;
+                }
+                one(x)
+            }
+            "LeakyRelu" => {
+                let alpha = a.float("alpha", 0.01)? as f64;
+                let x = self.input(cx, 0)?;
+                let neg = self.bin_s(BinaryOp::Lt, &x, 0.0)?;
+                let ax = self.bin_s(BinaryOp::Mul, &x, alpha)?;
+                one(self.emit(Op::Where, &[&neg, &ax, &x])?)
+            }
+            "PRelu" => {
+                let x = self.input(cx, 0)?;
+                let slope = self.input(cx, 1)?;
+                let neg = self.bin_s(BinaryOp::Lt, &x, 0.0)?;
+                let ax = self.bin(BinaryOp::Mul, &x, &slope)?;
+                let r = self.emit(Op::Where, &[&neg, &ax, &x])?;
+                one(r)
+            }
+            "ThresholdedRelu" => {
+                let alpha = a.float("alpha", 1.0)? as f64;
+                let x = self.input(cx, 0)?;
+                let keep = self.bin_s(BinaryOp::Gt, &x, alpha)?;
+                let z = self.scalar(0.0, self.dtype(&x));
+                one(self.emit(Op::Where, &[&keep, &x, &z])?)
+            }
+            "Elu" | "Celu" | "Selu" => {
+                let x = self.input(cx, 0)?;
+                let (alpha, gamma) = match op_type {
+                    "Elu" => (a.float("alpha", 1.0)? as f64, 1.0),
+                    "Celu" => (a.float("alpha", 1.0)? as f64, 1.0),
+                    _ => (
+                        a.float("alpha", 1.673_263_2)? as f64,
+                        a.float("gamma", 1.050_701)? as f64,
+                    ),
+                };
+                // Elu: x > 0 ? x : α(eˣ − 1); Celu: α(e^{x/α} − 1); Selu: γ·Elu_α.
+                let e_in = if op_type == "Celu" {
+                    self.bin_s(BinaryOp::Div, &x, alpha)?
+                } else {
+                    x.clone()
+                };
+                let e = self.un(UnaryOp::Exp, &e_in)?;
+                let em1 = self.bin_s(BinaryOp::Sub, &e, 1.0)?;
+                let neg = self.bin_s(BinaryOp::Mul, &em1, alpha)?;
+                let pos = self.bin_s(BinaryOp::Gt, &x, 0.0)?;
+                let mut r = self.emit(Op::Where, &[&pos, &x, &neg])?;
+                if op_type == "Selu" {
+                    r = self.bin_s(BinaryOp::Mul, &r, gamma)?;
+                }
+                one(r)
+            }
+            "HardSigmoid" | "HardSwish" => {
+                let (alpha, beta) = if op_type == "HardSigmoid" {
+                    (a.float("alpha", 0.2)? as f64, a.float("beta", 0.5)? as f64)
+                } else {
+                    (1.0 / 6.0, 0.5)
+                };
+                let x = self.input(cx, 0)?;
+                let t = self.bin_s(BinaryOp::Mul, &x, alpha)?;
+                let t = self.bin_s(BinaryOp::Add, &t, beta)?;
+                let t = self.bin_s(BinaryOp::Maximum, &t, 0.0)?;
+                let t = self.bin_s(BinaryOp::Minimum, &t, 1.0)?;
+                one(if op_type == "HardSwish" {
+                    self.bin(BinaryOp::Mul, &x, &t)?
+                } else {
+                    t
+                })
+            }
+            "Softplus" | "Mish" => {
+                // log(1 + eˣ), written as max(x, 0) + log(1 + e^{-|x|}) to stay finite.
+                let x = self.input(cx, 0)?;
+                let ab = self.un(UnaryOp::Abs, &x)?;
+                let na = self.un(UnaryOp::Neg, &ab)?;
+                let e = self.un(UnaryOp::Exp, &na)?;
+                let e1 = self.bin_s(BinaryOp::Add, &e, 1.0)?;
+                let l = self.un(UnaryOp::Log, &e1)?;
+                let r = self.un(UnaryOp::Relu, &x)?;
+                let sp = self.bin(BinaryOp::Add, &r, &l)?;
+                one(if op_type == "Mish" {
+                    let t = self.un(UnaryOp::Tanh, &sp)?;
+                    self.bin(BinaryOp::Mul, &x, &t)?
+                } else {
+                    sp
+                })
+            }
+            "Softsign" => {
+                let x = self.input(cx, 0)?;
+                let ab = self.un(UnaryOp::Abs, &x)?;
+                let d = self.bin_s(BinaryOp::Add, &ab, 1.0)?;
+                one(self.bin(BinaryOp::Div, &x, &d)?)
+            }
+            "Gelu" => {
+                let approx = a.string("approximate", "none")?;
+                let u = match approx.as_str() {
+                    "none" => UnaryOp::GeluErf,
+                    "tanh" => UnaryOp::GeluTanh,
+                    other => return why(format!("approximate `{other}` is not supported")),
+                };
+                let x = self.input(cx, 0)?;
+                one(self.un(u, &x)?)
+            }
+
+            // ---- linear algebra ----
+            "MatMul" => {
+                let x = self.input(cx, 0)?;
+                let y = self.input(cx, 1)?;
+                one(self.matmul(&x, &y)?)
+            }
+            "Gemm" => {
+                let alpha = a.float("alpha", 1.0)? as f64;
+                let beta = a.float("beta", 1.0)? as f64;
+                let ta = a.int("transA", 0)? != 0;
+                let tb = a.int("transB", 0)? != 0;
+                if self.opset < 7 {
+                    let _ = a.int("broadcast", 0)?;
+                }
+                let x = self.input(cx, 0)?;
+                let y = self.input(cx, 1)?;
+                let mut r = self.emit(
+                    Op::Matmul {
+                        trans_a: ta,
+                        trans_b: tb,
+                    },
+                    &[&x, &y],
+                )?;
+                if alpha != 1.0 {
+                    r = self.bin_s(BinaryOp::Mul, &r, alpha)?;
+                }
+                if let Some(c) = self.opt_input(cx, 2)? {
+                    let c = if beta != 1.0 {
+                        self.bin_s(BinaryOp::Mul, &c, beta)?
+                    } else {
+                        c
+                    };
+                    r = self.bin(BinaryOp::Add, &r, &c)?;
+                }
+                one(r)
+            }
+
+            // ---- reductions ----
+            "ReduceSum" | "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceProd" | "ReduceL1"
+            | "ReduceL2" | "ReduceLogSum" | "ReduceLogSumExp" | "ReduceSumSquare" => {
+                self.reduction(op_type, cx).map(|v| vec![v])
+            }
+            "ArgMax" | "ArgMin" => {
+                let x = self.input(cx, 0)?;
+                let rank = self.dims(&x).len();
+                let axis = norm_axis(a.int("axis", 0)?, rank)?;
+                let keep = a.int("keepdims", 1)? != 0;
+                let last = a.int("select_last_index", 0)? != 0;
+                let kind = if op_type == "ArgMax" {
+                    ArgKind::ArgMax
+                } else {
+                    ArgKind::ArgMin
+                };
+                let n = self.dims(&x)[axis];
+                let src = if last {
+                    self.select(&x, axis, (0..n as i64).rev().collect())?
+                } else {
+                    x
+                };
+                let mut r = self.emit(
+                    Op::ArgReduce {
+                        kind,
+                        axis,
+                        keep_dims: keep,
+                    },
+                    &[&src],
+                )?;
+                if last {
+                    // Index i of the reversed tensor is n − 1 − i of the original.
+                    r = self.s_bin(BinaryOp::Sub, n as f64 - 1.0, &r)?;
+                }
+                one(r)
+            }
+
+            // ---- movement ----
+            "Reshape" => {
+                let allowzero = a.int("allowzero", 0)? != 0;
+                let x = self.input(cx, 0)?;
+                let spec = if self.opset < 5 {
+                    a.ints("shape")?.unwrap_or_default()
+                } else {
+                    self.static_ints(cx, 1, "shape")?
+                        .ok_or_else(|| ImportError::Model("input 1 (shape) is required".into()))?
+                };
+                let dims = reshape_dims(&self.dims(&x), &spec, allowzero)?;
+                one(self.reshape(&x, dims)?)
+            }
+            "Flatten" => {
+                let x = self.input(cx, 0)?;
+                let d = self.dims(&x);
+                let axis = a.int("axis", 1)?;
+                let axis = if axis == d.len() as i64 {
+                    d.len()
+                } else {
+                    norm_axis(axis, d.len())?
+                };
+                let outer: usize = d[..axis].iter().product();
+                let inner: usize = d[axis..].iter().product();
+                one(self.reshape(&x, vec![outer, inner])?)
+            }
+            "Squeeze" => {
+                let x = self.input(cx, 0)?;
+                let d = self.dims(&x);
+                let axes = match a.ints("axes")? {
+                    Some(v) => Some(v),
+                    None => self.static_ints(cx, 1, "axes")?,
+                };
+                let axes = match axes {
+                    Some(v) => norm_axes(&v, d.len())?,
+                    None => (0..d.len()).filter(|&k| d[k] == 1).collect(),
+                };
+                if let Some(&k) = axes.iter().find(|&&k| d[k] != 1) {
+                    return why(format!("cannot squeeze dim {k} of size {}", d[k]));
+                }
+                let nd: Vec<usize> = (0..d.len())
+                    .filter(|k| !axes.contains(k))
+                    .map(|k| d[k])
+                    .collect();
+                one(self.reshape(&x, nd)?)
+            }
+            "Unsqueeze" => {
+                let x = self.input(cx, 0)?;
+                let d = self.dims(&x);
+                let axes = match a.ints("axes")? {
+                    Some(v) => v,
+                    None => self.static_ints(cx, 1, "axes")?
+                        .ok_or_else(|| ImportError::Model("input 1 (axes) is required".into()))?,
+                };
+                let r = d.len() + axes.len();
+                let axes = norm_axes(&axes, r)?;
+                if axes.len() != r - d.len() {
+                    return why("repeated axes");
+                }
+                let mut it = d.iter();
+                let nd: Vec<usize> = (0..r)
+                    .map(|k| if axes.contains(&k) { 1 } else { *it.next().unwrap_or(&1) })
+                    .collect();
+                one(self.reshape(&x, nd)?)
+            }
+            "Transpose" => {
+                let x = self.input(cx, 0)?;
+                let r = self.dims(&x).len();
+                let perm = match a.ints("perm")? {
+                    Some(p) => p
+                        .iter()
+                        .map(|&v| norm_axis(v, r))
+                        .collect::<Result<Vec<_>>>()?,
+                    None => (0..r).rev().collect(),
+                };
+                one(self.permute(&x, perm)?)
+            }
+            "Concat" => {
+                let axis = a
+                    .int_opt("axis")?
+                    .ok_or_else(|| ImportError::Model("attribute `axis` is required".into()))?;
+                let mut parts = Vec::new();
+                for k in 0..cx.inputs.len() {
+                    if let Some(v) = self.opt_input(cx, k)? {
+                        parts.push(v);
+                    }
+                }
+                if parts.is_empty() {
+                    return why("no inputs");
+                }
+                let axis = norm_axis(axis, self.dims(&parts[0]).len())?;
+                // Empty parts add nothing (and the op wants each part non-empty along axis).
+                let kept: Vec<Val> = parts
+                    .iter()
+                    .filter(|p| self.dims(p)[axis] > 0)
+                    .cloned()
+                    .collect();
+                let parts = if kept.is_empty() { vec![parts[0].clone()] } else { kept };
+                if parts.len() == 1 {
+                    return one(parts[0].clone());
+                }
+                let refs: Vec<&Val> = parts.iter().collect();
+                one(self.emit(Op::Concat { axis }, &refs)?)
+            }
+            "Split" => {
+                let x = self.input(cx, 0)?;
+                let d = self.dims(&x);
+                let axis = norm_axis(a.int("axis", 0)?, d.len())?;
+                let n = d[axis];
+                let sizes = match a.ints("split")? {
+                    Some(s) => s,
+                    None => match self.static_ints(cx, 1, "split")? {
+                        Some(s) => s,
+                        None => {
+                            let k = a.int("num_outputs", cx.n_outputs as i64)?.max(1) as usize;
+                            let chunk = n.div_ceil(k);
+                            (0..k)
+                                .map(|i| (chunk.min(n.saturating_sub(i * chunk))) as i64)
+                                .collect()
+                        }
+                    },
+                };
+                if sizes.iter().any(|&s| s < 0) || sizes.iter().sum::<i64>() != n as i64 {
+                    return why(format!("split sizes {sizes:?} do not add up to dim {axis} of size {n}"));
+                }
+                let mut outs = Vec::new();
+                let mut at = 0usize;
+                for &s in &sizes {
+                    outs.push(self.slice_axis(&x, axis, at, at + s as usize, 1)?);
+                    at += s as usize;
+                }
+                Ok(outs)
+            }
+            "Slice" => self.slice(cx).map(|v| vec![v]),
+            "Expand" => {
+                let x = self.input(cx, 0)?;
+                let shape = self
+                    .static_ints(cx, 1, "shape")?
+                    .ok_or_else(|| ImportError::Model("input 1 (shape) is required".into()))?;
+                if shape.iter().any(|&s| s < 0) {
+                    return why(format!("negative size in shape {shape:?}"));
+                }
+                let target = Shape::new(shape.iter().map(|&s| s as usize).collect::<Vec<_>>());
+                let Some(out) = Shape::broadcast(&Shape::new(self.dims(&x)), &target) else {
+                    return why(format!(
+                        "{} does not broadcast with {target}",
+                        Shape::new(self.dims(&x))
+                    ));
+                };
+                one(self.expand(&x, out.dims().to_vec())?)
+            }
+            "Tile" => {
+                let x = self.input(cx, 0)?;
+                let d = self.dims(&x);
+                let reps = self
+                    .static_ints(cx, 1, "repeats")?
+                    .ok_or_else(|| ImportError::Model("input 1 (repeats) is required".into()))?;
+                if reps.len() != d.len() || reps.iter().any(|&r| r < 0) {
+                    return why(format!("repeats {reps:?} do not fit rank {}", d.len()));
+                }
+                // [d0, d1] → [1, d0, 1, d1] → expand to [r0, d0, r1, d1] → [r0·d0, r1·d1].
+                let inter: Vec<usize> = d.iter().flat_map(|&n| [1, n]).collect();
+                let big: Vec<usize> = d
+                    .iter()
+                    .zip(&reps)
+                    .flat_map(|(&n, &r)| [r as usize, n])
+                    .collect();
+                let fin: Vec<usize> = d.iter().zip(&reps).map(|(&n, &r)| n * r as usize).collect();
+                let t = self.reshape(&x, inter)?;
+                let t = self.expand(&t, big)?;
+                one(self.reshape(&t, fin)?)
+            }
+            "Pad" => self.pad(cx).map(|v| vec![v]),
+            "Gather" => {
+                let x = self.input(cx, 0)?;
+                let idx = self.input(cx, 1)?;
+                let d = self.dims(&x);
+                let axis = norm_axis(a.int("axis", 0)?, d.len())?;
+                let idims = self.dims(&idx);
+                let idx = self.wrap_index(&idx, d[axis])?;
+                let n: usize = idims.iter().product();
+                let flat = self.reshape(&idx, vec![n])?;
+                let sel = self.emit(Op::IndexSelect { axis }, &[&x, &flat])?;
+                let mut od = d[..axis].to_vec();
+                od.extend_from_slice(&idims);
+                od.extend_from_slice(&d[axis + 1..]);
+                one(self.reshape(&sel, od)?)
+            }
+            "GatherElements" => {
+                let x = self.input(cx, 0)?;
+                let idx = self.input(cx, 1)?;
+                let d = self.dims(&x);
+                let axis = norm_axis(a.int("axis", 0)?, d.len())?;
+                let idx = self.wrap_index(&idx, d[axis])?;
+                one(self.emit(Op::Gather { axis }, &[&x, &idx])?)
+            }
+            "Shape" => {
+                let x = self.input(cx, 0)?;
+                let d = self.dims(&x);
+                let r = d.len() as i64;
+                let clamp = |v: i64| (if v < 0 { v + r } else { v }).clamp(0, r) as usize;
+                let start = clamp(a.int("start", 0)?);
+                let end = clamp(a.int("end", r)?);
+                let v: Vec<i64> = d[start..end.max(start)].iter().map(|&n| n as i64).collect();
+                let n = v.len();
+                one(known(HostTensor::from_vec(v, [n])?))
+            }
+            "Size" => {
+                let x = self.input(cx, 0)?;
+                let n = self.dims(&x).iter().product::<usize>() as i64;
+                one(known(HostTensor::scalar(n)))
+            }
+            "Constant" => {
+                let t = if let Some(t) = a.tensor("value")? {
+                    tensor_from_proto(t, None)?
+                } else if let Some(v) = a.find("value_float", AttributeType::Float)? {
+                    HostTensor::scalar(v.f())
+                } else if let Some(v) = a.floats("value_floats")? {
+                    let n = v.len();
+                    HostTensor::from_vec(v, [n])?
+                } else if let Some(v) = a.int_opt("value_int")? {
+                    HostTensor::scalar(v)
+                } else if let Some(v) = a.ints("value_ints")? {
+                    let n = v.len();
+                    HostTensor::from_vec(v, [n])?
+                } else {
+                    return why("no supported value attribute (value, value_float(s), value_int(s))");
+                };
+                one(known(t))
+            }
+            "ConstantOfShape" => {
+                let shape = self
+                    .static_ints(cx, 0, "shape")?
+                    .ok_or_else(|| ImportError::Model("input 0 (shape) is required".into()))?;
+                if shape.iter().any(|&s| s < 0) {
+                    return why(format!("negative size in shape {shape:?}"));
+                }
+                let (dtype, value) = match a.tensor("value")? {
+                    Some(t) => {
+                        let t = tensor_from_proto(t, None)?;
+                        if t.numel() != 1 {
+                            return why("value must hold one element");
+                        }
+                        (t.dtype(), t.to_f64_vec()[0])
+                    }
+                    None => (DType::F32, 0.0),
+                };
+                let shape = Shape::new(shape.iter().map(|&s| s as usize).collect::<Vec<_>>());
+                shape.check_limits().map_err(ImportError::Model)?;
+                one(known(HostTensor::full(&TensorType::new(dtype, shape), value)))
+            }
+            "Range" => {
+                let get = |k: usize, what: &str| -> Result<HostTensor> {
+                    self.static_input(cx, k, what)?
+                        .ok_or_else(|| ImportError::Model(format!("input {k} ({what}) is required")))
+                };
+                let (s, l, d) = (get(0, "start")?, get(1, "limit")?, get(2, "delta")?);
+                let dtype = s.dtype();
+                let (s, l, d) = (s.to_f64_vec()[0], l.to_f64_vec()[0], d.to_f64_vec()[0]);
+                if d == 0.0 {
+                    return why("delta is 0");
+                }
+                let n = ((l - s) / d).ceil().max(0.0);
+                if n > 1e8 {
+                    return why(format!("{n} elements is too many"));
+                }
+                let v: Vec<f64> = (0..n as usize).map(|i| s + i as f64 * d).collect();
+                let ty = TensorType::new(dtype, [v.len()]);
+                one(known(HostTensor::from_f64_slice(&ty, &v)?))
+            }
+
+            // ---- normalization ----
+            "Softmax" | "LogSoftmax" => {
+                let x = self.input(cx, 0)?;
+                let d = self.dims(&x);
+                let r = d.len();
+                let default = if self.opset < 13 { 1 } else { -1 };
+                let axis = norm_axis(a.int("axis", default)?, r)?;
+                let mk = |axis| {
+                    if op_type == "Softmax" {
+                        Op::Softmax { axis }
+                    } else {
+                        Op::LogSoftmax { axis }
+                    }
+                };
+                if self.opset < 13 && axis + 1 != r {
+                    // Older opsets coerce to 2-D at `axis` and normalize the trailing block.
+                    let outer: usize = d[..axis].iter().product();
+                    let inner: usize = d[axis..].iter().product();
+                    let t = self.reshape(&x, vec![outer, inner])?;
+                    let t = self.emit(mk(1), &[&t])?;
+                    return one(self.reshape(&t, d)?);
+                }
+                one(self.emit(mk(axis), &[&x])?)
+            }
+            "LayerNormalization" => self.layer_norm(cx),
+            "BatchNormalization" => {
+                let eps = a.float("epsilon", 1e-5)? as f64;
+                let _ = a.float("momentum", 0.9)?;
+                if a.int("training_mode", 0)? != 0 {
+                    return why("training_mode=1 is not supported (inference only)");
+                }
+                if self.opset < 9 {
+                    if let Some(s) = a.int_opt("spatial")? {
+                        if s != 1 {
+                            return why("spatial=0 is not supported");
+                        }
+                    }
+                }
+                let x = self.input(cx, 0)?;
+                let d = self.dims(&x);
+                let mut shape = vec![1usize; d.len().max(2)];
+                shape[1] = d.get(1).copied().unwrap_or(1);
+                let mut p = Vec::new();
+                for k in 1..5 {
+                    let v = self.input(cx, k)?;
+                    let v = self.reshape(&v, shape[..d.len().max(1)].to_vec())?;
+                    p.push(v);
+                }
+                // y = x·s + (b − m·s) with s = scale / √(var + ε).
+                let ve = self.bin_s(BinaryOp::Add, &p[3], eps)?;
+                let sd = self.un(UnaryOp::Sqrt, &ve)?;
+                let s = self.bin(BinaryOp::Div, &p[0], &sd)?;
+                let ms = self.bin(BinaryOp::Mul, &p[2], &s)?;
+                let shift = self.bin(BinaryOp::Sub, &p[1], &ms)?;
+                let xs = self.bin(BinaryOp::Mul, &x, &s)?;
+                one(self.bin(BinaryOp::Add, &xs, &shift)?)
+            }
+            "InstanceNormalization" => {
+                let eps = a.float("epsilon", 1e-5)? as f64;
+                let x = self.input(cx, 0)?;
+                let d = self.dims(&x);
+                if d.len() < 3 {
+                    return why("input must be N×C×spatial");
+                }
+                let axes: Vec<usize> = (2..d.len()).collect();
+                let mut shape = vec![1usize; d.len()];
+                shape[1] = d[1];
+                let scale = self.input(cx, 1)?;
+                let scale = self.reshape(&scale, shape.clone())?;
+                let bias = self.input(cx, 2)?;
+                let bias = self.reshape(&bias, shape)?;
+                let y = self.normalize(&x, axes, eps)?;
+                let y = self.bin(BinaryOp::Mul, &y, &scale)?;
+                one(self.bin(BinaryOp::Add, &y, &bias)?)
+            }
+
+            // ---- convolution and pooling ----
+            "Conv" => self.conv(cx).map(|v| vec![v]),
+            "MaxPool" | "AveragePool" => self.pool(op_type, cx),
+            "GlobalAveragePool" | "GlobalMaxPool" => {
+                let x = self.input(cx, 0)?;
+                let r = self.dims(&x).len();
+                let kind = if op_type == "GlobalMaxPool" {
+                    ReduceKind::Max
+                } else {
+                    ReduceKind::Mean
+                };
+                one(self.reduce(kind, &x, (2..r).collect(), true)?)
+            }
+            other => why(format!(
+                "{other} is not supported by the importer (`rustytorch import --supported-ops` lists what is)"
+            )),
+        }
+    }
+
+    /// numpy's matmul: 1-D operands get a dim added and removed.
+    fn matmul(&mut self, x: &Val, y: &Val) -> Result<Val> {
+        let (dx, dy) = (self.dims(x), self.dims(y));
+        if dx.is_empty() || dy.is_empty() {
+            return why("MatMul operands must have rank 1 or more");
+        }
+        let x2 = if dx.len() == 1 {
+            self.reshape(x, vec![1, dx[0]])?
+        } else {
+            x.clone()
+        };
+        let y2 = if dy.len() == 1 {
+            self.reshape(y, vec![dy[0], 1])?
+        } else {
+            y.clone()
+        };
+        let r = self.emit(
+            Op::Matmul {
+                trans_a: false,
+                trans_b: false,
+            },
+            &[&x2, &y2],
+        )?;
+        let mut od = self.dims(&r);
+        let n = od.len();
+        if dy.len() == 1 {
+            od.remove(n - 1);
+        }
+        if dx.len() == 1 {
+            od.remove(n - 2);
+        }
+        self.reshape(&r, od)
+    }
+
+    /// The ONNX reductions (axes from the attribute before opset 18 — 13 for ReduceSum — and
+    /// from input 1 after).
+    fn reduction(&mut self, op_type: &str, cx: &Ctx) -> Result<Val> {
+        let a = &cx.attrs;
+        let x = self.input(cx, 0)?;
+        let r = self.dims(&x).len();
+        let keep = a.int("keepdims", 1)? != 0;
+        let noop = a.int("noop_with_empty_axes", 0)? != 0;
+        let axes = match a.ints("axes")? {
+            Some(v) => Some(v),
+            None => self.static_ints(cx, 1, "axes")?,
+        };
+        let axes = match axes {
+            Some(v) if !v.is_empty() => norm_axes(&v, r)?,
+            _ if noop => return Ok(x),
+            _ => (0..r).collect(),
+        };
+        let d = self.dims(&x);
+        if axes.iter().any(|&k| d[k] == 0) {
+            return why("reducing over an empty dim is not supported");
+        }
+        let sum = |im: &mut Importer, v: &Val| im.reduce(ReduceKind::Sum, v, axes.clone(), keep);
+        Ok(match op_type {
+            "ReduceSum" => sum(self, &x)?,
+            "ReduceMean" => self.reduce(ReduceKind::Mean, &x, axes, keep)?,
+            "ReduceMax" => self.reduce(ReduceKind::Max, &x, axes, keep)?,
+            "ReduceMin" => self.reduce(ReduceKind::Min, &x, axes, keep)?,
+            "ReduceProd" => self.reduce(ReduceKind::Prod, &x, axes, keep)?,
+            "ReduceL1" => {
+                let t = self.un(UnaryOp::Abs, &x)?;
+                sum(self, &t)?
+            }
+            "ReduceL2" | "ReduceSumSquare" => {
+                let t = self.bin(BinaryOp::Mul, &x, &x)?;
+                let s = sum(self, &t)?;
+                if op_type == "ReduceL2" {
+                    let f = self.cast(&s, DType::F64)?;
+                    let f = self.un(UnaryOp::Sqrt, &f)?;
+                    self.cast(&f, self.dtype(&s))?
+                } else {
+                    s
+                }
+            }
+            "ReduceLogSum" => {
+                let s = sum(self, &x)?;
+                self.un(UnaryOp::Log, &s)?
+            }
+            _ => {
+                // log Σ eˣ = m + log Σ e^{x−m} with m the max.
+                let m = self.reduce(ReduceKind::Max, &x, axes.clone(), true)?;
+                let c = self.bin(BinaryOp::Sub, &x, &m)?;
+                let e = self.un(UnaryOp::Exp, &c)?;
+                let s = sum(self, &e)?;
+                let l = self.un(UnaryOp::Log, &s)?;
+                let m = if keep {
+                    m
+                } else {
+                    let dims = self.dims(&l);
+                    self.reshape(&m, dims)?
+                };
+                self.bin(BinaryOp::Add, &l, &m)?
+            }
+        })
+    }
+
+    fn slice(&mut self, cx: &Ctx) -> Result<Val> {
+        let a = &cx.attrs;
+        let x = self.input(cx, 0)?;
+        let d = self.dims(&x);
+        let r = d.len();
+        let (starts, ends, axes, steps) = if self.opset < 10 {
+            (
+                a.ints("starts")?.unwrap_or_default(),
+                a.ints("ends")?.unwrap_or_default(),
+                a.ints("axes")?,
+                None,
+            )
+        } else {
+            let need = |v: Option<Vec<i64>>, k: usize| {
+                v.ok_or_else(|| ImportError::Model(format!("input {k} is required")))
+            };
+            (
+                need(self.static_ints(cx, 1, "starts")?, 1)?,
+                need(self.static_ints(cx, 2, "ends")?, 2)?,
+                self.static_ints(cx, 3, "axes")?,
+                self.static_ints(cx, 4, "steps")?,
+            )
+        };
+        let axes = axes.unwrap_or_else(|| (0..starts.len() as i64).collect());
+        let steps = steps.unwrap_or_else(|| vec![1; starts.len()]);
+        if ends.len() != starts.len() || axes.len() != starts.len() || steps.len() != starts.len() {
+            return why("starts, ends, axes and steps differ in length");
+        }
+        let mut out = x;
+        for k in 0..starts.len() {
+            let axis = norm_axis(axes[k], r)?;
+            let n = d[axis] as i64;
+            let step = steps[k];
+            if step == 0 {
+                return why("step 0");
+            }
+            let fix = |v: i64| if v < 0 { v.saturating_add(n) } else { v };
+            let (s, e) = (fix(starts[k]), fix(ends[k]));
+            if step > 0 {
+                let s = s.clamp(0, n) as usize;
+                let e = e.clamp(0, n) as usize;
+                out = self.slice_axis(&out, axis, s, e.max(s), step as usize)?;
+            } else {
+                let s = s.clamp(-1, n - 1);
+                let e = e.clamp(-1, n - 1);
+                let idx: Vec<i64> = (0..)
+                    .map(|i| s + i * step)
+                    .take_while(|&i| i > e)
+                    .take(n as usize)
+                    .collect();
+                out = self.select(&out, axis, idx)?;
+            }
+        }
+        Ok(out)
+    }
+
+    fn pad(&mut self, cx: &Ctx) -> Result<Val> {
+        let a = &cx.attrs;
+        let x = self.input(cx, 0)?;
+        let d = self.dims(&x);
+        let r = d.len();
+        let mode = a.string("mode", "constant")?;
+        let (pads, value, axes) = if self.opset < 11 {
+            (
+                a.ints("pads")?.unwrap_or_default(),
+                a.float("value", 0.0)? as f64,
+                None,
+            )
+        } else {
+            let pads = self
+                .static_ints(cx, 1, "pads")?
+                .ok_or_else(|| ImportError::Model("input 1 (pads) is required".into()))?;
+            let value = match self.static_input(cx, 2, "constant_value")? {
+                Some(t) => t.to_f64_vec().first().copied().unwrap_or(0.0),
+                None => 0.0,
+            };
+            (pads, value, self.static_ints(cx, 3, "axes")?)
+        };
+        let axes = match axes {
+            Some(v) => v
+                .iter()
+                .map(|&k| norm_axis(k, r))
+                .collect::<Result<Vec<_>>>()?,
+            None => (0..r).collect(),
+        };
+        if pads.len() != 2 * axes.len() {
+            return why(format!("{} pads for {} axes", pads.len(), axes.len()));
+        }
+        let mut before = vec![0i64; r];
+        let mut after = vec![0i64; r];
+        for (k, &ax) in axes.iter().enumerate() {
+            before[ax] = pads[k];
+            after[ax] = pads[k + axes.len()];
+        }
+        // Negative pads crop.
+        let mut t = x;
+        for ax in 0..r {
+            let (b, e) = (before[ax], after[ax]);
+            if b < 0 || e < 0 {
+                let n = d[ax] as i64;
+                let s = (-b).max(0).min(n) as usize;
+                let end = (n + e.min(0)).max(s as i64) as usize;
+                t = self.slice_axis(&t, ax, s, end, 1)?;
+            }
+        }
+        let before: Vec<usize> = before.iter().map(|&v| v.max(0) as usize).collect();
+        let after: Vec<usize> = after.iter().map(|&v| v.max(0) as usize).collect();
+        match mode.as_str() {
+            "constant" => {
+                let pads = before.into_iter().zip(after).collect();
+                self.pad_const(&t, pads, value)
+            }
+            "edge" | "reflect" | "wrap" => {
+                // A gather along each padded axis with the source index of every position.
+                let cur = self.dims(&t);
+                for ax in 0..r {
+                    if before[ax] == 0 && after[ax] == 0 {
+                        continue;
+                    }
+                    let n = cur[ax] as i64;
+                    if n == 0 || (mode == "reflect" && n == 1) {
+                        return why(format!("cannot {mode}-pad dim {ax} of size {n}"));
+                    }
+                    let idx: Vec<i64> = (-(before[ax] as i64)..n + after[ax] as i64)
+                        .map(|i| match mode.as_str() {
+                            "edge" => i.clamp(0, n - 1),
+                            "wrap" => i.rem_euclid(n),
+                            _ => {
+                                let p = 2 * (n - 1);
+                                let m = i.rem_euclid(p);
+                                if m < n {
+                                    m
+                                } else {
+                                    p - m
+                                }
+                            }
+                        })
+                        .collect();
+                    t = self.select(&t, ax, idx)?;
+                }
+                Ok(t)
+            }
+            other => why(format!("mode `{other}` is not supported")),
+        }
+    }
+
+    /// (x − mean) / √(var + ε) over `axes` (population variance), means kept as dims.
+    fn normalize(&mut self, x: &Val, axes: Vec<usize>, eps: f64) -> Result<Val> {
+        let m = self.reduce(ReduceKind::Mean, x, axes.clone(), true)?;
+        let c = self.bin(BinaryOp::Sub, x, &m)?;
+        let sq = self.bin(BinaryOp::Mul, &c, &c)?;
+        let v = self.reduce(ReduceKind::Mean, &sq, axes, true)?;
+        let ve = self.bin_s(BinaryOp::Add, &v, eps)?;
+        let rs = self.un(UnaryOp::Rsqrt, &ve)?;
+        self.bin(BinaryOp::Mul, &c, &rs)
+    }
+
+    fn layer_norm(&mut self, cx: &Ctx) -> Result<Vec<Val>> {
+        let a = &cx.attrs;
+        let eps = a.float("epsilon", 1e-5)? as f64;
+        let _ = a.int("stash_type", 1)?;
+        let x = self.input(cx, 0)?;
+        let d = self.dims(&x);
+        let r = d.len();
+        let axis = norm_axis(a.int("axis", -1)?, r)?;
+        let scale = self.input(cx, 1)?;
+        let bias = self.opt_input(cx, 2)?;
+        let last = d[r - 1];
+        let fits = |im: &Importer, v: &Val| im.dims(v) == [last];
+        if axis + 1 == r
+            && cx.n_outputs <= 1
+            && fits(self, &scale)
+            && bias.as_ref().is_none_or(|b| fits(self, b))
+        {
+            let op = Op::LayerNorm {
+                eps: F64Bits::new(eps),
+                weight: true,
+                bias: bias.is_some(),
+            };
+            let mut ins = vec![&x, &scale];
+            if let Some(b) = &bias {
+                ins.push(b);
+            }
+            return Ok(vec![self.emit(op, &ins)?]);
+        }
+        // Over several trailing dims, or with the statistics as outputs: spelled in primitives.
+        let axes: Vec<usize> = (axis..r).collect();
+        let m = self.reduce(ReduceKind::Mean, &x, axes.clone(), true)?;
+        let c = self.bin(BinaryOp::Sub, &x, &m)?;
+        let sq = self.bin(BinaryOp::Mul, &c, &c)?;
+        let v = self.reduce(ReduceKind::Mean, &sq, axes, true)?;
+        let ve = self.bin_s(BinaryOp::Add, &v, eps)?;
+        let rs = self.un(UnaryOp::Rsqrt, &ve)?;
+        let y = self.bin(BinaryOp::Mul, &c, &rs)?;
+        let y = self.bin(BinaryOp::Mul, &y, &scale)?;
+        let y = match &bias {
+            Some(b) => self.bin(BinaryOp::Add, &y, b)?,
+            None => y,
+        };
+        Ok(vec![y, m, rs])
+    }
+
+    /// Explicit `(before, after)` padding per spatial dim from `pads` / `auto_pad`.
+    fn spatial_pads(
+        &self,
+        cx: &Ctx,
+        input: &[usize],
+        kernel: &[usize],
+        strides: &[usize],
+        dilations: &[usize],
+    ) -> Result<Vec<(usize, usize)>> {
+        let a = &cx.attrs;
+        let s = input.len();
+        let auto = a.string("auto_pad", "NOTSET")?;
+        let pads = a.ints("pads")?;
+        match auto.as_str() {
+            "NOTSET" => {
+                let p = pads.unwrap_or_else(|| vec![0; 2 * s]);
+                if p.len() != 2 * s || p.iter().any(|&v| v < 0) {
+                    return why(format!("pads {p:?} do not fit {s} spatial dims"));
+                }
+                Ok((0..s).map(|k| (p[k] as usize, p[k + s] as usize)).collect())
+            }
+            "VALID" => Ok(vec![(0, 0); s]),
+            "SAME_UPPER" | "SAME_LOWER" => Ok((0..s)
+                .map(|k| {
+                    let out = input[k].div_ceil(strides[k]);
+                    let span = (kernel[k] - 1) * dilations[k] + 1;
+                    let total = ((out.max(1) - 1) * strides[k] + span).saturating_sub(input[k]);
+                    let small = total / 2;
+                    if auto == "SAME_UPPER" {
+                        (small, total - small)
+                    } else {
+                        (total - small, small)
+                    }
+                })
+                .collect()),
+            other => why(format!("auto_pad `{other}` is not supported")),
+        }
+    }
+
+    /// A positive per-spatial-dim attribute (strides, dilations), default all 1.
+    fn spatial_attr(&self, cx: &Ctx, name: &str, s: usize) -> Result<Vec<usize>> {
+        let v = cx.attrs.ints(name)?.unwrap_or_else(|| vec![1; s]);
+        if v.len() != s || v.iter().any(|&x| x < 1) {
+            return why(format!("{name} {v:?} do not fit {s} spatial dims"));
+        }
+        Ok(v.iter().map(|&x| x as usize).collect())
+    }
+
+    fn conv(&mut self, cx: &Ctx) -> Result<Val> {
+        let a = &cx.attrs;
+        let x = self.input(cx, 0)?;
+        let w = self.input(cx, 1)?;
+        let b = self.opt_input(cx, 2)?;
+        let (dx, dw) = (self.dims(&x), self.dims(&w));
+        if dx.len() < 3 || dx.len() != dw.len() {
+            return why(format!(
+                "input rank {} and weight rank {} do not fit a convolution",
+                dx.len(),
+                dw.len()
+            ));
+        }
+        let s = dx.len() - 2;
+        let groups = a.int("group", 1)?.max(1) as usize;
+        let kernel: Vec<usize> = dw[2..].to_vec();
+        if let Some(k) = a.ints("kernel_shape")? {
+            if k.iter().map(|&v| v as usize).collect::<Vec<_>>() != kernel {
+                return why(format!(
+                    "kernel_shape {k:?} differs from the weight's {kernel:?}"
+                ));
+            }
+        }
+        let strides = self.spatial_attr(cx, "strides", s)?;
+        let dilations = self.spatial_attr(cx, "dilations", s)?;
+        let pads = self.spatial_pads(cx, &dx[2..], &kernel, &strides, &dilations)?;
+        let (xin, padding) = self.symmetric(&x, &pads, 0.0)?;
+        let op = Op::Conv {
+            geom: ConvGeom {
+                stride: strides,
+                padding,
+                dilation: dilations,
+            },
+            groups,
+            bias: b.is_some(),
+        };
+        let mut ins = vec![&xin, &w];
+        if let Some(b) = &b {
+            ins.push(b);
+        }
+        self.emit(op, &ins)
+    }
+
+    /// Splits spatial padding into a symmetric part (for the op) and an explicit `Pad` of the
+    /// remainder with `fill`.
+    fn symmetric(
+        &mut self,
+        x: &Val,
+        pads: &[(usize, usize)],
+        fill: f64,
+    ) -> Result<(Val, Vec<usize>)> {
+        if pads.iter().all(|&(b, e)| b == e) {
+            return Ok((x.clone(), pads.iter().map(|p| p.0).collect()));
+        }
+        let mut all = vec![(0, 0); 2];
+        all.extend_from_slice(pads);
+        let t = self.pad_const(x, all, fill)?;
+        Ok((t, vec![0; pads.len()]))
+    }
+
+    fn pool(&mut self, op_type: &str, cx: &Ctx) -> Result<Vec<Val>> {
+        let a = &cx.attrs;
+        let x = self.input(cx, 0)?;
+        let dx = self.dims(&x);
+        if dx.len() < 3 {
+            return why("input must be N×C×spatial");
+        }
+        let s = dx.len() - 2;
+        let kernel: Vec<usize> = a
+            .ints("kernel_shape")?
+            .ok_or_else(|| ImportError::Model("attribute `kernel_shape` is required".into()))?
+            .iter()
+            .map(|&v| v.max(1) as usize)
+            .collect();
+        if kernel.len() != s {
+            return why(format!(
+                "kernel_shape {kernel:?} does not fit {s} spatial dims"
+            ));
+        }
+        let strides = self.spatial_attr(cx, "strides", s)?;
+        let dilations = self.spatial_attr(cx, "dilations", s)?;
+        if dilations.iter().any(|&d| d != 1) {
+            return why(format!(
+                "dilations {dilations:?} are not supported (only 1)"
+            ));
+        }
+        let ceil = a.int("ceil_mode", 0)? != 0;
+        let is_max = op_type == "MaxPool";
+        if is_max && a.int("storage_order", 0)? != 0 {
+            return why("storage_order=1 is not supported");
+        }
+        let count_pad = !is_max && a.int("count_include_pad", 0)? != 0;
+        let pads = self.spatial_pads(cx, &dx[2..], &kernel, &strides, &dilations)?;
+        // ceil_mode: extra padding at the end so the last (partial) window is computed; a window
+        // that would start in the end padding is dropped (ONNX Runtime's and PyTorch's rule).
+        let mut extra = vec![0usize; s];
+        for k in 0..s {
+            let (pb, pe) = pads[k];
+            let len = dx[2 + k] + pb + pe;
+            if len < kernel[k] {
+                return why(format!("kernel {kernel:?} is larger than the padded input"));
+            }
+            if ceil {
+                let span = len - kernel[k];
+                let mut out = span.div_ceil(strides[k]) + 1;
+                if (out - 1) * strides[k] >= dx[2 + k] + pb {
+                    out -= 1;
+                }
+                extra[k] = ((out - 1) * strides[k] + kernel[k]).saturating_sub(len);
+            }
+        }
+        let geom = |padding: Vec<usize>| ConvGeom {
+            stride: strides.clone(),
+            padding,
+            dilation: vec![1; s],
+        };
+        let all_pads: Vec<(usize, usize)> = pads
+            .iter()
+            .zip(&extra)
+            .map(|(&(b, e), &x)| (b, e + x))
+            .collect();
+        let wide = all_pads
+            .iter()
+            .zip(&kernel)
+            .any(|(&(b, e), &k)| 2 * b.max(e) > k);
+        if is_max {
+            let (xin, padding) = if wide {
+                let mut full = vec![(0, 0); 2];
+                full.extend_from_slice(&all_pads);
+                (self.pad_const(&x, full, f64::NEG_INFINITY)?, vec![0; s])
+            } else {
+                self.symmetric(&x, &all_pads, f64::NEG_INFINITY)?
+            };
+            let op = Op::Pool {
+                kind: PoolKind::Max,
+                kernel,
+                geom: geom(padding),
+            };
+            return Ok(vec![self.emit(op, &[&xin])?]);
+        }
+        let simple = !wide && extra.iter().all(|&e| e == 0) && pads.iter().all(|&(b, e)| b == e);
+        if simple {
+            let op = Op::Pool {
+                kind: PoolKind::Avg {
+                    count_include_pad: count_pad,
+                },
+                kernel,
+                geom: geom(pads.iter().map(|p| p.0).collect()),
+            };
+            return Ok(vec![self.emit(op, &[&x])?]);
+        }
+        // Uneven padding: the window sums over the zero-padded input divided by the counted
+        // positions in each window (a mask pooled the same way, folded at import).
+        let dtype = self.dtype(&x);
+        let mut full = vec![(0, 0); 2];
+        full.extend_from_slice(&all_pads);
+        let xp = self.pad_const(&x, full.clone(), 0.0)?;
+        let avg = |kernel: Vec<usize>| Op::Pool {
+            kind: PoolKind::Avg {
+                count_include_pad: true,
+            },
+            kernel,
+            geom: geom(vec![0; s]),
+        };
+        let sum = self.emit(avg(kernel.clone()), &[&xp])?;
+        let mut mdims = vec![1usize, 1];
+        mdims.extend_from_slice(&dx[2..]);
+        let ones = known(HostTensor::full(&TensorType::new(dtype, mdims), 1.0));
+        let mask_pads: Vec<(usize, usize)> = if count_pad {
+            let mut m = vec![(0, 0); 2];
+            m.extend_from_slice(&pads);
+            m
+        } else {
+            vec![(0, 0); 2 + s]
+        };
+        let m = self.pad_const(&ones, mask_pads.clone(), 1.0)?;
+        let rest: Vec<(usize, usize)> = full
+            .iter()
+            .zip(&mask_pads)
+            .map(|(&(fb, fe), &(mb, me))| (fb - mb, fe - me))
+            .collect();
+        let m = self.pad_const(&m, rest, 0.0)?;
+        let cnt = self.emit(avg(kernel), &[&m])?;
+        Ok(vec![self.bin(BinaryOp::Div, &sum, &cnt)?])
+    }
+}
+
+/// The dims of an ONNX Reshape: 0 copies the input's dim (unless `allowzero`), −1 is inferred.
+fn reshape_dims(input: &[usize], spec: &[i64], allowzero: bool) -> Result<Vec<usize>> {
+    let total: usize = input.iter().product();
+    let mut dims = Vec::with_capacity(spec.len());
+    let mut infer = None;
+    for (k, &s) in spec.iter().enumerate() {
+        match s {
+            -1 if infer.is_none() => {
+                infer = Some(k);
+                dims.push(1);
+            }
+            0 if !allowzero => match input.get(k) {
+                Some(&n) => dims.push(n),
+                None => return why(format!("shape {spec:?}: 0 at {k} has no input dim to copy")),
+            },
+            s if s >= 0 => dims.push(s as usize),
+            _ => return why(format!("invalid shape {spec:?}")),
+        }
+    }
+    if let Some(k) = infer {
+        let rest: usize = dims.iter().product();
+        if rest == 0 || !total.is_multiple_of(rest) {
+            return why(format!("shape {spec:?} does not fit {total} elements"));
+        }
+        dims[k] = total / rest;
+    }
+    if dims.iter().product::<usize>() != total {
+        return why(format!(
+            "shape {spec:?} does not fit {} ({total} elements)",
+            Shape::new(input.to_vec())
+        ));
+    }
+    Ok(dims)
+}
