@@ -228,6 +228,9 @@ pub struct DlpackTensor {
 // struct is only read through `&self`.
 unsafe impl Send for DlpackTensor {}
 
+// SAFETY: `&DlpackTensor` only reads the managed struct, which nobody writes while it is owned.
+unsafe impl Sync for DlpackTensor {}
+
 /// A host tensor read from a DLPack tensor, and whether that took a copy.
 #[derive(Debug)]
 pub struct Imported {
@@ -294,6 +297,11 @@ fn host_ptr(t: &HostTensor) -> *mut c_void {
         Data::U8(v) => v.as_ptr() as *mut c_void,
         Data::Bool(v) => v.as_ptr() as *mut c_void,
     }
+}
+
+/// The address of a host tensor's first element (what [`DlpackTensor::from_host`] exports).
+pub fn host_data_ptr(t: &HostTensor) -> u64 {
+    host_ptr(t) as usize as u64
 }
 
 /// The bytes of a host tensor's storage (bool as its 0/1 bytes).
