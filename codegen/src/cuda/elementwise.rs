@@ -37,7 +37,7 @@ use rustytorch_ops::{
 };
 
 /// Threads per block of every kernel here.
-const BLOCK: u32 = 256;
+pub(super) const BLOCK: u32 = 256;
 /// The loop variable of the grid-stride loop.
 const I: &str = "i";
 
@@ -138,7 +138,7 @@ fn one_launch(kernel: Kernel, n_inputs: usize, n: usize) -> StepKernels {
     }
 }
 
-fn grid(n: usize) -> u32 {
+pub(super) fn grid(n: usize) -> u32 {
     grid_for(n as u64, BLOCK as u64)
 }
 
@@ -147,7 +147,7 @@ fn grid(n: usize) -> u32 {
 // ================================================================================================
 
 /// The statements of a loop body under construction, with fresh names for bound values.
-struct Body {
+pub(super) struct Body {
     stmts: Vec<Stmt>,
     next: usize,
     /// Whether f32 `exp`, `tanh` and sigmoid's reciprocal take the hardware approximations
@@ -156,7 +156,7 @@ struct Body {
 }
 
 impl Body {
-    fn new() -> Body {
+    pub(super) fn new() -> Body {
         Body {
             stmts: vec![],
             next: 0,
@@ -183,18 +183,18 @@ impl Body {
     }
 
     /// Binds `e` to the local `name`.
-    fn named(&mut self, name: &str, ty: CTy, e: Expr) -> Expr {
+    pub(super) fn named(&mut self, name: &str, ty: CTy, e: Expr) -> Expr {
         self.stmts.push(let_(name, ty, e));
         var(name)
     }
 
-    fn push(&mut self, s: Stmt) {
+    pub(super) fn push(&mut self, s: Stmt) {
         self.stmts.push(s);
     }
 }
 
 /// A buffer parameter of storage dtype `d`.
-fn param(name: &str, d: DType, writes: bool) -> Param {
+pub(super) fn param(name: &str, d: DType, writes: bool) -> Param {
     Param {
         name: name.into(),
         elem: CTy::storage(d),
@@ -204,7 +204,7 @@ fn param(name: &str, d: DType, writes: bool) -> Param {
 
 /// A finished kernel: a grid-stride loop over `0..n` whose body `build` writes, given the loop
 /// variable.
-fn grid_kernel(
+pub(super) fn grid_kernel(
     prefix: &str,
     params: Vec<Param>,
     n: usize,
@@ -247,7 +247,7 @@ fn and(a: Expr, b: Expr) -> Expr {
 }
 
 /// `Σ e·s + base` over i64 terms (multiplications by 1 left out).
-fn linear(terms: Vec<(Expr, i64)>, base: i64) -> Expr {
+pub(super) fn linear(terms: Vec<(Expr, i64)>, base: i64) -> Expr {
     let mut acc: Option<Expr> = None;
     for (e, s) in terms {
         let t = if s == 1 { e } else { mul(e, i64c(s)) };
@@ -265,14 +265,14 @@ fn linear(terms: Vec<(Expr, i64)>, base: i64) -> Expr {
 }
 
 /// Coordinates of a flat row-major index over `dims`, each bound to a local `c{k}` on first use.
-struct Coords {
+pub(super) struct Coords {
     dims: Vec<usize>,
     flat: Expr,
     bound: Vec<Option<Expr>>,
 }
 
 impl Coords {
-    fn new(dims: &[usize], flat: Expr) -> Coords {
+    pub(super) fn new(dims: &[usize], flat: Expr) -> Coords {
         Coords {
             dims: dims.to_vec(),
             flat,
@@ -283,7 +283,7 @@ impl Coords {
     /// Coordinate `k` (an i64): `(flat / Π dims[k+1..]) % dims[k]` (the flat index is below
     /// Π dims, so dim 0 needs no remainder). The division is 32-bit when Π dims fits: a 64-bit
     /// division by a constant costs several times more on a GPU.
-    fn get(&mut self, b: &mut Body, k: usize) -> Expr {
+    pub(super) fn get(&mut self, b: &mut Body, k: usize) -> Expr {
         if let Some(e) = &self.bound[k] {
             return e.clone();
         }
@@ -508,6 +508,7 @@ fn real_unary(b: &mut Body, u: UnaryOp, x: Expr, t: CTy) -> Result<Expr> {
         UnaryOp::IsNan => un(UnFn::IsNan, x),
         UnaryOp::IsInf => un(UnFn::IsInf, x),
         UnaryOp::IsFinite => un(UnFn::IsFinite, x),
+        UnaryOp::Erf => un(UnFn::Erf, x),
         UnaryOp::Not => return Err(ill_typed("`not` of a float".into())),
     })
 }

@@ -12,6 +12,7 @@ pub mod emit;
 pub mod interp;
 pub mod ir;
 pub mod matmul;
+pub mod pool;
 pub mod reduce;
 pub mod rows;
 
@@ -133,6 +134,11 @@ pub fn lower_plan(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
         .collect()
 }
 
+/// Whether pooling runs through cuDNN instead of the generated kernels.
+fn cudnn_pooling() -> bool {
+    std::env::var("RUSTYTORCH_CUDNN_POOLING").as_deref() == Ok("1")
+}
+
 /// Lowers one op with operand types `inputs` and result type `out` for CUDA. The attention
 /// gradient and the sparse ops have no CUDA implementation yet: they are an error naming the op.
 pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaStep> {
@@ -178,11 +184,17 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         | Op::CrossEntropy { .. }
         | Op::CrossEntropyGrad { .. } => reduce::lower(op, inputs, out).map(CudaStep::Kernels),
         Op::Matmul { .. } | Op::MatmulEpilogue { .. } => matmul::lower(op, inputs, out),
-        Op::Conv { .. }
-        | Op::ConvGradInput { .. }
-        | Op::ConvGradWeight { .. }
-        | Op::Pool { .. }
-        | Op::PoolGrad { .. } => dnn::lower(op, inputs, out).map(CudaStep::Dnn),
+        Op::Conv { .. } | Op::ConvGradInput { .. } | Op::ConvGradWeight { .. } => {
+            dnn::lower(op, inputs, out).map(CudaStep::Dnn)
+        }
+        // Generated kernels by default (faster than cuDNN's pooling on the H200, see
+        // docs/performance.md); `RUSTYTORCH_CUDNN_POOLING=1` selects cuDNN's for comparison.
+        Op::Pool { .. } | Op::PoolGrad { .. } if cudnn_pooling() => {
+            dnn::lower(op, inputs, out).map(CudaStep::Dnn)
+        }
+        Op::Pool { .. } | Op::PoolGrad { .. } => {
+            pool::lower(op, inputs, out).map(CudaStep::Kernels)
+        }
         Op::AttentionGrad { .. } => unsupported(),
         Op::Attention { .. } => attention::lower(op, inputs, out).map(CudaStep::Kernels),
         Op::SparseMatmul { .. } | Op::SampledMatmul => Err(CodegenError::Unsupported {
