@@ -78,10 +78,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         100.0 * test_acc
     );
 
-    // The classifier as a graph file: 16 images in, class and probabilities out.
+    // The classifier as a graph file with a named batch (any number of images in, built at 16),
+    // class and probabilities out.
     let n = 16;
     let g = GraphBuilder::new();
-    let (_, logits) = digits_cnn(&g, n);
+    let (_, logits) = digits_cnn(&g, g.dim("batch", n));
     g.output("class", &logits.argmax(-1, false));
     g.output("probs", &logits.softmax(-1));
     let mut classify = compile_graph(&g.graph()?, Device::Cpu, &CompileOptions::inference())?;

@@ -17,9 +17,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .unwrap_or_else(|| "target/mlp.rtg".into()),
     );
 
-    // x [4, 16] -> linear 16x32 + gelu -> linear 32x10 -> softmax.
+    // x [batch, 16] -> linear 16x32 + gelu -> linear 32x10 -> softmax; the batch is a named dim
+    // (built at 4), so the saved graph runs any number of rows.
     let g = GraphBuilder::new();
-    let x = g.input("x", DType::F32, [4, 16]);
+    let batch = g.dim("batch", 4);
+    let x = g.input_dims("x", DType::F32, &[batch, 16.into()]);
     let w1 = g.param("w1", [16, 32], Init::kaiming_uniform(16, 1));
     let b1 = g.param("b1", [32], Init::kaiming_uniform(16, 2));
     let w2 = g.param("w2", [32, 10], Init::kaiming_uniform(32, 3));

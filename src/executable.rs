@@ -4,6 +4,7 @@
 
 use crate::{Error, Result};
 use rustytorch_codegen::{lower, CodegenError, Plan, Storage};
+use rustytorch_compiler::CompileError;
 use rustytorch_compiler::{Graph, GraphBuilder, MemoryPlan, Tensor};
 use rustytorch_ops::{HostTensor, Op, TensorType};
 use rustytorch_runtime::cpu::NonFiniteValue;
@@ -41,6 +42,9 @@ pub struct CompileOptions {
     /// value was built. Runs on the CPU only. Defaults to on when the environment sets
     /// `RUSTYTORCH_ANOMALY=1`; off, it costs nothing.
     pub anomaly: bool,
+    /// For a graph with named dims: how many compiled shapes the executable keeps (at least
+    /// one; the least recently used is dropped first). See [`Executable::shape_cache`].
+    pub shape_cache: usize,
 }
 
 impl Default for CompileOptions {
@@ -50,6 +54,7 @@ impl Default for CompileOptions {
             updates: true,
             nonfinite: NonFinitePolicy::Error,
             anomaly: std::env::var("RUSTYTORCH_ANOMALY").is_ok_and(|v| v.trim() == "1"),
+            shape_cache: 8,
         }
     }
 }
@@ -249,6 +254,62 @@ pub struct Executable {
     sources: Option<StepSources>,
     /// Step timing and the Chrome trace.
     observe: Observe,
+    /// The other compiled shapes of a graph with named dims.
+    shapes: ShapeCache,
+}
+
+/// The shapes an executable of a graph with named dims has compiled: the current one's plan and
+/// session are the executable's own fields; the others wait here, most recently used first.
+struct ShapeCache {
+    /// The named dims' sizes of the current plan (empty for a graph without named dims).
+    current: Vec<usize>,
+    others: Vec<Specialization>,
+    capacity: usize,
+    stats: ShapeCacheStats,
+    /// Counts changes of the parameter values; the current session always holds the newest, and
+    /// each cached one records the count it holds.
+    version: u64,
+    /// The parameter values the executable was compiled with (version 0).
+    initial: Vec<Arc<HostTensor>>,
+}
+
+/// One compiled shape, with its own plan and session.
+struct Specialization {
+    sizes: Vec<usize>,
+    optimized: Graph,
+    plan: Arc<Plan>,
+    session: Box<dyn Session>,
+    report: rustytorch_compiler::passes::Report,
+    sources: Option<StepSources>,
+    compile: crate::trace::CompileTimes,
+    version: u64,
+}
+
+/// What an executable's cache of compiled shapes did (graphs with named dims).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShapeCacheStats {
+    /// Shapes compiled so far (the first, at the default sizes, included).
+    pub compiled: usize,
+    /// Compiled shapes held now (the current one included).
+    pub cached: usize,
+    /// Most shapes held.
+    pub capacity: usize,
+    /// Runs whose shape was already compiled.
+    pub hits: u64,
+    /// Runs that compiled a new shape.
+    pub misses: u64,
+    /// Compiled shapes dropped to stay within the capacity.
+    pub evictions: u64,
+}
+
+impl fmt::Display for ShapeCacheStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} shapes compiled, {} of at most {} cached, {} hits, {} misses, {} evicted",
+            self.compiled, self.cached, self.capacity, self.hits, self.misses, self.evictions
+        )
+    }
 }
 
 /// An executable's step timing and trace.
@@ -304,20 +365,9 @@ pub fn compile_graph(graph: &Graph, device: Device, opts: &CompileOptions) -> Re
              anomaly mode off"
         ))));
     }
-    let popts = rustytorch_compiler::passes::Options {
-        optimize: opts.optimize,
-        fuse: opts.optimize,
-        ..Default::default()
-    };
-    crate::trace::epoch();
-    let start = Instant::now();
-    let compiled = rustytorch_compiler::passes::run(&source, &popts)?;
-    let passes_done = Instant::now();
-    let memory = compiled.report.memory.as_ref().ok_or_else(|| {
-        CodegenError::Invalid("the compile passes produced no memory plan".into())
-    })?;
-    let plan = Arc::new(lower(&compiled.graph, memory)?);
-    let lowered = Instant::now();
+    // The graph is built at its named dims' default sizes: compile that shape first.
+    let sizes = source.dims.defaults();
+    let concrete = source.specialize(&sizes)?;
     let mut params = Vec::with_capacity(source.params.len());
     for p in &source.params {
         let v = match &p.data {
@@ -326,6 +376,65 @@ pub fn compile_graph(graph: &Graph, device: Device, opts: &CompileOptions) -> Re
         };
         params.push(Arc::new(v));
     }
+    let (spec, placement) = build(&concrete, sizes.clone(), device, opts, params.clone())?;
+    let mut exe = Executable {
+        source,
+        optimized: spec.optimized,
+        plan: spec.plan,
+        session: spec.session,
+        placement,
+        opts: opts.clone(),
+        report: spec.report,
+        sources: spec.sources,
+        observe: Observe {
+            compile: spec.compile,
+            timing: false,
+            last: None,
+            trace: None,
+        },
+        shapes: ShapeCache {
+            current: sizes,
+            others: Vec::new(),
+            capacity: opts.shape_cache.max(1),
+            stats: ShapeCacheStats {
+                compiled: 1,
+                cached: 1,
+                capacity: opts.shape_cache.max(1),
+                ..ShapeCacheStats::default()
+            },
+            version: 0,
+            initial: params,
+        },
+    };
+    if let Some(path) = std::env::var_os("RUSTYTORCH_TRACE").filter(|p| !p.is_empty()) {
+        exe.trace_to(Path::new(&path))?;
+    }
+    Ok(exe)
+}
+
+/// Runs the compile passes over a graph without named dims, lowers it and prepares it on
+/// `device` with `params`; returns it with where it was placed.
+fn build(
+    concrete: &Graph,
+    sizes: Vec<usize>,
+    device: Device,
+    opts: &CompileOptions,
+    params: Vec<Arc<HostTensor>>,
+) -> Result<(Specialization, Placement)> {
+    let popts = rustytorch_compiler::passes::Options {
+        optimize: opts.optimize,
+        fuse: opts.optimize,
+        ..Default::default()
+    };
+    crate::trace::epoch();
+    let start = Instant::now();
+    let compiled = rustytorch_compiler::passes::run(concrete, &popts)?;
+    let passes_done = Instant::now();
+    let memory = compiled.report.memory.as_ref().ok_or_else(|| {
+        CodegenError::Invalid("the compile passes produced no memory plan".into())
+    })?;
+    let plan = Arc::new(lower(&compiled.graph, memory)?);
+    let lowered = Instant::now();
     let (placement, session, sources) = if opts.anomaly {
         let session = CpuBackend.prepare_with(plan.clone(), params, true)?;
         let placement = Placement {
@@ -350,26 +459,17 @@ pub fn compile_graph(graph: &Graph, device: Device, opts: &CompileOptions) -> Re
         lowered,
         prepared: Instant::now(),
     };
-    let mut exe = Executable {
-        source,
+    let spec = Specialization {
+        sizes,
         optimized: compiled.graph,
         plan,
         session,
-        placement,
-        opts: opts.clone(),
         report: compiled.report,
         sources,
-        observe: Observe {
-            compile,
-            timing: false,
-            last: None,
-            trace: None,
-        },
+        compile,
+        version: 0,
     };
-    if let Some(path) = std::env::var_os("RUSTYTORCH_TRACE").filter(|p| !p.is_empty()) {
-        exe.trace_to(Path::new(&path))?;
-    }
-    Ok(exe)
+    Ok((spec, placement))
 }
 
 /// What one run of `plan` (lowered from `graph`) does, for the placement cost model: FLOPs from
@@ -436,7 +536,10 @@ fn prepare(
 
 impl Executable {
     /// Runs the graph. `inputs` are matched by name; every graph input must be given with its
-    /// declared dtype and shape. The session applies the state updates unless a guard fails.
+    /// declared dtype and shape, where a named dim (`x : f32[batch,1,8,8]`) takes any size that
+    /// every input naming it agrees on: the executable compiles each new set of sizes once and
+    /// keeps the compiled shapes in a bounded cache ([`Executable::shape_cache`]). The session
+    /// applies the state updates unless a guard fails.
     pub fn run(&mut self, inputs: &[(&str, HostTensor)]) -> Result<Outputs> {
         let shared: Vec<(&str, Arc<HostTensor>)> = inputs
             .iter()
@@ -458,10 +561,19 @@ impl Executable {
                 });
             };
             let want = &self.source.inputs[i].ty;
-            if &t.ty() != want {
+            let fits = if self.source.has_named_dims() {
+                t.dtype() == want.dtype
+            } else {
+                &t.ty() == want
+            };
+            if !fits {
                 return Err(Error::Input {
                     name: name.to_string(),
-                    reason: format!("expected {want}, got {}", t.ty()),
+                    reason: format!(
+                        "expected {}, got {}",
+                        self.source.sym_type_text(self.source.inputs[i].node),
+                        t.ty()
+                    ),
                 });
             }
             vals[i] = Some(t.clone());
@@ -471,8 +583,23 @@ impl Executable {
             let d = &self.source.inputs[i];
             ins.push(v.ok_or_else(|| Error::Input {
                 name: d.name.clone(),
-                reason: format!("missing (expected {})", d.ty),
+                reason: format!("missing (expected {})", self.source.sym_type_text(d.node)),
             })?);
+        }
+        if self.source.has_named_dims() {
+            let given: Vec<(usize, &rustytorch_ops::Shape)> = ins
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (i, t.shape()))
+                .collect();
+            let sizes = self.source.bind_dims(&given).map_err(|e| match e {
+                CompileError::Bind { input, reason } => Error::Input {
+                    name: input,
+                    reason,
+                },
+                e => e.into(),
+            })?;
+            self.specialize_to(sizes)?;
         }
         let start = Instant::now();
         let r = self.session.run(&ins);
@@ -510,11 +637,114 @@ impl Executable {
             (Some(p), NonFinitePolicy::SkipStep) => Some(p),
             (None, _) => None,
         };
+        if skipped.is_none() && !self.source.updates.is_empty() {
+            self.shapes.version += 1;
+        }
         Ok(Outputs {
             names: self.plan.outputs.iter().map(|(n, _)| n.clone()).collect(),
             values: r.outputs,
             skipped,
         })
+    }
+
+    /// Makes the plan compiled for these sizes of the named dims current: a cached one, or a new
+    /// one compiled from the source graph at those sizes (parameters are shared: a session
+    /// made current takes the newest values).
+    fn specialize_to(&mut self, sizes: Vec<usize>) -> Result<()> {
+        if sizes == self.shapes.current {
+            self.shapes.stats.hits += 1;
+            return Ok(());
+        }
+        let at = self.source.dims.describe(&sizes);
+        if !self.source.updates.is_empty() {
+            return Err(Error::Input {
+                name: self.source.inputs.first().map(|d| d.name.clone()).unwrap_or_default(),
+                reason: format!(
+                    "a graph that updates its parameters (a training step) runs at the sizes it \
+                     was built at ({}), not {at}: build the training step at the size to train with",
+                    self.source.dims.describe(&self.shapes.current)
+                ),
+            });
+        }
+        let mut spec = match self.shapes.others.iter().position(|s| s.sizes == sizes) {
+            Some(k) => {
+                self.shapes.stats.hits += 1;
+                tracing::debug!(dims = %at, "shape cache hit");
+                self.shapes.others.remove(k)
+            }
+            None => {
+                self.shapes.stats.misses += 1;
+                let t0 = Instant::now();
+                let graph = self.source.specialize(&sizes)?;
+                let params = if self.shapes.version == 0 {
+                    self.shapes.initial.clone()
+                } else {
+                    (0..self.source.params.len())
+                        .map(|i| self.session.read_param(i).map(Arc::new))
+                        .collect::<std::result::Result<_, _>>()?
+                };
+                let (mut spec, _) =
+                    build(&graph, sizes, self.session.device(), &self.opts, params)?;
+                spec.version = self.shapes.version;
+                self.shapes.stats.compiled += 1;
+                tracing::info!(
+                    dims = %at,
+                    millis = t0.elapsed().as_secs_f64() * 1e3,
+                    compiled = self.shapes.stats.compiled,
+                    "compiled a new shape"
+                );
+                spec
+            }
+        };
+        if spec.version != self.shapes.version {
+            for i in 0..self.source.params.len() {
+                let v = self.session.read_param(i)?;
+                spec.session.write_param(i, &v)?;
+            }
+            spec.version = self.shapes.version;
+        }
+        std::mem::swap(&mut self.shapes.current, &mut spec.sizes);
+        std::mem::swap(&mut self.optimized, &mut spec.optimized);
+        std::mem::swap(&mut self.plan, &mut spec.plan);
+        std::mem::swap(&mut self.session, &mut spec.session);
+        std::mem::swap(&mut self.report, &mut spec.report);
+        std::mem::swap(&mut self.sources, &mut spec.sources);
+        std::mem::swap(&mut self.observe.compile, &mut spec.compile);
+        self.shapes.others.insert(0, spec);
+        while self.shapes.others.len() >= self.shapes.capacity {
+            if let Some(old) = self.shapes.others.pop() {
+                self.shapes.stats.evictions += 1;
+                tracing::debug!(dims = %self.source.dims.describe(&old.sizes), "shape cache evicted");
+            }
+        }
+        self.session
+            .set_step_timing(self.observe.timing || self.observe.trace.is_some());
+        if self.observe.trace.is_some() {
+            let steps = self.step_infos();
+            if let Some(t) = &mut self.observe.trace {
+                t.set_steps(steps);
+            }
+        }
+        Ok(())
+    }
+
+    /// What the cache of compiled shapes did (a graph without named dims has one shape).
+    pub fn shape_cache(&self) -> ShapeCacheStats {
+        ShapeCacheStats {
+            cached: 1 + self.shapes.others.len(),
+            ..self.shapes.stats.clone()
+        }
+    }
+
+    /// The sizes of the named dims the current plan was compiled for (`batch=5`; empty for a
+    /// graph without named dims).
+    pub fn current_dims(&self) -> String {
+        self.source.dims.describe(&self.shapes.current)
+    }
+
+    /// The source graph (with its named dims), as compiled.
+    pub fn source_graph(&self) -> &Graph {
+        &self.source
     }
 
     /// Writes a Chrome trace (the Trace Event Format that Perfetto and chrome://tracing open)
@@ -685,6 +915,7 @@ impl Executable {
             });
         }
         self.session.write_param(i, &value)?;
+        self.shapes.version += 1;
         Ok(())
     }
 
@@ -699,6 +930,7 @@ impl Executable {
             if other.source.params[j].ty == d.ty {
                 let v = other.session.read_param(j)?;
                 self.session.write_param(i, &v)?;
+                self.shapes.version += 1;
                 n += 1;
             }
         }
@@ -748,6 +980,7 @@ impl Executable {
         for (i, t) in indexed {
             self.session.write_param(i, &t)?;
         }
+        self.shapes.version += 1;
         Ok(n)
     }
 }

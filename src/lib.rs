@@ -31,12 +31,13 @@ pub mod trace;
 pub use dlpack::{DlpackTensor, Imported};
 pub use executable::{
     compile, compile_graph, compile_with, workload, Anomaly, CompileOptions, Executable,
-    NonFinitePolicy, Outputs,
+    NonFinitePolicy, Outputs, ShapeCacheStats,
 };
 pub use rustytorch_codegen as codegen;
 pub use rustytorch_compiler as compiler;
 pub use rustytorch_compiler::{
-    AdamW, CompileError, Graph, GraphBuilder, Init, Optimizer, Sgd, StepOptions, Tensor, TrainStep,
+    AdamW, CompileError, DimExpr, Graph, GraphBuilder, Init, Optimizer, Sgd, StepOptions, Tensor,
+    TrainStep,
 };
 pub use rustytorch_ops as ops;
 pub use rustytorch_ops::{DType, HostTensor, Shape, TensorType};
@@ -47,9 +48,9 @@ pub use rustytorch_runtime::{Device, MemoryStats, TransferStats};
 /// What a program using RustyTorch usually needs.
 pub mod prelude {
     pub use crate::{
-        compile, compile_graph, compile_with, AdamW, CompileOptions, DType, Device, Executable,
-        Graph, GraphBuilder, HostTensor, Init, NonFinitePolicy, Sgd, Shape, StepOptions, Tensor,
-        TensorType,
+        compile, compile_graph, compile_with, AdamW, CompileOptions, DType, Device, DimExpr,
+        Executable, Graph, GraphBuilder, HostTensor, Init, NonFinitePolicy, Sgd, Shape,
+        StepOptions, Tensor, TensorType,
     };
     pub use rustytorch_compiler::ConvOpts;
     pub use rustytorch_ops::{Activation, AttnMask, Causal, Reduction};

@@ -78,6 +78,10 @@ enum Command {
         /// The device to show the placement for: `cpu`, `cuda`, `cuda:N` or `auto`.
         #[arg(short, long, default_value = "auto")]
         device: String,
+        /// The size of a named dim to inspect the graph at, as NAME=SIZE (repeatable; a named
+        /// dim not given keeps its default size).
+        #[arg(long = "dim", value_name = "NAME=SIZE")]
+        dims: Vec<String>,
         #[command(flatten)]
         picture: cli_observe::PictureArgs,
     },
@@ -153,8 +157,9 @@ fn main() -> ExitCode {
             graph,
             passes,
             device,
+            dims,
             picture,
-        } => inspect(&graph, passes, &device, &picture),
+        } => inspect(&graph, passes, &device, &dims, &picture),
         Command::Profile(args) => cli_observe::run_profile(args),
         Command::Convert { graph, to, output } => convert(&graph, to, output),
         Command::Embed(args) => embed::run(args).map_err(Failure),
@@ -197,7 +202,7 @@ fn list_inputs(graph: &Graph) -> String {
     }
     let mut s = String::from("the graph's inputs are:");
     for i in &graph.inputs {
-        let _ = write!(s, "\n  {}: {}", i.name, i.ty);
+        let _ = write!(s, "\n  {}: {}", i.name, graph.sym_type_text(i.node));
     }
     s
 }
@@ -210,7 +215,7 @@ fn read_given_inputs(graph: &Graph, args: &[String]) -> Res<BTreeMap<String, Hos
         let Some((name, file)) = a.split_once('=') else {
             return fail(format!("--input `{a}`: expected NAME=FILE.npy"));
         };
-        let Some(def) = graph.input_by_name(name) else {
+        let Some(index) = graph.inputs.iter().position(|d| d.name == name) else {
             return fail(format!(
                 "--input `{name}`: the graph has no input named `{name}`; {}",
                 list_inputs(graph)
@@ -219,15 +224,21 @@ fn read_given_inputs(graph: &Graph, args: &[String]) -> Res<BTreeMap<String, Hos
         if given.contains_key(name) {
             return fail(format!("--input `{name}` is given twice"));
         }
+        let def = &graph.inputs[index];
         let mut t =
             npy::read_npy(Path::new(file)).map_err(|e| Failure(format!("input `{name}`: {e}")))?;
         if def.ty.dtype == DType::BF16 && t.dtype() == DType::F32 {
             t = t.cast(DType::BF16);
         }
-        if t.ty() != def.ty {
-            let what = if t.dtype() != def.ty.dtype && t.shape() != &def.ty.shape {
+        // Named dims take any size here; the executable checks that the inputs agree on them.
+        let (dtype_bad, shape_bad) = (
+            t.dtype() != def.ty.dtype,
+            !graph.input_fits(index, t.shape()),
+        );
+        if dtype_bad || shape_bad {
+            let what = if dtype_bad && shape_bad {
                 "dtype and shape"
-            } else if t.dtype() != def.ty.dtype {
+            } else if dtype_bad {
                 "dtype"
             } else {
                 "shape"
@@ -239,7 +250,7 @@ fn read_given_inputs(graph: &Graph, args: &[String]) -> Res<BTreeMap<String, Hos
             };
             return fail(format!(
                 "input `{name}` ({file}): wrong {what}: expected {}, got {}{hint}",
-                def.ty,
+                graph.sym_type_text(def.node),
                 t.ty()
             ));
         }
@@ -423,6 +434,9 @@ fn run(
         .map(|(n, t)| (n.as_str(), t.clone()))
         .collect();
     let outs = exe.run(&named)?;
+    if graph.has_named_dims() {
+        println!("named dims: {}", exe.current_dims());
+    }
     std::fs::create_dir_all(out).map_err(|e| Failure(format!("{}: {e}", out.display())))?;
     let stems = file_stems(outs.names().iter().map(|n| n.as_str()));
     for ((name, t), stem) in outs.iter().zip(stems) {
@@ -451,14 +465,48 @@ fn run(
 /// Tensors with more elements than this print as `[... N values]` in `inspect`.
 const ELIDE: usize = 16;
 
+/// The sizes of the graph's named dims: the defaults, with `NAME=SIZE` arguments applied.
+fn dim_sizes(graph: &Graph, args: &[String]) -> Res<Vec<usize>> {
+    let named = &graph.dims.named;
+    let mut sizes = graph.dims.defaults();
+    let known = || {
+        if named.is_empty() {
+            "the graph has no named dims".to_string()
+        } else {
+            let n: Vec<String> = named
+                .iter()
+                .map(|d| format!("`{}` (default {})", d.name, d.size))
+                .collect();
+            format!("the graph's named dims are {}", n.join(", "))
+        }
+    };
+    for a in args {
+        let Some((name, size)) = a.split_once('=') else {
+            return fail(format!("--dim `{a}`: expected NAME=SIZE"));
+        };
+        let Some(k) = named.iter().position(|d| d.name == name) else {
+            return fail(format!("--dim `{a}`: no named dim `{name}`; {}", known()));
+        };
+        sizes[k] = match size.parse::<usize>() {
+            Ok(n) if n > 0 => n,
+            _ => return fail(format!("--dim `{a}`: the size must be a positive integer")),
+        };
+    }
+    Ok(sizes)
+}
+
 fn inspect(
     graph_path: &Path,
     show_passes: bool,
     device: &str,
+    dims: &[String],
     picture: &cli_observe::PictureArgs,
 ) -> Res<()> {
     let device = parse_device(device)?;
-    let graph = load_graph(graph_path)?;
+    let source = load_graph(graph_path)?;
+    // A graph with named dims is inspected at one size of them (the defaults unless given).
+    let sizes = dim_sizes(&source, dims)?;
+    let graph = source.specialize(&sizes)?;
     if picture.wanted() {
         cli_observe::picture(&graph, show_passes, picture)?;
         if picture.output.is_none() {
@@ -466,7 +514,26 @@ fn inspect(
             return Ok(());
         }
     }
-    println!("{}", text::print_elided(&graph, ELIDE));
+    println!("{}", text::print_elided(&source, ELIDE));
+    if source.has_named_dims() {
+        let at: Vec<String> = source
+            .dims
+            .named
+            .iter()
+            .zip(&sizes)
+            .map(|(d, &n)| {
+                if n == d.size {
+                    format!("{}={n} (default)", d.name)
+                } else {
+                    format!("{}={n}", d.name)
+                }
+            })
+            .collect();
+        println!(
+            "named dims: {} (the figures below are for these sizes; --dim NAME=SIZE)",
+            at.join(", ")
+        );
+    }
     let trainable = graph.params.iter().filter(|p| p.trainable).count();
     println!(
         "parameters: {} elements in {} trainable tensors ({} tensors in all)",

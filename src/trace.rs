@@ -236,6 +236,12 @@ fn meta(what: &str, pid: u64, tid: Option<u64>, name: &str) -> Value {
 }
 
 impl Tracer {
+    /// Replaces the steps that runs are described by (the executable switched to the plan
+    /// compiled for another shape).
+    pub(crate) fn set_steps(&mut self, steps: Vec<StepInfo>) {
+        self.steps = steps;
+    }
+
     /// Opens (or joins) the trace file at `path` and writes the executable's compile.
     pub(crate) fn start(
         path: &Path,

@@ -1,10 +1,16 @@
 // The digits CNN shared by the `digits` example and the training test.
 use rustytorch::prelude::*;
 
-/// Builds the classifier for `batch` 8×8 images; returns (images input, logits). Parameters are
-/// named, so executables of different batch sizes can exchange them.
-pub fn digits_cnn(g: &GraphBuilder, batch: usize) -> (Tensor, Tensor) {
-    let x = g.input("x", DType::F32, [batch, 1, 8, 8]);
+/// Builds the classifier for `batch` 8×8 images, a fixed size or a named dim
+/// (`g.dim("batch", 16)`: the executable then runs any batch size); returns (images input,
+/// logits). Parameters are named, so executables of different batch sizes can exchange them.
+pub fn digits_cnn(g: &GraphBuilder, batch: impl Into<DimExpr>) -> (Tensor, Tensor) {
+    let batch = batch.into();
+    let x = g.input_dims(
+        "x",
+        DType::F32,
+        &[batch.clone(), 1.into(), 8.into(), 8.into()],
+    );
     let c1 = g.param("conv1.w", [16, 1, 3, 3], Init::kaiming_uniform(9, 11));
     let b1 = g.param("conv1.b", [16], Init::kaiming_uniform(9, 12));
     let c2 = g.param("conv2.w", [32, 16, 3, 3], Init::kaiming_uniform(144, 13));
@@ -17,7 +23,7 @@ pub fn digits_cnn(g: &GraphBuilder, batch: usize) -> (Tensor, Tensor) {
     let h = x.conv(&c1, Some(&b1), &same).relu();
     let h = h.conv(&c2, Some(&b2), &same).relu();
     let h = h.max_pool(&[2], &[2], &[0]); // [B, 32, 4, 4]
-    let h = h.reshape([batch, 512]);
+    let h = h.reshape_dims(&[batch, 512.into()]); // flatten, following the batch
     let h = h.matmul(&w3).add(&b3).gelu();
     let logits = h.matmul(&w4).add(&b4);
     (x, logits)
