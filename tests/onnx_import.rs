@@ -568,3 +568,44 @@ fn runner_imports_runs_and_inspects_onnx() {
         .lines()
         .any(|l| l == "Conv"));
 }
+
+/// GELU as PyTorch exports it (`x/√2`, Erf, `+1`, `·x`, `·0.5`): the scalars stay constants, and
+/// the optimizer recognizes the whole as one `gelu`.
+#[test]
+fn exported_erf_gelu_is_recognized() {
+    let scalar = |name: &str, v: f32| TensorProto {
+        name: Some(name.into()),
+        data_type: Some(DataType::Float as i32),
+        float_data: vec![v],
+        ..Default::default()
+    };
+    let m = model(
+        vec![
+            node("Div", &["x", "sqrt2"], &["a"], vec![]),
+            node("Erf", &["a"], &["e"], vec![]),
+            node("Add", &["e", "one"], &["e1"], vec![]),
+            node("Mul", &["x", "e1"], &["p"], vec![]),
+            node("Mul", &["p", "half"], &["y"], vec![]),
+        ],
+        vec![f32_info("x", &[4, 6])],
+        vec![f32_info("y", &[])],
+        vec![
+            scalar("sqrt2", std::f32::consts::SQRT_2),
+            scalar("one", 1.0),
+            scalar("half", 0.5),
+        ],
+    );
+    let g = import_bytes(&m.encode_to_vec(), None, &ImportOptions::default()).unwrap();
+    assert!(g.params.is_empty(), "scalars are constants, not parameters");
+    let mut exe = rustytorch::compile_graph(&g, Device::Cpu, &CompileOptions::inference()).unwrap();
+    let ir = rustytorch::compiler::text::print(exe.optimized_graph());
+    assert!(ir.contains("gelu") && !ir.contains("erf"), "{ir}");
+    let x = rand_tensor(&f32t(&[4, 6]), 51, -4.0, 4.0);
+    let y = exe.run(&[("x", x.clone())]).unwrap()[0].clone();
+    let want: Vec<f64> = x
+        .to_f64_vec()
+        .iter()
+        .map(|&v| 0.5 * v * (1.0 + rustytorch::ops::elementwise::erf(v / 2f64.sqrt())))
+        .collect();
+    assert_close(&y.to_f64_vec(), &want, 1e-5, "y");
+}

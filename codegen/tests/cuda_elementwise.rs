@@ -9,7 +9,7 @@ use rustytorch_ops::{
     TensorType, UnaryOp,
 };
 
-const UNARY: [UnaryOp; 23] = [
+const UNARY: [UnaryOp; 24] = [
     UnaryOp::Neg,
     UnaryOp::Abs,
     UnaryOp::Exp,
@@ -33,6 +33,7 @@ const UNARY: [UnaryOp; 23] = [
     UnaryOp::IsNan,
     UnaryOp::IsInf,
     UnaryOp::IsFinite,
+    UnaryOp::Erf,
 ];
 
 const BINARY: [BinaryOp; 15] = [

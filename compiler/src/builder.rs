@@ -625,6 +625,8 @@ impl Tensor {
         isinf => IsInf,
         /// is finite
         isfinite => IsFinite,
+        /// the error function
+        erf => Erf,
     }
 
     binary_methods! {

@@ -114,7 +114,15 @@ rewrites! {
     silu_div: format!("(div {X} (add (exp (neg {X})) 1))") => format!("(silu {X})");
 }
 
+rewrites! {
+    gelu_erf_mul:
+        format!("(mul (mul {X} 0.5) (add (erf (mul {X} 0.70710678)) 1))") => format!("(gelu {X})");
+    gelu_erf_div:
+        format!("(mul (mul {X} (add (erf (div {X} 1.41421356)) 1)) 0.5)") => format!("(gelu {X})");
+}
+
 keeps! {
+    gelu_erf_wrong_scale: format!("(mul (mul {X} 0.5) (add (erf (mul {X} 0.5)) 1))") => format!("(gelu {X})");
     gelu_tanh_wrong_constant: gelu_spelled(X, 0.7978845608, 0.05) => format!("(gelu_tanh {X})");
     gelu_tanh_wrong_scale: gelu_spelled(X, 0.9, 0.044715) => format!("(gelu_tanh {X})");
 }

@@ -271,6 +271,59 @@ fn gelu_tanh_spellings_keep_values() {
     gelu_cases(&mut Checker::default());
 }
 
+/// GELU (erf form) in primitives: `outer` indexes the rule's outer spellings, `div` writes
+/// `erf(x / √2)` instead of `erf(x·(1/√2))`, `left` writes every constant on the left.
+fn gelu_erf_spelled(x: &Tensor, outer: usize, div: bool, left: bool) -> Tensor {
+    let c = |v: f64, t: &Tensor| {
+        if left {
+            t.scalar_like(v).mul(t)
+        } else {
+            t.mul_scalar(v)
+        }
+    };
+    let arg = if div {
+        x.div_scalar(std::f64::consts::SQRT_2)
+    } else {
+        c(std::f64::consts::FRAC_1_SQRT_2, x)
+    };
+    let e = arg.erf();
+    let e1 = if left {
+        e.scalar_like(1.0).add(&e)
+    } else {
+        e.add_scalar(1.0)
+    };
+    match outer {
+        0 => c(0.5, x).mul(&e1),
+        1 => c(0.5, &x.mul(&e1)),
+        2 => x.mul(&c(0.5, &e1)),
+        _ => e1.mul(&c(0.5, x)),
+    }
+}
+
+fn gelu_erf_cases(ck: &mut Checker) {
+    for dtype in FLOATS {
+        for (i, feed) in activation_inputs(dtype).into_iter().enumerate() {
+            for (o, on) in GELU_OUTERS.iter().enumerate() {
+                for (div, inn) in [(false, "mul"), (true, "div")] {
+                    let left = (o + i) % 2 == 1;
+                    ck.check(
+                        &format!("gelu-erf/{on}/{inn}"),
+                        "gelu",
+                        std::slice::from_ref(&feed),
+                        tol(dtype),
+                        |_, x| gelu_erf_spelled(&x[0], o, div, left),
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gelu_erf_spellings_keep_values() {
+    gelu_erf_cases(&mut Checker::default());
+}
+
 fn silu_cases(ck: &mut Checker) {
     for dtype in FLOATS {
         for feed in activation_inputs(dtype) {
@@ -676,6 +729,7 @@ fn every_recognition_rule_is_checked_on_values() {
         ..Default::default()
     };
     gelu_cases(&mut ck);
+    gelu_erf_cases(&mut ck);
     silu_cases(&mut ck);
     softmax_cases(&mut ck);
     norm_cases(&mut ck);
@@ -1040,6 +1094,7 @@ const UNARY: &[(&str, rustytorch_ops::UnaryOp)] = {
         ("gelu", GeluErf),
         ("gelu_tanh", GeluTanh),
         ("silu", Silu),
+        ("erf", Erf),
     ]
 };
 

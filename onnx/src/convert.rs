@@ -184,6 +184,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "Dropout",
         "Elu",
         "Equal",
+        "Erf",
         "Exp",
         "Expand",
         "Flatten",
@@ -764,7 +765,7 @@ impl Importer {
                 one(acc)
             }
             "Neg" | "Abs" | "Exp" | "Log" | "Sqrt" | "Reciprocal" | "Sin" | "Cos" | "Tanh"
-            | "Sigmoid" | "Relu" | "Sign" | "Floor" | "Ceil" | "Round" | "Not" | "IsNaN" => {
+            | "Sigmoid" | "Relu" | "Sign" | "Floor" | "Ceil" | "Round" | "Not" | "IsNaN" | "Erf" => {
                 let u = match op_type {
                     "Neg" => UnaryOp::Neg,
                     "Abs" => UnaryOp::Abs,
@@ -782,6 +783,7 @@ impl Importer {
                     "Ceil" => UnaryOp::Ceil,
                     "Round" => UnaryOp::Round,
                     "Not" => UnaryOp::Not,
+                    "Erf" => UnaryOp::Erf,
                     _ => UnaryOp::IsNan,
                 };
                 let x = self.input(cx, 0)?;

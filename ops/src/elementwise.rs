@@ -47,7 +47,8 @@ fn unary_accepts(u: UnaryOp, d: DType) -> bool {
         | UnaryOp::Sigmoid
         | UnaryOp::GeluErf
         | UnaryOp::GeluTanh
-        | UnaryOp::Silu => d.is_float(),
+        | UnaryOp::Silu
+        | UnaryOp::Erf => d.is_float(),
         UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round => d.is_float() || d.is_int(),
         UnaryOp::Neg => d.is_float() || matches!(d, DType::I32 | DType::I64),
         UnaryOp::Abs | UnaryOp::Sign | UnaryOp::Relu => d.is_float() || d.is_int(),
@@ -329,6 +330,7 @@ pub(crate) trait Real:
     fn abs(self) -> Self;
     fn powf(self, e: Self) -> Self;
     fn erfc(self) -> Self;
+    fn erf(self) -> Self;
     fn is_nan(self) -> bool;
     fn is_infinite(self) -> bool;
     fn is_finite(self) -> bool;
@@ -410,6 +412,10 @@ macro_rules! real_impl {
             #[inline(always)]
             fn erfc(self) -> Self {
                 erfc(self as f64) as $t
+            }
+            #[inline(always)]
+            fn erf(self) -> Self {
+                erf(self as f64) as $t
             }
             #[inline(always)]
             fn is_nan(self) -> bool {
@@ -789,6 +795,7 @@ fn unary_real<F: Real>(u: UnaryOp, x: Operand<'_, F>, d: &mut [F]) {
         UnaryOp::IsNan => map1(x, d, |v: F| F::from_bool(v.is_nan())),
         UnaryOp::IsInf => map1(x, d, |v: F| F::from_bool(v.is_infinite())),
         UnaryOp::IsFinite => map1(x, d, |v: F| F::from_bool(v.is_finite())),
+        UnaryOp::Erf => map1(x, d, F::erf),
     }
 }
 
@@ -1964,6 +1971,14 @@ fn unary_vjp(cx: &mut VjpCtx<'_>, u: UnaryOp) -> Result<Vec<Option<Value>>> {
             let t = cx.mul(x, t)?;
             let t = cx.add(one, t)?;
             let d = cx.mul(s, t)?;
+            cx.mul(g, d)?
+        }
+        UnaryOp::Erf => {
+            // d/dx erf x = 2/√π · e^(−x²)
+            let x2 = cx.mul(x, x)?;
+            let n = cx.unary(UnaryOp::Neg, x2)?;
+            let e = cx.unary(UnaryOp::Exp, n)?;
+            let d = cx.mul_scalar(e, std::f64::consts::FRAC_2_SQRT_PI)?;
             cx.mul(g, d)?
         }
         UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round => cx.emit(

@@ -80,6 +80,8 @@ pub enum UnaryOp {
     IsInf,
     /// x is finite (bool result).
     IsFinite,
+    /// erf x, the error function.
+    Erf,
 }
 
 /// Elementwise functions of two tensors, with numpy broadcasting.

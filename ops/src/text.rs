@@ -120,6 +120,7 @@ pub fn unary_name(u: UnaryOp) -> &'static str {
         UnaryOp::IsNan => "isnan",
         UnaryOp::IsInf => "isinf",
         UnaryOp::IsFinite => "isfinite",
+        UnaryOp::Erf => "erf",
     }
 }
 
@@ -145,7 +146,7 @@ pub fn binary_name(b: BinaryOp) -> &'static str {
 }
 
 /// Every unary op, in declaration order.
-pub const UNARY_OPS: [UnaryOp; 23] = [
+pub const UNARY_OPS: [UnaryOp; 24] = [
     UnaryOp::Neg,
     UnaryOp::Abs,
     UnaryOp::Exp,
@@ -169,6 +170,7 @@ pub const UNARY_OPS: [UnaryOp; 23] = [
     UnaryOp::IsNan,
     UnaryOp::IsInf,
     UnaryOp::IsFinite,
+    UnaryOp::Erf,
 ];
 
 /// Every binary op, in declaration order.

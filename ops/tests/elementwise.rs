@@ -118,11 +118,12 @@ fn unary_ref(u: UnaryOp, x: f64) -> f64 {
         UnaryOp::IsNan => x.is_nan() as u8 as f64,
         UnaryOp::IsInf => x.is_infinite() as u8 as f64,
         UnaryOp::IsFinite => x.is_finite() as u8 as f64,
+        UnaryOp::Erf => 1.0 - erfc_ref(x),
     }
 }
 
 /// Every float unary op with its input range.
-const FLOAT_UNARY: [(UnaryOp, f64, f64); 19] = [
+const FLOAT_UNARY: [(UnaryOp, f64, f64); 20] = [
     (UnaryOp::Neg, -3.0, 3.0),
     (UnaryOp::Abs, -3.0, 3.0),
     (UnaryOp::Exp, -3.0, 3.0),
@@ -142,6 +143,7 @@ const FLOAT_UNARY: [(UnaryOp, f64, f64); 19] = [
     (UnaryOp::Floor, -3.0, 3.0),
     (UnaryOp::Ceil, -3.0, 3.0),
     (UnaryOp::Round, -3.0, 3.0),
+    (UnaryOp::Erf, -3.0, 3.0),
 ];
 
 #[test]
@@ -1069,7 +1071,7 @@ fn fused_kernel_validation() {
 
 // ---- gradients ----
 
-const DIFFERENTIABLE_UNARY: [(UnaryOp, f64, f64); 19] = FLOAT_UNARY;
+const DIFFERENTIABLE_UNARY: [(UnaryOp, f64, f64); 20] = FLOAT_UNARY;
 
 #[test]
 fn gradcheck_unary() {

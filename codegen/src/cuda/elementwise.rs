@@ -508,6 +508,7 @@ fn real_unary(b: &mut Body, u: UnaryOp, x: Expr, t: CTy) -> Result<Expr> {
         UnaryOp::IsNan => un(UnFn::IsNan, x),
         UnaryOp::IsInf => un(UnFn::IsInf, x),
         UnaryOp::IsFinite => un(UnFn::IsFinite, x),
+        UnaryOp::Erf => un(UnFn::Erf, x),
         UnaryOp::Not => return Err(ill_typed("`not` of a float".into())),
     })
 }

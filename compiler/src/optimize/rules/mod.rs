@@ -560,6 +560,7 @@ pub(crate) const FLOAT_UNARY: &[&str] = &[
     "gelu",
     "gelu_tanh",
     "silu",
+    "erf",
 ];
 
 /// The arithmetic binary ops that constant folding covers and that a broadcast is pushed past.

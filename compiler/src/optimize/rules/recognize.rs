@@ -6,8 +6,9 @@
 //! constants are matched within a tolerance, never bit for bit):
 //! - GELU, tanh form: `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` with `x³` as `pow(x, 3)`,
 //!   `x·x·x` or `x·(x·x)`, the 0.5 applied first or last, either order of the inner sum
-//!   → `gelu_tanh`. There is no `erf` primitive, so GELU's erf form cannot be spelled and is not
-//!   recognized.
+//!   → `gelu_tanh`.
+//! - GELU, erf form: `0.5·x·(1 + erf(x·(1/√2)))` or `erf(x / √2)`, with the same outer orders
+//!   → `gelu`.
 //! - SiLU: `x·sigmoid(x)`, `sigmoid(x)·x`, `x / (1 + exp(-x))` → `silu`.
 //! - Softmax over any single axis (reductions with `keep_dims`):
 //!   `exp(x − max x) / Σ exp(x − max x)`, the same with `· (1/Σ)`, and `exp x / Σ exp x`
@@ -56,6 +57,19 @@ fn gelu_tanh(cx: &mut Ctx<'_>) -> Option<Id> {
     }
     let x = cx.id("?x");
     cx.fuse(Op::Unary(UnaryOp::GeluTanh), &[x])
+}
+
+/// `0.5·x·(1 + erf(x·?c))` with `?c` near `c` (1/√2 for a product, √2 for a quotient).
+fn gelu_erf(cx: &mut Ctx<'_>, c: f64) -> Option<Id> {
+    let ok = is_float(cx, "?x")
+        && cx.scalar_near("?half", 0.5, RTOL)
+        && cx.scalar_near("?one", 1.0, RTOL)
+        && cx.scalar_near("?c", c, RTOL);
+    if !ok {
+        return None;
+    }
+    let x = cx.id("?x");
+    cx.fuse(Op::Unary(UnaryOp::GeluErf), &[x])
 }
 
 fn unary(cx: &mut Ctx<'_>, u: UnaryOp, check_one: bool) -> Option<Id> {
@@ -333,6 +347,22 @@ pub fn rules() -> Vec<Rw> {
                 format!("gelu-tanh/{on}/{inn}"),
                 &o.replace("INNER", i),
                 gelu_tanh,
+            ));
+        }
+    }
+
+    // GELU (erf form): the same outer orders around `erf(x·(1/√2))` or `erf(x / √2)`.
+    let erf_inners = [
+        ("mul", "(mul ?x ?c)", std::f64::consts::FRAC_1_SQRT_2),
+        ("div", "(div ?x ?c)", std::f64::consts::SQRT_2),
+    ];
+    for (on, o) in outers {
+        for (inn, i, c) in erf_inners {
+            // 0.5·x·(1 + erf(x/√2)) == gelu(x).
+            r.push(build(
+                format!("gelu-erf/{on}/{inn}"),
+                &o.replace("tanh INNER", &format!("erf {i}")),
+                move |cx| gelu_erf(cx, c),
             ));
         }
     }
