@@ -4,12 +4,13 @@
 //! moves well under half the copy bandwidth and its backward needs the forward result, which the
 //! graph does not keep. Forward: a thread per output element loops over the in-bounds part of its
 //! window (padding never wins a max, NaN does). Backward: a thread per input element gathers from
-//! the outputs whose windows hold it, so no atomics are needed; for max pooling it recomputes each
-//! such window's first maximum (the CPU kernel's rule) and takes the gradient where that is itself.
+//! the outputs whose windows hold it, so no atomics are needed; max pooling first writes each
+//! window's first maximum (the CPU kernel's rule; its in-plane index) to the step's scratch, and
+//! the gather takes the gradient of the outputs whose maximum is itself.
 
 use super::elementwise::{grid, grid_kernel, linear, param, Body, Coords};
 use super::ir::*;
-use super::{Launch, StepKernels};
+use super::{ArgRef, Launch, StepKernels};
 use crate::{CodegenError, Result};
 use rustytorch_ops::{ConvGeom, Op, PoolKind, Shape, TensorType};
 
@@ -243,8 +244,63 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
         return Ok(launch(k, 1, n));
     }
     let geo = Geo::new(&x.shape, &inputs[1].shape, kernel, geom);
+    // Max pooling: first each output's window maximum (its in-plane index) into the scratch,
+    // then a gather that compares those indices with its own.
+    let max = matches!(kind, PoolKind::Max);
+    let idx_ty = if geo.in_sp() <= i32::MAX as usize {
+        CTy::I32
+    } else {
+        CTy::I64
+    };
+    let n_out = inputs[1].shape.numel();
+    let mut launches = vec![];
+    if max {
+        let params = vec![
+            param("x", dt, false),
+            Param {
+                name: "idx".into(),
+                elem: idx_ty,
+                writes: true,
+            },
+        ];
+        let k = grid_kernel("pool_argmax", params, n_out, |b: &mut Body, i| {
+            let mut dims = vec![geo.planes];
+            dims.extend(&geo.outs);
+            let mut co = Coords::new(&dims, i.clone());
+            let plane = co.get(b, 0);
+            let mut pre = vec![];
+            let ranges: Vec<(Expr, Expr)> = (0..geo.outs.len())
+                .map(|j| {
+                    let oj = co.get(b, j + 1);
+                    window(&mut pre, &geo, j, oj, "")
+                })
+                .collect();
+            for s in pre {
+                b.push(s);
+            }
+            let base = b.named("base", CTy::I64, mul(plane, i64c(geo.in_sp() as i64)));
+            for s in argmax(&geo, &ranges, base, ty, el, "") {
+                b.push(s);
+            }
+            b.push(store("idx", idx_ty, i, cast(idx_ty, var("at"))));
+            Ok(())
+        })?;
+        launches.push(Launch {
+            kernel: k,
+            args: vec![ArgRef::Input(0), ArgRef::Scratch],
+            grid: grid(n_out),
+        });
+    }
     let params = vec![
-        param("x", dt, false),
+        if max {
+            Param {
+                name: "idx".into(),
+                elem: idx_ty,
+                writes: false,
+            }
+        } else {
+            param("x", dt, false)
+        },
         param("dy", dt, false),
         param("out", dt, true),
     ];
@@ -254,11 +310,6 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
         let mut co = Coords::new(&dims, i.clone());
         let plane = co.get(b, 0);
         let xs: Vec<Expr> = (0..geo.ins.len()).map(|j| co.get(b, j + 1)).collect();
-        let xbase = b.named(
-            "xbase",
-            CTy::I64,
-            mul(plane.clone(), i64c(geo.in_sp() as i64)),
-        );
         let ybase = b.named("ybase", CTy::I64, mul(plane, i64c(geo.out_sp() as i64)));
         let me = b.named(
             "me",
@@ -303,25 +354,28 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
                 .collect(),
             0,
         );
-        let mut body = vec![let_("g", ty, load("dy", el, add(ybase, o_index)))];
-        let ranges: Vec<(Expr, Expr)> = (0..geo.outs.len())
-            .map(|j| window(&mut body, &geo, j, var(&format!("ow{j}")), "p"))
-            .collect();
+        let oi = "oi";
+        let mut body = vec![
+            let_(oi, CTy::I64, add(ybase, o_index)),
+            let_("g", ty, load("dy", el, var(oi))),
+        ];
         match kind {
-            PoolKind::Avg { count_include_pad } => body.push(assign(
-                "acc",
-                add(
-                    var("acc"),
-                    div(var("g"), divisor(&geo, count_include_pad, &ranges, ty)),
-                ),
-            )),
-            PoolKind::Max => {
-                body.extend(argmax(&geo, &ranges, xbase, ty, el, "p"));
-                body.push(if_(
-                    bin(BinFn::Eq, var("pat"), me),
-                    vec![assign("acc", add(var("acc"), var("g")))],
-                ));
+            PoolKind::Avg { count_include_pad } => {
+                let ranges: Vec<(Expr, Expr)> = (0..geo.outs.len())
+                    .map(|j| window(&mut body, &geo, j, var(&format!("ow{j}")), "p"))
+                    .collect();
+                body.push(assign(
+                    "acc",
+                    add(
+                        var("acc"),
+                        div(var("g"), divisor(&geo, count_include_pad, &ranges, ty)),
+                    ),
+                ))
             }
+            PoolKind::Max => body.push(if_(
+                bin(BinFn::Eq, cast(CTy::I64, load("idx", idx_ty, var(oi))), me),
+                vec![assign("acc", add(var("acc"), var("g")))],
+            )),
         }
         b.push(let_("acc", ty, fc(0.0, ty)));
         for s in nest(&outs, "o", body) {
@@ -330,5 +384,22 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
         b.push(store("out", el, i, var("acc")));
         Ok(())
     })?;
-    Ok(launch(k, 2, n))
+    let mut args = vec![
+        if max {
+            ArgRef::Scratch
+        } else {
+            ArgRef::Input(0)
+        },
+        ArgRef::Input(1),
+    ];
+    args.push(ArgRef::Output);
+    launches.push(Launch {
+        kernel: k,
+        args,
+        grid: grid(n),
+    });
+    Ok(StepKernels {
+        launches,
+        scratch_bytes: if max { n_out * elem_bytes(idx_ty) } else { 0 },
+    })
 }
