@@ -229,3 +229,33 @@ def test_load_ir_text_files(tmp_path):
     b = np.from_dlpack(exe.param("b"))
     np.testing.assert_allclose(np.from_dlpack(exe(x)), mlp_reference(x, w, b), rtol=1e-5, atol=1e-6)
     assert "matmul" in exe.optimized_ir()
+
+
+def test_attention_block_matches_numpy():
+    """The transformer block of examples/torch_attention.py, against NumPy in float64."""
+    import math
+    import pathlib
+
+    exe = rt.load(pathlib.Path(__file__).parent.parent / "examples" / "attention_block.rtir")
+    p = {n: np.from_dlpack(t).astype(np.float64) for n, t in exe.params().items()}
+    x = sample(np.float32, (2, 16, 64), 18)
+
+    def layer_norm(h):
+        mu = h.mean(-1, keepdims=True)
+        var = h.var(-1, keepdims=True)
+        return (h - mu) / np.sqrt(var + 1e-5) * p["ln.w"] + p["ln.b"]
+
+    def heads(t):
+        return t.reshape(2, 16, 4, 16).transpose(0, 2, 1, 3)
+
+    h = layer_norm(x.astype(np.float64))
+    q, k, v = (heads(h @ p[w]) for w in ("wq", "wk", "wv"))
+    s = q @ k.transpose(0, 1, 3, 2) * 0.25
+    s = np.where(np.tril(np.ones((16, 16), bool)), s, -np.inf)
+    a = np.exp(s - s.max(-1, keepdims=True))
+    a = (a / a.sum(-1, keepdims=True)) @ v
+    r = x + a.transpose(0, 2, 1, 3).reshape(2, 16, 64) @ p["wo"]
+    u = layer_norm(r) @ p["w1"] + p["b1"]
+    gelu = 0.5 * u * (1 + np.vectorize(math.erf)(u / math.sqrt(2)))
+    want = r + gelu @ p["w2"] + p["b2"]
+    np.testing.assert_allclose(np.from_dlpack(exe(x=x)), want, rtol=1e-4, atol=1e-4)
