@@ -220,7 +220,8 @@ impl GraphBuilder {
 
     /// Declares the named dim `name` with its default size, the size the graph is built at;
     /// use it in [`GraphBuilder::input_dims`]. An executable of the graph runs at any size
-    /// (see [`crate::dims`]).
+    /// (see [`crate::dims`]). Distinct default sizes for distinct names let reshapes that split
+    /// a product of names tell them apart.
     #[track_caller]
     pub fn dim(&self, name: &str, size: usize) -> DimExpr {
         let at = Location::caller();

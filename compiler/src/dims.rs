@@ -858,8 +858,13 @@ pub(crate) fn reshape_dims(
         [] => (rest.as_fixed() == Some(1)).then_some(())?,
         [k] => out[*k] = Some(rest),
         _ => {
-            // Names go, in order, to the first dims their default sizes divide.
+            // Names go, in order, to the first dims their default sizes divide; two names of
+            // one default size could go either way, so they are not guessed.
             let mut names = rest.names().to_vec();
+            let distinct = |a: &String, b: &String| a == b || size(a) != size(b);
+            if names.iter().any(|a| names.iter().any(|b| !distinct(a, b))) {
+                return None;
+            }
             let mut shared = DimExpr::fixed(1);
             for &k in &middle {
                 let mut e = DimExpr::fixed(1);

@@ -215,3 +215,20 @@ fn a_parameter_cannot_take_a_named_dim() {
     let m = graph.verify().unwrap_err().to_string();
     assert!(m.contains("param") && m.contains("fixed shapes"), "{m}");
 }
+
+#[test]
+fn a_split_product_follows_its_names_or_stays_fixed() {
+    // Embedding-style: ids [batch, seq] flattened, rows gathered, then split back.
+    let split = |b: usize, s: usize| {
+        let g = GraphBuilder::new();
+        let bd = g.dim("batch", b);
+        let sd = g.dim("seq", s);
+        let x = g.input_dims("x", DType::F32, &[bd, sd, 8.into()]);
+        let flat = x.reshape_infer(&[-1, 8]);
+        flat.reshape([b, s, 8]).sym_dims()
+    };
+    assert_eq!(split(2, 3), dims("batch,seq,8"));
+    assert_eq!(split(3, 2), dims("batch,seq,8"));
+    // Same default sizes: which name is which cannot be told, so the shape stays fixed.
+    assert_eq!(split(4, 4), dims("4,4,8"));
+}
