@@ -337,3 +337,35 @@ fn the_runner_runs_and_inspects_a_graph_with_a_named_batch() {
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("`seq`") && err.contains("batch"), "{err}");
 }
+
+#[test]
+fn the_ir_and_the_trace_follow_the_current_shape() {
+    let mut exe = compile_graph(&classifier(), Device::Cpu, &CompileOptions::inference()).unwrap();
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("named-dims-trace");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("trace.json");
+    exe.trace_to(&path).unwrap();
+    exe.run(&[("x", images(16, 1))]).unwrap();
+    let at16 = exe.step_infos();
+    assert!(exe.optimized_ir().contains("f32[16,10]"));
+    exe.run(&[("x", images(2, 1))]).unwrap();
+    assert!(exe.optimized_ir().contains("f32[2,10]"));
+    let at2 = exe.step_infos();
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let steps: Vec<u64> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["cat"].as_str() == Some("step"))
+        .map(|e| e["args"]["bytes"].as_u64().unwrap())
+        .collect();
+    let bytes = |infos: &[rustytorch::trace::StepInfo]| -> Vec<u64> {
+        infos.iter().map(|i| i.bytes).collect()
+    };
+    assert_eq!(steps.len(), at16.len() + at2.len());
+    assert_eq!(steps[..at16.len()], bytes(&at16)[..]);
+    assert_eq!(steps[at16.len()..], bytes(&at2)[..]);
+    assert_ne!(bytes(&at16), bytes(&at2));
+}
