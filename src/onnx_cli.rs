@@ -117,6 +117,8 @@ pub fn import_default(path: &Path) -> Res<Graph> {
 
 /// Integer inputs larger than this are not offered to the importer as known values.
 const MAX_BOUND: usize = 1 << 16;
+/// Other inputs up to this many elements are offered too.
+const MAX_BOUND_FLOAT: usize = 16;
 
 /// Imports a model for `run`: each symbolic dimension takes its size from the `.npy` input
 /// that has it.
@@ -125,12 +127,13 @@ pub fn import_for_run(path: &Path, inputs: &[String]) -> Res<Graph> {
     let model = rustytorch_onnx::decode_model(&bytes)
         .map_err(|e| Failure(format!("{}: {e}", path.display())))?;
     let mut opts = ImportOptions::default();
-    // Integer inputs are given to the importer too: where one sets a shape, axes or pads, the
-    // graph is specialized on its value.
+    // Integer inputs (and small float ones) are given to the importer too: where one sets a
+    // shape, axes, pads, scales or a depth, the graph is specialized on its value.
     for a in inputs {
         if let Some((name, file)) = a.split_once('=') {
             if let Ok(t) = npy::read_npy(Path::new(file)) {
-                if t.dtype().is_int() && t.numel() <= MAX_BOUND {
+                let small = t.numel() <= MAX_BOUND_FLOAT;
+                if (t.dtype().is_int() && t.numel() <= MAX_BOUND) || small {
                     opts.input_values.insert(name.to_string(), t);
                 }
             }

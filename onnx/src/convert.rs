@@ -183,6 +183,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "Div",
         "Dropout",
         "Elu",
+        "Einsum",
         "Equal",
         "Erf",
         "Exp",
@@ -191,6 +192,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "Floor",
         "Gather",
         "GatherElements",
+        "GatherND",
         "Gelu",
         "Gemm",
         "GlobalAveragePool",
@@ -214,10 +216,12 @@ pub fn supported_ops() -> &'static [&'static str] {
         "MaxPool",
         "Mean",
         "Min",
+        "Mod",
         "Mish",
         "Mul",
         "Neg",
         "Not",
+        "OneHot",
         "Or",
         "Pad",
         "Pow",
@@ -236,7 +240,11 @@ pub fn supported_ops() -> &'static [&'static str] {
         "ReduceSumSquare",
         "Relu",
         "Reshape",
+        "Resize",
         "Round",
+        "Scatter",
+        "ScatterElements",
+        "ScatterND",
         "Selu",
         "Shape",
         "Sigmoid",
@@ -258,6 +266,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "Tile",
         "Transpose",
         "Unsqueeze",
+        "Upsample",
         "Where",
         "Xor",
     ]
@@ -1408,10 +1417,497 @@ impl Importer {
                 };
                 one(self.reduce(kind, &x, (2..r).collect(), true)?)
             }
+            "OneHot" => self.one_hot(cx).map(|v| vec![v]),
+            "Mod" => self.modulo(cx).map(|v| vec![v]),
+            "GatherND" => {
+                if a.int("batch_dims", 0)? != 0 {
+                    return why("batch_dims other than 0 are not supported");
+                }
+                let x = self.input(cx, 0)?;
+                let idx = self.input(cx, 1)?;
+                let (lin, rest) = self.linear_index(&x, &idx)?;
+                let d = self.dims(&x);
+                let m = d.len() - rest.len();
+                let mut flat = vec![d[..m].iter().product::<usize>()];
+                flat.extend_from_slice(&rest);
+                let xf = self.reshape(&x, flat)?;
+                let ld = self.dims(&lin);
+                let n: usize = ld.iter().product();
+                let l1 = self.reshape(&lin, vec![n])?;
+                let sel = self.emit(Op::IndexSelect { axis: 0 }, &[&xf, &l1])?;
+                let mut od = ld;
+                od.extend_from_slice(&rest);
+                one(self.reshape(&sel, od)?)
+            }
+            "ScatterElements" | "Scatter" => {
+                let red = a.string("reduction", "none")?;
+                let x = self.input(cx, 0)?;
+                let idx = self.input(cx, 1)?;
+                let upd = self.input(cx, 2)?;
+                let d = self.dims(&x);
+                let axis = norm_axis(a.int("axis", 0)?, d.len())?;
+                let idx = self.cast(&idx, DType::I64)?;
+                let idx = self.wrap_index(&idx, d[axis])?;
+                let op = Op::ScatterAdd { axis };
+                one(self.scatter(op, &x, &idx, &upd, &red)?)
+            }
+            "ScatterND" => {
+                let red = a.string("reduction", "none")?;
+                let x = self.input(cx, 0)?;
+                let idx = self.input(cx, 1)?;
+                let upd = self.input(cx, 2)?;
+                let (lin, rest) = self.linear_index(&x, &idx)?;
+                let d = self.dims(&x);
+                let m = d.len() - rest.len();
+                let mut flat = vec![d[..m].iter().product::<usize>()];
+                flat.extend_from_slice(&rest);
+                let xf = self.reshape(&x, flat)?;
+                let n: usize = self.dims(&lin).iter().product();
+                let l1 = self.reshape(&lin, vec![n])?;
+                let mut ud = vec![n];
+                ud.extend_from_slice(&rest);
+                let uf = self.reshape(&upd, ud)?;
+                let out = self.scatter(Op::IndexAdd { axis: 0 }, &xf, &l1, &uf, &red)?;
+                one(self.reshape(&out, d)?)
+            }
+            "Einsum" => {
+                let eq = a.string("equation", "")?;
+                let mut ops = Vec::new();
+                for k in 0..cx.inputs.len() {
+                    ops.push(self.input(cx, k)?);
+                }
+                one(self.einsum(&eq, ops)?)
+            }
+            "Resize" | "Upsample" => self.resize(op_type, cx).map(|v| vec![v]),
             other => why(format!(
                 "{other} is not supported by the importer (`rustytorch import --supported-ops` lists what is)"
             )),
         }
+    }
+
+    /// OneHot: `where(index == iota, on, off)` with the new axis at `axis`.
+    fn one_hot(&mut self, cx: &Ctx) -> Result<Val> {
+        let idx = self.input(cx, 0)?;
+        let depth = self
+            .static_input(cx, 1, "depth")?
+            .ok_or_else(|| ImportError::Model("input 1 (depth) is required".into()))?;
+        let depth = depth.to_f64_vec().first().copied().unwrap_or(0.0);
+        if !(1.0..=1e7).contains(&depth) {
+            return why(format!("depth {depth} is out of range"));
+        }
+        let depth = depth as usize;
+        let values = self.input(cx, 2)?;
+        if self.dims(&values).iter().product::<usize>() != 2 {
+            return why("values must hold two elements (off, on)");
+        }
+        let idims = self.dims(&idx);
+        let r = idims.len() + 1;
+        let axis = norm_axis(cx.attrs.int("axis", -1)?, r)?;
+        let idx = if self.dtype(&idx).is_float() {
+            self.un(UnaryOp::Floor, &idx)?
+        } else {
+            idx
+        };
+        let idx = self.cast(&idx, DType::I64)?;
+        let idx = self.wrap_index(&idx, depth)?;
+        let mut ud = idims.clone();
+        ud.insert(axis, 1);
+        let u = self.reshape(&idx, ud)?;
+        let mut id = vec![1usize; r];
+        id[axis] = depth;
+        let iota = known(HostTensor::from_vec(
+            (0..depth as i64).collect::<Vec<_>>(),
+            id,
+        )?);
+        let hit = self.bin(BinaryOp::Eq, &u, &iota)?;
+        let flat = self.reshape(&values, vec![2])?;
+        let off = self.slice_axis(&flat, 0, 0, 1, 1)?;
+        let off = self.reshape(&off, vec![])?;
+        let on = self.slice_axis(&flat, 0, 1, 2, 1)?;
+        let on = self.reshape(&on, vec![])?;
+        self.emit(Op::Where, &[&hit, &on, &off])
+    }
+
+    /// Mod: `fmod=1` takes the dividend's sign (C's fmod), `fmod=0` the divisor's (Python's %,
+    /// integers only), both spelled with division.
+    fn modulo(&mut self, cx: &Ctx) -> Result<Val> {
+        let fmod = cx.attrs.int("fmod", 0)? != 0;
+        let x = self.input(cx, 0)?;
+        let y = self.input(cx, 1)?;
+        let float = self.dtype(&x).is_float();
+        if float && !fmod {
+            return why("fmod=0 needs integer operands");
+        }
+        // r = x − y·trunc(x / y) (integer division truncates).
+        let q = self.bin(BinaryOp::Div, &x, &y)?;
+        let q = if float {
+            let neg = self.bin_s(BinaryOp::Lt, &q, 0.0)?;
+            let c = self.un(UnaryOp::Ceil, &q)?;
+            let f = self.un(UnaryOp::Floor, &q)?;
+            self.emit(Op::Where, &[&neg, &c, &f])?
+        } else {
+            q
+        };
+        let p = self.bin(BinaryOp::Mul, &y, &q)?;
+        let r = self.bin(BinaryOp::Sub, &x, &p)?;
+        if fmod {
+            return Ok(r);
+        }
+        // Python's sign: a nonzero remainder whose sign differs from the divisor's gets + y.
+        let nz = self.bin_s(BinaryOp::Ne, &r, 0.0)?;
+        let rn = self.bin_s(BinaryOp::Lt, &r, 0.0)?;
+        let yn = self.bin_s(BinaryOp::Lt, &y, 0.0)?;
+        let differ = self.bin(BinaryOp::Ne, &rn, &yn)?;
+        let fix = self.bin(BinaryOp::And, &nz, &differ)?;
+        let ry = self.bin(BinaryOp::Add, &r, &y)?;
+        self.emit(Op::Where, &[&fix, &ry, &r])
+    }
+
+    /// The row-major linear index into `x`'s first `m` dims of each `m`-vector of `idx`
+    /// (`[..., m]`, negatives wrapped), and `x`'s remaining dims.
+    fn linear_index(&mut self, x: &Val, idx: &Val) -> Result<(Val, Vec<usize>)> {
+        let d = self.dims(x);
+        let id = self.dims(idx);
+        let Some(&m) = id.last() else {
+            return why("indices must have rank 1 or more");
+        };
+        if m > d.len() {
+            return why(format!("index vectors of length {m} for rank {}", d.len()));
+        }
+        let idx = self.cast(idx, DType::I64)?;
+        let sizes = known(HostTensor::from_vec(
+            d[..m].iter().map(|&n| n as i64).collect::<Vec<_>>(),
+            [m],
+        )?);
+        let zero = self.scalar(0.0, DType::I64);
+        let neg = self.bin(BinaryOp::Lt, &idx, &zero)?;
+        let shifted = self.bin(BinaryOp::Add, &idx, &sizes)?;
+        let idx = self.emit(Op::Where, &[&neg, &shifted, &idx])?;
+        let strides: Vec<i64> = (0..m)
+            .map(|j| d[j + 1..m].iter().product::<usize>() as i64)
+            .collect();
+        let strides = known(HostTensor::from_vec(strides, [m])?);
+        let t = self.bin(BinaryOp::Mul, &idx, &strides)?;
+        let r = id.len() - 1;
+        let lin = if m == 0 {
+            let mut od = id[..r].to_vec();
+            if od.is_empty() {
+                od = vec![];
+            }
+            known(HostTensor::full(&TensorType::new(DType::I64, od), 0.0))
+        } else {
+            self.reduce(ReduceKind::Sum, &t, vec![r], false)?
+        };
+        Ok((lin, d[m..].to_vec()))
+    }
+
+    /// A scatter through an accumulating op (`scatter_add` or `index_add`) over `x`: `add`
+    /// accumulates; `none` overwrites the written positions (found by scattering ones).
+    fn scatter(&mut self, op: Op, x: &Val, idx: &Val, upd: &Val, reduction: &str) -> Result<Val> {
+        match reduction {
+            "add" => self.emit(op, &[x, idx, upd]),
+            "none" => {
+                let xt = self.ty(x);
+                let zeros = known(HostTensor::full(&xt, 0.0));
+                let ones = known(HostTensor::full(&self.ty(upd), 1.0));
+                let count = self.emit(op.clone(), &[&zeros, idx, &ones])?;
+                let hit = self.bin_s(BinaryOp::Gt, &count, 0.0)?;
+                let put = self.emit(op, &[&zeros, idx, upd])?;
+                self.emit(Op::Where, &[&hit, &put, x])
+            }
+            other => why(format!("reduction `{other}` is not supported (none, add)")),
+        }
+    }
+
+    /// Einsum without ellipses or repeated letters within an operand: operands are contracted
+    /// left to right as batched matmuls (permute, reshape, matmul), letters no later operand or
+    /// the output needs summed out first.
+    fn einsum(&mut self, eq: &str, ops: Vec<Val>) -> Result<Val> {
+        let eq: String = eq.chars().filter(|c| !c.is_whitespace()).collect();
+        if eq.contains("...") {
+            return why("ellipses in the equation are not supported");
+        }
+        let (lhs, rhs) = match eq.split_once("->") {
+            Some((l, r)) => (l.to_string(), Some(r.to_string())),
+            None => (eq.clone(), None),
+        };
+        let terms: Vec<Vec<char>> = lhs.split(',').map(|t| t.chars().collect()).collect();
+        if terms.len() != ops.len() || ops.is_empty() {
+            return why(format!(
+                "equation `{eq}` has {} operands, the node {}",
+                terms.len(),
+                ops.len()
+            ));
+        }
+        let mut size: HashMap<char, usize> = HashMap::new();
+        for (t, v) in terms.iter().zip(&ops) {
+            let d = self.dims(v);
+            if t.len() != d.len() || t.iter().any(|c| !c.is_ascii_alphabetic()) {
+                return why(format!(
+                    "term `{}` does not fit rank {}",
+                    t.iter().collect::<String>(),
+                    d.len()
+                ));
+            }
+            for (k, &c) in t.iter().enumerate() {
+                if t[..k].contains(&c) {
+                    return why(
+                        "a letter repeated within one operand (a diagonal) is not supported",
+                    );
+                }
+                if *size.entry(c).or_insert(d[k]) != d[k] {
+                    return why(format!("letter `{c}` has sizes {} and {}", size[&c], d[k]));
+                }
+            }
+        }
+        let out: Vec<char> = match rhs {
+            Some(r) => r.chars().collect(),
+            None => {
+                let mut once: Vec<char> = size
+                    .keys()
+                    .copied()
+                    .filter(|c| terms.iter().flatten().filter(|&x| x == c).count() == 1)
+                    .collect();
+                once.sort_unstable();
+                once
+            }
+        };
+        if let Some(c) = out.iter().find(|c| !size.contains_key(c)) {
+            return why(format!("output letter `{c}` is in no operand"));
+        }
+        let (mut acc, mut al) = (ops[0].clone(), terms[0].clone());
+        for k in 0..ops.len() {
+            // Letters still needed: the output's and later operands'.
+            let later: Vec<char> = terms[k + 1..].iter().flatten().copied().collect();
+            let keep = |c: &char| out.contains(c) || later.contains(c);
+            if k == 0 {
+                if ops.len() == 1 {
+                    break;
+                }
+                continue;
+            }
+            let (b, bl) = (ops[k].clone(), terms[k].clone());
+            // Sum out letters only one side has and nothing later needs.
+            let (a2, al2) = self.sum_letters(&acc, &al, |c| keep(c) || bl.contains(c))?;
+            let (b2, bl2) = self.sum_letters(&b, &bl, |c| keep(c) || al2.contains(c))?;
+            let batch: Vec<char> = al2
+                .iter()
+                .copied()
+                .filter(|c| bl2.contains(c) && keep(c))
+                .collect();
+            let con: Vec<char> = al2
+                .iter()
+                .copied()
+                .filter(|c| bl2.contains(c) && !keep(c))
+                .collect();
+            let left: Vec<char> = al2.iter().copied().filter(|c| !bl2.contains(c)).collect();
+            let right: Vec<char> = bl2.iter().copied().filter(|c| !al2.contains(c)).collect();
+            let pos = |l: &[char], c: char| l.iter().position(|&x| x == c).unwrap_or(0);
+            let n = |cs: &[char]| cs.iter().map(|c| size[c]).product::<usize>();
+            let pa: Vec<usize> = batch
+                .iter()
+                .chain(&left)
+                .chain(&con)
+                .map(|&c| pos(&al2, c))
+                .collect();
+            let pb: Vec<usize> = batch
+                .iter()
+                .chain(&con)
+                .chain(&right)
+                .map(|&c| pos(&bl2, c))
+                .collect();
+            let a3 = self.permute(&a2, pa)?;
+            let a3 = self.reshape(&a3, vec![n(&batch), n(&left), n(&con)])?;
+            let b3 = self.permute(&b2, pb)?;
+            let b3 = self.reshape(&b3, vec![n(&batch), n(&con), n(&right)])?;
+            let m = self.emit(
+                Op::Matmul {
+                    trans_a: false,
+                    trans_b: false,
+                },
+                &[&a3, &b3],
+            )?;
+            al = batch.iter().chain(&left).chain(&right).copied().collect();
+            let dims: Vec<usize> = al.iter().map(|c| size[c]).collect();
+            acc = self.reshape(&m, dims)?;
+        }
+        let (acc, al) = self.sum_letters(&acc, &al, |c| out.contains(c))?;
+        let perm: Vec<usize> = out
+            .iter()
+            .map(|c| al.iter().position(|x| x == c).unwrap_or(0))
+            .collect();
+        if perm.len() != al.len() {
+            return why("an output letter repeats");
+        }
+        self.permute(&acc, perm)
+    }
+
+    /// Sums `v` (with letters `l`) over the letters that `keep` rejects.
+    fn sum_letters(
+        &mut self,
+        v: &Val,
+        l: &[char],
+        keep: impl Fn(&char) -> bool,
+    ) -> Result<(Val, Vec<char>)> {
+        let axes: Vec<usize> = (0..l.len()).filter(|&k| !keep(&l[k])).collect();
+        let rest: Vec<char> = l.iter().copied().filter(|c| keep(c)).collect();
+        Ok((self.reduce(ReduceKind::Sum, v, axes, false)?, rest))
+    }
+
+    /// Resize (and the older Upsample) in `nearest` and `linear` modes, one axis at a time:
+    /// nearest is an index select, linear a weighted sum of two selects (weights folded).
+    fn resize(&mut self, op_type: &str, cx: &Ctx) -> Result<Val> {
+        let a = &cx.attrs;
+        let x = self.input(cx, 0)?;
+        let d = self.dims(&x);
+        let r = d.len();
+        let mode = a.string("mode", "nearest")?;
+        let (coord, nearest, scales, sizes) = if op_type == "Upsample" {
+            let scales = match a.floats("scales")? {
+                Some(s) => Some(s.iter().map(|&v| v as f64).collect::<Vec<_>>()),
+                None => self.static_input(cx, 1, "scales")?.map(|t| t.to_f64_vec()),
+            };
+            ("asymmetric".to_string(), "floor".to_string(), scales, None)
+        } else {
+            if a.int("antialias", 0)? != 0 {
+                return why("antialias=1 is not supported");
+            }
+            let _ = a.float("cubic_coeff_a", -0.75)?;
+            let _ = a.int("exclude_outside", 0)?;
+            let _ = a.float("extrapolation_value", 0.0)?;
+            let policy = a.string("keep_aspect_ratio_policy", "stretch")?;
+            if policy != "stretch" {
+                return why(format!(
+                    "keep_aspect_ratio_policy `{policy}` is not supported"
+                ));
+            }
+            if a.ints("axes")?.is_some() {
+                return why("the axes attribute is not supported");
+            }
+            let scales = self
+                .static_input(cx, 2, "scales")?
+                .map(|t| t.to_f64_vec())
+                .filter(|v| !v.is_empty());
+            let sizes = self.static_ints(cx, 3, "sizes")?.filter(|v| !v.is_empty());
+            (
+                a.string("coordinate_transformation_mode", "half_pixel")?,
+                a.string("nearest_mode", "round_prefer_floor")?,
+                scales,
+                sizes,
+            )
+        };
+        if !matches!(
+            mode.as_str(),
+            "nearest" | "linear" | "bilinear" | "trilinear"
+        ) {
+            return why(format!("mode `{mode}` is not supported (nearest, linear)"));
+        }
+        let linear = mode != "nearest";
+        let (outs, sc): (Vec<usize>, Vec<f64>) = match (&sizes, &scales) {
+            (Some(s), _) if s.len() == r => (
+                s.iter().map(|&v| v.max(0) as usize).collect(),
+                s.iter()
+                    .zip(&d)
+                    .map(|(&o, &i)| o as f64 / i.max(1) as f64)
+                    .collect(),
+            ),
+            (None, Some(s)) if s.len() == r => (
+                s.iter()
+                    .zip(&d)
+                    .map(|(&f, &i)| (i as f64 * f).floor().max(0.0) as usize)
+                    .collect(),
+                s.clone(),
+            ),
+            _ => return why("one of scales or sizes must be given, one entry per dim"),
+        };
+        let mut t = x;
+        for ax in 0..r {
+            let (n_in, n_out, s) = (d[ax], outs[ax], sc[ax]);
+            if n_out == n_in && s == 1.0 {
+                continue;
+            }
+            if n_in == 0 || n_out > 1 << 24 {
+                return why(format!("cannot resize dim {ax} from {n_in} to {n_out}"));
+            }
+            let src = |i: usize| -> Result<f64> {
+                let i = i as f64;
+                Ok(match coord.as_str() {
+                    "half_pixel" => (i + 0.5) / s - 0.5,
+                    "pytorch_half_pixel" => {
+                        if n_out > 1 {
+                            (i + 0.5) / s - 0.5
+                        } else {
+                            0.0
+                        }
+                    }
+                    "align_corners" => {
+                        // The resized length is in·scale, unrounded (sizes give scale = out/in).
+                        let len = n_in as f64 * s;
+                        if len <= 1.0 {
+                            0.0
+                        } else {
+                            i * (n_in as f64 - 1.0) / (len - 1.0)
+                        }
+                    }
+                    "asymmetric" => i / s,
+                    other => {
+                        return why(format!(
+                            "coordinate_transformation_mode `{other}` is not supported"
+                        ))
+                    }
+                })
+            };
+            let last = n_in as i64 - 1;
+            if !linear {
+                let mut idx = Vec::with_capacity(n_out);
+                for i in 0..n_out {
+                    let x = src(i)?;
+                    let k = match nearest.as_str() {
+                        "round_prefer_floor" => {
+                            if x.fract() == 0.5 {
+                                x.floor()
+                            } else {
+                                x.round()
+                            }
+                        }
+                        "round_prefer_ceil" => {
+                            if x.fract() == 0.5 {
+                                x.ceil()
+                            } else {
+                                x.round()
+                            }
+                        }
+                        "floor" => x.floor(),
+                        "ceil" => x.ceil(),
+                        other => return why(format!("nearest_mode `{other}` is not supported")),
+                    };
+                    idx.push((k as i64).clamp(0, last));
+                }
+                t = self.select(&t, ax, idx)?;
+            } else {
+                let (mut i0, mut i1, mut w) = (Vec::new(), Vec::new(), Vec::new());
+                for i in 0..n_out {
+                    let x = src(i)?.clamp(0.0, last as f64);
+                    let f = x.floor();
+                    i0.push(f as i64);
+                    i1.push((f as i64 + 1).min(last));
+                    w.push(x - f);
+                }
+                let dt = self.dtype(&t);
+                let mut wd = vec![1usize; r];
+                wd[ax] = n_out;
+                let wt = TensorType::new(dt, wd);
+                let w1 = known(HostTensor::from_f64_slice(&wt, &w)?);
+                let w0v: Vec<f64> = w.iter().map(|v| 1.0 - v).collect();
+                let w0 = known(HostTensor::from_f64_slice(&wt, &w0v)?);
+                let a0 = self.select(&t, ax, i0)?;
+                let a1 = self.select(&t, ax, i1)?;
+                let p0 = self.bin(BinaryOp::Mul, &a0, &w0)?;
+                let p1 = self.bin(BinaryOp::Mul, &a1, &w1)?;
+                t = self.bin(BinaryOp::Add, &p0, &p1)?;
+            }
+        }
+        Ok(t)
     }
 
     /// numpy's matmul: 1-D operands get a dim added and removed.
@@ -1465,10 +1961,6 @@ impl Importer {
             _ if noop => return Ok(x),
             _ => (0..r).collect(),
         };
-        let d = self.dims(&x);
-        if axes.iter().any(|&k| d[k] == 0) {
-            return why("reducing over an empty dim is not supported");
-        }
         let sum = |im: &mut Importer, v: &Val| im.reduce(ReduceKind::Sum, v, axes.clone(), keep);
         Ok(match op_type {
             "ReduceSum" => sum(self, &x)?,

@@ -41,8 +41,9 @@ pub struct ImportOptions {
     /// The size of symbolic dimensions not in `dims` (`None`: such a dimension is an error).
     pub default_dim: Option<usize>,
     /// Values of graph inputs to use where the model needs a value at import: an input that
-    /// gives a shape, axes, pads or split sizes is specialized on its value here (`run` passes its
-    /// integer inputs). The inputs stay graph inputs.
+    /// gives a shape, axes, pads, split sizes or scales is specialized on its value here (`run`
+    /// passes its integer inputs and its float inputs of up to 16 elements). The inputs stay
+    /// graph inputs.
     pub input_values: BTreeMap<String, rustytorch_ops::HostTensor>,
 }
 

@@ -618,11 +618,29 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
                 x.data().clone()
             } else {
                 let empty = axes.iter().any(|&a| dims[a] == 0);
-                if empty
-                    && matches!(kind, ReduceKind::Max | ReduceKind::Min)
-                    && out.shape.numel() > 0
-                {
-                    return Err(empty_err("max/min"));
+                if empty && matches!(kind, ReduceKind::Max | ReduceKind::Min) {
+                    // The identity of max is −∞ (the dtype's least value for integers), of min
+                    // +∞: ONNX's definition of the max or min of nothing.
+                    let max = *kind == ReduceKind::Max;
+                    let v = match x.dtype() {
+                        DType::I32 => f64::from(if max { i32::MIN } else { i32::MAX }),
+                        DType::I64 => {
+                            if max {
+                                i64::MIN as f64
+                            } else {
+                                i64::MAX as f64
+                            }
+                        }
+                        DType::U8 => f64::from(if max { u8::MIN } else { u8::MAX }),
+                        _ => {
+                            if max {
+                                f64::NEG_INFINITY
+                            } else {
+                                f64::INFINITY
+                            }
+                        }
+                    };
+                    return Ok(HostTensor::full(out, v));
                 }
                 match x.data() {
                     Data::F32(v) => reduce_num(v, dims, axes, *kind),

@@ -257,11 +257,21 @@ fn empty_axes() {
     let any = HostTensor::from_vec(Vec::<bool>::new(), [2, 0]).unwrap();
     let y = eval_cpu(&reduce(ReduceKind::All, &[1], false), &[&any]).unwrap();
     assert_eq!(y.to_vec::<bool>().unwrap(), vec![true, true]);
-    for kind in [ReduceKind::Max, ReduceKind::Min] {
-        let e = eval_cpu(&reduce(kind, &[1], false), &[&x]).unwrap_err();
-        assert!(matches!(e, OpError::Runtime { .. }), "{e}");
-        assert!(e.to_string().contains("f32[3,0,4]"), "{e}");
+    // Max and min of nothing are their identities: ∓∞, the dtype's bounds for integers.
+    for (kind, want) in [
+        (ReduceKind::Max, f64::NEG_INFINITY),
+        (ReduceKind::Min, f64::INFINITY),
+    ] {
+        let y = eval_cpu(&reduce(kind, &[1], true), &[&x]).unwrap();
+        assert_eq!(y.dims(), &[3, 1, 4]);
+        assert!(y.to_f64_vec().iter().all(|&v| v == want), "{kind:?}");
     }
+    let xi = HostTensor::from_vec(Vec::<i32>::new(), [2, 0]).unwrap();
+    let y = eval_cpu(&reduce(ReduceKind::Max, &[1], false), &[&xi]).unwrap();
+    assert_eq!(y.to_vec::<i32>().unwrap(), vec![i32::MIN; 2]);
+    let xu = HostTensor::from_vec(Vec::<u8>::new(), [0, 3]).unwrap();
+    let y = eval_cpu(&reduce(ReduceKind::Min, &[0], false), &[&xu]).unwrap();
+    assert_eq!(y.to_vec::<u8>().unwrap(), vec![255; 3]);
     let e = eval_cpu(
         &Op::ArgReduce {
             kind: ArgKind::ArgMax,
