@@ -155,6 +155,15 @@ pub fn run_step(
                 }
                 ArgRef::Output => (out_buf, Some(out.dtype)),
                 ArgRef::Scratch => (scratch_buf, None),
+                ArgRef::ScratchAt(_) => {
+                    return Err(invalid(
+                        k,
+                        format!(
+                            "parameter `{}` binds a scratch offset, which only library steps use",
+                            p.name
+                        ),
+                    ))
+                }
             };
             if let Some(d) = want {
                 if CTy::storage(d) != p.elem {

@@ -16,7 +16,7 @@ pub mod pool;
 pub mod reduce;
 pub mod rows;
 
-pub use dnn::DnnDesc;
+pub use dnn::{DnnDesc, DnnStep};
 pub use matmul::MatmulDesc;
 
 use crate::{CodegenError, Result};
@@ -35,6 +35,8 @@ pub enum ArgRef {
     Output,
     /// The step's scratch buffer (see [`StepKernels::scratch_bytes`]).
     Scratch,
+    /// The step's scratch buffer at a byte offset (a multiple of 256).
+    ScratchAt(usize),
 }
 
 /// One kernel launch of a step.
@@ -83,7 +85,7 @@ pub enum CudaStep {
     /// A cuDNN convolution or pooling call. Its workspace (and the recomputed forward result a
     /// pooling backward reads) lives in the step's scratch, sized by the runtime once it has
     /// picked the algorithm.
-    Dnn(DnnDesc),
+    Dnn(DnnStep),
     /// Nothing to run: the output aliases its operand's bytes (a reshape placed as an alias by
     /// the memory plan).
     Alias,
@@ -185,12 +187,12 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         | Op::CrossEntropyGrad { .. } => reduce::lower(op, inputs, out).map(CudaStep::Kernels),
         Op::Matmul { .. } | Op::MatmulEpilogue { .. } => matmul::lower(op, inputs, out),
         Op::Conv { .. } | Op::ConvGradInput { .. } | Op::ConvGradWeight { .. } => {
-            dnn::lower(op, inputs, out).map(CudaStep::Dnn)
+            dnn::lower_step(op, inputs, out).map(CudaStep::Dnn)
         }
         // Generated kernels by default (faster than cuDNN's pooling on the H200, see
         // docs/performance.md); `RUSTYTORCH_CUDNN_POOLING=1` selects cuDNN's for comparison.
         Op::Pool { .. } | Op::PoolGrad { .. } if cudnn_pooling() => {
-            dnn::lower(op, inputs, out).map(CudaStep::Dnn)
+            dnn::lower_step(op, inputs, out).map(CudaStep::Dnn)
         }
         Op::Pool { .. } | Op::PoolGrad { .. } => {
             pool::lower(op, inputs, out).map(CudaStep::Kernels)

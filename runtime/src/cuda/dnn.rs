@@ -68,18 +68,49 @@ fn data_type(d: DType) -> Result<sys::cudnnDataType_t> {
     })
 }
 
-/// Contiguous (row-major) strides of `dims`.
-fn strides(dims: &[i32]) -> Vec<i32> {
+/// Device addresses of one cuDNN call's tensors.
+#[derive(Clone, Copy, Debug)]
+pub struct DnnPtrs {
+    /// A convolution's x (staged or not); pooling's operand 0.
+    pub x: u64,
+    /// A convolution's filter; a pooling backward's dy.
+    pub w: u64,
+    /// A convolution's y; pooling's output.
+    pub y: u64,
+    /// The bias (0 when there is none).
+    pub bias: u64,
+    /// The workspace (at least [`Dnn::prepare`]'s bytes).
+    pub workspace: u64,
+}
+
+/// Strides of `dims` (given in N, C, spatial order), row-major, or channels-last with `nhwc`.
+fn strides(dims: &[i32], nhwc: bool) -> Vec<i32> {
     let mut s = vec![1i32; dims.len()];
+    if nhwc && dims.len() > 2 {
+        // Memory order N, spatial..., C.
+        let c = dims[1];
+        let mut acc = c;
+        for i in (2..dims.len()).rev() {
+            s[i] = acc;
+            acc *= dims[i];
+        }
+        s[1] = 1;
+        s[0] = acc;
+        return s;
+    }
     for i in (0..dims.len().saturating_sub(1)).rev() {
         s[i] = s[i + 1] * dims[i + 1];
     }
     s
 }
 
-fn tensor(dt: sys::cudnnDataType_t, dims: &[i32]) -> Result<sys::cudnnTensorDescriptor_t> {
+fn tensor(
+    dt: sys::cudnnDataType_t,
+    dims: &[i32],
+    nhwc: bool,
+) -> Result<sys::cudnnTensorDescriptor_t> {
     let t = dn::create_tensor_descriptor().map_err(|e| err("tensor descriptor", e))?;
-    let st = strides(dims);
+    let st = strides(dims, nhwc);
     // SAFETY: `t` is live; `dims` and `st` hold `dims.len()` ints each.
     unsafe { dn::set_tensornd_descriptor(t, dt, dims.len() as c_int, dims.as_ptr(), st.as_ptr()) }
         .map_err(|e| err(&format!("tensor {dims:?}"), e))?;
@@ -134,7 +165,7 @@ impl Dnn {
     /// Makes (once) the descriptors and algorithm of `d` and returns the scratch bytes its call
     /// needs. Choosing the algorithm runs cuDNN's benchmark on the device's stream, so this must
     /// not be called during stream capture.
-    pub fn prepare(&mut self, d: &DnnDesc, stream: sys::cudaStream_t) -> Result<usize> {
+    pub(crate) fn prepare(&mut self, d: &DnnDesc, stream: sys::cudaStream_t) -> Result<usize> {
         let key = (d.clone(), self.tf32);
         if !self.cache.contains_key(&key) {
             // SAFETY: the handle is live; the stream belongs to the device's context.
@@ -161,8 +192,8 @@ impl Dnn {
 
     fn make(&self, d: &DnnDesc, p: &mut Prepared) -> Result<()> {
         let dt = data_type(d.dtype)?;
-        p.x = tensor(dt, &d.x)?;
-        p.y = tensor(dt, &d.y)?;
+        p.x = tensor(dt, &d.x, d.nhwc)?;
+        p.y = tensor(dt, &d.y, d.nhwc)?;
         let n = d.spatial() as c_int;
         if let Some((mode, window)) = &d.pool {
             let pool = dn::create_pooling_descriptor().map_err(|e| err("pooling descriptor", e))?;
@@ -201,7 +232,11 @@ impl Dnn {
             dn::set_filternd_descriptor(
                 w,
                 dt,
-                sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
+                if d.nhwc {
+                    sys::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC
+                } else {
+                    sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW
+                },
                 d.w.len() as c_int,
                 d.w.as_ptr(),
             )
@@ -239,7 +274,7 @@ impl Dnn {
         if d.bias {
             let mut bd = vec![1i32; d.y.len()];
             bd[1] = d.y[1];
-            p.bias = Some(tensor(dt, &bd)?);
+            p.bias = Some(tensor(dt, &bd, false)?);
         }
         // Measure the algorithms; keep the fastest that succeeded within the workspace limit.
         const N: usize = 16;
@@ -308,14 +343,11 @@ impl Dnn {
         Ok(())
     }
 
-    /// Runs `d` on `stream`: `ins` are the step's operands, `out` its result, `scratch` a buffer
-    /// of at least [`Dnn::prepare`]'s bytes.
+    /// Runs `d` on `stream` over the tensors at `at`.
     pub(crate) fn run(
         &mut self,
         d: &DnnDesc,
-        ins: &[u64],
-        out: u64,
-        scratch: u64,
+        at: &DnnPtrs,
         stream: sys::cudaStream_t,
     ) -> Result<()> {
         self.prepare(d, stream)?;
@@ -328,7 +360,7 @@ impl Dnn {
         let (a, b) = one_zero.ptrs();
         let ptr = |v: u64| v as *const c_void;
         let mptr = |v: u64| v as *mut c_void;
-        let (ws, ws_bytes) = (mptr(scratch), p.scratch);
+        let (ws, ws_bytes) = (mptr(at.workspace), p.scratch);
         // SAFETY: the descriptors are live and describe the step's buffers, whose sizes the
         // plan's types fix; the scratch holds `p.scratch` bytes; alpha and beta point to scalars
         // of the type cuDNN reads for this data type.
@@ -340,21 +372,21 @@ impl Dnn {
                         h,
                         a,
                         p.x,
-                        ptr(ins[0]),
+                        ptr(at.x),
                         w,
-                        ptr(ins[1]),
+                        ptr(at.w),
                         conv,
                         algo,
                         ws,
                         ws_bytes,
                         b,
                         p.y,
-                        mptr(out),
+                        mptr(at.y),
                     )
                     .map_err(|e| err("convolution forward", e))?;
                     if let Some(bd) = p.bias {
                         let (a1, b1) = one_one.ptrs();
-                        sys::cudnnAddTensor(h, a1, bd, ptr(ins[2]), b1, p.y, mptr(out))
+                        sys::cudnnAddTensor(h, a1, bd, ptr(at.bias), b1, p.y, mptr(at.y))
                             .result()
                             .map_err(|e| err("adding the bias", e))?;
                     }
@@ -365,16 +397,16 @@ impl Dnn {
                         h,
                         a,
                         w,
-                        ptr(ins[1]),
+                        ptr(at.w),
                         p.y,
-                        ptr(ins[0]),
+                        ptr(at.y),
                         conv,
                         algo,
                         ws,
                         ws_bytes,
                         b,
                         p.x,
-                        mptr(out),
+                        mptr(at.x),
                     )
                     .map_err(|e| err("convolution backward data", e))?;
                 }
@@ -384,16 +416,16 @@ impl Dnn {
                         h,
                         a,
                         p.x,
-                        ptr(ins[0]),
+                        ptr(at.x),
                         p.y,
-                        ptr(ins[1]),
+                        ptr(at.y),
                         conv,
                         algo,
                         ws,
                         ws_bytes,
                         b,
                         w,
-                        mptr(out),
+                        mptr(at.w),
                     )
                     .map_err(|e| err("convolution backward filter", e))?;
                 }
@@ -403,17 +435,17 @@ impl Dnn {
                         p.pool.expect("pool"),
                         a,
                         p.x,
-                        ptr(ins[0]),
+                        ptr(at.x),
                         b,
                         p.y,
-                        mptr(out),
+                        mptr(at.y),
                     )
                     .map_err(|e| err("pooling forward", e))?;
                 }
                 (Algo::None, DnnKind::PoolBackward) => {
                     let pool = p.pool.expect("pool");
                     // cuDNN's backward reads the forward result: recompute it into the scratch.
-                    dn::pooling_forward(h, pool, a, p.x, ptr(ins[0]), b, p.y, ws)
+                    dn::pooling_forward(h, pool, a, p.x, ptr(at.x), b, p.y, ws)
                         .map_err(|e| err("pooling forward (for the backward)", e))?;
                     sys::cudnnPoolingBackward(
                         h,
@@ -422,12 +454,12 @@ impl Dnn {
                         p.y,
                         ws,
                         p.y,
-                        ptr(ins[1]),
+                        ptr(at.w),
                         p.x,
-                        ptr(ins[0]),
+                        ptr(at.x),
                         b,
                         p.x,
-                        mptr(out),
+                        mptr(at.y),
                     )
                     .result()
                     .map_err(|e| err("pooling backward", e))?;
@@ -478,8 +510,11 @@ mod tests {
     use super::strides;
 
     #[test]
-    fn contiguous_strides() {
-        assert_eq!(strides(&[2, 3, 4, 5]), vec![60, 20, 5, 1]);
-        assert_eq!(strides(&[2, 3, 1, 4, 5]), vec![60, 20, 20, 5, 1]);
+    fn contiguous_and_channels_last_strides() {
+        assert_eq!(strides(&[2, 3, 4, 5], false), vec![60, 20, 5, 1]);
+        assert_eq!(strides(&[2, 3, 1, 4, 5], false), vec![60, 20, 20, 5, 1]);
+        // N, C, H, W stored as N, H, W, C.
+        assert_eq!(strides(&[2, 3, 4, 5], true), vec![60, 1, 15, 3]);
+        assert_eq!(strides(&[2, 3, 2, 4, 5], true), vec![120, 1, 60, 15, 3]);
     }
 }

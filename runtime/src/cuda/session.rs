@@ -2,6 +2,7 @@
 //! once; a run copies inputs in, launches, copies outputs and guard flags out, and commits the
 //! updates with device-to-device copies when every guard passed.
 
+use super::dnn::DnnPtrs;
 use super::GpuDevice;
 use crate::pool::Block;
 use crate::timing::{StepClock, StepTime, StepTimes};
@@ -37,8 +38,11 @@ enum Exec {
     },
     Dnn {
         desc: DnnDesc,
-        ins: Vec<u64>,
-        out: u64,
+        before: Vec<Resolved>,
+        /// Device addresses of x, w, y (convolutions) or of operands 0, 1 and the output
+        /// (pooling), and of the bias.
+        ptrs: DnnPtrs,
+        after: Vec<Resolved>,
     },
     Nothing,
 }
@@ -225,7 +229,23 @@ impl CudaSession {
             scratch_bytes = scratch_bytes.max(match st {
                 CudaStep::Kernels(k) => k.scratch_bytes,
                 CudaStep::Matmul { after, .. } => after.scratch_bytes,
-                CudaStep::Dnn(d) => dev.with_dnn(|dn| dn.prepare(d, stream as _))?,
+                CudaStep::Dnn(d) => {
+                    let ws = dev.with_dnn(|dn| dn.prepare(&d.desc, stream as _))?;
+                    let launches = d.before.iter().chain(&d.after);
+                    let staged = launches
+                        .flat_map(|l| &l.args)
+                        .filter_map(|a| match a {
+                            ArgRef::ScratchAt(_) => Some(d.desc.staging_bytes),
+                            _ => None,
+                        })
+                        .max()
+                        .unwrap_or(0);
+                    staged.max(if ws > 0 {
+                        d.desc.workspace_offset() + ws
+                    } else {
+                        d.desc.staging_bytes
+                    })
+                }
                 CudaStep::Alias => 0,
             });
         }
@@ -238,7 +258,8 @@ impl CudaSession {
             let ks: Vec<&Launch> = match st {
                 CudaStep::Kernels(k) => k.launches.iter().collect(),
                 CudaStep::Matmul { after, .. } => after.launches.iter().collect(),
-                CudaStep::Dnn(_) | CudaStep::Alias => vec![],
+                CudaStep::Dnn(d) => d.before.iter().chain(&d.after).collect(),
+                CudaStep::Alias => vec![],
             };
             for l in ks {
                 sources.push((l.kernel.name.clone(), source(&l.kernel)?));
@@ -262,6 +283,7 @@ impl CudaSession {
                                 ArgRef::Input(j) => ins[*j],
                                 ArgRef::Output => out,
                                 ArgRef::Scratch => scratch,
+                                ArgRef::ScratchAt(off) => scratch + *off as u64,
                             })
                             .collect(),
                         grid: l.grid,
@@ -279,11 +301,44 @@ impl CudaSession {
                     after: resolve(&after),
                     desc,
                 },
-                CudaStep::Dnn(desc) => Exec::Dnn {
-                    desc,
-                    ins: ins.clone(),
-                    out,
-                },
+                CudaStep::Dnn(d) => {
+                    let at = |a: ArgRef| match a {
+                        ArgRef::Input(j) => ins[j],
+                        ArgRef::Output => out,
+                        ArgRef::Scratch => scratch,
+                        ArgRef::ScratchAt(off) => scratch + off as u64,
+                    };
+                    let desc = d.desc;
+                    let ptrs = if desc.pool.is_some() {
+                        DnnPtrs {
+                            x: ins[0],
+                            w: ins.get(1).copied().unwrap_or(0),
+                            y: out,
+                            bias: 0,
+                            workspace: scratch,
+                        }
+                    } else {
+                        DnnPtrs {
+                            x: at(desc.x_at),
+                            w: at(desc.w_at),
+                            y: at(desc.y_at),
+                            bias: if desc.bias { ins[2] } else { 0 },
+                            workspace: scratch + desc.workspace_offset() as u64,
+                        }
+                    };
+                    Exec::Dnn {
+                        before: resolve(&StepKernels {
+                            launches: d.before,
+                            scratch_bytes: 0,
+                        }),
+                        after: resolve(&StepKernels {
+                            launches: d.after,
+                            scratch_bytes: 0,
+                        }),
+                        ptrs,
+                        desc,
+                    }
+                }
                 CudaStep::Alias => Exec::Nothing,
             };
             s.exec.push((i, e));
@@ -394,12 +449,23 @@ impl CudaSession {
                         self.launch(l, i, stream)?;
                     }
                 }
-                Exec::Dnn { desc, ins, out } => {
+                Exec::Dnn {
+                    desc,
+                    before,
+                    ptrs,
+                    after,
+                } => {
+                    for l in before {
+                        self.launch(l, i, stream)?;
+                    }
                     self.dev
-                        .with_dnn(|dn| dn.run(desc, ins, *out, self.scratch, stream as _))
+                        .with_dnn(|dn| dn.run(desc, ptrs, stream as _))
                         .map_err(|e| {
                             RuntimeError::Device(format!("step {i} ({:?}): {e}", desc.kind))
                         })?;
+                    for l in after {
+                        self.launch(l, i, stream)?;
+                    }
                 }
                 Exec::Nothing => {}
             }
