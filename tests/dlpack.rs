@@ -380,9 +380,28 @@ fn unsupported_types_and_versions_are_errors_and_still_released() {
         )
     };
     assert_eq!(Arc::strong_count(&t), 2);
-    let e = d.into_host().unwrap_err().to_string();
+    let e = d.to_host().unwrap_err().to_string();
     assert!(e.contains("not host memory"), "{e}");
+    drop(d);
     assert_eq!(Arc::strong_count(&t), 1, "the device keeper dropped once");
+    // A device type that is neither host memory nor CUDA (Vulkan, 7).
+    // SAFETY: as above.
+    let d = unsafe {
+        DlpackTensor::from_device(
+            0x1000,
+            &t.ty(),
+            DLDevice {
+                device_type: DLDeviceType(7),
+                device_id: 0,
+            },
+            Box::new(t.clone()),
+            0,
+            false,
+        )
+    };
+    let e = d.into_host().unwrap_err().to_string();
+    assert!(e.contains("neither host memory nor CUDA"), "{e}");
+    assert_eq!(Arc::strong_count(&t), 1);
 }
 
 #[test]
@@ -580,6 +599,70 @@ fn executables_run_on_imported_tensors_and_export_outputs() {
 }
 
 #[test]
+fn executables_take_and_give_dlpack_tensors() {
+    let mut exe = mlp(Device::Cpu);
+    let w = sample(DType::F32, &[6, 3], 21);
+    // Parameters in and out through DLPack (another library's tensor in, ours out).
+    let (wd, calls) = foreign(
+        rustytorch::compiler::format::tensor_bytes(&w),
+        DLDataType::of(DType::F32),
+        &[6, 3],
+        None,
+        0,
+        DLPACK_VERSION,
+    );
+    exe.set_param_dlpack("w", wd).unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    let got = exe.param_dlpack("w").unwrap();
+    assert_eq!(got.device(), DLDevice::CPU);
+    assert_eq!(got.to_host().unwrap(), w);
+    assert!(exe.param_dlpack("nope").is_err());
+    let b = exe.param("b").unwrap().to_vec::<f32>().unwrap();
+
+    // One input from another library (copied, and reported), then our own export (shared).
+    let x = sample(DType::F32, &[4, 6], 22);
+    let (xd, _) = foreign(
+        rustytorch::compiler::format::tensor_bytes(&x),
+        DLDataType::of(DType::F32),
+        &[4, 6],
+        None,
+        0,
+        DLPACK_VERSION,
+    );
+    let r = exe.run_dlpack(vec![("x", xd)]).unwrap();
+    assert_eq!(r.copied.len(), 1);
+    assert_eq!(r.copied[0].0, "x");
+    assert_eq!(r.outputs.len(), 1);
+    let (name, y) = &r.outputs[0];
+    assert_eq!(
+        name, "output0",
+        "a builder graph names its outputs by position"
+    );
+    assert_eq!(y.version(), Some(DLPACK_VERSION));
+    let want = mlp_reference(&x.to_vec::<f32>().unwrap(), &w.to_vec::<f32>().unwrap(), &b);
+    assert_eq!(
+        y.to_host().unwrap().to_vec::<f32>().unwrap().len(),
+        want.len()
+    );
+    for (g, w) in y
+        .to_host()
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap()
+        .iter()
+        .zip(&want)
+    {
+        assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()));
+    }
+    let own = DlpackTensor::from_host(Arc::new(x));
+    let r = exe.run_dlpack(vec![("x", own)]).unwrap();
+    assert!(
+        r.copied.is_empty(),
+        "our own host export runs without a copy"
+    );
+}
+
+#[test]
 fn cuda_tensors_round_trip_through_the_device() {
     if !cuda() {
         return;
@@ -641,10 +724,14 @@ fn cuda_executables_run_on_device_tensors() {
     let w = exe.param("w").unwrap().to_vec::<f32>().unwrap();
     let b = exe.param("b").unwrap().to_vec::<f32>().unwrap();
     let d = cuda::export_to_device(&x, 0, false).unwrap();
-    let host = Arc::new(cuda::to_host(&d.tensor).unwrap());
-    let out = exe.run_shared(&[("x", host)]).unwrap();
-    let y = cuda::export_to_device(&out[0], 0, false).unwrap();
-    let got = cuda::to_host(&y.tensor).unwrap().to_vec::<f32>().unwrap();
+    let r = exe.run_dlpack(vec![("x", d.tensor)]).unwrap();
+    assert_eq!(r.copied.len(), 1, "device inputs go through the host");
+    let y = &r.outputs[0].1;
+    assert_eq!(y.device().device_type, DLDeviceType::CUDA);
+    let got = cuda::to_host(y).unwrap().to_vec::<f32>().unwrap();
+    let p = exe.param_dlpack("w").unwrap();
+    assert_eq!(p.device().device_type, DLDeviceType::CUDA);
+    assert_eq!(cuda::to_host(&p).unwrap().to_vec::<f32>().unwrap(), w);
     let want = mlp_reference(&x.to_vec::<f32>().unwrap(), &w, &b);
     for (g, w) in got.iter().zip(&want) {
         assert!(

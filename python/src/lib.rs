@@ -224,17 +224,7 @@ fn host_input(obj: &Bound<'_, PyAny>) -> PyResult<(Arc<HostTensor>, Option<Strin
         return t.get().to_host();
     }
     let d = import(obj)?;
-    let py = obj.py();
-    py.detach(move || {
-        if d.device().device_type == DLDeviceType::CUDA {
-            let t = cuda::to_host(&d).map_err(err)?;
-            return Ok((
-                Arc::new(t),
-                Some(
-                    "the session takes host tensors: device memory is read through the host".into(),
-                ),
-            ));
-        }
+    obj.py().detach(move || {
         let im = d.into_host().map_err(err)?;
         Ok((im.tensor, im.copied))
     })

@@ -14,7 +14,7 @@
 //! they describe; imports ([`DlpackTensor::into_host`]) reuse a tensor this crate exported and
 //! copy anything else into a new host tensor, saying why.
 
-use crate::{Error, Result};
+use crate::{Error, Executable, Result};
 use rustytorch_ops::{DType, Data, HostElement, HostTensor, TensorType};
 use rustytorch_runtime::Device;
 use std::ffi::c_void;
@@ -625,9 +625,9 @@ impl DlpackTensor {
     }
 
     /// A host tensor with these elements for running an executable: the very tensor when this
-    /// crate exported it from the host and the view covers it exactly (no copy), else a copy of
-    /// host-accessible memory ([`DlpackTensor::to_host`]), with the reason in
-    /// [`Imported::copied`].
+    /// crate exported it from the host and the view covers it exactly (no copy), else a copy
+    /// ([`DlpackTensor::to_host`] for host-accessible memory, [`cuda::to_host`] for CUDA memory),
+    /// with the reason in [`Imported::copied`].
     pub fn into_host(self) -> Result<Imported> {
         if let Some(t) = self.own_host() {
             return Ok(Imported {
@@ -635,13 +635,108 @@ impl DlpackTensor {
                 copied: None,
             });
         }
-        let t = self.to_host()?;
+        let dev = self.device();
+        let (t, why) = if dev.host_accessible() {
+            (
+                self.to_host()?,
+                "host tensors own their storage: memory from another library is copied once",
+            )
+        } else if dev.device_type == DLDeviceType::CUDA {
+            (
+                cuda::to_host(&self)?,
+                "sessions take host tensors: CUDA memory is copied through the host",
+            )
+        } else {
+            return Err(dl_err(format!(
+                "DLPack device type {} (ordinal {}) is neither host memory nor CUDA",
+                dev.device_type.0, dev.device_id
+            )));
+        };
         Ok(Imported {
             tensor: Arc::new(t),
-            copied: Some(
-                "host tensors own their storage: memory from another library is copied once".into(),
-            ),
+            copied: Some(why.into()),
         })
+    }
+}
+
+/// Exports a value for `device`: a host tensor as it is (no copy), a value of a CUDA executable
+/// copied into device memory on that device ([`cuda::export_to_device`]).
+pub fn export_for(t: HostTensor, device: Device, legacy: bool) -> Result<DlpackTensor> {
+    match device {
+        Device::Cuda(i) => Ok(cuda::export_to_device(&t, i, legacy)?.tensor),
+        Device::Cpu | Device::Auto => {
+            let t = Arc::new(t);
+            Ok(if legacy {
+                DlpackTensor::from_host_legacy(t)
+            } else {
+                DlpackTensor::from_host(t)
+            })
+        }
+    }
+}
+
+/// What [`Executable::run_dlpack`] returns.
+#[derive(Debug)]
+pub struct DlpackOutputs {
+    /// `(name, tensor)` in output order, exported by [`export_for`] the executable's device.
+    pub outputs: Vec<(String, DlpackTensor)>,
+    /// Inputs that were copied: `(name, reason)`.
+    pub copied: Vec<(String, String)>,
+    /// As [`crate::Outputs::skipped`].
+    pub skipped: Option<String>,
+}
+
+impl Executable {
+    /// Runs on DLPack inputs by name ([`DlpackTensor::into_host`]: this crate's own host exports
+    /// without a copy, anything else copied, which the result reports) and exports the results
+    /// as DLPack ≥ 1.0 tensors for the executable's device.
+    pub fn run_dlpack(&mut self, inputs: Vec<(&str, DlpackTensor)>) -> Result<DlpackOutputs> {
+        let mut copied = Vec::new();
+        let mut shared = Vec::with_capacity(inputs.len());
+        for (name, t) in inputs {
+            let im = t.into_host()?;
+            if let Some(why) = im.copied {
+                copied.push((name.to_string(), why));
+            }
+            shared.push((name, im.tensor));
+        }
+        let out = self.run_shared(&shared)?;
+        let device = self.device();
+        let skipped = out.skipped.clone();
+        let names = out.names().to_vec();
+        let outputs = names
+            .into_iter()
+            .zip(out.into_vec())
+            .map(|(n, t)| Ok((n, export_for(t, device, false)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(DlpackOutputs {
+            outputs,
+            copied,
+            skipped,
+        })
+    }
+
+    /// A parameter or state tensor as a DLPack ≥ 1.0 tensor on the executable's device (a copy
+    /// of the session's current value).
+    pub fn param_dlpack(&self, name: &str) -> Result<DlpackTensor> {
+        if !self.param_types().iter().any(|(n, _)| *n == name) {
+            return Err(Error::Input {
+                name: name.into(),
+                reason: "no such parameter".into(),
+            });
+        }
+        let t = self.param(name).ok_or_else(|| Error::Input {
+            name: name.into(),
+            reason: "the device could not copy it back".into(),
+        })?;
+        export_for(t, self.device(), false)
+    }
+
+    /// Replaces a parameter or state tensor with a DLPack tensor's elements (its type must
+    /// match; the session keeps a copy).
+    pub fn set_param_dlpack(&mut self, name: &str, value: DlpackTensor) -> Result<()> {
+        let t = value.into_host()?.tensor;
+        self.set_param(name, Arc::unwrap_or_clone(t))
     }
 }
 
