@@ -364,10 +364,10 @@ impl Tensor {
 /// A compiled graph: parameters and optimizer state stay in it between runs.
 #[pyclass(module = "rustytorch")]
 struct Executable {
-    /// Python objects must be `Sync`; runs take `&mut self` and reach it without locking.
+    /// One run at a time: a call from another thread waits (without the interpreter lock).
     exe: Mutex<rustytorch::Executable>,
     /// Inputs of the last run that were copied, with the reason.
-    copied: Vec<(String, String)>,
+    copied: Mutex<Vec<(String, String)>>,
 }
 
 fn poisoned<T>(_: T) -> PyErr {
@@ -398,28 +398,31 @@ impl Executable {
         let exe = rustytorch::compile_graph(&graph, device, &opts).map_err(err)?;
         Ok(Executable {
             exe: Mutex::new(exe),
-            copied: Vec::new(),
+            copied: Mutex::new(Vec::new()),
         })
     }
 
     /// Runs with `(name, object)` inputs; results in output order.
     fn run_named(
-        &mut self,
+        &self,
         py: Python<'_>,
         inputs: Vec<(String, Bound<'_, PyAny>)>,
     ) -> PyResult<Vec<(String, Tensor)>> {
-        self.copied.clear();
+        let mut copied = Vec::new();
         let mut shared = Vec::with_capacity(inputs.len());
         for (name, obj) in &inputs {
-            let (t, copied) = host_input(obj)?;
-            if let Some(why) = copied {
-                self.copied.push((name.clone(), why));
+            let (t, why) = host_input(obj)?;
+            if let Some(why) = why {
+                copied.push((name.clone(), why));
             }
             shared.push((name.as_str(), t));
         }
-        let exe = self.exe.get_mut().map_err(poisoned)?;
-        let out = py.detach(|| exe.run_shared(&shared)).map_err(err)?;
-        let device = exe.device();
+        let (out, device) = py.detach(|| {
+            let mut exe = self.exe()?;
+            let out = exe.run_shared(&shared).map_err(err)?;
+            *self.copied.lock().map_err(poisoned)? = copied;
+            Ok::<_, PyErr>((out, exe.device()))
+        })?;
         let names = out.names().to_vec();
         names
             .into_iter()
@@ -434,7 +437,7 @@ impl Executable {
     /// Runs the graph with inputs by name; returns the results by name.
     #[pyo3(signature = (**inputs))]
     fn run<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         inputs: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Bound<'py, PyDict>> {
@@ -456,7 +459,7 @@ impl Executable {
     /// a tuple of them in output order.
     #[pyo3(signature = (*args, **kwargs))]
     fn __call__<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         args: &Bound<'py, PyTuple>,
         kwargs: Option<&Bound<'py, PyDict>>,
@@ -525,8 +528,8 @@ impl Executable {
 
     /// Inputs of the last run that were copied: `(name, reason)`.
     #[getter]
-    fn copied_inputs(&self) -> Vec<(String, String)> {
-        self.copied.clone()
+    fn copied_inputs(&self) -> PyResult<Vec<(String, String)>> {
+        Ok(self.copied.lock().map_err(poisoned)?.clone())
     }
 
     /// A parameter's current value (a copy of the session's, on its device).
@@ -553,11 +556,9 @@ impl Executable {
     }
 
     /// Replaces a parameter's value with any DLPack array (or `rustytorch.Tensor`) of its type.
-    fn set_param(&mut self, name: &str, value: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn set_param(&self, name: &str, value: &Bound<'_, PyAny>) -> PyResult<()> {
         let (t, _) = host_input(value)?;
-        self.exe
-            .get_mut()
-            .map_err(poisoned)?
+        self.exe()?
             .set_param(name, Arc::unwrap_or_clone(t))
             .map_err(err)
     }

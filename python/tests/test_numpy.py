@@ -259,3 +259,50 @@ def test_attention_block_matches_numpy():
     gelu = 0.5 * u * (1 + np.vectorize(math.erf)(u / math.sqrt(2)))
     want = r + gelu @ p["w2"] + p["b2"]
     np.testing.assert_allclose(np.from_dlpack(exe(x=x)), want, rtol=1e-4, atol=1e-4)
+
+
+class LegacyProducer:
+    """An array whose ``__dlpack__`` predates DLPack 1.0 (no ``max_version``)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __dlpack__(self, stream=None):
+        return self.inner.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.inner.__dlpack_device__()
+
+
+def test_legacy_producers_and_consumers(mlp):
+    x = sample(np.float32, (4, 6), 19)
+    w = np.from_dlpack(mlp.param("w"))
+    b = np.from_dlpack(mlp.param("b"))
+    # An input from a legacy producer (NumPy's legacy capsule).
+    y = mlp(x=LegacyProducer(x))
+    np.testing.assert_allclose(np.from_dlpack(y), mlp_reference(x, w, b), rtol=1e-5, atol=1e-6)
+    # A legacy consumer: NumPy falls back to the legacy capsule, still without a copy.
+    a = np.from_dlpack(LegacyProducer(y))
+    assert a.ctypes.data == y.data_ptr
+    np.testing.assert_array_equal(a, np.from_dlpack(y))
+
+
+def test_runs_from_several_threads(mlp):
+    import threading
+
+    w = np.from_dlpack(mlp.param("w"))
+    b = np.from_dlpack(mlp.param("b"))
+    xs = [sample(np.float32, (4, 6), 100 + k) for k in range(8)]
+    results = [None] * len(xs)
+
+    def work(k):
+        for _ in range(50):
+            results[k] = np.from_dlpack(mlp(x=xs[k]))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for x, y in zip(xs, results):
+        np.testing.assert_allclose(y, mlp_reference(x, w, b), rtol=1e-5, atol=1e-6)
