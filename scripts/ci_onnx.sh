@@ -2,7 +2,8 @@
 # ONNX conformance for CI: installs the `onnx` package (1.19.1, the last to ship the backend node
 # tests) and onnxruntime into a cached virtual environment, builds the runner, and runs ONNX's
 # node tests of every op the importer claims (scripts/onnx_conformance.py --check): a test listed
-# in scripts/onnx_conformance_passing.txt that fails now fails this script.
+# in scripts/onnx_conformance_passing.txt that fails now fails this script. Then the light_* CNNs
+# the package ships, against onnxruntime (scripts/onnx_models.py).
 #
 #   scripts/ci_onnx.sh
 #   RUSTYTORCH_ONNX_VENV=/tmp/venv scripts/ci_onnx.sh
@@ -17,3 +18,4 @@ if ! "$venv/bin/python" -c "import onnx, onnxruntime, numpy; assert onnx.__versi
 fi
 cargo build --quiet --bin rustytorch
 "$venv/bin/python" scripts/onnx_conformance.py --check
+"$venv/bin/python" scripts/onnx_models.py

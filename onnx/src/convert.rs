@@ -210,6 +210,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "Less",
         "LessOrEqual",
         "Log",
+        "LRN",
         "LogSoftmax",
         "MatMul",
         "Max",
@@ -1418,6 +1419,48 @@ impl Importer {
                 one(self.reduce(kind, &x, (2..r).collect(), true)?)
             }
             "OneHot" => self.one_hot(cx).map(|v| vec![v]),
+            "LRN" => {
+                // x / (bias + α/size · Σ x² over `size` neighbouring channels)^β; the channel
+                // window sum as an average pool over [N, 1, C, rest] with zero padding.
+                let alpha = a.float("alpha", 1e-4)? as f64;
+                let beta = a.float("beta", 0.75)? as f64;
+                let bias = a.float("bias", 1.0)? as f64;
+                let size = a
+                    .int_opt("size")?
+                    .ok_or_else(|| ImportError::Model("attribute `size` is required".into()))?;
+                if size < 1 {
+                    return why(format!("size {size}"));
+                }
+                let size = size as usize;
+                let x = self.input(cx, 0)?;
+                let d = self.dims(&x);
+                if d.len() < 3 {
+                    return why("input must be N×C×spatial");
+                }
+                let rest: usize = d[2..].iter().product();
+                let sq = self.bin(BinaryOp::Mul, &x, &x)?;
+                let sq = self.reshape(&sq, vec![d[0], 1, d[1], rest])?;
+                let lo = (size - 1) / 2;
+                let sq = self.pad_const(&sq, vec![(0, 0), (0, 0), (lo, size - 1 - lo), (0, 0)], 0.0)?;
+                let pool = Op::Pool {
+                    kind: PoolKind::Avg {
+                        count_include_pad: true,
+                    },
+                    kernel: vec![size, 1],
+                    geom: ConvGeom {
+                        stride: vec![1, 1],
+                        padding: vec![0, 0],
+                        dilation: vec![1, 1],
+                    },
+                };
+                let avg = self.emit(pool, &[&sq])?;
+                let avg = self.reshape(&avg, d)?;
+                // α/size · Σ = α · average.
+                let t = self.bin_s(BinaryOp::Mul, &avg, alpha)?;
+                let t = self.bin_s(BinaryOp::Add, &t, bias)?;
+                let t = self.bin_s(BinaryOp::Pow, &t, beta)?;
+                one(self.bin(BinaryOp::Div, &x, &t)?)
+            }
             "Mod" => self.modulo(cx).map(|v| vec![v]),
             "GatherND" => {
                 if a.int("batch_dims", 0)? != 0 {
