@@ -73,19 +73,39 @@ fn window(stmts: &mut Vec<Stmt>, geo: &Geo, j: usize, o: Expr, tag: &str) -> (Ex
     (var(&lo), var(&hi))
 }
 
-/// Nested loops over a window (`ranges` per dim, loop variables `{tag}w{j}`) around `body`.
-fn nest(ranges: &[(Expr, Expr)], tag: &str, body: Vec<Stmt>) -> Vec<Stmt> {
+/// Nested loops around `body` over the positions `{tag}w{j}` of `[lo, hi)` per dim (`ranges`),
+/// written as `count` steps from `start` with a bounds check: constant trip counts let the
+/// compiler unroll the loops and issue a window's loads together instead of one after another.
+fn nest(ranges: &[(Expr, Expr)], steps: &[(Expr, i64)], tag: &str, body: Vec<Stmt>) -> Vec<Stmt> {
     let mut inner = body;
-    for (j, (lo, hi)) in ranges.iter().enumerate().rev() {
+    for (j, ((lo, hi), (start, count))) in ranges.iter().zip(steps).enumerate().rev() {
+        let (t, w) = (format!("{tag}t{j}"), format!("{tag}w{j}"));
         inner = vec![for_(
-            &format!("{tag}w{j}"),
-            lo.clone(),
-            hi.clone(),
+            &t,
+            i64c(0),
+            i64c(*count),
             i64c(1),
-            inner,
+            vec![
+                let_(&w, CTy::I64, add(start.clone(), var(&t))),
+                if_(
+                    bin(
+                        BinFn::And,
+                        bin(BinFn::Ge, var(&w), lo.clone()),
+                        lt(var(&w), hi.clone()),
+                    ),
+                    inner,
+                ),
+            ],
         )];
     }
     inner
+}
+
+/// The loop steps of an output's window: from its start `{tag}s{j}`, the window's size.
+fn window_steps(geo: &Geo, tag: &str) -> Vec<(Expr, i64)> {
+    (0..geo.ks.len())
+        .map(|j| (var(&format!("{tag}s{j}")), geo.ks[j] as i64))
+        .collect()
 }
 
 /// The in-plane index of the window position `{tag}w{j}`.
@@ -148,7 +168,7 @@ fn argmax(
         let_(&best, ty, fc(f64::NEG_INFINITY, ty)),
         let_(&at, CTy::I64, i64c(-1)),
     ];
-    out.extend(nest(ranges, tag, body));
+    out.extend(nest(ranges, &window_steps(geo, tag), tag, body));
     out
 }
 
@@ -235,7 +255,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
                 ),
             };
             b.push(let_("acc", ty, init));
-            for s in nest(&ranges, "", update) {
+            for s in nest(&ranges, &window_steps(&geo, ""), "", update) {
                 b.push(s);
             }
             b.push(store("out", el, i, result));
@@ -378,7 +398,13 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
             )),
         }
         b.push(let_("acc", ty, fc(0.0, ty)));
-        for s in nest(&outs, "o", body) {
+        // At most ⌈k/s⌉ windows along a dim hold an input.
+        let steps: Vec<(Expr, i64)> = outs
+            .iter()
+            .enumerate()
+            .map(|(j, (lo, _))| (lo.clone(), geo.ks[j].div_ceil(geo.stride[j]) as i64))
+            .collect();
+        for s in nest(&outs, &steps, "o", body) {
             b.push(s);
         }
         b.push(store("out", el, i, var("acc")));
