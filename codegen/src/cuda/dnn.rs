@@ -64,7 +64,8 @@ pub struct DnnDesc {
     pub dilation: Vec<i32>,
     /// Convolution groups (1 for pooling).
     pub groups: i32,
-    /// A bias `[K]` is added to the convolution's output.
+    /// cuDNN adds a bias `[K]` (operand 2) to the convolution's output (channels-last steps add
+    /// it in their transpose back instead, and clear this).
     pub bias: bool,
     /// Pooling mode and window (pooling only).
     pub pool: Option<(DnnPoolMode, Vec<i32>)>,
@@ -114,9 +115,15 @@ impl DnnDesc {
 const TILE: i64 = 32;
 const TBLOCK: u32 = 256;
 
-/// `out[b][c][r] = in[b][r][c]` for `batch` matrices of `rows × cols`, through 32×32 shared-memory
-/// tiles so that both the reads and the writes are coalesced.
-pub fn transpose_kernel(dt: DType, batch: usize, rows: usize, cols: usize) -> Result<Kernel> {
+/// `out[b][c][r] = in[b][r][c]` (`+ bias[c]` with `bias`) for `batch` matrices of `rows × cols`,
+/// through 32×32 shared-memory tiles so that both the reads and the writes are coalesced.
+pub fn transpose_kernel(
+    dt: DType,
+    batch: usize,
+    rows: usize,
+    cols: usize,
+    bias: bool,
+) -> Result<Kernel> {
     let (el, ty) = (CTy::storage(dt), CTy::compute(dt));
     let (r, c) = (rows as i64, cols as i64);
     let (tr, tc) = ((r + TILE - 1) / TILE, (c + TILE - 1) / TILE);
@@ -180,13 +187,17 @@ pub fn transpose_kernel(dt: DType, batch: usize, rows: usize, cols: usize) -> Re
             CTy::I64,
             add(mul(var("tr"), i64c(TILE)), var("tx")),
         ));
+        let mut v = load("tile", ty, add(mul(var("tx"), i64c(TILE + 1)), col));
+        if bias {
+            v = add(v, load("bias", el, var(&co)));
+        }
         per_tile.push(if_(
             and(lt(var(&ro), i64c(r)), lt(var(&co), i64c(c))),
             vec![store(
                 "out",
                 el,
                 add(var("base"), add(mul(var(&co), i64c(r)), var(&ro))),
-                load("tile", ty, add(mul(var("tx"), i64c(TILE + 1)), col)),
+                v,
             )],
         ));
     }
@@ -198,39 +209,40 @@ pub fn transpose_kernel(dt: DType, batch: usize, rows: usize, cols: usize) -> Re
         special(Special::GridDim),
         per_tile,
     ));
+    let param = |name: &str, writes: bool| Param {
+        name: name.into(),
+        elem: el,
+        writes,
+    };
+    let mut params = vec![param("x", false)];
+    if bias {
+        params.push(param("bias", false));
+    }
+    params.push(param("out", true));
     let k = Kernel {
         name: String::new(),
-        params: vec![
-            Param {
-                name: "x".into(),
-                elem: el,
-                writes: false,
-            },
-            Param {
-                name: "out".into(),
-                elem: el,
-                writes: true,
-            },
-        ],
+        params,
         block: TBLOCK,
         body,
     };
     finish("transpose", k)
 }
 
-/// A launch of [`transpose_kernel`] from `src` to `dst`.
+/// A launch of [`transpose_kernel`] from `src` to `dst`, adding the per-column `bias` if given.
 fn transpose(
     dt: DType,
-    batch: usize,
-    rows: usize,
-    cols: usize,
+    (batch, rows, cols): (usize, usize, usize),
     src: ArgRef,
+    bias: Option<ArgRef>,
     dst: ArgRef,
 ) -> Result<Launch> {
     let tiles = batch as u64 * (rows as u64).div_ceil(32) * (cols as u64).div_ceil(32);
+    let mut args = vec![src];
+    args.extend(bias);
+    args.push(dst);
     Ok(Launch {
-        kernel: transpose_kernel(dt, batch, rows, cols)?,
-        args: vec![src, dst],
+        kernel: transpose_kernel(dt, batch, rows, cols, bias.is_some())?,
+        args,
         grid: grid_for(tiles, 1).min(MAX_GRID as u32),
     })
 }
@@ -272,11 +284,13 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<D
     // NC·S → N·S·C: batch N, rows C, cols S (the spatial extent); back is the reverse.
     let to_last = |t: &[i32], src: ArgRef, dst: ArgRef| {
         let sp = n(&t[2..]);
-        transpose(d.dtype, t[0] as usize, t[1] as usize, sp, src, dst)
+        transpose(d.dtype, (t[0] as usize, t[1] as usize, sp), src, None, dst)
     };
+    // The forward's bias is added by the transpose back, not by a separate pass over y.
+    let bias = (d.kind == DnnKind::ConvForward && d.bias).then_some(ArgRef::Input(2));
     let to_first = |t: &[i32], src: ArgRef, dst: ArgRef| {
         let sp = n(&t[2..]);
-        transpose(d.dtype, t[0] as usize, sp, t[1] as usize, src, dst)
+        transpose(d.dtype, (t[0] as usize, sp, t[1] as usize), src, bias, dst)
     };
     let (before, after) = match d.kind {
         DnnKind::ConvForward => (
@@ -305,6 +319,7 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<D
     d.x_at = sx;
     d.w_at = sw;
     d.y_at = sy;
+    d.bias = false;
     Ok(DnnStep {
         desc: d,
         before,
@@ -615,7 +630,9 @@ mod tests {
             let x = rand_tensor(&t(dt, &[b, r, c]), 5, -2.0, 2.0);
             let out = t(dt, &[b, c, r]);
             let step = StepKernels {
-                launches: vec![transpose(dt, b, r, c, ArgRef::Input(0), ArgRef::Output).unwrap()],
+                launches: vec![
+                    transpose(dt, (b, r, c), ArgRef::Input(0), None, ArgRef::Output).unwrap(),
+                ],
                 scratch_bytes: 0,
             };
             let got = interp::run_step(&step, &[&x], &out, None)
@@ -631,6 +648,39 @@ mod tests {
                             "{dt:?} {b}x{r}x{c} at {bi},{ri},{ci}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn transpose_back_adds_the_bias() {
+        use crate::cuda::{interp, StepKernels};
+        use rustytorch_ops::testing::rand_tensor;
+        let (b, r, c) = (2, 40, 24);
+        let x = rand_tensor(&t(DType::F32, &[b, r, c]), 8, -2.0, 2.0);
+        let bias = rand_tensor(&t(DType::F32, &[c]), 9, -1.0, 1.0);
+        let step = StepKernels {
+            launches: vec![transpose(
+                DType::F32,
+                (b, r, c),
+                ArgRef::Input(0),
+                Some(ArgRef::Input(1)),
+                ArgRef::Output,
+            )
+            .unwrap()],
+            scratch_bytes: 0,
+        };
+        let out = t(DType::F32, &[b, c, r]);
+        let got = interp::run_step(&step, &[&x, &bias], &out, None)
+            .unwrap()
+            .to_f64_vec();
+        let (xv, bv) = (x.to_f64_vec(), bias.to_f64_vec());
+        for bi in 0..b {
+            for ri in 0..r {
+                for ci in 0..c {
+                    let want = (xv[(bi * r + ri) * c + ci] as f32 + bv[ci] as f32) as f64;
+                    assert_eq!(got[(bi * c + ci) * r + ri], want);
                 }
             }
         }
@@ -653,7 +703,12 @@ mod tests {
         let s = lower_step(&fwd, &[&x, &w, &b], &y).unwrap();
         assert!(s.desc.nhwc);
         assert_eq!((s.before.len(), s.after.len()), (2, 1));
-        assert_eq!(s.after[0].args, vec![s.desc.y_at, ArgRef::Output]);
+        // The bias is added by the transpose back, not by cuDNN.
+        assert_eq!(
+            s.after[0].args,
+            vec![s.desc.y_at, ArgRef::Input(2), ArgRef::Output]
+        );
+        assert!(!s.desc.bias);
         assert_eq!(s.before[0].args, vec![ArgRef::Input(0), s.desc.x_at]);
         // Staging buffers do not overlap, and the workspace follows them.
         let offs = [s.desc.x_at, s.desc.w_at, s.desc.y_at].map(|a| match a {
