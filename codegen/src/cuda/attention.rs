@@ -51,6 +51,9 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
     if out.shape.numel() == 0 {
         return Ok(StepKernels::default());
     }
+    if tiled(inputs) {
+        return lower_tiled(op, inputs);
+    }
     let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
     let (qd, kd, vd) = (q.shape.dims(), k.shape.dims(), v.shape.dims());
     let (bsz, heads, sq, d) = (qd[0], qd[1], qd[2], qd[3]);
@@ -99,20 +102,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
         body.extend(guard(r, d, vec![assign(&qn, to_ct(l, e, ct))]));
     }
     // The keys this row sees.
-    let limit = match causal {
-        Causal::None => i64c(sk as i64),
-        Causal::TopLeft => bin(BinFn::Min, add(var("i"), i64c(1)), i64c(sk as i64)),
-        Causal::BottomRight => bin(
-            BinFn::Max,
-            bin(
-                BinFn::Min,
-                add(var("i"), i64c(1 + sk as i64 - sq as i64)),
-                i64c(sk as i64),
-            ),
-            i64c(0),
-        ),
-    };
-    body.push(let_("jend", CTy::I64, limit));
+    body.push(let_("jend", CTy::I64, key_limit(*causal, var("i"), sq, sk)));
     body.push(let_("m", ct, neg_inf()));
     body.push(let_("s", ct, lit(0.0, ct)));
     for r in 0..ro {
@@ -140,38 +130,9 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
         ));
     }
     key.push(let_("sc", ct, mul(var("dot"), fc(scale.get(), ct))));
-    let mask_at = |st: &[usize]| {
-        let terms = [
-            (div(var("bh"), i64c(heads as i64)), st[0]),
-            (rem(var("bh"), i64c(heads as i64)), st[1]),
-            (var("i"), st[2]),
-            (var("j"), st[3]),
-        ];
-        terms
-            .into_iter()
-            .filter(|(_, s)| *s != 0)
-            .map(|(x, s)| if s == 1 { x } else { mul(x, i64c(s as i64)) })
-            .reduce(add)
-            .unwrap_or_else(|| i64c(0))
-    };
-    match (mask, &mask_strides) {
-        (AttnMask::Additive, Some(st)) => key.push(assign(
-            "sc",
-            add(var("sc"), to_ct(load("mask", e, mask_at(st)), e, ct)),
-        )),
-        (AttnMask::Bool, Some(st)) => key.push(assign(
-            "sc",
-            select(load("mask", CTy::Bool, mask_at(st)), var("sc"), neg_inf()),
-        )),
-        _ => {}
-    }
+    key.extend(apply_mask(*mask, mask_strides.as_deref(), heads, e, ct));
     // A masked key (−∞) weighs nothing; anything else, NaN included, updates the state.
-    let mut upd = vec![
-        let_("mn", ct, bin(BinFn::Max, var("m"), var("sc"))),
-        let_("alpha", ct, un(UnFn::Exp, sub(var("m"), var("mn")))),
-        let_("p", ct, un(UnFn::Exp, sub(var("sc"), var("mn")))),
-        assign("s", add(mul(var("s"), var("alpha")), var("p"))),
-    ];
+    let mut upd = online_update(ct);
     for r in 0..ro {
         let o = format!("o{r}");
         let vl = load(
@@ -189,16 +150,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
     upd.push(assign("m", var("mn")));
     key.push(if_(bin(BinFn::Ne, var("sc"), neg_inf()), upd));
     body.push(for_("j", i64c(0), var("jend"), i64c(1), key));
-    // Every key masked: a zero row.
-    body.push(let_(
-        "inv",
-        ct,
-        select(
-            bin(BinFn::Eq, var("m"), neg_inf()),
-            lit(0.0, ct),
-            div(lit(1.0, ct), var("s")),
-        ),
-    ));
+    body.push(inverse_sum(ct));
     for r in 0..ro {
         let st = store(
             "out",
@@ -233,6 +185,324 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
         }],
         scratch_bytes: 0,
     })
+}
+
+/// Threads (query rows) per block of the tiled kernel.
+const TROWS: u32 = 128;
+/// Keys per shared-memory tile of the tiled kernel (half for f64, so that the key and value tiles
+/// fit the 48 KiB of static shared memory).
+fn key_tile(ct: CTy) -> i64 {
+    if ct == CTy::F64 {
+        32
+    } else {
+        64
+    }
+}
+/// The largest head size the tiled kernel keeps in registers.
+const TILED_MAX_HEAD: usize = 64;
+
+/// Whether the tiled kernel runs this shape: enough query rows per head to fill its blocks, and
+/// heads small enough for a thread to hold its query and output rows in registers.
+fn tiled(inputs: &[&TensorType]) -> bool {
+    let (qd, vd) = (inputs[0].shape.dims(), inputs[2].shape.dims());
+    qd[2] >= 32 && qd[3] <= TILED_MAX_HEAD && vd[3] <= TILED_MAX_HEAD
+}
+
+/// The tiled kernel: a thread per query row (its query and output rows in registers), a block of
+/// [`TROWS`] consecutive rows of one head walking the keys in tiles of [`key_tile`] that the block
+/// stages in shared memory, so that each key and value element is read from memory once per
+/// block rather than once per row, and scores need no shuffles. Same online softmax and
+/// semantics as the warp kernel.
+fn lower_tiled(op: &Op, inputs: &[&TensorType]) -> Result<StepKernels> {
+    let Op::Attention {
+        causal,
+        mask,
+        scale,
+    } = op
+    else {
+        return Err(CodegenError::Invalid(format!(
+            "{} is not attention",
+            op.name()
+        )));
+    };
+    let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
+    let (qd, kd, vd) = (q.shape.dims(), k.shape.dims(), v.shape.dims());
+    let (bsz, heads, sq, d) = (qd[0], qd[1], qd[2], qd[3]);
+    let (sk, dv) = (kd[2], vd[3]);
+    let e = CTy::storage(q.dtype);
+    let ct = e.compute_of();
+    let ktile = key_tile(ct);
+    let t = TROWS as i64;
+    let tiles_q = (sq as i64 + t - 1) / t;
+    let blocks = (bsz * heads) as i64 * tiles_q;
+
+    let mut params = vec![
+        param("q", e, false),
+        param("k", e, false),
+        param("v", e, false),
+    ];
+    let mask_strides = match mask {
+        AttnMask::None => None,
+        AttnMask::Additive | AttnMask::Bool => {
+            let m = inputs[3];
+            params.push(param("mask", CTy::storage(m.dtype), false));
+            Some(m.shape.broadcast_strides(&Shape::new([bsz, heads, sq, sk])))
+        }
+    };
+    params.push(param("out", e, true));
+
+    let tid = || super::ir::special(super::ir::Special::ThreadIdx);
+    let mut body = vec![
+        let_("bh", CTy::I64, div(var("blk"), i64c(tiles_q))),
+        let_("i0", CTy::I64, mul(rem(var("blk"), i64c(tiles_q)), i64c(t))),
+        let_("i", CTy::I64, add(var("i0"), tid())),
+        let_("ok", CTy::Bool, bin(BinFn::Lt, var("i"), i64c(sq as i64))),
+        let_(
+            "row",
+            CTy::I64,
+            add(mul(var("bh"), i64c(sq as i64)), var("i")),
+        ),
+        let_("kb", CTy::I64, mul(var("bh"), i64c((sk * d) as i64))),
+        let_("vb", CTy::I64, mul(var("bh"), i64c((sk * dv) as i64))),
+    ];
+    for r in 0..d {
+        let qn = format!("q{r}");
+        body.push(let_(&qn, ct, lit(0.0, ct)));
+        let l = load("q", e, add(mul(var("row"), i64c(d as i64)), i64c(r as i64)));
+        body.push(if_(var("ok"), vec![assign(&qn, to_ct(l, e, ct))]));
+    }
+    body.push(let_(
+        "jend",
+        CTy::I64,
+        select(var("ok"), key_limit(*causal, var("i"), sq, sk), i64c(0)),
+    ));
+    // The block's last row sees the most keys.
+    let last = bin(BinFn::Min, add(var("i0"), i64c(t - 1)), i64c(sq as i64 - 1));
+    body.push(let_("bend", CTy::I64, key_limit(*causal, last, sq, sk)));
+    body.push(let_("m", ct, fc(f64::NEG_INFINITY, ct)));
+    body.push(let_("s", ct, lit(0.0, ct)));
+    for r in 0..dv {
+        body.push(let_(&format!("o{r}"), ct, lit(0.0, ct)));
+    }
+    // One tile: stage keys and values, then each row walks them.
+    let stage = |sh: &str, src: &str, base: &str, w: usize| {
+        for_(
+            "x",
+            tid(),
+            i64c(ktile * w as i64),
+            i64c(t),
+            vec![
+                let_(
+                    "jj",
+                    CTy::I64,
+                    add(var("j0"), div(var("x"), i64c(w as i64))),
+                ),
+                Stmt::If {
+                    cond: bin(BinFn::Lt, var("jj"), i64c(sk as i64)),
+                    then: vec![store(
+                        sh,
+                        ct,
+                        var("x"),
+                        to_ct(
+                            load(
+                                src,
+                                e,
+                                add(
+                                    add(var(base), mul(var("jj"), i64c(w as i64))),
+                                    rem(var("x"), i64c(w as i64)),
+                                ),
+                            ),
+                            e,
+                            ct,
+                        ),
+                    )],
+                    els: vec![store(sh, ct, var("x"), lit(0.0, ct))],
+                },
+            ],
+        )
+    };
+    let mut key = vec![let_("dot", ct, lit(0.0, ct))];
+    for r in 0..d {
+        let kl = load(
+            "ks",
+            ct,
+            add(mul(var("kk"), i64c(d as i64)), i64c(r as i64)),
+        );
+        key.push(assign(
+            "dot",
+            add(var("dot"), mul(var(&format!("q{r}")), kl)),
+        ));
+    }
+    key.push(let_("sc", ct, mul(var("dot"), fc(scale.get(), ct))));
+    key.extend(apply_mask(*mask, mask_strides.as_deref(), heads, e, ct));
+    let mut upd = online_update(ct);
+    for r in 0..dv {
+        let o = format!("o{r}");
+        let vl = load(
+            "vs",
+            ct,
+            add(mul(var("kk"), i64c(dv as i64)), i64c(r as i64)),
+        );
+        upd.push(assign(
+            &o,
+            add(mul(var(&o), var("alpha")), mul(var("p"), vl)),
+        ));
+    }
+    upd.push(assign("m", var("mn")));
+    key.push(if_(
+        bin(BinFn::Ne, var("sc"), fc(f64::NEG_INFINITY, ct)),
+        upd,
+    ));
+    let walk = vec![
+        let_("j", CTy::I64, add(var("j0"), var("kk"))),
+        if_(bin(BinFn::Lt, var("j"), var("jend")), key),
+    ];
+    body.push(for_(
+        "j0",
+        i64c(0),
+        var("bend"),
+        i64c(ktile),
+        vec![
+            stage("ks", "k", "kb", d),
+            stage("vs", "v", "vb", dv),
+            Stmt::SyncThreads,
+            for_("kk", i64c(0), i64c(ktile), i64c(1), walk),
+            Stmt::SyncThreads,
+        ],
+    ));
+    body.push(inverse_sum(ct));
+    let stores: Vec<Stmt> = (0..dv)
+        .map(|r| {
+            store(
+                "out",
+                e,
+                add(mul(var("row"), i64c(dv as i64)), i64c(r as i64)),
+                mul(var(&format!("o{r}")), var("inv")),
+            )
+        })
+        .collect();
+    body.push(if_(var("ok"), stores));
+
+    let all = vec![
+        Stmt::Shared {
+            name: "ks".into(),
+            elem: ct,
+            len: (ktile as usize * d) as u32,
+        },
+        Stmt::Shared {
+            name: "vs".into(),
+            elem: ct,
+            len: (ktile as usize * dv) as u32,
+        },
+        for_(
+            "blk",
+            super::ir::special(super::ir::Special::BlockIdx),
+            i64c(blocks),
+            super::ir::special(super::ir::Special::GridDim),
+            body,
+        ),
+    ];
+    let kernel = finish(
+        "attention_tiled",
+        Kernel {
+            name: String::new(),
+            params,
+            block: TROWS,
+            body: all,
+        },
+    )?;
+    Ok(StepKernels {
+        launches: vec![Launch {
+            kernel,
+            args: (0..inputs.len())
+                .map(ArgRef::Input)
+                .chain([ArgRef::Output])
+                .collect(),
+            grid: grid_for(blocks as u64, 1),
+        }],
+        scratch_bytes: 0,
+    })
+}
+
+/// The end of the keys query row `i` sees.
+fn key_limit(causal: Causal, i: Expr, sq: usize, sk: usize) -> Expr {
+    match causal {
+        Causal::None => i64c(sk as i64),
+        Causal::TopLeft => bin(BinFn::Min, add(i, i64c(1)), i64c(sk as i64)),
+        Causal::BottomRight => bin(
+            BinFn::Max,
+            bin(
+                BinFn::Min,
+                add(i, i64c(1 + sk as i64 - sq as i64)),
+                i64c(sk as i64),
+            ),
+            i64c(0),
+        ),
+    }
+}
+
+/// Statements applying the mask to the score `sc` of query `i`, key `j` of head `bh`.
+fn apply_mask(
+    mask: AttnMask,
+    strides: Option<&[usize]>,
+    heads: usize,
+    e: CTy,
+    ct: CTy,
+) -> Vec<Stmt> {
+    let at = |st: &[usize]| {
+        let terms = [
+            (div(var("bh"), i64c(heads as i64)), st[0]),
+            (rem(var("bh"), i64c(heads as i64)), st[1]),
+            (var("i"), st[2]),
+            (var("j"), st[3]),
+        ];
+        terms
+            .into_iter()
+            .filter(|(_, s)| *s != 0)
+            .map(|(x, s)| if s == 1 { x } else { mul(x, i64c(s as i64)) })
+            .reduce(add)
+            .unwrap_or_else(|| i64c(0))
+    };
+    match (mask, strides) {
+        (AttnMask::Additive, Some(st)) => vec![assign(
+            "sc",
+            add(var("sc"), to_ct(load("mask", e, at(st)), e, ct)),
+        )],
+        (AttnMask::Bool, Some(st)) => vec![assign(
+            "sc",
+            select(
+                load("mask", CTy::Bool, at(st)),
+                var("sc"),
+                fc(f64::NEG_INFINITY, ct),
+            ),
+        )],
+        _ => vec![],
+    }
+}
+
+/// The online softmax step for score `sc`: new maximum `mn`, the old state's factor `alpha`,
+/// this key's weight `p`, and the running sum `s` (the caller rescales its outputs by `alpha`,
+/// adds `p·v`, then sets `m = mn`).
+fn online_update(ct: CTy) -> Vec<Stmt> {
+    vec![
+        let_("mn", ct, bin(BinFn::Max, var("m"), var("sc"))),
+        let_("alpha", ct, un(UnFn::Exp, sub(var("m"), var("mn")))),
+        let_("p", ct, un(UnFn::Exp, sub(var("sc"), var("mn")))),
+        assign("s", add(mul(var("s"), var("alpha")), var("p"))),
+    ]
+}
+
+/// `inv = 1/s`, or 0 for a row whose keys were all masked (a zero row).
+fn inverse_sum(ct: CTy) -> Stmt {
+    let_(
+        "inv",
+        ct,
+        select(
+            bin(BinFn::Eq, var("m"), fc(f64::NEG_INFINITY, ct)),
+            lit(0.0, ct),
+            div(lit(1.0, ct), var("s")),
+        ),
+    )
 }
 
 fn to_ct(x: Expr, e: CTy, ct: CTy) -> Expr {

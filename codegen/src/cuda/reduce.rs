@@ -57,7 +57,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
     }
     let x = inputs[0];
     match op {
-        Op::Reduce { kind, axes, .. } => reduce(op, *kind, axes, x, out),
+        Op::Reduce { kind, axes, .. } => reduce(*kind, axes, x, out),
         Op::ArgReduce { kind, axis, .. } => arg_reduce(op, *kind, *axis, x),
         Op::Softmax { axis } => softmax(*axis, false, x),
         Op::LogSoftmax { axis } => softmax(*axis, true, x),
@@ -729,6 +729,46 @@ fn copy(prefix: &str, x: &TensorType) -> Result<StepKernels> {
     ))
 }
 
+/// Max (min) over an empty axis: every output is the identity, −∞ (+∞), or the type's least
+/// (greatest) value for integers, as on the CPU (ONNX's definition of the max of nothing).
+fn identity_fill(prefix: &str, max: bool, out: &TensorType) -> Result<StepKernels> {
+    let e = CTy::storage(out.dtype);
+    let ct = CTy::compute(out.dtype);
+    let v = match out.dtype {
+        DType::I32 => Expr::Lit(Lit::Int(if max { i32::MIN } else { i32::MAX } as i64, ct)),
+        DType::I64 => Expr::Lit(Lit::Int(if max { i64::MIN } else { i64::MAX }, ct)),
+        DType::U8 => Expr::Lit(Lit::Int(if max { 0 } else { 255 }, ct)),
+        DType::Bool => super::ir::bc(!max),
+        _ => fc(
+            if max {
+                f64::NEG_INFINITY
+            } else {
+                f64::INFINITY
+            },
+            ct,
+        ),
+    };
+    let n = out.shape.numel();
+    let body = vec![super::ir::grid_stride(
+        "i",
+        n as i64,
+        vec![store("y", e, var("i"), v)],
+    )];
+    let k = finish(
+        &format!("{prefix}_identity"),
+        Kernel {
+            name: String::new(),
+            params: vec![param("y", e, true)],
+            block: BLOCK,
+            body,
+        },
+    )?;
+    Ok(single(
+        (k, grid_for(n as u64, BLOCK as u64)),
+        vec![ArgRef::Output],
+    ))
+}
+
 fn empty_error(op: &Op, what: &str, x: &TensorType) -> CodegenError {
     CodegenError::Op(OpError::Runtime {
         op: op.name(),
@@ -737,7 +777,6 @@ fn empty_error(op: &Op, what: &str, x: &TensorType) -> CodegenError {
 }
 
 fn reduce(
-    op: &Op,
     kind: ReduceKind,
     axes: &[usize],
     x: &TensorType,
@@ -760,7 +799,7 @@ fn reduce(
     let strides = x.shape.strides();
     let n: usize = axes.iter().map(|&a| dims[a]).product();
     if n == 0 && matches!(kind, ReduceKind::Max | ReduceKind::Min) {
-        return Err(empty_error(op, "max/min", x));
+        return identity_fill(&prefix, kind == ReduceKind::Max, out);
     }
     let outputs = out.shape.numel();
     let dim = |a: usize| (dims[a], strides[a]);
