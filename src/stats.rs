@@ -116,6 +116,13 @@ pub fn node_flops(graph: &Graph, id: rustytorch_compiler::NodeId) -> u64 {
             numel(in_dims(0)).saturating_mul(4)
         }
         // A multiply-add per nonzero (col_idx [nnz]) per dense column (x [_, n] or b [_, k]).
+        Op::CumSum { .. } => n_out,
+        // A comparison sort of each lane.
+        Op::TopK { axis, .. } => {
+            let n = in_dims(0).get(*axis).copied().unwrap_or(1).max(2) as u64;
+            let lanes = numel(in_dims(0)) / n.max(1);
+            mul(&[lanes, n, 64 - n.leading_zeros() as u64])
+        }
         Op::SparseMatmul { .. } | Op::SampledMatmul => {
             let width = in_dims(3).get(1).copied().unwrap_or(1) as u64;
             mul(&[2, numel(in_dims(1)), width])

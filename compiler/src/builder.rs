@@ -768,6 +768,37 @@ impl Tensor {
         self.arg(ArgKind::ArgMin, axis, keep_dims)
     }
 
+    /// Cumulative sum along an axis; `exclusive` leaves each element out of its own sum,
+    /// `reverse` sums from the end.
+    #[track_caller]
+    pub fn cumsum(&self, axis: i64, exclusive: bool, reverse: bool) -> Tensor {
+        let rank = self.rank().unwrap_or(0);
+        match normalize_axis(axis, rank) {
+            Some(axis) => self.b.apply(
+                Op::CumSum {
+                    axis,
+                    exclusive,
+                    reverse,
+                },
+                &[self],
+            ),
+            None => self.b.bad_axis("cumsum", axis, rank),
+        }
+    }
+
+    /// The `k` largest (or smallest) elements along an axis, in order, and their indices (i64):
+    /// `(values, indices)`, the values a `gather` of the indices (so they carry a gradient).
+    #[track_caller]
+    pub fn topk(&self, k: usize, axis: i64, largest: bool) -> (Tensor, Tensor) {
+        let rank = self.rank().unwrap_or(0);
+        let Some(axis) = normalize_axis(axis, rank) else {
+            let bad = self.b.bad_axis("topk", axis, rank);
+            return (bad.clone(), bad);
+        };
+        let idx = self.b.apply(Op::TopK { axis, k, largest }, &[self]);
+        (self.gather(axis, &idx), idx)
+    }
+
     /// Whether any element is NaN (bool scalar).
     #[track_caller]
     pub fn has_nan(&self) -> Tensor {

@@ -180,6 +180,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "ConstantOfShape",
         "Conv",
         "Cos",
+        "CumSum",
         "Div",
         "Dropout",
         "Elu",
@@ -265,6 +266,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "Tanh",
         "ThresholdedRelu",
         "Tile",
+        "TopK",
         "Transpose",
         "Unsqueeze",
         "Upsample",
@@ -1419,6 +1421,48 @@ impl Importer {
                 one(self.reduce(kind, &x, (2..r).collect(), true)?)
             }
             "OneHot" => self.one_hot(cx).map(|v| vec![v]),
+            "CumSum" => {
+                let exclusive = a.int("exclusive", 0)? != 0;
+                let reverse = a.int("reverse", 0)? != 0;
+                let x = self.input(cx, 0)?;
+                let axis = self
+                    .static_ints(cx, 1, "axis")?
+                    .and_then(|v| v.first().copied())
+                    .ok_or_else(|| ImportError::Model("input 1 (axis) is required".into()))?;
+                let axis = norm_axis(axis, self.dims(&x).len())?;
+                let op = Op::CumSum {
+                    axis,
+                    exclusive,
+                    reverse,
+                };
+                one(self.emit(op, &[&x])?)
+            }
+            "TopK" => {
+                let x = self.input(cx, 0)?;
+                let d = self.dims(&x);
+                let axis = norm_axis(a.int("axis", -1)?, d.len())?;
+                let largest = a.int("largest", 1)? != 0;
+                // Unsorted results may come in any order: sorted ones are that too.
+                let _ = a.int("sorted", 1)?;
+                let k = match a.int_opt("k")? {
+                    Some(k) => k,
+                    None => self
+                        .static_ints(cx, 1, "K")?
+                        .and_then(|v| v.first().copied())
+                        .ok_or_else(|| ImportError::Model("input 1 (K) is required".into()))?,
+                };
+                if k < 0 || k as usize > d[axis] {
+                    return why(format!("k {k} is out of range for dim {axis} of size {}", d[axis]));
+                }
+                let op = Op::TopK {
+                    axis,
+                    k: k as usize,
+                    largest,
+                };
+                let idx = self.emit(op, &[&x])?;
+                let vals = self.emit(Op::Gather { axis }, &[&x, &idx])?;
+                Ok(vec![vals, idx])
+            }
             "LRN" => {
                 // x / (bias + α/size · Σ x² over `size` neighbouring channels)^β; the channel
                 // window sum as an average pool over [N, 1, C, rest] with zero padding.

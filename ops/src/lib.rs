@@ -26,6 +26,7 @@ pub mod movement;
 pub mod norm;
 pub mod pool;
 pub mod reduce;
+pub mod scan;
 pub mod sparse;
 
 pub use dtype::{DType, Element, HostElement};
@@ -75,6 +76,7 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
         Op::Attention { .. } | Op::AttentionGrad { .. } => attention::infer(op, inputs),
         Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => loss::infer(op, inputs),
         Op::SparseMatmul { .. } | Op::SampledMatmul => sparse::infer(op, inputs),
+        Op::CumSum { .. } | Op::TopK { .. } => scan::infer(op, inputs),
     }?;
     shape::check_result_limits(op, inputs, &ty)?;
     Ok(ty)
@@ -119,6 +121,7 @@ pub fn eval_cpu(op: &Op, inputs: &[&HostTensor]) -> Result<HostTensor> {
         Op::Attention { .. } | Op::AttentionGrad { .. } => attention::cpu(op, inputs, &out),
         Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => loss::cpu(op, inputs, &out),
         Op::SparseMatmul { .. } | Op::SampledMatmul => sparse::cpu(op, inputs, &out),
+        Op::CumSum { .. } | Op::TopK { .. } => scan::cpu(op, inputs, &out),
     }
 }
 
@@ -156,5 +159,6 @@ pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
         Op::Attention { .. } | Op::AttentionGrad { .. } => attention::vjp(cx),
         Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => loss::vjp(cx),
         Op::SparseMatmul { .. } | Op::SampledMatmul => sparse::vjp(cx),
+        Op::CumSum { .. } | Op::TopK { .. } => scan::vjp(cx),
     }
 }

@@ -568,6 +568,28 @@ pub enum Op {
     /// `out[e] = Σ_j a[row(e), j] · b[col_idx[e], j]` (the gradient of [`Op::SparseMatmul`]
     /// with respect to A's values).
     SampledMatmul,
+
+    // ---- scans and selection ----
+    /// Cumulative sum along `axis` (ONNX's CumSum): `exclusive` leaves each element out of its
+    /// own sum, `reverse` sums from the end.
+    CumSum {
+        /// The axis.
+        axis: usize,
+        /// Sum of the elements strictly before (after, reversed) each one.
+        exclusive: bool,
+        /// Sum from the end of the axis.
+        reverse: bool,
+    },
+    /// Indices (i64) of the `k` largest (or smallest) elements along `axis`, in order (NaN above
+    /// every number; equal values by index); the values are `gather` of these indices.
+    TopK {
+        /// The axis.
+        axis: usize,
+        /// How many.
+        k: usize,
+        /// The largest (else the smallest).
+        largest: bool,
+    },
 }
 
 /// How deeply fused kernels may nest inside each other's programs when deserialized.
@@ -601,7 +623,7 @@ impl Op {
 
     /// Number of [`Op`] variants (a test checks it against the enum; [`Op::samples`] has one
     /// entry per variant).
-    pub const VARIANT_COUNT: usize = 41;
+    pub const VARIANT_COUNT: usize = 43;
 
     /// The position of this op's variant in the enum (0..[`Op::VARIANT_COUNT`]); the exhaustive
     /// match makes a new variant a compile error here, which the tests that cover every variant
@@ -649,6 +671,8 @@ impl Op {
             Op::Fused(_) => 38,
             Op::SparseMatmul { .. } => 39,
             Op::SampledMatmul => 40,
+            Op::CumSum { .. } => 41,
+            Op::TopK { .. } => 42,
         }
     }
 
@@ -976,6 +1000,22 @@ impl Op {
                     f32t(&[3, 2]),
                     f32t(&[2, 2]),
                 ],
+            ),
+            (
+                Op::CumSum {
+                    axis: 1,
+                    exclusive: false,
+                    reverse: true,
+                },
+                vec![f32t(&[2, 3])],
+            ),
+            (
+                Op::TopK {
+                    axis: 1,
+                    k: 2,
+                    largest: true,
+                },
+                vec![f32t(&[2, 3])],
             ),
         ];
         all.into()

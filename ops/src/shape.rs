@@ -310,7 +310,9 @@ fn check_op_at(top: &Op, op: &Op, depth: usize) -> Result<()> {
         Op::LayerNorm { .. } | Op::RmsNorm { .. } => Ok(()),
         Op::Reduce { axes, .. } => ints("axes", axes),
         Op::Permute { perm } => ints("perm", perm),
+        Op::TopK { axis, k, .. } => ints("axis/k", &[*axis, *k]),
         Op::ArgReduce { axis, .. }
+        | Op::CumSum { axis, .. }
         | Op::Concat { axis }
         | Op::Softmax { axis }
         | Op::LogSoftmax { axis }

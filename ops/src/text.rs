@@ -91,6 +91,8 @@ pub fn op_name(op: &Op) -> &'static str {
         Op::Fused(_) => "fused",
         Op::SparseMatmul { .. } => "sparse_matmul",
         Op::SampledMatmul => "sampled_matmul",
+        Op::CumSum { .. } => "cumsum",
+        Op::TopK { .. } => "topk",
     }
 }
 
@@ -507,6 +509,20 @@ fn attrs_of(op: &Op) -> AttrOut {
             a.flag("trans_a", *trans_a);
         }
         Op::SampledMatmul => {}
+        Op::CumSum {
+            axis,
+            exclusive,
+            reverse,
+        } => {
+            a.kv("axis", axis);
+            a.flag("exclusive", *exclusive);
+            a.flag("reverse", *reverse);
+        }
+        Op::TopK { axis, k, largest } => {
+            a.kv("axis", axis);
+            a.kv("k", k);
+            a.flag("largest", *largest);
+        }
     }
     a
 }
@@ -947,6 +963,16 @@ fn parse_nested(text: &str, depth: usize) -> PResult<Op> {
                 trans_a: a.flag("trans_a")?,
             },
             "sampled_matmul" => Op::SampledMatmul,
+            "cumsum" => Op::CumSum {
+                axis: a.usize("axis")?,
+                exclusive: a.flag("exclusive")?,
+                reverse: a.flag("reverse")?,
+            },
+            "topk" => Op::TopK {
+                axis: a.usize("axis")?,
+                k: a.usize("k")?,
+                largest: a.flag("largest")?,
+            },
             _ => return Err(format!("unknown op `{name}`")),
         }
     };

@@ -142,7 +142,8 @@ fn cudnn_pooling() -> bool {
 }
 
 /// Lowers one op with operand types `inputs` and result type `out` for CUDA. The attention
-/// gradient and the sparse ops have no CUDA implementation yet: they are an error naming the op.
+/// gradient, cumsum, topk and the sparse ops have no CUDA implementation yet: they are an error
+/// naming the op.
 pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaStep> {
     let unsupported = || {
         Err(CodegenError::Unsupported {
@@ -197,7 +198,7 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         Op::Pool { .. } | Op::PoolGrad { .. } => {
             pool::lower(op, inputs, out).map(CudaStep::Kernels)
         }
-        Op::AttentionGrad { .. } => unsupported(),
+        Op::AttentionGrad { .. } | Op::CumSum { .. } | Op::TopK { .. } => unsupported(),
         Op::Attention { .. } => attention::lower(op, inputs, out).map(CudaStep::Kernels),
         Op::SparseMatmul { .. } | Op::SampledMatmul => Err(CodegenError::Unsupported {
             op: op.name(),

@@ -134,6 +134,7 @@ fn kind(op: &Op) -> Kind {
         Op::Attention { .. } | Op::AttentionGrad { .. } => Kind::Library("attention"),
         Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => Kind::Library("loss"),
         Op::SparseMatmul { .. } | Op::SampledMatmul => Kind::Library("sparse"),
+        Op::CumSum { .. } | Op::TopK { .. } => Kind::Index,
         Op::Fused(_) => Kind::Fused,
     }
 }

@@ -126,6 +126,8 @@ impl CostModel {
             | Op::Cast { .. }
             | Op::Reduce { .. }
             | Op::ArgReduce { .. }
+            | Op::CumSum { .. }
+            | Op::TopK { .. }
             | Op::Permute { .. }
             | Op::Slice { .. }
             | Op::Concat { .. }
