@@ -15,7 +15,8 @@ pub struct ImportArgs {
     /// The graph file to write (default: the model's path with `.rtg`; `.rtir` writes IR text).
     #[arg(short, long)]
     output: Option<PathBuf>,
-    /// The size of a symbolic dimension, as NAME=N (repeat for each).
+    /// The default size of a symbolic dimension, which becomes a named dim of the graph, as
+    /// NAME=N (repeat for each; 1 where not given).
     #[arg(long = "dim", value_name = "NAME=N")]
     dims: Vec<String>,
     /// List the ONNX ops the importer converts, and exit.
@@ -89,30 +90,10 @@ pub fn run_import(args: ImportArgs) -> Res<()> {
     Ok(())
 }
 
-/// Imports a model for `inspect`, `profile` and `convert`: symbolic dimensions are 1 (a note on
-/// stderr says so; `rustytorch import --dim` gives other sizes).
+/// Imports a model for `inspect`, `profile` and `convert`: symbolic dimensions become named
+/// dims of default size 1 (`rustytorch import --dim NAME=N` gives other defaults).
 pub fn import_default(path: &Path) -> Res<Graph> {
-    let bytes = std::fs::read(path).map_err(|e| Failure(format!("{}: {e}", path.display())))?;
-    let model = rustytorch_onnx::decode_model(&bytes)
-        .map_err(|e| Failure(format!("{}: {e}", path.display())))?;
-    let mut names: Vec<String> = rustytorch_onnx::symbolic_dims(&model)
-        .into_iter()
-        .map(|(_, _, n)| n)
-        .collect();
-    names.sort();
-    names.dedup();
-    if !names.is_empty() {
-        eprintln!(
-            "note: symbolic dimension{} {} taken as 1 (rustytorch import --dim NAME=N for other sizes)",
-            if names.len() == 1 { "" } else { "s" },
-            names.join(", ")
-        );
-    }
-    let opts = ImportOptions {
-        default_dim: Some(1),
-        ..Default::default()
-    };
-    import(path, &opts)
+    import(path, &ImportOptions::default())
 }
 
 /// Integer inputs larger than this are not offered to the importer as known values.
@@ -126,7 +107,10 @@ pub fn import_for_run(path: &Path, inputs: &[String]) -> Res<Graph> {
     let bytes = std::fs::read(path).map_err(|e| Failure(format!("{}: {e}", path.display())))?;
     let model = rustytorch_onnx::decode_model(&bytes)
         .map_err(|e| Failure(format!("{}: {e}", path.display())))?;
-    let mut opts = ImportOptions::default();
+    let mut opts = ImportOptions {
+        fixed_dims: true,
+        ..Default::default()
+    };
     // Integer inputs (and small float ones) are given to the importer too: where one sets a
     // shape, axes, pads, scales or a depth, the graph is specialized on its value.
     for a in inputs {

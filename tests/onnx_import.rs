@@ -205,23 +205,39 @@ fn mlp_weights_become_parameters_and_values_match_f64() {
 }
 
 #[test]
-fn symbolic_dims_take_the_given_sizes() {
+fn symbolic_dims_become_named_dims() {
     let (m, w) = mlp_model(Err("batch"));
     let bytes = m.encode_to_vec();
-    let e = import_bytes(&bytes, None, &ImportOptions::default()).unwrap_err();
-    let msg = e.to_string();
+    // A named dim of default size 1: one executable runs every batch size.
+    let g = import_bytes(&bytes, None, &ImportOptions::default()).unwrap();
+    assert!(g.has_named_dims());
+    assert_eq!(g.inputs[0].ty.shape.dims(), &[1, 4]);
+    assert_eq!(g.sym_type_text(g.inputs[0].node), "f32[batch,4]");
+    let mut exe = rustytorch::compile_graph(&g, Device::Cpu, &CompileOptions::inference()).unwrap();
+    for n in [1, 5, 16] {
+        let x = rand_tensor(&f32t(&[n, 4]), 10 + n as u64, -2.0, 2.0);
+        let y = exe.run(&[("x", x.clone())]).unwrap()[0].clone();
+        assert_eq!(y.dims(), &[n, 3]);
+        assert_close(&y.to_f64_vec(), &mlp_ref(&x.to_f64_vec(), n, &w), 1e-5, "y");
+    }
+    // --dim sets the default size.
+    let g = import_bytes(&bytes, None, &ImportOptions::default().dim("batch", 3)).unwrap();
+    assert_eq!(g.inputs[0].ty.shape.dims(), &[3, 4]);
+    // Fixed dims: the size must be given.
+    let fixed = ImportOptions {
+        fixed_dims: true,
+        ..Default::default()
+    };
+    let msg = import_bytes(&bytes, None, &fixed).unwrap_err().to_string();
     assert!(
         msg.contains("`batch`") && msg.contains("--dim batch=N"),
         "{msg}"
     );
-    for n in [1, 5] {
-        let opts = ImportOptions::default().dim("batch", n);
-        let g = import_bytes(&bytes, None, &opts).unwrap();
-        assert_eq!(g.inputs[0].ty.shape.dims(), &[n, 4]);
-        let x = rand_tensor(&f32t(&[n, 4]), 10 + n as u64, -2.0, 2.0);
-        let y = &run(&g, &[("x", x.clone())])[0];
-        assert_close(&y.to_f64_vec(), &mlp_ref(&x.to_f64_vec(), n, &w), 1e-5, "y");
-    }
+    let g = import_bytes(&bytes, None, &fixed.clone().dim("batch", 5)).unwrap();
+    assert!(!g.has_named_dims());
+    let x = rand_tensor(&f32t(&[5, 4]), 15, -2.0, 2.0);
+    let y = &run(&g, &[("x", x.clone())])[0];
+    assert_close(&y.to_f64_vec(), &mlp_ref(&x.to_f64_vec(), 5, &w), 1e-5, "y");
 }
 
 /// `y = reshape(x, [shape(x)[0], -1])` spelled as exporters do: Shape, Gather, Unsqueeze, Concat.
@@ -545,19 +561,20 @@ fn runner_imports_runs_and_inspects_onnx() {
     let y = rustytorch::npy::read_npy(&out.join("y.npy")).unwrap();
     assert_close(&y.to_f64_vec(), &mlp_ref(&x.to_f64_vec(), 5, &w), 1e-5, "y");
 
-    // inspect prints the IR, with a note on the symbolic dim.
+    // inspect prints the IR, the named dim in it.
     let o = cli(&["inspect", &p(&path)]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("matmul"));
-    assert!(
-        String::from_utf8_lossy(&o.stderr).contains("`batch`")
-            || String::from_utf8_lossy(&o.stderr).contains("batch")
-    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("matmul") && out.contains("batch"), "{out}");
 
-    // Errors: a missing --dim, a malformed file.
-    let o = cli(&["import", &p(&path), "-o", &p(&rtg)]);
-    assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("--dim batch=N"));
+    // Without --dim the batch is a named dim (default 1) in the graph file and its IR text.
+    let rtir = dir.join("mlp.rtir");
+    let o = cli(&["import", &p(&path), "-o", &p(&rtir)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = std::fs::read_to_string(&rtir).unwrap();
+    assert!(text.contains("f32[batch,4]"), "{text}");
+
+    // A malformed file.
     std::fs::write(dir.join("bad.onnx"), b"garbage").unwrap();
     let o = cli(&["inspect", &p(&dir.join("bad.onnx"))]);
     assert!(!o.status.success());

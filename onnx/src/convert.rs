@@ -7,7 +7,8 @@ use crate::error::{model_err, ImportError, Result};
 use crate::proto::{attribute_proto::AttributeType, AttributeProto, ModelProto, NodeProto};
 use crate::tensor::{dtype_from_onnx, tensor_from_proto};
 use crate::ImportOptions;
-use rustytorch_compiler::{Graph, Init, NodeId};
+use rustytorch_compiler::dims::DimExpr;
+use rustytorch_compiler::{CompileError, Graph, GraphBuilder, Init, NodeId, Tensor};
 use rustytorch_ops::{
     eval_cpu, ArgKind, BinaryOp, ConvGeom, DType, Data, F64Bits, HostTensor, Op, PoolKind,
     ReduceKind, Shape, TensorType, UnaryOp,
@@ -299,7 +300,7 @@ pub(crate) fn import_model(
         return model_err("the model has no graph");
     };
     let mut im = Importer {
-        g: Graph::new(),
+        b: GraphBuilder::new(),
         vals: HashMap::new(),
         pending: HashMap::new(),
         opset,
@@ -327,7 +328,7 @@ pub(crate) fn import_model(
         if im.vals.contains_key(name) || im.pending.contains_key(name) {
             continue; // an initializer listed as an input (older IR versions)
         }
-        let ty = input_type(input, opts)?;
+        let (ty, sym) = input_type(input, opts)?;
         if let Some(v) = opts.input_values.get(name) {
             if v.ty() != ty {
                 return model_err(format!(
@@ -337,7 +338,23 @@ pub(crate) fn import_model(
             }
             im.bound.insert(name.to_string(), v.clone());
         }
-        let id = im.g.add_input(name, ty)?;
+        let id = if opts.fixed_dims || sym.iter().all(Option::is_none) {
+            im.b.with_graph(|g| g.add_input(name, ty.clone()))?
+        } else {
+            // Symbolic dims become the graph's named dims, their defaults the sizes given.
+            let mut dims = Vec::with_capacity(sym.len());
+            for (k, s) in sym.iter().enumerate() {
+                dims.push(match s {
+                    Some(p) => {
+                        let n = ty.shape.dims()[k];
+                        im.b.with_graph(|g| g.declare_dim(p, n))
+                            .map_err(|e| ImportError::Model(format!("input `{name}`: {e}")))?
+                    }
+                    None => DimExpr::fixed(ty.shape.dims()[k]),
+                });
+            }
+            im.b.with_graph(|g| g.add_input_dims(name, ty.dtype, &dims))?
+        };
         im.vals.insert(name.to_string(), Val::Node(id));
     }
     for node in &graph.node {
@@ -349,14 +366,38 @@ pub(crate) fn import_model(
             ImportError::Model(format!("output `{name}` is not computed by the graph"))
         })?;
         let id = im.node(&v)?;
-        im.g.add_output(name, id)?;
+        im.b.with_graph(|g| g.add_output(name, id))?;
     }
-    im.g.remove_dead();
-    Ok(im.g)
+    let mut g = im.b.graph()?;
+    g.remove_dead();
+    Ok(g)
 }
 
-/// The type of a graph input, symbolic dims taken from the options.
-fn input_type(input: &crate::proto::ValueInfoProto, opts: &ImportOptions) -> Result<TensorType> {
+/// A symbolic dim's name as a RustyTorch dim name (letters, digits and `_`, not starting with
+/// a digit).
+fn dim_name(p: &str) -> String {
+    let mut s: String = p
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if s.is_empty() || s.starts_with(|c: char| c.is_ascii_digit()) {
+        s.insert(0, '_');
+    }
+    s
+}
+
+/// The type of a graph input at the sizes the options give its symbolic dims, and each dim's
+/// name where it is symbolic.
+fn input_type(
+    input: &crate::proto::ValueInfoProto,
+    opts: &ImportOptions,
+) -> Result<(TensorType, Vec<Option<String>>)> {
     use crate::proto::tensor_shape_proto::dimension::Value as Dim;
     use crate::proto::type_proto::Value as Ty;
     let name = input.name();
@@ -371,20 +412,30 @@ fn input_type(input: &crate::proto::ValueInfoProto, opts: &ImportOptions) -> Res
         return model_err(format!("input `{name}`: the model does not give its shape"));
     };
     let mut dims = Vec::with_capacity(shape.dim.len());
+    let mut names = Vec::with_capacity(shape.dim.len());
     for (k, d) in shape.dim.iter().enumerate() {
+        let mut named = None;
         let n = match &d.value {
             Some(Dim::DimValue(v)) if *v >= 0 => *v as usize,
             Some(Dim::DimValue(v)) => {
                 return model_err(format!("input `{name}`: dimension {k} is {v}"))
             }
-            Some(Dim::DimParam(p)) => match opts.dims.get(p).copied().or(opts.default_dim) {
-                Some(n) => n,
-                None => {
-                    return model_err(format!(
-                        "input `{name}`: dimension {k} is symbolic (`{p}`); give its size with --dim {p}=N"
-                    ))
+            Some(Dim::DimParam(p)) => {
+                named = Some(dim_name(p));
+                let default = if opts.fixed_dims {
+                    opts.default_dim
+                } else {
+                    Some(opts.default_dim.unwrap_or(1))
+                };
+                match opts.dims.get(p).copied().or(default) {
+                    Some(n) => n,
+                    None => {
+                        return model_err(format!(
+                            "input `{name}`: dimension {k} is symbolic (`{p}`); give its size with --dim {p}=N"
+                        ))
+                    }
                 }
-            },
+            }
             None => {
                 return model_err(format!(
                     "input `{name}`: dimension {k} has no size or name; give the input a concrete shape"
@@ -392,16 +443,19 @@ fn input_type(input: &crate::proto::ValueInfoProto, opts: &ImportOptions) -> Res
             }
         };
         dims.push(n);
+        names.push(named);
     }
     let ty = TensorType::new(dtype, dims);
     ty.shape
         .check_limits()
         .map_err(|e| ImportError::Model(format!("input `{name}`: {e}")))?;
-    Ok(ty)
+    Ok((ty, names))
 }
 
 struct Importer {
-    g: Graph,
+    /// The graph being built (through the builder, which derives the named-dim shape of each
+    /// node from its operands').
+    b: GraphBuilder,
     /// Values by name.
     vals: HashMap<String, Val>,
     /// Float initializers not yet used by a graph node (they become parameters when they are).
@@ -476,9 +530,12 @@ impl Importer {
             return Ok(v.clone());
         }
         if let Some(t) = self.pending.remove(name) {
-            let id = self.g.add_param(name, t.ty(), Init::Data, true)?;
-            let p = self.g.params.len() - 1;
-            self.g.params[p].data = Some(t);
+            let id = self.b.with_graph(|g| -> Result<NodeId> {
+                let id = g.add_param(name, t.ty(), Init::Data, true)?;
+                let p = g.params.len() - 1;
+                g.params[p].data = Some(t);
+                Ok(id)
+            })?;
             self.vals.insert(name.to_string(), Val::Node(id));
             return Ok(Val::Node(id));
         }
@@ -531,7 +588,7 @@ impl Importer {
     fn ty(&self, v: &Val) -> TensorType {
         match v {
             Val::Known(t) => t.ty(),
-            Val::Node(id) => self.g.ty(*id).clone(),
+            Val::Node(id) => self.b.with_graph(|g| g.ty(*id).clone()),
         }
     }
 
@@ -555,15 +612,15 @@ impl Importer {
                     .is_some_and(|&f| vals.iter().all(|&x| x.to_bits() == f.to_bits()));
                 if uniform && t.dtype() != DType::F64 && t.dtype() != DType::I64 || vals.len() == 1
                 {
-                    Ok(self.g.add(
+                    self.add_node(
                         Op::Full {
                             value: F64Bits::new(vals[0]),
                             ty: t.ty(),
                         },
                         &[],
-                    )?)
+                    )
                 } else {
-                    Ok(self.g.add_constant((**t).clone()))
+                    Ok(self.b.with_graph(|g| g.add_constant((**t).clone())))
                 }
             }
         }
@@ -585,7 +642,21 @@ impl Importer {
         for v in ins {
             ids.push(self.node(v)?);
         }
-        Ok(Val::Node(self.g.add(op, &ids)?))
+        Ok(Val::Node(self.add_node(op, &ids)?))
+    }
+
+    /// Adds a node through the builder (so that its named-dim shape is derived).
+    fn add_node(&mut self, op: Op, ids: &[NodeId]) -> Result<NodeId> {
+        let ts: Vec<Tensor> = ids.iter().map(|&i| self.b.tensor(i)).collect();
+        let refs: Vec<&Tensor> = ts.iter().collect();
+        match self.b.apply(op, &refs).id() {
+            Some(id) => Ok(id),
+            None => Err(match self.b.check() {
+                Err(CompileError::Build { source, .. }) => ImportError::Op(source),
+                Err(e) => ImportError::Compile(e),
+                Ok(()) => ImportError::Model("a node could not be added".into()),
+            }),
+        }
     }
 
     fn scalar(&self, v: f64, dtype: DType) -> Val {

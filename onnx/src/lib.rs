@@ -1,7 +1,8 @@
 //! RustyTorch's ONNX importer: reads an ONNX model (`.onnx`, protobuf) and builds a RustyTorch
 //! [`Graph`]. Initializers become parameters (their values embedded, external data files read
 //! from beside the model), shape computations are folded to constants at import, and symbolic
-//! dimensions take the sizes given in [`ImportOptions::dims`]. A node that cannot be imported is
+//! dimensions become the graph's named dims, at the default sizes given in
+//! [`ImportOptions::dims`] (1 where none is given). A node that cannot be imported is
 //! an [`ImportError::Node`] naming the node, its op type and why.
 //!
 //! ```no_run
@@ -35,11 +36,14 @@ use std::path::{Path, PathBuf};
 /// Options of an import.
 #[derive(Clone, Debug, Default)]
 pub struct ImportOptions {
-    /// Sizes for symbolic dimensions (`batch` → 8). A graph input with a symbolic dimension
-    /// not listed here is an error that names it.
+    /// Sizes for symbolic dimensions (`batch` → 8): the default sizes of the graph's named
+    /// dims, or with `fixed_dims` their fixed sizes.
     pub dims: BTreeMap<String, usize>,
-    /// The size of symbolic dimensions not in `dims` (`None`: such a dimension is an error).
+    /// The size of symbolic dimensions not in `dims`: by default 1 for named dims; with
+    /// `fixed_dims`, `None` makes such a dimension an error that names it.
     pub default_dim: Option<usize>,
+    /// Fix symbolic dimensions at their sizes instead of making them named dims.
+    pub fixed_dims: bool,
     /// Values of graph inputs to use where the model needs a value at import: an input that
     /// gives a shape, axes, pads, split sizes or scales is specialized on its value here (`run`
     /// passes its integer inputs and its float inputs of up to 16 elements). The inputs stay
