@@ -626,3 +626,69 @@ fn exported_erf_gelu_is_recognized() {
         .collect();
     assert_close(&y.to_f64_vec(), &want, 1e-5, "y");
 }
+
+/// MaxPool with dilation 2 and its Indices output (flattened `(n·C + c)·H·W + h·W + w`),
+/// against a direct loop; AveragePool with the same dilation and uneven padding.
+#[test]
+fn dilated_pooling_and_max_indices_match_f64() {
+    let ints = |name: &str, v: &[i64]| AttributeProto {
+        name: Some(name.into()),
+        r#type: Some(AttributeType::Ints as i32),
+        ints: v.to_vec(),
+        ..Default::default()
+    };
+    let attrs = |pads: &[i64]| {
+        vec![
+            ints("kernel_shape", &[2, 2]),
+            ints("dilations", &[2, 2]),
+            ints("pads", pads),
+        ]
+    };
+    let m = model(
+        vec![
+            node("MaxPool", &["x"], &["y", "i"], attrs(&[0, 0, 0, 0])),
+            node("AveragePool", &["x"], &["a"], attrs(&[1, 0, 0, 1])),
+        ],
+        vec![f32_info("x", &[1, 2, 5, 5])],
+        vec![f32_info("y", &[]), f32_info("i", &[]), f32_info("a", &[])],
+        vec![],
+    );
+    let g = import_bytes(&m.encode_to_vec(), None, &ImportOptions::default()).unwrap();
+    let x = rand_tensor(&f32t(&[1, 2, 5, 5]), 61, -1.0, 1.0);
+    let outs = run(&g, &[("x", x.clone())]);
+    let xv = x.to_f64_vec();
+    let (mut y, mut idx, mut avg) = (vec![], vec![], vec![]);
+    for c in 0..2 {
+        for h in 0..3 {
+            for w in 0..3 {
+                let mut best = (f64::NEG_INFINITY, 0usize);
+                for (a, b) in [(0, 0), (0, 2), (2, 0), (2, 2)] {
+                    let at = c * 25 + (h + a) * 5 + w + b;
+                    if xv[at] > best.0 {
+                        best = (xv[at], at);
+                    }
+                }
+                y.push(best.0);
+                idx.push(best.1 as f64);
+            }
+        }
+        // Pads: one row on top, one column on the right: the padded input is 6×6, out 4×4.
+        for h in 0..4i64 {
+            for w in 0..4i64 {
+                let (mut s, mut n) = (0.0, 0.0);
+                for (a, b) in [(0, 0), (0, 2), (2, 0), (2, 2)] {
+                    let (hh, ww) = (h + a - 1, w + b);
+                    if (0..5).contains(&hh) && (0..5).contains(&ww) {
+                        s += xv[c * 25 + (hh * 5 + ww) as usize];
+                        n += 1.0;
+                    }
+                }
+                avg.push(s / n);
+            }
+        }
+    }
+    assert_close(&outs[0].to_f64_vec(), &y, 1e-6, "y");
+    assert_eq!(outs[1].dtype(), DType::I64);
+    assert_eq!(outs[1].to_f64_vec(), idx);
+    assert_close(&outs[2].to_f64_vec(), &avg, 1e-6, "a");
+}

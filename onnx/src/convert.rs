@@ -2068,6 +2068,126 @@ impl Importer {
         Ok(t)
     }
 
+    /// Pooling spelled as one strided slice of the padded input per window offset: for dilated
+    /// windows, and for max pooling's indices (ONNX's flattened `((n·C + c)·H + h)·W + w`, the
+    /// first maximum of each window). Average pooling divides the window sums by the count of
+    /// positions each window covers (a mask pooled the same way, folded at import).
+    fn pool_by_slices(
+        &mut self,
+        column_major: bool,
+        x: &Val,
+        kernel: &[usize],
+        strides: &[usize],
+        dilations: &[usize],
+        all_pads: &[(usize, usize)],
+        is_max: bool,
+        count_pad: bool,
+        pads: &[(usize, usize)],
+    ) -> Result<Vec<Val>> {
+        let dx = self.dims(x);
+        let s = kernel.len();
+        let r = dx.len();
+        let mut full = vec![(0, 0); 2];
+        full.extend_from_slice(all_pads);
+        let padded: Vec<usize> = (0..r).map(|k| dx[k] + full[k].0 + full[k].1).collect();
+        let outs: Vec<usize> = (0..s)
+            .map(|k| (padded[2 + k] - ((kernel[k] - 1) * dilations[k] + 1)) / strides[k] + 1)
+            .collect();
+        let offsets: Vec<Vec<usize>> = kernel.iter().fold(vec![vec![]], |acc, &kk| {
+            acc.into_iter()
+                .flat_map(|p| {
+                    (0..kk).map(move |i| {
+                        let mut q = p.clone();
+                        q.push(i);
+                        q
+                    })
+                })
+                .collect()
+        });
+        let window = |im: &mut Importer, v: &Val, off: &[usize]| -> Result<Val> {
+            let mut starts = vec![0; r];
+            let mut ends = im.dims(v);
+            let mut steps = vec![1; r];
+            for k in 0..s {
+                starts[2 + k] = off[k] * dilations[k];
+                ends[2 + k] = starts[2 + k] + (outs[k] - 1) * strides[k] + 1;
+                steps[2 + k] = strides[k];
+            }
+            im.emit(
+                Op::Slice {
+                    starts,
+                    ends,
+                    steps,
+                },
+                &[v],
+            )
+        };
+        if is_max {
+            let xp = self.pad_const(x, full.clone(), f64::NEG_INFINITY)?;
+            // Each element's flat index, the spatial dims column-major with storage_order=1.
+            let n: usize = dx.iter().product();
+            let plane: usize = dx[2..].iter().product::<usize>().max(1);
+            let flat: Vec<i64> = (0..n)
+                .map(|i| {
+                    if !column_major {
+                        return i as i64;
+                    }
+                    let (nc, mut rem) = (i / plane, i % plane);
+                    let mut pos = vec![0usize; s];
+                    for k in (0..s).rev() {
+                        pos[k] = rem % dx[2 + k];
+                        rem /= dx[2 + k];
+                    }
+                    let (mut at, mut stride) = (0usize, 1usize);
+                    for k in 0..s {
+                        at += pos[k] * stride;
+                        stride *= dx[2 + k];
+                    }
+                    (nc * plane + at) as i64
+                })
+                .collect();
+            let iota = known(HostTensor::from_vec(flat, dx.clone())?);
+            let ip = self.pad_const(&iota, full, -1.0)?;
+            let mut best = window(self, &xp, &offsets[0])?;
+            let mut bidx = window(self, &ip, &offsets[0])?;
+            for off in &offsets[1..] {
+                let v = window(self, &xp, off)?;
+                let i = window(self, &ip, off)?;
+                let gt = self.bin(BinaryOp::Gt, &v, &best)?;
+                best = self.emit(Op::Where, &[&gt, &v, &best])?;
+                bidx = self.emit(Op::Where, &[&gt, &i, &bidx])?;
+            }
+            return Ok(vec![best, bidx]);
+        }
+        let dtype = self.dtype(x);
+        let xp = self.pad_const(x, full.clone(), 0.0)?;
+        let mut mdims = vec![1usize, 1];
+        mdims.extend_from_slice(&dx[2..]);
+        let ones = known(HostTensor::full(&TensorType::new(dtype, mdims), 1.0));
+        let mut mask_pads = vec![(0, 0); 2];
+        if count_pad {
+            mask_pads.extend_from_slice(pads);
+        } else {
+            mask_pads.extend(std::iter::repeat_n((0, 0), s));
+        }
+        let m = self.pad_const(&ones, mask_pads.clone(), 1.0)?;
+        let rest: Vec<(usize, usize)> = full
+            .iter()
+            .zip(&mask_pads)
+            .map(|(&(fb, fe), &(mb, me))| (fb - mb, fe - me))
+            .collect();
+        let m = self.pad_const(&m, rest, 0.0)?;
+        let mut sum = window(self, &xp, &offsets[0])?;
+        let mut cnt = window(self, &m, &offsets[0])?;
+        for off in &offsets[1..] {
+            let v = window(self, &xp, off)?;
+            sum = self.bin(BinaryOp::Add, &sum, &v)?;
+            let c = window(self, &m, off)?;
+            cnt = self.bin(BinaryOp::Add, &cnt, &c)?;
+        }
+        Ok(vec![self.bin(BinaryOp::Div, &sum, &cnt)?])
+    }
+
     /// numpy's matmul: 1-D operands get a dim added and removed.
     fn matmul(&mut self, x: &Val, y: &Val) -> Result<Val> {
         let (dx, dy) = (self.dims(x), self.dims(y));
@@ -2494,34 +2614,29 @@ impl Importer {
         }
         let strides = self.spatial_attr(cx, "strides", s)?;
         let dilations = self.spatial_attr(cx, "dilations", s)?;
-        if dilations.iter().any(|&d| d != 1) {
-            return why(format!(
-                "dilations {dilations:?} are not supported (only 1)"
-            ));
-        }
         let ceil = a.int("ceil_mode", 0)? != 0;
         let is_max = op_type == "MaxPool";
-        if is_max && a.int("storage_order", 0)? != 0 {
-            return why("storage_order=1 is not supported");
-        }
+        let column_major = is_max && a.int("storage_order", 0)? != 0;
         let count_pad = !is_max && a.int("count_include_pad", 0)? != 0;
         let pads = self.spatial_pads(cx, &dx[2..], &kernel, &strides, &dilations)?;
         // ceil_mode: extra padding at the end so the last (partial) window is computed; a window
         // that would start in the end padding is dropped (ONNX Runtime's and PyTorch's rule).
         let mut extra = vec![0usize; s];
+        // The window's extent per spatial dim, dilation included.
+        let reach: Vec<usize> = (0..s).map(|k| (kernel[k] - 1) * dilations[k] + 1).collect();
         for k in 0..s {
             let (pb, pe) = pads[k];
             let len = dx[2 + k] + pb + pe;
-            if len < kernel[k] {
+            if len < reach[k] {
                 return why(format!("kernel {kernel:?} is larger than the padded input"));
             }
             if ceil {
-                let span = len - kernel[k];
+                let span = len - reach[k];
                 let mut out = span.div_ceil(strides[k]) + 1;
                 if (out - 1) * strides[k] >= dx[2 + k] + pb {
                     out -= 1;
                 }
-                extra[k] = ((out - 1) * strides[k] + kernel[k]).saturating_sub(len);
+                extra[k] = ((out - 1) * strides[k] + reach[k]).saturating_sub(len);
             }
         }
         let geom = |padding: Vec<usize>| ConvGeom {
@@ -2534,6 +2649,23 @@ impl Importer {
             .zip(&extra)
             .map(|(&(b, e), &x)| (b, e + x))
             .collect();
+        let want_indices = is_max && cx.n_outputs > 1;
+        if column_major && !want_indices {
+            return why("storage_order=1 without the indices output is not meaningful");
+        }
+        if dilations.iter().any(|&d| d != 1) || want_indices {
+            return self.pool_by_slices(
+                column_major,
+                &x,
+                &kernel,
+                &strides,
+                &dilations,
+                &all_pads,
+                is_max,
+                count_pad,
+                &pads,
+            );
+        }
         let wide = all_pads
             .iter()
             .zip(&kernel)
