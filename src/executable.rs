@@ -710,6 +710,8 @@ impl Executable {
         std::mem::swap(&mut self.report, &mut spec.report);
         std::mem::swap(&mut self.sources, &mut spec.sources);
         std::mem::swap(&mut self.observe.compile, &mut spec.compile);
+        // The session set aside holds the newest values.
+        spec.version = self.shapes.version;
         self.shapes.others.insert(0, spec);
         while self.shapes.others.len() >= self.shapes.capacity {
             if let Some(old) = self.shapes.others.pop() {
