@@ -39,6 +39,7 @@ pub use rustytorch_compiler::{
     AdamW, CompileError, DimExpr, Graph, GraphBuilder, Init, Optimizer, Sgd, StepOptions, Tensor,
     TrainStep,
 };
+pub use rustytorch_onnx as onnx;
 pub use rustytorch_ops as ops;
 pub use rustytorch_ops::{DType, HostTensor, Shape, TensorType};
 pub use rustytorch_runtime as runtime;
