@@ -235,6 +235,48 @@ impl GraphBuilder {
         }
     }
 
+    /// A generated leaf (`full`, `iota`) whose shape is given as expressions of named dims, so
+    /// that it follows them when the graph runs at other sizes.
+    #[track_caller]
+    fn leaf_dims(&self, dims: &[DimExpr], op: impl FnOnce(Shape) -> Op) -> Tensor {
+        let at = Location::caller();
+        let shape = self.inner.graph.borrow().eval_dims(dims);
+        let t = match shape {
+            Ok(shape) => self.apply(op(shape), &[]),
+            Err(e) => return self.wrap(Err(e), at),
+        };
+        match t.id {
+            Some(id) => {
+                let r = self
+                    .inner
+                    .graph
+                    .borrow_mut()
+                    .set_sym_shape(id, dims.to_vec())
+                    .map(|_| id);
+                self.wrap(r, at)
+            }
+            None => t,
+        }
+    }
+
+    /// A tensor of one value whose dims may be named (`[seq, seq]` for a mask).
+    #[track_caller]
+    pub fn full_dims(&self, value: f64, dtype: DType, dims: &[DimExpr]) -> Tensor {
+        self.leaf_dims(dims, |shape| Op::Full {
+            value: F64Bits::new(value),
+            ty: TensorType::new(dtype, shape),
+        })
+    }
+
+    /// Indices along `axis` whose dims may be named.
+    #[track_caller]
+    pub fn iota_dims(&self, axis: usize, dtype: DType, dims: &[DimExpr]) -> Tensor {
+        self.leaf_dims(dims, |shape| Op::Iota {
+            axis,
+            ty: TensorType::new(dtype, shape),
+        })
+    }
+
     /// Declares a named input whose dims may be named: `g.input_dims("x", DType::F32,
     /// &[batch, 1.into(), 8.into(), 8.into()])` with `let batch = g.dim("batch", 16)`.
     #[track_caller]

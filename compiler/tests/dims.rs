@@ -232,3 +232,31 @@ fn a_split_product_follows_its_names_or_stays_fixed() {
     // Same default sizes: which name is which cannot be told, so the shape stays fixed.
     assert_eq!(split(4, 4), dims("4,4,8"));
 }
+
+#[test]
+fn generated_leaves_can_follow_named_dims() {
+    // A causal mask over a named sequence length: iota rows >= iota columns.
+    let g = GraphBuilder::new();
+    let s = g.dim("seq", 5);
+    let x = g.input_dims("x", DType::F32, &[s.clone(), s.clone()]);
+    let rows = g.iota_dims(0, DType::I64, &[s.clone(), s.clone()]);
+    let cols = g.iota_dims(1, DType::I64, &[s.clone(), s.clone()]);
+    let mask = rows.ge(&cols);
+    let neg = g.full_dims(-1e9, DType::F32, &[s.clone(), s.clone()]);
+    let y = g.where_(&mask, &x, &neg).softmax(-1);
+    assert_eq!(y.sym_dims(), dims("seq,seq"));
+    g.output("y", &y);
+    let graph = g.graph().unwrap();
+    let at = graph.specialize(&[7]).unwrap();
+    assert_eq!(at.ty(at.outputs[0].1).shape, Shape::new([7, 7]));
+    let ir = text::print(&graph);
+    assert!(
+        ir.contains(": i64[seq,seq]") && ir.contains(": f32[seq,seq]"),
+        "{ir}"
+    );
+    assert_eq!(text::print(&text::parse(&ir).unwrap()), ir);
+    let m = g.full_dims(0.0, DType::F32, &[DimExpr::named("heads")]);
+    assert!(m.id().is_none());
+    let e = g.check().unwrap_err().to_string();
+    assert!(e.contains("heads"), "{e}");
+}
