@@ -815,7 +815,8 @@ impl Executable {
         Ok(self.session.time_steps(iters)?)
     }
 
-    /// The graph's inputs: name and type, in order.
+    /// The graph's inputs: name and type, in order (named dims at their default sizes; see
+    /// [`Graph::sym_type_text`] on [`Executable::source_graph`] for the names).
     pub fn input_types(&self) -> Vec<(&str, &TensorType)> {
         self.source
             .inputs
