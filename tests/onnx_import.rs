@@ -692,3 +692,53 @@ fn dilated_pooling_and_max_indices_match_f64() {
     assert_eq!(outs[1].to_f64_vec(), idx);
     assert_close(&outs[2].to_f64_vec(), &avg, 1e-6, "a");
 }
+
+/// ConvTranspose (1-D, stride 2, uneven pads, output padding, bias) against the scatter form
+/// `y[o, s·i + k] += x[c, i]·w[c, o, k]`, then cropped.
+#[test]
+fn conv_transpose_matches_f64() {
+    let ints = |name: &str, v: &[i64]| AttributeProto {
+        name: Some(name.into()),
+        r#type: Some(AttributeType::Ints as i32),
+        ints: v.to_vec(),
+        ..Default::default()
+    };
+    let w = rand_tensor(&f32t(&[2, 3, 3]), 71, -1.0, 1.0);
+    let b = rand_tensor(&f32t(&[3]), 72, -1.0, 1.0);
+    let m = model(
+        vec![node(
+            "ConvTranspose",
+            &["x", "w", "b"],
+            &["y"],
+            vec![
+                ints("strides", &[2]),
+                ints("pads", &[1, 0]),
+                ints("output_padding", &[1]),
+            ],
+        )],
+        vec![f32_info("x", &[1, 2, 4])],
+        vec![f32_info("y", &[])],
+        vec![f32_init("w", &w), f32_init("b", &b)],
+    );
+    let g = import_bytes(&m.encode_to_vec(), None, &ImportOptions::default()).unwrap();
+    let x = rand_tensor(&f32t(&[1, 2, 4]), 73, -1.0, 1.0);
+    let y = &run(&g, &[("x", x.clone())])[0];
+    let (xv, wv, bv) = (x.to_f64_vec(), w.to_f64_vec(), b.to_f64_vec());
+    // Full length 2·(4 − 1) + 1 + 3 = 10; pads drop the first element.
+    let mut full = vec![0.0; 3 * 10];
+    for c in 0..2 {
+        for o in 0..3 {
+            for i in 0..4 {
+                for k in 0..3 {
+                    full[o * 10 + 2 * i + k] += xv[c * 4 + i] * wv[(c * 3 + o) * 3 + k];
+                }
+            }
+        }
+    }
+    let want: Vec<f64> = (0..3)
+        .flat_map(|o| (1..10).map(move |j| (o, j)))
+        .map(|(o, j)| full[o * 10 + j] + bv[o])
+        .collect();
+    assert_eq!(y.dims(), &[1, 3, 9]);
+    assert_close(&y.to_f64_vec(), &want, 1e-5, "y");
+}

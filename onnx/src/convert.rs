@@ -180,8 +180,10 @@ pub fn supported_ops() -> &'static [&'static str] {
         "Constant",
         "ConstantOfShape",
         "Conv",
+        "ConvTranspose",
         "Cos",
         "CumSum",
+        "DepthToSpace",
         "Div",
         "Dropout",
         "Elu",
@@ -256,6 +258,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "Size",
         "Slice",
         "Softmax",
+        "SpaceToDepth",
         "Softplus",
         "Softsign",
         "Split",
@@ -1480,6 +1483,38 @@ impl Importer {
 
             // ---- convolution and pooling ----
             "Conv" => self.conv(cx).map(|v| vec![v]),
+            "ConvTranspose" => self.conv_transpose(cx).map(|v| vec![v]),
+            "DepthToSpace" | "SpaceToDepth" => {
+                let x = self.input(cx, 0)?;
+                let d = self.dims(&x);
+                let b = a.int("blocksize", 0)?;
+                if d.len() != 4 || b < 1 {
+                    return why("needs a 4-D input and a positive blocksize");
+                }
+                let b = b as usize;
+                let (n, c, h, w) = (d[0], d[1], d[2], d[3]);
+                if op_type == "DepthToSpace" {
+                    let crd = a.string("mode", "DCR")? == "CRD";
+                    if c % (b * b) != 0 {
+                        return why(format!("{c} channels do not divide by blocksize² {}", b * b));
+                    }
+                    let c2 = c / (b * b);
+                    let (t, perm) = if crd {
+                        (self.reshape(&x, vec![n, c2, b, b, h, w])?, vec![0, 1, 4, 2, 5, 3])
+                    } else {
+                        (self.reshape(&x, vec![n, b, b, c2, h, w])?, vec![0, 3, 4, 1, 5, 2])
+                    };
+                    let t = self.permute(&t, perm)?;
+                    one(self.reshape(&t, vec![n, c2, h * b, w * b])?)
+                } else {
+                    if h % b != 0 || w % b != 0 {
+                        return why(format!("{h}×{w} does not divide by blocksize {b}"));
+                    }
+                    let t = self.reshape(&x, vec![n, c, h / b, b, w / b, b])?;
+                    let t = self.permute(&t, vec![0, 3, 5, 1, 2, 4])?;
+                    one(self.reshape(&t, vec![n, c * b * b, h / b, w / b])?)
+                }
+            }
             "MaxPool" | "AveragePool" => self.pool(op_type, cx),
             "GlobalAveragePool" | "GlobalMaxPool" => {
                 let x = self.input(cx, 0)?;
@@ -2243,6 +2278,13 @@ impl Importer {
         Ok(match op_type {
             "ReduceSum" => sum(self, &x)?,
             "ReduceMean" => self.reduce(ReduceKind::Mean, &x, axes, keep)?,
+            // Max and min of bools are any and all.
+            "ReduceMax" if self.dtype(&x) == DType::Bool => {
+                self.reduce(ReduceKind::Any, &x, axes, keep)?
+            }
+            "ReduceMin" if self.dtype(&x) == DType::Bool => {
+                self.reduce(ReduceKind::All, &x, axes, keep)?
+            }
             "ReduceMax" => self.reduce(ReduceKind::Max, &x, axes, keep)?,
             "ReduceMin" => self.reduce(ReduceKind::Min, &x, axes, keep)?,
             "ReduceProd" => self.reduce(ReduceKind::Prod, &x, axes, keep)?,
@@ -2574,6 +2616,131 @@ impl Importer {
             ins.push(b);
         }
         self.emit(op, &ins)
+    }
+
+    /// ConvTranspose as the gradient of a convolution with respect to its input (the ONNX
+    /// weight `[C_in, C_out/g, k...]` is that convolution's weight), computed unpadded at full
+    /// size (output padding included) and then cropped by the pads.
+    fn conv_transpose(&mut self, cx: &Ctx) -> Result<Val> {
+        let a = &cx.attrs;
+        let x = self.input(cx, 0)?;
+        let w = self.input(cx, 1)?;
+        let b = self.opt_input(cx, 2)?;
+        let (dx, dw) = (self.dims(&x), self.dims(&w));
+        if dx.len() < 3 || dx.len() != dw.len() {
+            return why(format!(
+                "input rank {} and weight rank {} do not fit a transposed convolution",
+                dx.len(),
+                dw.len()
+            ));
+        }
+        let s = dx.len() - 2;
+        let groups = a.int("group", 1)?.max(1) as usize;
+        let kernel: Vec<usize> = dw[2..].to_vec();
+        if let Some(k) = a.ints("kernel_shape")? {
+            if k.iter().map(|&v| v as usize).collect::<Vec<_>>() != kernel {
+                return why(format!(
+                    "kernel_shape {k:?} differs from the weight's {kernel:?}"
+                ));
+            }
+        }
+        let strides = self.spatial_attr(cx, "strides", s)?;
+        let dilations = self.spatial_attr(cx, "dilations", s)?;
+        let out_pad: Vec<usize> = match a.ints("output_padding")? {
+            Some(v) if v.len() == s && v.iter().all(|&p| p >= 0) => {
+                v.iter().map(|&p| p as usize).collect()
+            }
+            Some(v) => {
+                return why(format!(
+                    "output_padding {v:?} does not fit {s} spatial dims"
+                ))
+            }
+            None => vec![0; s],
+        };
+        if let Some(k) = out_pad.iter().zip(&strides).position(|(p, st)| p >= st) {
+            return why(format!(
+                "output_padding {out_pad:?} must be below the strides at dim {k}"
+            ));
+        }
+        // Full size: s·(in − 1) + output_padding + (k − 1)·d + 1.
+        let mut full: Vec<usize> = (0..s)
+            .map(|k| strides[k] * (dx[2 + k] - 1) + out_pad[k] + (kernel[k] - 1) * dilations[k] + 1)
+            .collect();
+        let auto = a.string("auto_pad", "NOTSET")?;
+        let output_shape = a.ints("output_shape")?;
+        let pads_attr = a.ints("pads")?;
+        let pads: Vec<(usize, usize)> = if let Some(os) = output_shape {
+            let os: Vec<usize> = os[os.len().saturating_sub(s)..]
+                .iter()
+                .map(|&v| v.max(0) as usize)
+                .collect();
+            if os.len() != s {
+                return why(format!("output_shape {os:?} does not fit {s} spatial dims"));
+            }
+            // An output larger than the full size grows at the end (a convolution of the larger
+            // input still gives `x`'s size while the growth is below the stride).
+            for k in 0..s {
+                full[k] = full[k].max(os[k]);
+            }
+            (0..s)
+                .map(|k| {
+                    let total = full[k] - os[k];
+                    if auto == "SAME_LOWER" {
+                        (total - total / 2, total / 2)
+                    } else {
+                        (total / 2, total - total / 2)
+                    }
+                })
+                .collect()
+        } else {
+            match auto.as_str() {
+                "NOTSET" => {
+                    let p = pads_attr.unwrap_or_else(|| vec![0; 2 * s]);
+                    if p.len() != 2 * s || p.iter().any(|&v| v < 0) {
+                        return why(format!("pads {p:?} do not fit {s} spatial dims"));
+                    }
+                    (0..s).map(|k| (p[k] as usize, p[k + s] as usize)).collect()
+                }
+                "VALID" => vec![(0, 0); s],
+                "SAME_UPPER" | "SAME_LOWER" => (0..s)
+                    .map(|k| {
+                        let total = full[k].saturating_sub(dx[2 + k] * strides[k]);
+                        if auto == "SAME_UPPER" {
+                            (total / 2, total - total / 2)
+                        } else {
+                            (total - total / 2, total / 2)
+                        }
+                    })
+                    .collect(),
+                other => return why(format!("auto_pad `{other}` is not supported")),
+            }
+        };
+        let mut input_shape = vec![dx[0], dw[1] * groups];
+        input_shape.extend_from_slice(&full);
+        let op = Op::ConvGradInput {
+            geom: ConvGeom {
+                stride: strides,
+                padding: vec![0; s],
+                dilation: dilations,
+            },
+            groups,
+            input_shape: Shape::new(input_shape),
+        };
+        let mut y = self.emit(op, &[&x, &w])?;
+        for k in 0..s {
+            let (pb, pe) = pads[k];
+            if pb + pe > full[k] {
+                return why(format!("pads {pads:?} remove the whole output"));
+            }
+            y = self.slice_axis(&y, 2 + k, pb, full[k] - pe, 1)?;
+        }
+        if let Some(b) = b {
+            let mut bd = vec![1usize; s + 2];
+            bd[1] = dw[1] * groups;
+            let b = self.reshape(&b, bd)?;
+            y = self.bin(BinaryOp::Add, &y, &b)?;
+        }
+        Ok(y)
     }
 
     /// Splits spatial padding into a symmetric part (for the op) and an explicit `Pad` of the
