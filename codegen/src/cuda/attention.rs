@@ -51,32 +51,24 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
     if out.shape.numel() == 0 {
         return Ok(StepKernels::default());
     }
+    let p = Problem::new(*mask, inputs);
     if tiled(inputs) {
-        return lower_tiled(op, inputs);
+        return lower_tiled(*causal, *mask, scale.get(), p, inputs.len());
     }
-    let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
-    let (qd, kd, vd) = (q.shape.dims(), k.shape.dims(), v.shape.dims());
-    let (bsz, heads, sq, d) = (qd[0], qd[1], qd[2], qd[3]);
-    let (sk, dv) = (kd[2], vd[3]);
+    let Problem {
+        bsz,
+        heads,
+        sq,
+        d,
+        sk,
+        dv,
+        e,
+        ct,
+        params,
+        mask_strides,
+    } = p;
     let rows = (bsz * heads * sq) as i64;
-    let e = CTy::storage(q.dtype);
-    let ct = e.compute_of();
     let neg_inf = || fc(f64::NEG_INFINITY, ct);
-
-    let mut params = vec![
-        param("q", e, false),
-        param("k", e, false),
-        param("v", e, false),
-    ];
-    let mask_strides = match mask {
-        AttnMask::None => None,
-        AttnMask::Additive | AttnMask::Bool => {
-            let m = inputs[3];
-            params.push(param("mask", CTy::storage(m.dtype), false));
-            Some(m.shape.broadcast_strides(&Shape::new([bsz, heads, sq, sk])))
-        }
-    };
-    params.push(param("out", e, true));
 
     // This lane's share of a row of the head dims: elements `lane + 32·r`.
     let (rq, ro) = (d.div_ceil(WARP as usize), dv.div_ceil(WARP as usize));
@@ -187,6 +179,59 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
     })
 }
 
+/// Sizes, types and kernel parameters of one attention op.
+struct Problem {
+    bsz: usize,
+    heads: usize,
+    sq: usize,
+    d: usize,
+    sk: usize,
+    dv: usize,
+    /// Storage and compute types.
+    e: CTy,
+    ct: CTy,
+    /// q, k, v, [mask], out.
+    params: Vec<Param>,
+    /// The mask's strides broadcast to [B, H, Sq, Sk].
+    mask_strides: Option<Vec<usize>>,
+}
+
+impl Problem {
+    fn new(mask: AttnMask, inputs: &[&TensorType]) -> Problem {
+        let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
+        let (qd, kd, vd) = (q.shape.dims(), k.shape.dims(), v.shape.dims());
+        let (bsz, heads, sq, d) = (qd[0], qd[1], qd[2], qd[3]);
+        let (sk, dv) = (kd[2], vd[3]);
+        let e = CTy::storage(q.dtype);
+        let mut params = vec![
+            param("q", e, false),
+            param("k", e, false),
+            param("v", e, false),
+        ];
+        let mask_strides = match mask {
+            AttnMask::None => None,
+            AttnMask::Additive | AttnMask::Bool => {
+                let m = inputs[3];
+                params.push(param("mask", CTy::storage(m.dtype), false));
+                Some(m.shape.broadcast_strides(&Shape::new([bsz, heads, sq, sk])))
+            }
+        };
+        params.push(param("out", e, true));
+        Problem {
+            bsz,
+            heads,
+            sq,
+            d,
+            sk,
+            dv,
+            e,
+            ct: e.compute_of(),
+            params,
+            mask_strides,
+        }
+    }
+}
+
 /// Threads (query rows) per block of the tiled kernel.
 const TROWS: u32 = 128;
 /// Keys per shared-memory tile of the tiled kernel (half for f64, so that the key and value tiles
@@ -213,43 +258,29 @@ fn tiled(inputs: &[&TensorType]) -> bool {
 /// stages in shared memory, so that each key and value element is read from memory once per
 /// block rather than once per row, and scores need no shuffles. Same online softmax and
 /// semantics as the warp kernel.
-fn lower_tiled(op: &Op, inputs: &[&TensorType]) -> Result<StepKernels> {
-    let Op::Attention {
-        causal,
-        mask,
-        scale,
-    } = op
-    else {
-        return Err(CodegenError::Invalid(format!(
-            "{} is not attention",
-            op.name()
-        )));
-    };
-    let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
-    let (qd, kd, vd) = (q.shape.dims(), k.shape.dims(), v.shape.dims());
-    let (bsz, heads, sq, d) = (qd[0], qd[1], qd[2], qd[3]);
-    let (sk, dv) = (kd[2], vd[3]);
-    let e = CTy::storage(q.dtype);
-    let ct = e.compute_of();
+fn lower_tiled(
+    causal: Causal,
+    mask: AttnMask,
+    scale: f64,
+    p: Problem,
+    n_inputs: usize,
+) -> Result<StepKernels> {
+    let Problem {
+        bsz,
+        heads,
+        sq,
+        d,
+        sk,
+        dv,
+        e,
+        ct,
+        params,
+        mask_strides,
+    } = p;
     let ktile = key_tile(ct);
     let t = TROWS as i64;
     let tiles_q = (sq as i64 + t - 1) / t;
     let blocks = (bsz * heads) as i64 * tiles_q;
-
-    let mut params = vec![
-        param("q", e, false),
-        param("k", e, false),
-        param("v", e, false),
-    ];
-    let mask_strides = match mask {
-        AttnMask::None => None,
-        AttnMask::Additive | AttnMask::Bool => {
-            let m = inputs[3];
-            params.push(param("mask", CTy::storage(m.dtype), false));
-            Some(m.shape.broadcast_strides(&Shape::new([bsz, heads, sq, sk])))
-        }
-    };
-    params.push(param("out", e, true));
 
     let tid = || super::ir::special(super::ir::Special::ThreadIdx);
     let mut body = vec![
@@ -274,11 +305,11 @@ fn lower_tiled(op: &Op, inputs: &[&TensorType]) -> Result<StepKernels> {
     body.push(let_(
         "jend",
         CTy::I64,
-        select(var("ok"), key_limit(*causal, var("i"), sq, sk), i64c(0)),
+        select(var("ok"), key_limit(causal, var("i"), sq, sk), i64c(0)),
     ));
     // The block's last row sees the most keys.
     let last = bin(BinFn::Min, add(var("i0"), i64c(t - 1)), i64c(sq as i64 - 1));
-    body.push(let_("bend", CTy::I64, key_limit(*causal, last, sq, sk)));
+    body.push(let_("bend", CTy::I64, key_limit(causal, last, sq, sk)));
     body.push(let_("m", ct, fc(f64::NEG_INFINITY, ct)));
     body.push(let_("s", ct, lit(0.0, ct)));
     for r in 0..dv {
@@ -333,8 +364,8 @@ fn lower_tiled(op: &Op, inputs: &[&TensorType]) -> Result<StepKernels> {
             add(var("dot"), mul(var(&format!("q{r}")), kl)),
         ));
     }
-    key.push(let_("sc", ct, mul(var("dot"), fc(scale.get(), ct))));
-    key.extend(apply_mask(*mask, mask_strides.as_deref(), heads, e, ct));
+    key.push(let_("sc", ct, mul(var("dot"), fc(scale, ct))));
+    key.extend(apply_mask(mask, mask_strides.as_deref(), heads, e, ct));
     let mut upd = online_update(ct);
     for r in 0..dv {
         let o = format!("o{r}");
@@ -414,7 +445,7 @@ fn lower_tiled(op: &Op, inputs: &[&TensorType]) -> Result<StepKernels> {
     Ok(StepKernels {
         launches: vec![Launch {
             kernel,
-            args: (0..inputs.len())
+            args: (0..n_inputs)
                 .map(ArgRef::Input)
                 .chain([ArgRef::Output])
                 .collect(),

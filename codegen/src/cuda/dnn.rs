@@ -391,66 +391,37 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<DnnDes
     let dtype = float(op, out.dtype)?;
     let dims = |t: &TensorType| t.shape.dims().to_vec();
     match op {
-        Op::Conv { geom, groups, bias } => {
+        Op::Conv { geom, groups, .. }
+        | Op::ConvGradInput { geom, groups, .. }
+        | Op::ConvGradWeight { geom, groups, .. } => {
             let (pad, stride, dilation) = geometry(op, geom)?;
+            // Which tensor is which operand (or the output) for each of the three calls.
+            use ArgRef::{Input, Output};
+            let (kind, x_at, w_at, y_at) = match op {
+                Op::Conv { .. } => (DnnKind::ConvForward, Input(0), Input(1), Output),
+                Op::ConvGradInput { .. } => (DnnKind::ConvBackwardData, Output, Input(1), Input(0)),
+                _ => (DnnKind::ConvBackwardFilter, Input(0), Output, Input(1)),
+            };
+            let shape = |a: ArgRef| match a {
+                Input(k) => lift(op, &dims(inputs[k])),
+                _ => lift(op, &dims(out)),
+            };
             Ok(DnnDesc {
-                kind: DnnKind::ConvForward,
+                kind,
                 dtype,
-                x: lift(op, &dims(inputs[0]))?,
-                w: lift(op, &dims(inputs[1]))?,
-                y: lift(op, &dims(out))?,
+                x: shape(x_at)?,
+                w: shape(w_at)?,
+                y: shape(y_at)?,
                 pad,
                 stride,
                 dilation,
                 groups: *groups as i32,
-                bias: *bias,
+                bias: matches!(op, Op::Conv { bias: true, .. }),
                 pool: None,
                 nhwc: false,
-                x_at: ArgRef::Input(0),
-                w_at: ArgRef::Input(1),
-                y_at: ArgRef::Output,
-                staging_bytes: 0,
-            })
-        }
-        Op::ConvGradInput { geom, groups, .. } => {
-            let (pad, stride, dilation) = geometry(op, geom)?;
-            Ok(DnnDesc {
-                kind: DnnKind::ConvBackwardData,
-                dtype,
-                x: lift(op, &dims(out))?,
-                w: lift(op, &dims(inputs[1]))?,
-                y: lift(op, &dims(inputs[0]))?,
-                pad,
-                stride,
-                dilation,
-                groups: *groups as i32,
-                bias: false,
-                pool: None,
-                nhwc: false,
-                x_at: ArgRef::Output,
-                w_at: ArgRef::Input(1),
-                y_at: ArgRef::Input(0),
-                staging_bytes: 0,
-            })
-        }
-        Op::ConvGradWeight { geom, groups, .. } => {
-            let (pad, stride, dilation) = geometry(op, geom)?;
-            Ok(DnnDesc {
-                kind: DnnKind::ConvBackwardFilter,
-                dtype,
-                x: lift(op, &dims(inputs[0]))?,
-                w: lift(op, &dims(out))?,
-                y: lift(op, &dims(inputs[1]))?,
-                pad,
-                stride,
-                dilation,
-                groups: *groups as i32,
-                bias: false,
-                pool: None,
-                nhwc: false,
-                x_at: ArgRef::Input(0),
-                w_at: ArgRef::Output,
-                y_at: ArgRef::Input(1),
+                x_at,
+                w_at,
+                y_at,
                 staging_bytes: 0,
             })
         }

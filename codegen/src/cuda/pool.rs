@@ -101,6 +101,27 @@ fn nest(ranges: &[(Expr, Expr)], steps: &[(Expr, i64)], tag: &str, body: Vec<Stm
     inner
 }
 
+/// For the output at flat index `i`: binds its plane's input offset `base` and its window's
+/// in-bounds ranges (see [`window`]) and returns them.
+fn output_window(b: &mut Body, geo: &Geo, i: Expr) -> (Expr, Vec<(Expr, Expr)>) {
+    let mut dims = vec![geo.planes];
+    dims.extend(&geo.outs);
+    let mut co = Coords::new(&dims, i);
+    let plane = co.get(b, 0);
+    let mut pre = vec![];
+    let ranges = (0..geo.outs.len())
+        .map(|j| {
+            let oj = co.get(b, j + 1);
+            window(&mut pre, geo, j, oj, "")
+        })
+        .collect();
+    for s in pre {
+        b.push(s);
+    }
+    let base = b.named("base", CTy::I64, mul(plane, i64c(geo.in_sp() as i64)));
+    (base, ranges)
+}
+
 /// The loop steps of an output's window: from its start `{tag}s{j}`, the window's size.
 fn window_steps(geo: &Geo, tag: &str) -> Vec<(Expr, i64)> {
     (0..geo.ks.len())
@@ -216,21 +237,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
         let geo = Geo::new(&x.shape, &out.shape, kernel, geom);
         let params = vec![param("x", dt, false), param("out", dt, true)];
         let k = grid_kernel("pool", params, n, |b: &mut Body, i| {
-            let mut dims = vec![geo.planes];
-            dims.extend(&geo.outs);
-            let mut co = Coords::new(&dims, i.clone());
-            let plane = co.get(b, 0);
-            let mut pre = vec![];
-            let ranges: Vec<(Expr, Expr)> = (0..geo.outs.len())
-                .map(|j| {
-                    let oj = co.get(b, j + 1);
-                    window(&mut pre, &geo, j, oj, "")
-                })
-                .collect();
-            for s in pre {
-                b.push(s);
-            }
-            let base = b.named("base", CTy::I64, mul(plane, i64c(geo.in_sp() as i64)));
+            let (base, ranges) = output_window(b, &geo, i.clone());
             let v = load("x", el, add(base, in_plane(&geo, "")));
             let (init, update, result) = match kind {
                 PoolKind::Max => {
@@ -284,21 +291,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
             },
         ];
         let k = grid_kernel("pool_argmax", params, n_out, |b: &mut Body, i| {
-            let mut dims = vec![geo.planes];
-            dims.extend(&geo.outs);
-            let mut co = Coords::new(&dims, i.clone());
-            let plane = co.get(b, 0);
-            let mut pre = vec![];
-            let ranges: Vec<(Expr, Expr)> = (0..geo.outs.len())
-                .map(|j| {
-                    let oj = co.get(b, j + 1);
-                    window(&mut pre, &geo, j, oj, "")
-                })
-                .collect();
-            for s in pre {
-                b.push(s);
-            }
-            let base = b.named("base", CTy::I64, mul(plane, i64c(geo.in_sp() as i64)));
+            let (base, ranges) = output_window(b, &geo, i.clone());
             for s in argmax(&geo, &ranges, base, ty, el, "") {
                 b.push(s);
             }
