@@ -225,6 +225,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "Mish",
         "Mul",
         "Neg",
+        "NegativeLogLikelihoodLoss",
         "Not",
         "OneHot",
         "Or",
@@ -245,6 +246,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "ReduceSumSquare",
         "Relu",
         "Reshape",
+        "RMSNormalization",
         "Resize",
         "Round",
         "Scatter",
@@ -258,6 +260,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "Size",
         "Slice",
         "Softmax",
+        "SoftmaxCrossEntropyLoss",
         "SpaceToDepth",
         "Softplus",
         "Softsign",
@@ -1430,6 +1433,43 @@ impl Importer {
                 one(self.emit(mk(axis), &[&x])?)
             }
             "LayerNormalization" => self.layer_norm(cx),
+            "RMSNormalization" => {
+                let eps = a.float("epsilon", 1e-5)? as f64;
+                let _ = a.int("stash_type", 1)?;
+                let x = self.input(cx, 0)?;
+                let scale = self.input(cx, 1)?;
+                let r = self.dims(&x).len();
+                let axis = norm_axis(a.int("axis", -1)?, r)?;
+                let last = self.dims(&x)[r - 1];
+                if axis + 1 == r && self.dims(&scale) == [last] {
+                    let op = Op::RmsNorm {
+                        eps: F64Bits::new(eps),
+                        weight: true,
+                    };
+                    return one(self.emit(op, &[&x, &scale])?);
+                }
+                // x · rsqrt(mean(x²) + ε) over the trailing dims from `axis`, then · scale.
+                let sq = self.bin(BinaryOp::Mul, &x, &x)?;
+                let m = self.reduce(ReduceKind::Mean, &sq, (axis..r).collect(), true)?;
+                let me = self.bin_s(BinaryOp::Add, &m, eps)?;
+                let rs = self.un(UnaryOp::Rsqrt, &me)?;
+                let y = self.bin(BinaryOp::Mul, &x, &rs)?;
+                one(self.bin(BinaryOp::Mul, &y, &scale)?)
+            }
+            "NegativeLogLikelihoodLoss" => {
+                let x = self.input(cx, 0)?;
+                let t = self.input(cx, 1)?;
+                let w = self.opt_input(cx, 2)?;
+                one(self.nll(cx, &x, &t, w.as_ref())?)
+            }
+            "SoftmaxCrossEntropyLoss" => {
+                let x = self.input(cx, 0)?;
+                let t = self.input(cx, 1)?;
+                let w = self.opt_input(cx, 2)?;
+                let lp = self.emit(Op::LogSoftmax { axis: 1 }, &[&x])?;
+                let loss = self.nll(cx, &lp, &t, w.as_ref())?;
+                Ok(vec![loss, lp])
+            }
             "BatchNormalization" => {
                 let eps = a.float("epsilon", 1e-5)? as f64;
                 let _ = a.float("momentum", 0.9)?;
@@ -2221,6 +2261,68 @@ impl Importer {
             cnt = self.bin(BinaryOp::Add, &cnt, &c)?;
         }
         Ok(vec![self.bin(BinaryOp::Div, &sum, &cnt)?])
+    }
+
+    /// The negative log-likelihood of log-probabilities `x` `[N, C, d...]` at integer targets
+    /// `[N, d...]`, with optional class weights `[C]`, `ignore_index` and `reduction`
+    /// (`none`, `sum`, `mean`: the weighted mean over the targets not ignored).
+    fn nll(&mut self, cx: &Ctx, x: &Val, t: &Val, w: Option<&Val>) -> Result<Val> {
+        let a = &cx.attrs;
+        let reduction = a.string("reduction", "mean")?;
+        let ignore = a.int_opt("ignore_index")?;
+        let dx = self.dims(x);
+        if dx.len() < 2 {
+            return why("input must be N×C×...");
+        }
+        let c = dx[1];
+        let t = self.cast(t, DType::I64)?;
+        let dt = self.dtype(x);
+        // Ignored targets point at class 0 and weigh nothing.
+        let keep = match ignore {
+            Some(i) => Some(self.bin_s(BinaryOp::Ne, &t, i as f64)?),
+            None => None,
+        };
+        let safe = match &keep {
+            Some(k) => {
+                let z = self.scalar(0.0, DType::I64);
+                self.emit(Op::Where, &[k, &t, &z])?
+            }
+            None => t.clone(),
+        };
+        let safe = self.wrap_index(&safe, c)?;
+        let mut td = self.dims(&safe);
+        td.insert(1, 1);
+        let t1 = self.reshape(&safe, td)?;
+        let picked = self.emit(Op::Gather { axis: 1 }, &[x, &t1])?;
+        let picked = self.reshape(&picked, self.dims(&safe))?;
+        let mut weight = match w {
+            Some(w) => {
+                let flat = self.reshape(&safe, vec![self.dims(&safe).iter().product()])?;
+                let g = self.emit(Op::IndexSelect { axis: 0 }, &[w, &flat])?;
+                self.reshape(&g, self.dims(&safe))?
+            }
+            None => known(HostTensor::full(
+                &TensorType::new(dt, self.dims(&safe)),
+                1.0,
+            )),
+        };
+        if let Some(k) = &keep {
+            let z = self.scalar(0.0, dt);
+            weight = self.emit(Op::Where, &[k, &weight, &z])?;
+        }
+        let wl = self.bin(BinaryOp::Mul, &picked, &weight)?;
+        let loss = self.un(UnaryOp::Neg, &wl)?;
+        let all: Vec<usize> = (0..self.dims(&loss).len()).collect();
+        match reduction.as_str() {
+            "none" => Ok(loss),
+            "sum" => self.reduce(ReduceKind::Sum, &loss, all, false),
+            "mean" => {
+                let s = self.reduce(ReduceKind::Sum, &loss, all.clone(), false)?;
+                let n = self.reduce(ReduceKind::Sum, &weight, all, false)?;
+                self.bin(BinaryOp::Div, &s, &n)
+            }
+            other => why(format!("reduction `{other}` is not supported")),
+        }
     }
 
     /// numpy's matmul: 1-D operands get a dim added and removed.
