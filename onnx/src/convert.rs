@@ -10,8 +10,8 @@ use crate::ImportOptions;
 use rustytorch_compiler::dims::DimExpr;
 use rustytorch_compiler::{CompileError, Graph, GraphBuilder, Init, NodeId, Tensor};
 use rustytorch_ops::{
-    eval_cpu, ArgKind, BinaryOp, ConvGeom, DType, Data, F64Bits, HostTensor, Op, PoolKind,
-    ReduceKind, Shape, TensorType, UnaryOp,
+    eval_cpu, ArgKind, AttnMask, BinaryOp, Causal, ConvGeom, DType, Data, F64Bits, HostTensor, Op,
+    PoolKind, ReduceKind, Shape, TensorType, UnaryOp,
 };
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -169,6 +169,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "And",
         "ArgMax",
         "ArgMin",
+        "Attention",
         "AveragePool",
         "BatchNormalization",
         "Cast",
@@ -1456,6 +1457,7 @@ impl Importer {
                 let y = self.bin(BinaryOp::Mul, &x, &rs)?;
                 one(self.bin(BinaryOp::Mul, &y, &scale)?)
             }
+            "Attention" => self.attention(cx),
             "NegativeLogLikelihoodLoss" => {
                 let x = self.input(cx, 0)?;
                 let t = self.input(cx, 1)?;
@@ -2261,6 +2263,107 @@ impl Importer {
             cnt = self.bin(BinaryOp::Add, &cnt, &c)?;
         }
         Ok(vec![self.bin(BinaryOp::Div, &sum, &cnt)?])
+    }
+
+    /// ONNX Attention (opset 23) as the fused attention op: 3-D inputs split into heads, fewer
+    /// key/value heads repeated for grouped queries, a bool (keep) or additive mask, `is_causal`
+    /// as the top-left causal mask. Past keys and values, softcap and the score output are not
+    /// supported; the present key and value outputs are the key and value.
+    fn attention(&mut self, cx: &Ctx) -> Result<Vec<Val>> {
+        let a = &cx.attrs;
+        let causal = a.int("is_causal", 0)? != 0;
+        let qh = a.int_opt("q_num_heads")?;
+        let kvh = a.int_opt("kv_num_heads")?;
+        let scale = a.find("scale", AttributeType::Float)?.map(|s| s.f() as f64);
+        if a.float("softcap", 0.0)? != 0.0 {
+            return why("softcap is not supported");
+        }
+        let _ = a.int("softmax_precision", 0)?;
+        if a.int("qk_matmul_output_mode", 0)? != 0 || cx.n_outputs > 3 {
+            return why("the qk_matmul output is not supported");
+        }
+        if cx.inputs.get(4).copied().flatten().is_some()
+            || cx.inputs.get(5).copied().flatten().is_some()
+        {
+            return why("past_key and past_value are not supported");
+        }
+        if cx.inputs.get(6).copied().flatten().is_some() {
+            return why("nonpad_kv_seqlen is not supported");
+        }
+        let (q, k, v) = (self.input(cx, 0)?, self.input(cx, 1)?, self.input(cx, 2)?);
+        let three = self.dims(&q).len() == 3;
+        // [B, S, H·D] → [B, H, S, D].
+        let heads = |im: &mut Importer, t: &Val, h: Option<i64>| -> Result<Val> {
+            let d = im.dims(t);
+            let Some(h) = h.filter(|&h| h > 0 && d[2] % h as usize == 0) else {
+                return why(
+                    "3-D inputs need q_num_heads and kv_num_heads dividing the hidden size",
+                );
+            };
+            let h = h as usize;
+            let r = im.reshape(t, vec![d[0], d[1], h, d[2] / h])?;
+            im.permute(&r, vec![0, 2, 1, 3])
+        };
+        let (q4, k4, v4) = if three {
+            (
+                heads(self, &q, qh)?,
+                heads(self, &k, kvh)?,
+                heads(self, &v, kvh)?,
+            )
+        } else {
+            (q.clone(), k.clone(), v.clone())
+        };
+        let (dq, dk) = (self.dims(&q4), self.dims(&k4));
+        if dq.len() != 4 || dk.len() != 4 || self.dims(&v4).len() != 4 {
+            return why("q, k and v must be 3-D or 4-D");
+        }
+        // Grouped queries: each key/value head serves H_q / H_kv consecutive query heads.
+        let repeat = |im: &mut Importer, t: &Val| -> Result<Val> {
+            let d = im.dims(t);
+            if d[1] == dq[1] {
+                return Ok(t.clone());
+            }
+            if d[1] == 0 || dq[1] % d[1] != 0 {
+                return why(format!(
+                    "{} query heads do not group over {} key/value heads",
+                    dq[1], d[1]
+                ));
+            }
+            let g = dq[1] / d[1];
+            let r = im.reshape(t, vec![d[0], d[1], 1, d[2], d[3]])?;
+            let r = im.expand(&r, vec![d[0], d[1], g, d[2], d[3]])?;
+            im.reshape(&r, vec![d[0], d[1] * g, d[2], d[3]])
+        };
+        let (kr, vr) = (repeat(self, &k4)?, repeat(self, &v4)?);
+        let mask = self.opt_input(cx, 3)?;
+        let kind = match &mask {
+            None => AttnMask::None,
+            Some(m) if self.dtype(m) == DType::Bool => AttnMask::Bool,
+            Some(_) => AttnMask::Additive,
+        };
+        let scale = scale.unwrap_or(1.0 / (dq[3] as f64).sqrt());
+        let op = Op::Attention {
+            causal: if causal {
+                Causal::TopLeft
+            } else {
+                Causal::None
+            },
+            mask: kind,
+            scale: F64Bits::new(scale),
+        };
+        let mut ins = vec![&q4, &kr, &vr];
+        if let Some(m) = &mask {
+            ins.push(m);
+        }
+        let y = self.emit(op, &ins)?;
+        let y = if three {
+            let d = self.dims(&y);
+            let t = self.permute(&y, vec![0, 2, 1, 3])?;
+            self.reshape(&t, vec![d[0], d[2], d[1] * d[3]])?
+        } else {
+            y
+        };
+        Ok(vec![y, k, v])
     }
 
     /// The negative log-likelihood of log-probabilities `x` `[N, C, d...]` at integer targets
