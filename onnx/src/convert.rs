@@ -1537,7 +1537,7 @@ impl Importer {
                 let (n, c, h, w) = (d[0], d[1], d[2], d[3]);
                 if op_type == "DepthToSpace" {
                     let crd = a.string("mode", "DCR")? == "CRD";
-                    if c % (b * b) != 0 {
+                    if !c.is_multiple_of(b * b) {
                         return why(format!("{c} channels do not divide by blocksize² {}", b * b));
                     }
                     let c2 = c / (b * b);
@@ -1549,7 +1549,7 @@ impl Importer {
                     let t = self.permute(&t, perm)?;
                     one(self.reshape(&t, vec![n, c2, h * b, w * b])?)
                 } else {
-                    if h % b != 0 || w % b != 0 {
+                    if !h.is_multiple_of(b) || !w.is_multiple_of(b) {
                         return why(format!("{h}×{w} does not divide by blocksize {b}"));
                     }
                     let t = self.reshape(&x, vec![n, c, h / b, b, w / b, b])?;
@@ -2295,7 +2295,7 @@ impl Importer {
         // [B, S, H·D] → [B, H, S, D].
         let heads = |im: &mut Importer, t: &Val, h: Option<i64>| -> Result<Val> {
             let d = im.dims(t);
-            let Some(h) = h.filter(|&h| h > 0 && d[2] % h as usize == 0) else {
+            let Some(h) = h.filter(|&h| h > 0 && d[2].is_multiple_of(h as usize)) else {
                 return why(
                     "3-D inputs need q_num_heads and kv_num_heads dividing the hidden size",
                 );
@@ -2323,7 +2323,7 @@ impl Importer {
             if d[1] == dq[1] {
                 return Ok(t.clone());
             }
-            if d[1] == 0 || dq[1] % d[1] != 0 {
+            if d[1] == 0 || !dq[1].is_multiple_of(d[1]) {
                 return why(format!(
                     "{} query heads do not group over {} key/value heads",
                     dq[1], d[1]
