@@ -204,6 +204,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "GlobalMaxPool",
         "Greater",
         "GreaterOrEqual",
+        "Hardmax",
         "HardSigmoid",
         "HardSwish",
         "Identity",
@@ -216,6 +217,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "LessOrEqual",
         "Log",
         "LRN",
+        "LpNormalization",
         "LogSoftmax",
         "MatMul",
         "Max",
@@ -276,6 +278,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "Tile",
         "TopK",
         "Transpose",
+        "Trilu",
         "Unsqueeze",
         "Upsample",
         "Where",
@@ -1458,6 +1461,71 @@ impl Importer {
                 one(self.bin(BinaryOp::Mul, &y, &scale)?)
             }
             "Attention" => self.attention(cx),
+            "Trilu" => {
+                // Keep j − i <= k (lower) or j − i >= k (upper) over the last two dims.
+                let upper = a.int("upper", 1)? != 0;
+                let x = self.input(cx, 0)?;
+                let k = self
+                    .static_ints(cx, 1, "k")?
+                    .and_then(|v| v.first().copied())
+                    .unwrap_or(0);
+                let d = self.dims(&x);
+                if d.len() < 2 {
+                    return why("input must have rank 2 or more");
+                }
+                let (n, m) = (d[d.len() - 2], d[d.len() - 1]);
+                let keep: Vec<bool> = (0..n * m)
+                    .map(|p| {
+                        let (i, j) = ((p / m) as i64, (p % m) as i64);
+                        if upper {
+                            j - i >= k
+                        } else {
+                            j - i <= k
+                        }
+                    })
+                    .collect();
+                let keep = known(HostTensor::from_vec(keep, [n, m])?);
+                let z = self.scalar(0.0, self.dtype(&x));
+                one(self.emit(Op::Where, &[&keep, &x, &z])?)
+            }
+            "Hardmax" => {
+                // One-hot of the first maximum along `axis`.
+                let x = self.input(cx, 0)?;
+                let d = self.dims(&x);
+                let axis = norm_axis(a.int("axis", -1)?, d.len())?;
+                let am = self.emit(
+                    Op::ArgReduce {
+                        kind: ArgKind::ArgMax,
+                        axis,
+                        keep_dims: true,
+                    },
+                    &[&x],
+                )?;
+                let mut id = vec![1usize; d.len()];
+                id[axis] = d[axis];
+                let iota = known(HostTensor::from_vec((0..d[axis] as i64).collect::<Vec<_>>(), id)?);
+                let hit = self.bin(BinaryOp::Eq, &am, &iota)?;
+                one(self.cast(&hit, self.dtype(&x))?)
+            }
+            "LpNormalization" => {
+                // x / ‖x‖ₚ along `axis` (p = 1 or 2).
+                let x = self.input(cx, 0)?;
+                let axis = norm_axis(a.int("axis", -1)?, self.dims(&x).len())?;
+                let p = a.int("p", 2)?;
+                let norm = match p {
+                    1 => {
+                        let t = self.un(UnaryOp::Abs, &x)?;
+                        self.reduce(ReduceKind::Sum, &t, vec![axis], true)?
+                    }
+                    2 => {
+                        let t = self.bin(BinaryOp::Mul, &x, &x)?;
+                        let t = self.reduce(ReduceKind::Sum, &t, vec![axis], true)?;
+                        self.un(UnaryOp::Sqrt, &t)?
+                    }
+                    other => return why(format!("p = {other} is not supported (1 or 2)")),
+                };
+                one(self.bin(BinaryOp::Div, &x, &norm)?)
+            }
             "NegativeLogLikelihoodLoss" => {
                 let x = self.input(cx, 0)?;
                 let t = self.input(cx, 1)?;
