@@ -2065,6 +2065,8 @@ impl Importer {
         let d = self.dims(&x);
         let r = d.len();
         let mode = a.string("mode", "nearest")?;
+        let (mut cubic_a, mut exclude) = (-0.75, false);
+        let mut axes: Option<Vec<usize>> = None;
         let (coord, nearest, scales, sizes) = if op_type == "Upsample" {
             let scales = match a.floats("scales")? {
                 Some(s) => Some(s.iter().map(|&v| v as f64).collect::<Vec<_>>()),
@@ -2075,8 +2077,8 @@ impl Importer {
             if a.int("antialias", 0)? != 0 {
                 return why("antialias=1 is not supported");
             }
-            let _ = a.float("cubic_coeff_a", -0.75)?;
-            let _ = a.int("exclude_outside", 0)?;
+            cubic_a = a.float("cubic_coeff_a", -0.75)? as f64;
+            exclude = a.int("exclude_outside", 0)? != 0;
             let _ = a.float("extrapolation_value", 0.0)?;
             let policy = a.string("keep_aspect_ratio_policy", "stretch")?;
             if policy != "stretch" {
@@ -2084,8 +2086,12 @@ impl Importer {
                     "keep_aspect_ratio_policy `{policy}` is not supported"
                 ));
             }
-            if a.ints("axes")?.is_some() {
-                return why("the axes attribute is not supported");
+            if let Some(v) = a.ints("axes")? {
+                let v = v
+                    .iter()
+                    .map(|&k| norm_axis(k, r))
+                    .collect::<Result<Vec<_>>>()?;
+                axes = Some(v);
             }
             let scales = self
                 .static_input(cx, 2, "scales")?
@@ -2101,11 +2107,45 @@ impl Importer {
         };
         if !matches!(
             mode.as_str(),
-            "nearest" | "linear" | "bilinear" | "trilinear"
+            "nearest" | "linear" | "bilinear" | "trilinear" | "cubic"
         ) {
-            return why(format!("mode `{mode}` is not supported (nearest, linear)"));
+            return why(format!(
+                "mode `{mode}` is not supported (nearest, linear, cubic)"
+            ));
         }
         let linear = mode != "nearest";
+        let cubic = mode == "cubic";
+        // Scales or sizes for the listed axes only: the other dims keep their size.
+        let (scales, sizes) = match &axes {
+            None => (scales, sizes),
+            Some(ax) => {
+                let spread = |v: &[f64], keep: f64| -> Result<Vec<f64>> {
+                    if v.len() != ax.len() {
+                        return why("scales or sizes must have one entry per listed axis");
+                    }
+                    let mut out = vec![keep; r];
+                    for (k, &a) in ax.iter().enumerate() {
+                        out[a] = v[k];
+                    }
+                    Ok(out)
+                };
+                let sc = scales.map(|v| spread(&v, 1.0)).transpose()?;
+                let sz = match sizes {
+                    Some(v) => {
+                        let f: Vec<f64> = v.iter().map(|&x| x as f64).collect();
+                        let mut full = spread(&f, 0.0)?;
+                        for k in 0..r {
+                            if !ax.contains(&k) {
+                                full[k] = d[k] as f64;
+                            }
+                        }
+                        Some(full.iter().map(|&x| x as i64).collect::<Vec<_>>())
+                    }
+                    None => None,
+                };
+                (sc, sz)
+            }
+        };
         let (outs, sc): (Vec<usize>, Vec<f64>) = match (&sizes, &scales) {
             (Some(s), _) if s.len() == r => (
                 s.iter().map(|&v| v.max(0) as usize).collect(),
@@ -2136,6 +2176,11 @@ impl Importer {
                 let i = i as f64;
                 Ok(match coord.as_str() {
                     "half_pixel" => (i + 0.5) / s - 0.5,
+                    "half_pixel_symmetric" => {
+                        let adjust = n_out as f64 / (s * n_in as f64);
+                        let center = n_in as f64 / 2.0;
+                        center * (1.0 - adjust) + (i + 0.5) / s - 0.5
+                    }
                     "pytorch_half_pixel" => {
                         if n_out > 1 {
                             (i + 0.5) / s - 0.5
@@ -2188,26 +2233,68 @@ impl Importer {
                 }
                 t = self.select(&t, ax, idx)?;
             } else {
-                let (mut i0, mut i1, mut w) = (Vec::new(), Vec::new(), Vec::new());
+                // A weighted sum of taps: two for linear, four for cubic (Keys' kernel with
+                // coefficient A; edge taps clamped, or dropped and renormalized with
+                // exclude_outside).
+                let taps = if cubic { 4 } else { 2 };
+                let mut idx = vec![Vec::with_capacity(n_out); taps];
+                let mut wts = vec![Vec::with_capacity(n_out); taps];
+                let keys = |d: f64| {
+                    let (d, a) = (d.abs(), cubic_a);
+                    if d <= 1.0 {
+                        ((a + 2.0) * d - (a + 3.0)) * d * d + 1.0
+                    } else if d < 2.0 {
+                        ((a * d - 5.0 * a) * d + 8.0 * a) * d - 4.0 * a
+                    } else {
+                        0.0
+                    }
+                };
                 for i in 0..n_out {
-                    let x = src(i)?.clamp(0.0, last as f64);
-                    let f = x.floor();
-                    i0.push(f as i64);
-                    i1.push((f as i64 + 1).min(last));
-                    w.push(x - f);
+                    let x = src(i)?;
+                    if cubic {
+                        let f = x.floor();
+                        let fr = x - f;
+                        let mut ws: Vec<f64> = (0..4).map(|j| keys(fr + 1.0 - j as f64)).collect();
+                        let ps: Vec<i64> = (0..4).map(|j| f as i64 - 1 + j).collect();
+                        if exclude {
+                            for j in 0..4 {
+                                if ps[j] < 0 || ps[j] > last {
+                                    ws[j] = 0.0;
+                                }
+                            }
+                            let total: f64 = ws.iter().sum();
+                            if total != 0.0 {
+                                ws.iter_mut().for_each(|w| *w /= total);
+                            }
+                        }
+                        for j in 0..4 {
+                            idx[j].push(ps[j].clamp(0, last));
+                            wts[j].push(ws[j]);
+                        }
+                    } else {
+                        let x = x.clamp(0.0, last as f64);
+                        let f = x.floor();
+                        idx[0].push(f as i64);
+                        idx[1].push((f as i64 + 1).min(last));
+                        wts[0].push(1.0 - (x - f));
+                        wts[1].push(x - f);
+                    }
                 }
                 let dt = self.dtype(&t);
                 let mut wd = vec![1usize; r];
                 wd[ax] = n_out;
                 let wt = TensorType::new(dt, wd);
-                let w1 = known(HostTensor::from_f64_slice(&wt, &w)?);
-                let w0v: Vec<f64> = w.iter().map(|v| 1.0 - v).collect();
-                let w0 = known(HostTensor::from_f64_slice(&wt, &w0v)?);
-                let a0 = self.select(&t, ax, i0)?;
-                let a1 = self.select(&t, ax, i1)?;
-                let p0 = self.bin(BinaryOp::Mul, &a0, &w0)?;
-                let p1 = self.bin(BinaryOp::Mul, &a1, &w1)?;
-                t = self.bin(BinaryOp::Add, &p0, &p1)?;
+                let mut acc: Option<Val> = None;
+                for j in 0..taps {
+                    let w = known(HostTensor::from_f64_slice(&wt, &wts[j])?);
+                    let sel = self.select(&t, ax, std::mem::take(&mut idx[j]))?;
+                    let p = self.bin(BinaryOp::Mul, &sel, &w)?;
+                    acc = Some(match acc {
+                        Some(a) => self.bin(BinaryOp::Add, &a, &p)?,
+                        None => p,
+                    });
+                }
+                t = acc.expect("at least two taps");
             }
         }
         Ok(t)
