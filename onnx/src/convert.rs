@@ -218,6 +218,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "Log",
         "LRN",
         "LpNormalization",
+        "LpPool",
         "LogSoftmax",
         "MatMul",
         "Max",
@@ -1626,6 +1627,57 @@ impl Importer {
                 }
             }
             "MaxPool" | "AveragePool" => self.pool(op_type, cx),
+            "LpPool" => {
+                // (Σ over the zero-padded window of |x|^p)^(1/p): an average pool counting the
+                // padding, times the window size.
+                let x = self.input(cx, 0)?;
+                let dx = self.dims(&x);
+                if dx.len() < 3 {
+                    return why("input must be N×C×spatial");
+                }
+                let s = dx.len() - 2;
+                let kernel: Vec<usize> = a
+                    .ints("kernel_shape")?
+                    .ok_or_else(|| ImportError::Model("attribute `kernel_shape` is required".into()))?
+                    .iter()
+                    .map(|&v| v.max(1) as usize)
+                    .collect();
+                if kernel.len() != s {
+                    return why(format!("kernel_shape {kernel:?} does not fit {s} spatial dims"));
+                }
+                let strides = self.spatial_attr(cx, "strides", s)?;
+                let dilations = self.spatial_attr(cx, "dilations", s)?;
+                if dilations.iter().any(|&d| d != 1) {
+                    return why(format!("dilations {dilations:?} are not supported (only 1)"));
+                }
+                if a.int("ceil_mode", 0)? != 0 {
+                    return why("ceil_mode=1 is not supported");
+                }
+                let p = a.int("p", 2)?;
+                if p < 1 {
+                    return why(format!("p = {p}"));
+                }
+                let pads = self.spatial_pads(cx, &dx[2..], &kernel, &strides, &dilations)?;
+                let ab = self.un(UnaryOp::Abs, &x)?;
+                let t = self.bin_s(BinaryOp::Pow, &ab, p as f64)?;
+                let mut full = vec![(0, 0); 2];
+                full.extend_from_slice(&pads);
+                let t = self.pad_const(&t, full, 0.0)?;
+                let op = Op::Pool {
+                    kind: PoolKind::Avg {
+                        count_include_pad: true,
+                    },
+                    kernel: kernel.clone(),
+                    geom: ConvGeom {
+                        stride: strides,
+                        padding: vec![0; s],
+                        dilation: vec![1; s],
+                    },
+                };
+                let avg = self.emit(op, &[&t])?;
+                let sum = self.bin_s(BinaryOp::Mul, &avg, kernel.iter().product::<usize>() as f64)?;
+                one(self.bin_s(BinaryOp::Pow, &sum, 1.0 / p as f64)?)
+            }
             "GlobalAveragePool" | "GlobalMaxPool" => {
                 let x = self.input(cx, 0)?;
                 let r = self.dims(&x).len();
