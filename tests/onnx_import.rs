@@ -742,3 +742,93 @@ fn conv_transpose_matches_f64() {
     assert_eq!(y.dims(), &[1, 3, 9]);
     assert_close(&y.to_f64_vec(), &want, 1e-5, "y");
 }
+
+/// A direct einsum in f64: sums the product of the operands over every assignment of the
+/// letters.
+fn einsum_ref(eq: &str, ops: &[(&[usize], Vec<f64>)]) -> (Vec<usize>, Vec<f64>) {
+    let (lhs, out) = eq.split_once("->").unwrap();
+    let terms: Vec<Vec<char>> = lhs.split(',').map(|t| t.chars().collect()).collect();
+    let mut letters: Vec<char> = Vec::new();
+    let mut size = std::collections::HashMap::new();
+    for (t, (dims, _)) in terms.iter().zip(ops) {
+        for (k, &c) in t.iter().enumerate() {
+            size.insert(c, dims[k]);
+            if !letters.contains(&c) {
+                letters.push(c);
+            }
+        }
+    }
+    let out: Vec<char> = out.chars().collect();
+    let odims: Vec<usize> = out.iter().map(|c| size[c]).collect();
+    let mut res = vec![0.0; odims.iter().product()];
+    let total: usize = letters.iter().map(|c| size[c]).product();
+    for flat in 0..total {
+        let mut rem = flat;
+        let mut val = std::collections::HashMap::new();
+        for &c in letters.iter().rev() {
+            val.insert(c, rem % size[&c]);
+            rem /= size[&c];
+        }
+        let at = |t: &[char]| t.iter().fold(0, |a, c| a * size[c] + val[c]);
+        let p: f64 = terms.iter().zip(ops).map(|(t, (_, v))| v[at(t)]).product();
+        res[at(&out)] += p;
+    }
+    (odims, res)
+}
+
+/// Einsum lowered to permutes, reshapes, sums and batched matmuls, against the direct sum.
+#[test]
+fn einsum_matches_f64() {
+    let cases: &[(&str, &[&[usize]])] = &[
+        ("bij,bjk->bik", &[&[2, 3, 4], &[2, 4, 5]]),
+        ("ij->ji", &[&[3, 4]]),
+        ("ij->", &[&[3, 4]]),
+        ("bhid,bhjd->bhij", &[&[1, 2, 3, 4], &[1, 2, 5, 4]]),
+        ("i,i->", &[&[6], &[6]]),
+        ("ij,jk,kl->il", &[&[2, 3], &[3, 4], &[4, 2]]),
+        ("ik,jk->kij", &[&[2, 3], &[4, 3]]),
+        ("abc,cd->bd", &[&[2, 3, 4], &[4, 5]]),
+    ];
+    for (n, &(eq, shapes)) in cases.iter().enumerate() {
+        let names: Vec<String> = (0..shapes.len()).map(|k| format!("x{k}")).collect();
+        let refs: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
+        let attr = AttributeProto {
+            name: Some("equation".into()),
+            r#type: Some(AttributeType::String as i32),
+            s: Some(eq.as_bytes().to_vec()),
+            ..Default::default()
+        };
+        let inputs = shapes
+            .iter()
+            .zip(&names)
+            .map(|(d, name)| f32_info(name, &d.iter().map(|&v| v as i64).collect::<Vec<_>>()))
+            .collect();
+        let m = model(
+            vec![node("Einsum", &refs, &["y"], vec![attr])],
+            inputs,
+            vec![f32_info("y", &[])],
+            vec![],
+        );
+        let g = import_bytes(&m.encode_to_vec(), None, &ImportOptions::default())
+            .unwrap_or_else(|e| panic!("{eq}: {e}"));
+        let xs: Vec<HostTensor> = shapes
+            .iter()
+            .enumerate()
+            .map(|(k, d)| rand_tensor(&f32t(d), 80 + 10 * n as u64 + k as u64, -1.0, 1.0))
+            .collect();
+        let feeds: Vec<(&str, HostTensor)> = names
+            .iter()
+            .map(|s| s.as_str())
+            .zip(xs.iter().cloned())
+            .collect();
+        let y = &run(&g, &feeds)[0];
+        let ops: Vec<(&[usize], Vec<f64>)> = shapes
+            .iter()
+            .zip(&xs)
+            .map(|(d, x)| (*d, x.to_f64_vec()))
+            .collect();
+        let (dims, want) = einsum_ref(eq, &ops);
+        assert_eq!(y.dims(), dims.as_slice(), "{eq}");
+        assert_close(&y.to_f64_vec(), &want, 1e-5, eq);
+    }
+}
