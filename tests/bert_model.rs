@@ -243,7 +243,7 @@ fn minilm_matches_sentence_transformers() {
             .all(|&t| t == 0));
     }
 
-    // Batches of 4: three shapes, short sentences padded to 27 and 256 tokens.
+    // Batches of 4 in order of length, each padded to a multiple of 16 tokens.
     let emb = enc.embed(&refs, 4).unwrap();
     assert_eq!(emb.len(), refs.len());
     for ((s, got), want) in refs.iter().zip(&emb).zip(&r.embeddings) {
@@ -261,4 +261,26 @@ fn minilm_matches_sentence_transformers() {
             "{s:?}: cosine {cos}, max abs diff {diff}"
         );
     }
+}
+
+#[test]
+fn padding_leaves_embeddings_unchanged() {
+    let Some(dir) = model_dir() else { return };
+    let mut enc = SentenceEncoder::load(&dir, Device::Cpu, DType::F32).unwrap();
+    let b = enc
+        .tokenizer()
+        .encode(&["A short one.", "A somewhat longer sentence, with a clause."])
+        .unwrap();
+    let pad = enc.tokenizer().pad_id();
+    let plain = enc.embed_batch(&b).unwrap();
+    let padded = enc.embed_batch(&b.padded(b.seq + 13, pad)).unwrap();
+    for (a, p) in plain.iter().zip(&padded) {
+        let diff = a
+            .iter()
+            .zip(p)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max);
+        assert!(diff <= 1e-6, "max abs diff {diff}");
+    }
+    assert_eq!(b.padded(b.seq, pad), b);
 }

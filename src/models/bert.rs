@@ -429,6 +429,31 @@ pub struct Batch {
     pub mask: Vec<f32>,
 }
 
+impl Batch {
+    /// The batch padded with `pad_id` (mask 0) to `seq` tokens per sequence; a padded position
+    /// takes no attention and no part in the mean, so the embeddings do not change.
+    pub fn padded(&self, seq: usize, pad_id: i64) -> Batch {
+        if seq <= self.seq {
+            return self.clone();
+        }
+        let mut ids = Vec::with_capacity(self.batch * seq);
+        let mut mask = Vec::with_capacity(self.batch * seq);
+        for r in 0..self.batch {
+            let row = r * self.seq..(r + 1) * self.seq;
+            ids.extend_from_slice(&self.ids[row.clone()]);
+            ids.resize(ids.len() + seq - self.seq, pad_id);
+            mask.extend_from_slice(&self.mask[row]);
+            mask.resize(mask.len() + seq - self.seq, 0.0);
+        }
+        Batch {
+            batch: self.batch,
+            seq,
+            ids,
+            mask,
+        }
+    }
+}
+
 /// A `tokenizer.json` tokenizer that pads each batch to its longest sequence and truncates at
 /// the model's limit.
 pub struct BertTokenizer {
@@ -458,6 +483,11 @@ impl BertTokenizer {
             }))
             .map_err(|e| file_err(path, e.to_string()))?;
         Ok(BertTokenizer { inner })
+    }
+
+    /// The id that pads sequences.
+    pub fn pad_id(&self) -> i64 {
+        self.inner.get_padding().map_or(0, |p| p.pad_id as i64)
     }
 
     /// Tokenizes one batch (special tokens added).
@@ -538,6 +568,9 @@ struct PoolingConfig {
 fn yes() -> bool {
     true
 }
+
+/// Sequence lengths of [`SentenceEncoder::embed`]'s batches are padded to multiples of this.
+pub const SEQ_BUCKET: usize = 16;
 
 /// A sentence-transformers BERT model ready to embed sentences: the tokenizer, the weights, and
 /// one compiled executable per batch shape (compiled on first use).
@@ -658,13 +691,27 @@ impl SentenceEncoder {
         Ok(v.chunks(d).map(<[f32]>::to_vec).collect())
     }
 
-    /// Embeds sentences in batches of at most `batch` (each padded to its longest): one
-    /// unit-length vector of [`SentenceEncoder::dim`] floats per sentence, in order.
+    /// Embeds sentences in batches of at most `batch`: one unit-length vector of
+    /// [`SentenceEncoder::dim`] floats per sentence, in order.
+    ///
+    /// As sentence-transformers does, the sentences are batched in order of length so that a
+    /// batch pads little; each batch is padded further to a multiple of [`SEQ_BUCKET`] tokens so
+    /// that batches share compiled shapes (a shape compiles once per encoder).
     pub fn embed(&mut self, sentences: &[&str], batch: usize) -> Result<Vec<Vec<f32>>> {
-        let mut out = Vec::with_capacity(sentences.len());
-        for chunk in sentences.chunks(batch.max(1)) {
-            let b = self.tokenizer.encode(chunk)?;
-            out.extend(self.embed_batch(&b)?);
+        let mut order: Vec<usize> = (0..sentences.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(sentences[i].chars().count()));
+        let mut out = vec![Vec::new(); sentences.len()];
+        let pad = self.tokenizer.pad_id();
+        for idx in order.chunks(batch.max(1)) {
+            let chunk: Vec<&str> = idx.iter().map(|&i| sentences[i]).collect();
+            let b = self.tokenizer.encode(&chunk)?;
+            let seq = b
+                .seq
+                .next_multiple_of(SEQ_BUCKET)
+                .min(self.max_len.max(b.seq));
+            for (&i, e) in idx.iter().zip(self.embed_batch(&b.padded(seq, pad))?) {
+                out[i] = e;
+            }
         }
         Ok(out)
     }
