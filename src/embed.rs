@@ -19,7 +19,8 @@ pub struct EmbedArgs {
     /// The dtype of the weights and matmuls (pooling and the output are f32).
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     dtype: Precision,
-    /// Sentences per batch (each batch is padded to its longest sentence).
+    /// Sentences per batch (batched in order of length, each padded to its longest sentence
+    /// rounded up to a multiple of 16 tokens).
     #[arg(long, default_value_t = 32)]
     batch: usize,
     /// Read the sentences from a file, one per line.
