@@ -2,35 +2,53 @@
 //! causal kinds, additive and bool masks (with fully masked rows), head sizes that do not fill a
 //! warp, more keys than lanes, and NaN scores.
 
-use rustytorch_codegen::cuda::{self, interp, CudaStep};
-use rustytorch_ops::testing::{assert_close, rand_tensor, tolerance};
-use rustytorch_ops::{
-    eval_cpu, infer, AttnMask, Causal, DType, F64Bits, HostTensor, Op, TensorType,
-};
+use rustytorch_codegen::cuda::{self, CudaStep};
+use rustytorch_ops::testing::rand_tensor;
+use rustytorch_ops::{AttnMask, Causal, DType, F64Bits, HostTensor, Op};
 
-fn ty(dt: DType, dims: &[usize]) -> TensorType {
-    TensorType::new(dt, dims.to_vec())
-}
+mod common;
+use common::{check, ty};
 
-fn check(op: &Op, inputs: &[&HostTensor], what: &str) {
-    let tys: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
-    let refs: Vec<&TensorType> = tys.iter().collect();
-    let out = infer(op, &refs).unwrap_or_else(|e| panic!("{what}: {e}"));
-    let step = match cuda::lower_step(op, &refs, &out) {
-        Ok(CudaStep::Kernels(k)) => k,
-        other => panic!("{what}: {other:?}"),
-    };
-    for l in &step.launches {
-        cuda::source(&l.kernel).unwrap_or_else(|e| panic!("{what}: {e}"));
+/// Checks attention over q, k, v with every causal kind, unmasked, with an additive mask over
+/// [Sq, Sk] (−∞ entries and a fully masked first row) and with a bool mask per batch and head;
+/// with `per_query_bool`, also a bool mask per query with a fully masked first row.
+fn check_masks(q: &HostTensor, k: &HostTensor, v: &HostTensor, seed: u64, per_query_bool: bool) {
+    let (qd, kd) = (q.ty().shape.dims().to_vec(), k.ty().shape.dims().to_vec());
+    let (b, h, sq, d, sk) = (qd[0], qd[1], qd[2], qd[3], kd[2]);
+    let dt = q.dtype();
+    let scale = 1.0 / (d as f64).sqrt();
+    for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+        let what = format!("{dt} {causal:?} [{b},{h},{sq},{sk},{d}]");
+        check(&op(causal, AttnMask::None, scale), &[q, k, v], &what);
+        let mut m = rand_tensor(&ty(DType::F64, &[sq, sk]), seed + 3, -2.0, 1.0).to_f64_vec();
+        for (x, mv) in m.iter_mut().enumerate() {
+            if x < sk || x % 3 == 0 {
+                *mv = f64::NEG_INFINITY;
+            }
+        }
+        let add = HostTensor::from_f64_slice(&ty(dt, &[sq, sk]), &m).unwrap();
+        check(
+            &op(causal, AttnMask::Additive, scale),
+            &[q, k, v, &add],
+            &format!("{what} additive"),
+        );
+        let keep = rand_tensor(&ty(DType::Bool, &[b, h, 1, sk]), seed + 4, 0.0, 1.0);
+        check(
+            &op(causal, AttnMask::Bool, scale),
+            &[q, k, v, &keep],
+            &format!("{what} bool"),
+        );
+        if per_query_bool {
+            let mut kv = rand_tensor(&ty(DType::F64, &[sq, sk]), seed + 5, 0.0, 1.0).to_f64_vec();
+            kv[..sk].iter_mut().for_each(|x| *x = 0.0);
+            let keep = HostTensor::from_f64_slice(&ty(DType::Bool, &[sq, sk]), &kv).unwrap();
+            check(
+                &op(causal, AttnMask::Bool, scale),
+                &[q, k, v, &keep],
+                &format!("{what} bool rows"),
+            );
+        }
     }
-    let got = interp::run_step(&step, inputs, &out, None).unwrap_or_else(|e| panic!("{what}: {e}"));
-    let want = eval_cpu(op, inputs).unwrap_or_else(|e| panic!("{what}: CPU: {e}"));
-    assert_close(
-        &got.to_f64_vec(),
-        &want.to_f64_vec(),
-        tolerance(out.dtype),
-        what,
-    );
 }
 
 fn op(causal: Causal, mask: AttnMask, scale: f64) -> Op {
@@ -57,41 +75,7 @@ fn attention_matches_the_cpu() {
             let q = rand_tensor(&ty(dt, &[b, h, sq, d]), seed, -1.0, 1.0);
             let kk = rand_tensor(&ty(dt, &[b, h, sk, d]), seed + 1, -1.0, 1.0);
             let v = rand_tensor(&ty(dt, &[b, h, sk, dv]), seed + 2, -1.0, 1.0);
-            let scale = 1.0 / (d as f64).sqrt();
-            for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
-                let what = format!("{dt} {causal:?} [{b},{h},{sq},{sk},{d},{dv}]");
-                check(&op(causal, AttnMask::None, scale), &[&q, &kk, &v], &what);
-                // An additive mask over [Sq, Sk] with −∞ entries and a fully masked first row.
-                let mut m =
-                    rand_tensor(&ty(DType::F64, &[sq, sk]), seed + 3, -2.0, 1.0).to_f64_vec();
-                for (x, mv) in m.iter_mut().enumerate() {
-                    if x < sk || x % 3 == 0 {
-                        *mv = f64::NEG_INFINITY;
-                    }
-                }
-                let add = HostTensor::from_f64_slice(&ty(dt, &[sq, sk]), &m).unwrap();
-                check(
-                    &op(causal, AttnMask::Additive, scale),
-                    &[&q, &kk, &v, &add],
-                    &format!("{what} additive"),
-                );
-                // A bool mask per batch and head, broadcast over queries, and one per query.
-                let keep = rand_tensor(&ty(DType::Bool, &[b, h, 1, sk]), seed + 4, 0.0, 1.0);
-                check(
-                    &op(causal, AttnMask::Bool, scale),
-                    &[&q, &kk, &v, &keep],
-                    &format!("{what} bool"),
-                );
-                let mut kv =
-                    rand_tensor(&ty(DType::F64, &[sq, sk]), seed + 5, 0.0, 1.0).to_f64_vec();
-                kv[..sk].iter_mut().for_each(|x| *x = 0.0);
-                let keep = HostTensor::from_f64_slice(&ty(DType::Bool, &[sq, sk]), &kv).unwrap();
-                check(
-                    &op(causal, AttnMask::Bool, scale),
-                    &[&q, &kk, &v, &keep],
-                    &format!("{what} bool rows"),
-                );
-            }
+            check_masks(&q, &kk, &v, seed, true);
         }
     }
 }
@@ -136,30 +120,7 @@ fn tiled_attention_matches_the_cpu() {
             let q = rand_tensor(&ty(dt, &[b, h, sq, d]), seed, -1.0, 1.0);
             let kk = rand_tensor(&ty(dt, &[b, h, sk, d]), seed + 1, -1.0, 1.0);
             let v = rand_tensor(&ty(dt, &[b, h, sk, dv]), seed + 2, -1.0, 1.0);
-            let scale = 1.0 / (d as f64).sqrt();
-            for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
-                let what = format!("tiled {dt} {causal:?} [{b},{h},{sq},{sk},{d},{dv}]");
-                check(&op(causal, AttnMask::None, scale), &[&q, &kk, &v], &what);
-                let mut m =
-                    rand_tensor(&ty(DType::F64, &[sq, sk]), seed + 3, -2.0, 1.0).to_f64_vec();
-                for (x, mv) in m.iter_mut().enumerate() {
-                    if x < sk || x % 3 == 0 {
-                        *mv = f64::NEG_INFINITY;
-                    }
-                }
-                let add = HostTensor::from_f64_slice(&ty(dt, &[sq, sk]), &m).unwrap();
-                check(
-                    &op(causal, AttnMask::Additive, scale),
-                    &[&q, &kk, &v, &add],
-                    &format!("{what} additive"),
-                );
-                let keep = rand_tensor(&ty(DType::Bool, &[b, h, 1, sk]), seed + 4, 0.0, 1.0);
-                check(
-                    &op(causal, AttnMask::Bool, scale),
-                    &[&q, &kk, &v, &keep],
-                    &format!("{what} bool"),
-                );
-            }
+            check_masks(&q, &kk, &v, seed, false);
         }
     }
 }

@@ -4,33 +4,11 @@
 //! gradient goes to the first maximum, as on the CPU).
 
 use rustytorch_codegen::cuda::{self, interp, CudaStep};
-use rustytorch_ops::testing::{assert_close, rand_tensor, tolerance};
-use rustytorch_ops::{eval_cpu, infer, ConvGeom, DType, HostTensor, Op, PoolKind, TensorType};
+use rustytorch_ops::testing::rand_tensor;
+use rustytorch_ops::{eval_cpu, infer, ConvGeom, DType, HostTensor, Op, PoolKind};
 
-fn ty(dt: DType, dims: &[usize]) -> TensorType {
-    TensorType::new(dt, dims.to_vec())
-}
-
-fn check(op: &Op, inputs: &[&HostTensor], what: &str) {
-    let tys: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
-    let refs: Vec<&TensorType> = tys.iter().collect();
-    let out = infer(op, &refs).unwrap_or_else(|e| panic!("{what}: {e}"));
-    let step = match cuda::lower_step(op, &refs, &out) {
-        Ok(CudaStep::Kernels(k)) => k,
-        other => panic!("{what}: {other:?}"),
-    };
-    for l in &step.launches {
-        cuda::source(&l.kernel).unwrap_or_else(|e| panic!("{what}: {e}"));
-    }
-    let got = interp::run_step(&step, inputs, &out, None).unwrap_or_else(|e| panic!("{what}: {e}"));
-    let want = eval_cpu(op, inputs).unwrap_or_else(|e| panic!("{what}: CPU: {e}"));
-    assert_close(
-        &got.to_f64_vec(),
-        &want.to_f64_vec(),
-        tolerance(out.dtype),
-        what,
-    );
-}
+mod common;
+use common::{check, ty};
 
 const KINDS: [PoolKind; 3] = [
     PoolKind::Max,
