@@ -832,3 +832,103 @@ fn einsum_matches_f64() {
         assert_close(&y.to_f64_vec(), &want, 1e-5, eq);
     }
 }
+
+/// Hostile sizes in attributes and constant inputs: errors (or graph nodes computed at run
+/// time), never a panic or an allocation of their size at import.
+#[test]
+fn hostile_sizes_are_errors_not_allocations() {
+    let i64s = |name: &str, v: &[i64]| i64_init(name, v);
+    let ints = |name: &str, v: &[i64]| AttributeProto {
+        name: Some(name.into()),
+        r#type: Some(AttributeType::Ints as i32),
+        ints: v.to_vec(),
+        ..Default::default()
+    };
+    let x = || vec![f32_info("x", &[2, 3])];
+    let cases: Vec<(&str, ModelProto)> = vec![
+        (
+            "ConstantOfShape of 2^38 elements",
+            model(
+                vec![
+                    node("ConstantOfShape", &["shape"], &["c"], vec![]),
+                    node("Add", &["c", "x"], &["y"], vec![]),
+                ],
+                x(),
+                vec![f32_info("y", &[])],
+                vec![i64s("shape", &[1 << 19, 1 << 19, 3])],
+            ),
+        ),
+        (
+            "Range of 2^40 elements",
+            model(
+                vec![node("Range", &["s", "l", "d"], &["y"], vec![])],
+                x(),
+                vec![f32_info("y", &[])],
+                vec![i64s("s", &[0]), i64s("l", &[1 << 40]), i64s("d", &[1])],
+            ),
+        ),
+        (
+            "Slice with step i64::MIN",
+            model(
+                vec![node(
+                    "Slice",
+                    &["x", "st", "en", "ax", "sp"],
+                    &["y"],
+                    vec![],
+                )],
+                x(),
+                vec![f32_info("y", &[])],
+                vec![
+                    i64s("st", &[-1]),
+                    i64s("en", &[i64::MIN]),
+                    i64s("ax", &[1]),
+                    i64s("sp", &[i64::MIN]),
+                ],
+            ),
+        ),
+        (
+            "edge padding of 2^62",
+            model(
+                vec![node(
+                    "Pad",
+                    &["x", "p"],
+                    &["y"],
+                    vec![AttributeProto {
+                        name: Some("mode".into()),
+                        r#type: Some(AttributeType::String as i32),
+                        s: Some(b"edge".to_vec()),
+                        ..Default::default()
+                    }],
+                )],
+                x(),
+                vec![f32_info("y", &[])],
+                vec![i64s("p", &[0, 1 << 62, 0, 0])],
+            ),
+        ),
+        (
+            "MaxPool with a 2^62 kernel",
+            model(
+                vec![node(
+                    "MaxPool",
+                    &["x4"],
+                    &["y"],
+                    vec![
+                        ints("kernel_shape", &[1 << 62, 1 << 62]),
+                        ints("dilations", &[3, 3]),
+                    ],
+                )],
+                vec![f32_info("x4", &[1, 1, 4, 4])],
+                vec![f32_info("y", &[])],
+                vec![],
+            ),
+        ),
+    ];
+    for (what, m) in cases {
+        // Either outcome is fine as long as it returns: the point is no panic and no huge
+        // allocation.
+        let r = std::panic::catch_unwind(|| {
+            import_bytes(&m.encode_to_vec(), None, &ImportOptions::default()).map(|_| ())
+        });
+        assert!(r.is_ok(), "{what}: the import panicked");
+    }
+}

@@ -25,6 +25,21 @@ pub const OPSET_MIN: i64 = 7;
 /// The newest default-domain opset accepted.
 pub const OPSET_MAX: i64 = 24;
 
+/// The most elements a value built or folded on the host at import may have: a larger result
+/// stays a graph node (computed at run time), and an index list that large is an error, so a
+/// hostile model cannot make the import allocate without bound.
+const FOLD_LIMIT: usize = 1 << 24;
+
+/// Errors when `n` elements would be built at import.
+fn check_fold(n: usize, what: &str) -> Result<()> {
+    if n > FOLD_LIMIT {
+        return why(format!(
+            "{what} of {n} elements is too large to build at import (over {FOLD_LIMIT})"
+        ));
+    }
+    Ok(())
+}
+
 /// A value during import: known on the host (folded), or a node of the graph.
 #[derive(Clone, Debug)]
 enum Val {
@@ -639,7 +654,10 @@ impl Importer {
 
     /// Applies `op`: folded on the host when every operand is known, else a graph node.
     fn emit(&mut self, op: Op, ins: &[&Val]) -> Result<Val> {
-        if ins.iter().all(|v| matches!(v, Val::Known(_))) && !ins.is_empty() {
+        let tys: Vec<TensorType> = ins.iter().map(|v| self.ty(v)).collect();
+        let refs: Vec<&TensorType> = tys.iter().collect();
+        let small = rustytorch_ops::infer(&op, &refs)?.shape.numel() <= FOLD_LIMIT;
+        if small && ins.iter().all(|v| matches!(v, Val::Known(_))) && !ins.is_empty() {
             let ts: Vec<&HostTensor> = ins
                 .iter()
                 .map(|v| match v {
@@ -668,6 +686,18 @@ impl Importer {
                 Ok(()) => ImportError::Model("a node could not be added".into()),
             }),
         }
+    }
+
+    /// A tensor of one value: known when small, else a `full` node.
+    fn full(&mut self, ty: TensorType, v: f64) -> Result<Val> {
+        if ty.shape.numel() <= FOLD_LIMIT {
+            return Ok(known(HostTensor::full(&ty, v)));
+        }
+        let op = Op::Full {
+            value: F64Bits::new(v),
+            ty,
+        };
+        Ok(Val::Node(self.add_node(op, &[])?))
     }
 
     fn scalar(&self, v: f64, dtype: DType) -> Val {
@@ -922,10 +952,7 @@ impl Importer {
                     return why("training_mode must be known at import");
                 }
                 let x = self.input(cx, 0)?;
-                let mask = known(HostTensor::full(
-                    &TensorType::new(DType::Bool, self.dims(&x)),
-                    1.0,
-                ));
+                let mask = self.full(TensorType::new(DType::Bool, self.dims(&x)), 1.0)?;
                 Ok(vec![x, mask])
             }
             "Cast" => {
@@ -1391,7 +1418,7 @@ impl Importer {
                 };
                 let shape = Shape::new(shape.iter().map(|&s| s as usize).collect::<Vec<_>>());
                 shape.check_limits().map_err(ImportError::Model)?;
-                one(known(HostTensor::full(&TensorType::new(dtype, shape), value)))
+                one(self.full(TensorType::new(dtype, shape), value)?)
             }
             "Range" => {
                 let get = |k: usize, what: &str| -> Result<HostTensor> {
@@ -1405,9 +1432,7 @@ impl Importer {
                     return why("delta is 0");
                 }
                 let n = ((l - s) / d).ceil().max(0.0);
-                if n > 1e8 {
-                    return why(format!("{n} elements is too many"));
-                }
+                check_fold(n as usize, "Range")?;
                 let v: Vec<f64> = (0..n as usize).map(|i| s + i as f64 * d).collect();
                 let ty = TensorType::new(dtype, [v.len()]);
                 one(known(HostTensor::from_f64_slice(&ty, &v)?))
@@ -1475,6 +1500,7 @@ impl Importer {
                     return why("input must have rank 2 or more");
                 }
                 let (n, m) = (d[d.len() - 2], d[d.len() - 1]);
+                check_fold(n * m, "the Trilu mask")?;
                 let keep: Vec<bool> = (0..n * m)
                     .map(|p| {
                         let (i, j) = ((p / m) as i64, (p % m) as i64);
@@ -1504,6 +1530,7 @@ impl Importer {
                 )?;
                 let mut id = vec![1usize; d.len()];
                 id[axis] = d[axis];
+                check_fold(d[axis], "the Hardmax axis")?;
                 let iota = known(HostTensor::from_vec((0..d[axis] as i64).collect::<Vec<_>>(), id)?);
                 let hit = self.bin(BinaryOp::Eq, &am, &iota)?;
                 one(self.cast(&hit, self.dtype(&x))?)
@@ -1949,7 +1976,7 @@ impl Importer {
             if od.is_empty() {
                 od = vec![];
             }
-            known(HostTensor::full(&TensorType::new(DType::I64, od), 0.0))
+            self.full(TensorType::new(DType::I64, od), 0.0)?
         } else {
             self.reduce(ReduceKind::Sum, &t, vec![r], false)?
         };
@@ -1963,8 +1990,8 @@ impl Importer {
             "add" => self.emit(op, &[x, idx, upd]),
             "none" => {
                 let xt = self.ty(x);
-                let zeros = known(HostTensor::full(&xt, 0.0));
-                let ones = known(HostTensor::full(&self.ty(upd), 1.0));
+                let zeros = self.full(xt, 0.0)?;
+                let ones = self.full(self.ty(upd), 1.0)?;
                 let count = self.emit(op.clone(), &[&zeros, idx, &ones])?;
                 let hit = self.bin_s(BinaryOp::Gt, &count, 0.0)?;
                 let put = self.emit(op, &[&zeros, idx, upd])?;
@@ -2221,7 +2248,8 @@ impl Importer {
             if n_out == n_in && s == 1.0 {
                 continue;
             }
-            if n_in == 0 || n_out > 1 << 24 {
+            check_fold(n_out, "the resized axis")?;
+            if n_in == 0 {
                 return why(format!("cannot resize dim {ax} from {n_in} to {n_out}"));
             }
             let src = |i: usize| -> Result<f64> {
@@ -2411,6 +2439,7 @@ impl Importer {
             // Each element's flat index, the spatial dims column-major with storage_order=1.
             let n: usize = dx.iter().product();
             let plane: usize = dx[2..].iter().product::<usize>().max(1);
+            check_fold(n, "the pooling index map")?;
             let flat: Vec<i64> = (0..n)
                 .map(|i| {
                     if !column_major {
@@ -2447,7 +2476,7 @@ impl Importer {
         let xp = self.pad_const(x, full.clone(), 0.0)?;
         let mut mdims = vec![1usize, 1];
         mdims.extend_from_slice(&dx[2..]);
-        let ones = known(HostTensor::full(&TensorType::new(dtype, mdims), 1.0));
+        let ones = self.full(TensorType::new(dtype, mdims), 1.0)?;
         let mut mask_pads = vec![(0, 0); 2];
         if count_pad {
             mask_pads.extend_from_slice(pads);
@@ -2611,10 +2640,7 @@ impl Importer {
                 let g = self.emit(Op::IndexSelect { axis: 0 }, &[w, &flat])?;
                 self.reshape(&g, self.dims(&safe))?
             }
-            None => known(HostTensor::full(
-                &TensorType::new(dt, self.dims(&safe)),
-                1.0,
-            )),
+            None => self.full(TensorType::new(dt, self.dims(&safe)), 1.0)?,
         };
         if let Some(k) = &keep {
             let z = self.scalar(0.0, dt);
@@ -2782,8 +2808,11 @@ impl Importer {
             } else {
                 let s = s.clamp(-1, n - 1);
                 let e = e.clamp(-1, n - 1);
+                let back = step.saturating_neg();
+                let count = (s - e).max(0).saturating_add(back - 1) / back;
+                check_fold(count as usize, "a reversed slice")?;
                 let idx: Vec<i64> = (0..)
-                    .map(|i| s + i * step)
+                    .map(|i: i64| s.saturating_add(i.saturating_mul(step)))
                     .take_while(|&i| i > e)
                     .take(n as usize)
                     .collect();
@@ -2860,6 +2889,12 @@ impl Importer {
                     if n == 0 || (mode == "reflect" && n == 1) {
                         return why(format!("cannot {mode}-pad dim {ax} of size {n}"));
                     }
+                    check_fold(
+                        before[ax]
+                            .saturating_add(n as usize)
+                            .saturating_add(after[ax]),
+                        "the padding index",
+                    )?;
                     let idx: Vec<i64> = (-(before[ax] as i64)..n + after[ax] as i64)
                         .map(|i| match mode.as_str() {
                             "edge" => i.clamp(0, n - 1),
@@ -3291,7 +3326,7 @@ impl Importer {
         let sum = self.emit(avg(kernel.clone()), &[&xp])?;
         let mut mdims = vec![1usize, 1];
         mdims.extend_from_slice(&dx[2..]);
-        let ones = known(HostTensor::full(&TensorType::new(dtype, mdims), 1.0));
+        let ones = self.full(TensorType::new(dtype, mdims), 1.0)?;
         let mask_pads: Vec<(usize, usize)> = if count_pad {
             let mut m = vec![(0, 0); 2];
             m.extend_from_slice(&pads);
