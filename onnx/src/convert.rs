@@ -396,6 +396,9 @@ pub(crate) fn import_model(
     }
     let mut g = im.b.graph()?;
     g.remove_dead();
+    // The builder records where in Rust each node was made: here the importer, which says
+    // nothing about the model.
+    g.provenance = Default::default();
     Ok(g)
 }
 
