@@ -788,7 +788,14 @@ fn einsum_matches_f64() {
         ("ij,jk,kl->il", &[&[2, 3], &[3, 4], &[4, 2]]),
         ("ik,jk->kij", &[&[2, 3], &[4, 3]]),
         ("abc,cd->bd", &[&[2, 3, 4], &[4, 5]]),
+        ("...ij,...jk->...ik", &[&[2, 3, 4], &[2, 4, 5]]),
+        ("...ij->...ji", &[&[2, 2, 3, 4]]),
     ];
+    // The reference spells ellipses with letters.
+    let spelled = |eq: &str, rank: usize| {
+        let e = rank.saturating_sub(2);
+        eq.replace("...", &"PQRS"[..e])
+    };
     for (n, &(eq, shapes)) in cases.iter().enumerate() {
         let names: Vec<String> = (0..shapes.len()).map(|k| format!("x{k}")).collect();
         let refs: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
@@ -827,7 +834,7 @@ fn einsum_matches_f64() {
             .zip(&xs)
             .map(|(d, x)| (*d, x.to_f64_vec()))
             .collect();
-        let (dims, want) = einsum_ref(eq, &ops);
+        let (dims, want) = einsum_ref(&spelled(eq, shapes[0].len()), &ops);
         assert_eq!(y.dims(), dims.as_slice(), "{eq}");
         assert_close(&y.to_f64_vec(), &want, 1e-5, eq);
     }

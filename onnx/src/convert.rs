@@ -2009,14 +2009,42 @@ impl Importer {
     /// the output needs summed out first.
     fn einsum(&mut self, eq: &str, ops: Vec<Val>) -> Result<Val> {
         let eq: String = eq.chars().filter(|c| !c.is_whitespace()).collect();
-        if eq.contains("...") {
-            return why("ellipses in the equation are not supported");
-        }
         let (lhs, rhs) = match eq.split_once("->") {
             Some((l, r)) => (l.to_string(), Some(r.to_string())),
             None => (eq.clone(), None),
         };
-        let terms: Vec<Vec<char>> = lhs.split(',').map(|t| t.chars().collect()).collect();
+        // An ellipsis stands for the same trailing-aligned dims in every operand: spelled here
+        // with letters the equation does not use (sizes must agree; no broadcasting).
+        let spare: Vec<char> = ('A'..='Z')
+            .chain('a'..='z')
+            .filter(|c| !eq.contains(*c))
+            .collect();
+        let mut n_ell = 0usize;
+        let mut terms: Vec<Vec<char>> = Vec::new();
+        for (k, t) in lhs.split(',').enumerate() {
+            if let Some((pre, post)) = t.split_once("...") {
+                let rank = ops.get(k).map_or(0, |v| self.dims(v).len());
+                let named = pre.chars().count() + post.chars().count();
+                let e = rank.checked_sub(named).ok_or_else(|| {
+                    ImportError::Model(format!("term `{t}` does not fit rank {rank}"))
+                })?;
+                if e > spare.len() {
+                    return why("too many dims under the ellipsis");
+                }
+                n_ell = n_ell.max(e);
+                let fill = &spare[spare.len() - e..];
+                terms.push(
+                    pre.chars()
+                        .chain(fill.iter().copied())
+                        .chain(post.chars())
+                        .collect(),
+                );
+            } else {
+                terms.push(t.chars().collect());
+            }
+        }
+        let ell: Vec<char> = spare[spare.len().saturating_sub(n_ell)..].to_vec();
+        let rhs = rhs.map(|r| r.replace("...", &ell.iter().collect::<String>()));
         if terms.len() != ops.len() || ops.is_empty() {
             return why(format!(
                 "equation `{eq}` has {} operands, the node {}",
@@ -2051,10 +2079,11 @@ impl Importer {
                 let mut once: Vec<char> = size
                     .keys()
                     .copied()
+                    .filter(|c| !ell.contains(c))
                     .filter(|c| terms.iter().flatten().filter(|&x| x == c).count() == 1)
                     .collect();
                 once.sort_unstable();
-                once
+                ell.iter().copied().chain(once).collect()
             }
         };
         if let Some(c) = out.iter().find(|c| !size.contains_key(c)) {
