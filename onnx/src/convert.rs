@@ -180,15 +180,19 @@ struct Ctx<'a> {
 pub fn supported_ops() -> &'static [&'static str] {
     &[
         "Abs",
+        "Acosh",
         "Add",
+        "Asinh",
         "And",
         "ArgMax",
         "ArgMin",
         "Attention",
         "AveragePool",
+        "Atanh",
         "BatchNormalization",
         "Cast",
         "CastLike",
+        "CenterCropPad",
         "Ceil",
         "Celu",
         "Clip",
@@ -198,6 +202,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "Conv",
         "ConvTranspose",
         "Cos",
+        "Cosh",
         "CumSum",
         "DepthToSpace",
         "Div",
@@ -208,6 +213,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "Erf",
         "Exp",
         "Expand",
+        "EyeLike",
         "Flatten",
         "Floor",
         "Gather",
@@ -218,6 +224,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "GlobalAveragePool",
         "GlobalMaxPool",
         "Greater",
+        "GroupNormalization",
         "GreaterOrEqual",
         "Hardmax",
         "HardSigmoid",
@@ -239,6 +246,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "Max",
         "MaxPool",
         "Mean",
+        "MeanVarianceNormalization",
         "Min",
         "Mod",
         "Mish",
@@ -273,9 +281,11 @@ pub fn supported_ops() -> &'static [&'static str] {
         "ScatterND",
         "Selu",
         "Shape",
+        "Shrink",
         "Sigmoid",
         "Sign",
         "Sin",
+        "Sinh",
         "Size",
         "Slice",
         "Softmax",
@@ -288,6 +298,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "Squeeze",
         "Sub",
         "Sum",
+        "Swish",
         "Tan",
         "Tanh",
         "ThresholdedRelu",
@@ -921,6 +932,140 @@ impl Importer {
                 let s = self.un(UnaryOp::Sin, &x)?;
                 let c = self.un(UnaryOp::Cos, &x)?;
                 one(self.bin(BinaryOp::Div, &s, &c)?)
+            }
+            "Sinh" | "Cosh" => {
+                // (eˣ ∓ e⁻ˣ) / 2
+                let x = self.input(cx, 0)?;
+                let e = self.un(UnaryOp::Exp, &x)?;
+                let nx = self.un(UnaryOp::Neg, &x)?;
+                let en = self.un(UnaryOp::Exp, &nx)?;
+                let b = if op_type == "Sinh" { BinaryOp::Sub } else { BinaryOp::Add };
+                let t = self.bin(b, &e, &en)?;
+                one(self.bin_s(BinaryOp::Mul, &t, 0.5)?)
+            }
+            "Asinh" | "Acosh" => {
+                // ln(x + √(x² ± 1))
+                let x = self.input(cx, 0)?;
+                let sq = self.bin(BinaryOp::Mul, &x, &x)?;
+                let b = if op_type == "Asinh" { BinaryOp::Add } else { BinaryOp::Sub };
+                let t = self.bin_s(b, &sq, 1.0)?;
+                let r = self.un(UnaryOp::Sqrt, &t)?;
+                let t = self.bin(BinaryOp::Add, &x, &r)?;
+                one(self.un(UnaryOp::Log, &t)?)
+            }
+            "Atanh" => {
+                // ln((1 + x) / (1 − x)) / 2
+                let x = self.input(cx, 0)?;
+                let p = self.s_bin(BinaryOp::Add, 1.0, &x)?;
+                let m = self.s_bin(BinaryOp::Sub, 1.0, &x)?;
+                let q = self.bin(BinaryOp::Div, &p, &m)?;
+                let l = self.un(UnaryOp::Log, &q)?;
+                one(self.bin_s(BinaryOp::Mul, &l, 0.5)?)
+            }
+            "Shrink" => {
+                let bias = a.float("bias", 0.0)? as f64;
+                let lambd = a.float("lambd", 0.5)? as f64;
+                let x = self.input(cx, 0)?;
+                let lo = self.bin_s(BinaryOp::Lt, &x, -lambd)?;
+                let hi = self.bin_s(BinaryOp::Gt, &x, lambd)?;
+                let up = self.bin_s(BinaryOp::Add, &x, bias)?;
+                let down = self.bin_s(BinaryOp::Sub, &x, bias)?;
+                let z = self.scalar(0.0, self.dtype(&x));
+                let t = self.emit(Op::Where, &[&hi, &down, &z])?;
+                one(self.emit(Op::Where, &[&lo, &up, &t])?)
+            }
+            "Swish" => {
+                let alpha = a.float("alpha", 1.0)? as f64;
+                let x = self.input(cx, 0)?;
+                let ax = self.bin_s(BinaryOp::Mul, &x, alpha)?;
+                let sg = self.un(UnaryOp::Sigmoid, &ax)?;
+                one(self.bin(BinaryOp::Mul, &x, &sg)?)
+            }
+            "EyeLike" => {
+                let x = self.input(cx, 0)?;
+                let d = self.dims(&x);
+                if d.len() != 2 {
+                    return why("input must be 2-D");
+                }
+                let k = a.int("k", 0)?;
+                let dtype = match a.int_opt("dtype")? {
+                    Some(c) => dtype_from_onnx(c as i32).map_err(ImportError::Model)?,
+                    None => self.dtype(&x),
+                };
+                check_fold(d[0] * d[1], "EyeLike")?;
+                let v: Vec<f64> = (0..d[0] * d[1])
+                    .map(|p| ((p % d[1]) as i64 - (p / d[1]) as i64 == k) as u8 as f64)
+                    .collect();
+                one(known(HostTensor::from_f64_slice(&TensorType::new(dtype, d), &v)?))
+            }
+            "MeanVarianceNormalization" => {
+                let x = self.input(cx, 0)?;
+                let r = self.dims(&x).len();
+                let axes = a.ints("axes")?.unwrap_or_else(|| vec![0, 2, 3]);
+                let axes = norm_axes(&axes, r)?;
+                one(self.normalize(&x, axes, 1e-9)?)
+            }
+            "GroupNormalization" => {
+                let eps = a.float("epsilon", 1e-5)? as f64;
+                let _ = a.int("stash_type", 1)?;
+                let g = a
+                    .int_opt("num_groups")?
+                    .ok_or_else(|| ImportError::Model("attribute `num_groups` is required".into()))?;
+                let x = self.input(cx, 0)?;
+                let d = self.dims(&x);
+                if d.len() < 2 || g < 1 || !d[1].is_multiple_of(g as usize) {
+                    return why(format!("{g} groups do not divide the channels of {:?}", d));
+                }
+                let g = g as usize;
+                let rest: usize = d[1] / g * d[2..].iter().product::<usize>();
+                let t = self.reshape(&x, vec![d[0], g, rest])?;
+                let t = self.normalize(&t, vec![2], eps)?;
+                let t = self.reshape(&t, d.clone())?;
+                // Scale and bias per channel (opset 21) or per group (opset 18).
+                let mut cd = vec![1usize; d.len()];
+                cd[1] = d[1];
+                let affine = |im: &mut Importer, k: usize| -> Result<Val> {
+                    let v = im.input(cx, k)?;
+                    let n: usize = im.dims(&v).iter().product();
+                    if n == g && g != d[1] {
+                        let v = im.reshape(&v, vec![g, 1])?;
+                        let v = im.expand(&v, vec![g, d[1] / g])?;
+                        im.reshape(&v, cd.clone())
+                    } else {
+                        im.reshape(&v, cd.clone())
+                    }
+                };
+                let sc = affine(self, 1)?;
+                let bi = affine(self, 2)?;
+                let t = self.bin(BinaryOp::Mul, &t, &sc)?;
+                one(self.bin(BinaryOp::Add, &t, &bi)?)
+            }
+            "CenterCropPad" => {
+                let x = self.input(cx, 0)?;
+                let d = self.dims(&x);
+                let shape = self
+                    .static_ints(cx, 1, "shape")?
+                    .ok_or_else(|| ImportError::Model("input 1 (shape) is required".into()))?;
+                let axes = match a.ints("axes")? {
+                    Some(v) => v.iter().map(|&k| norm_axis(k, d.len())).collect::<Result<Vec<_>>>()?,
+                    None => (0..d.len()).collect(),
+                };
+                if shape.len() != axes.len() || shape.iter().any(|&v| v < 0) {
+                    return why(format!("shape {shape:?} does not fit axes {axes:?}"));
+                }
+                let mut t = x;
+                let mut pads = vec![(0usize, 0usize); d.len()];
+                for (k, &ax) in axes.iter().enumerate() {
+                    let (n, want) = (d[ax], shape[k] as usize);
+                    if want < n {
+                        let start = (n - want) / 2;
+                        t = self.slice_axis(&t, ax, start, start + want, 1)?;
+                    } else if want > n {
+                        let before = (want - n) / 2;
+                        pads[ax] = (before, want - n - before);
+                    }
+                }
+                one(self.pad_const(&t, pads, 0.0)?)
             }
             "Asin" | "Acos" | "Atan" => why(format!(
                 "{op_type} has no RustyTorch op (inverse trigonometric functions are not supported)"
