@@ -190,6 +190,7 @@ pub fn supported_ops() -> &'static [&'static str] {
         "AveragePool",
         "Atanh",
         "BatchNormalization",
+        "BlackmanWindow",
         "Cast",
         "CastLike",
         "CenterCropPad",
@@ -225,6 +226,8 @@ pub fn supported_ops() -> &'static [&'static str] {
         "GlobalMaxPool",
         "Greater",
         "GroupNormalization",
+        "HammingWindow",
+        "HannWindow",
         "GreaterOrEqual",
         "Hardmax",
         "HardSigmoid",
@@ -392,7 +395,13 @@ pub(crate) fn import_model(
             }
             im.b.with_graph(|g| g.add_input_dims(name, ty.dtype, &dims))?
         };
-        im.vals.insert(name.to_string(), Val::Node(id));
+        // An integer input whose value is given is known: what it computes folds (the input
+        // stays declared, so a run still takes it).
+        let v = match im.bound.get(name) {
+            Some(t) if t.dtype().is_int() => known(t.clone()),
+            _ => Val::Node(id),
+        };
+        im.vals.insert(name.to_string(), v);
     }
     for node in &graph.node {
         im.convert(node)?;
@@ -1066,6 +1075,33 @@ impl Importer {
                     }
                 }
                 one(self.pad_const(&t, pads, 0.0)?)
+            }
+            "HannWindow" | "HammingWindow" | "BlackmanWindow" => {
+                let periodic = a.int("periodic", 1)? != 0;
+                let dtype = dtype_from_onnx(a.int("output_datatype", 1)? as i32)
+                    .map_err(ImportError::Model)?;
+                let size = self
+                    .static_ints(cx, 0, "size")?
+                    .and_then(|v| v.first().copied())
+                    .ok_or_else(|| ImportError::Model("input 0 (size) is required".into()))?;
+                if size < 0 {
+                    return why(format!("size {size}"));
+                }
+                let n = size as usize;
+                check_fold(n, op_type)?;
+                let den = if periodic { n as f64 } else { n as f64 - 1.0 };
+                let tau = 2.0 * std::f64::consts::PI;
+                let v: Vec<f64> = (0..n)
+                    .map(|k| {
+                        let c = (tau * k as f64 / den).cos();
+                        match op_type {
+                            "HannWindow" => 0.5 - 0.5 * c,
+                            "HammingWindow" => 25.0 / 46.0 - (1.0 - 25.0 / 46.0) * c,
+                            _ => 0.42 - 0.5 * c + 0.08 * (2.0 * tau * k as f64 / den).cos(),
+                        }
+                    })
+                    .collect();
+                one(known(HostTensor::from_f64_slice(&TensorType::new(dtype, [n]), &v)?))
             }
             "Asin" | "Acos" | "Atan" => why(format!(
                 "{op_type} has no RustyTorch op (inverse trigonometric functions are not supported)"

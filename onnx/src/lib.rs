@@ -44,10 +44,10 @@ pub struct ImportOptions {
     pub default_dim: Option<usize>,
     /// Fix symbolic dimensions at their sizes instead of making them named dims.
     pub fixed_dims: bool,
-    /// Values of graph inputs to use where the model needs a value at import: an input that
-    /// gives a shape, axes, pads, split sizes or scales is specialized on its value here (`run`
-    /// passes its integer inputs and its float inputs of up to 16 elements). The inputs stay
-    /// graph inputs.
+    /// Values of graph inputs known at import: integer ones fold like constants, float ones are
+    /// used where a node needs a value at import (a shape, axes, pads, split sizes, scales), so
+    /// the graph is specialized on them (`run` passes its integer inputs and its float inputs of
+    /// up to 16 elements). The inputs stay declared graph inputs.
     pub input_values: BTreeMap<String, rustytorch_ops::HostTensor>,
 }
 
