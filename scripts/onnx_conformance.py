@@ -101,7 +101,8 @@ def run_test(binary, test_dir, timeout):
             got = np.load(got_path)
             if got.shape != expected.shape:
                 return "fail", f"output `{out.name}`: shape {got.shape}, expected {expected.shape}"
-            if expected.dtype.kind in "fc":
+            # ml_dtypes' bfloat16 and float8 types are floats too (their kind is not "f").
+            if expected.dtype.kind in "fc" or "float" in expected.dtype.name:
                 try:
                     np.testing.assert_allclose(got.astype(np.float64), expected.astype(np.float64), rtol=RTOL, atol=ATOL)
                 except AssertionError as e:
