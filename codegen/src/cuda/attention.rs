@@ -551,3 +551,271 @@ fn param(name: &str, elem: CTy, writes: bool) -> Param {
         writes,
     }
 }
+
+/// Lowers `AttentionGrad` (inputs q, k, v, the mask when it has one, and the output's gradient)
+/// to two kernels, a thread per row each, recomputing the probabilities as the CPU kernel does:
+///
+/// 1. per query row `i`, over its visible keys with the online softmax: the maximum `m_i`, the
+///    sum `l_i = Σ e^(s_ij − m_i)` and `D_i = Σ_j P_ij (dO_i·v_j)` (= `dO_i·O_i`), into scratch;
+/// 2. for `wrt` = q, per query row: `dQ_i = scale · Σ_j P_ij (dO_i·v_j − D_i) k_j`; for k, per key
+///    row: `dK_j = scale · Σ_i P_ij (dO_i·v_j − D_i) q_i`; for v, per key row:
+///    `dV_j = Σ_i P_ij dO_i`, each over the queries that see key `j`.
+///
+/// A fully masked query row has `l = 0` and contributes nothing. Scalar arithmetic, statistics in
+/// f32 (f64 for f64); correct for any shape, not tuned.
+pub fn lower_grad(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKernels> {
+    let Op::AttentionGrad {
+        causal,
+        mask,
+        scale,
+        wrt,
+    } = op
+    else {
+        return Err(CodegenError::Invalid(format!(
+            "{} is not attention_grad",
+            op.name()
+        )));
+    };
+    let want = rustytorch_ops::infer(op, inputs)?;
+    if &want != out {
+        return Err(CodegenError::Invalid(format!(
+            "attention_grad: result type {out} does not match the inferred {want}"
+        )));
+    }
+    if out.shape.numel() == 0 {
+        return Ok(StepKernels::default());
+    }
+    let (causal, mask, scale, wrt) = (*causal, *mask, scale.get(), *wrt);
+    let fwd = Problem::new(mask, inputs);
+    let (bsz, heads, sq, d, sk, dv, e, ct) = (
+        fwd.bsz, fwd.heads, fwd.sq, fwd.d, fwd.sk, fwd.dv, fwd.e, fwd.ct,
+    );
+    let n_in = inputs.len();
+    // Parameters: q, k, v, [mask], g, stats (scratch), [out].
+    let mut params: Vec<Param> = fwd.params[..fwd.params.len() - 1].to_vec();
+    params.push(param("g", e, false));
+    params.push(param("st", ct, false));
+    let stats_params = {
+        let mut p = params.clone();
+        p.last_mut().expect("stats").writes = true;
+        p
+    };
+    params.push(param("out", e, true));
+    let tid_rows = |rows: usize, body: Vec<Stmt>| super::ir::grid_stride("r", rows as i64, body);
+    let inf = || fc(f64::NEG_INFINITY, ct);
+    // Named row vectors: `{name}{t}` = buf[base + t] for t < n.
+    let row = |name: &str, buf: &str, base: Expr, n: usize| -> Vec<Stmt> {
+        (0..n)
+            .map(|t| {
+                let l = load(buf, e, add(base.clone(), i64c(t as i64)));
+                let_(&format!("{name}{t}"), ct, to_ct(l, e, ct))
+            })
+            .collect()
+    };
+    let dot = |a: &str, buf: &str, base: Expr, n: usize| -> Expr {
+        (0..n)
+            .map(|t| {
+                let l = load(buf, e, add(base.clone(), i64c(t as i64)));
+                mul(var(&format!("{a}{t}")), to_ct(l, e, ct))
+            })
+            .reduce(add)
+            .unwrap_or_else(|| lit(0.0, ct))
+    };
+    let score = |qdot: Expr| -> Vec<Stmt> {
+        let mut s = vec![let_("sc", ct, mul(qdot, fc(scale, ct)))];
+        s.extend(apply_mask(mask, fwd.mask_strides.as_deref(), heads, e, ct));
+        s
+    };
+
+    // 1. Statistics per query row.
+    let mut st = vec![
+        let_("bh", CTy::I64, div(var("r"), i64c(sq as i64))),
+        let_("i", CTy::I64, rem(var("r"), i64c(sq as i64))),
+    ];
+    st.extend(row("q", "q", mul(var("r"), i64c(d as i64)), d));
+    st.extend(row("go", "g", mul(var("r"), i64c(dv as i64)), dv));
+    st.push(let_("jend", CTy::I64, key_limit(causal, var("i"), sq, sk)));
+    st.push(let_("m", ct, inf()));
+    st.push(let_("s", ct, lit(0.0, ct)));
+    st.push(let_("dacc", ct, lit(0.0, ct)));
+    let kbase = add(
+        mul(var("bh"), i64c((sk * d) as i64)),
+        mul(var("j"), i64c(d as i64)),
+    );
+    let vbase = add(
+        mul(var("bh"), i64c((sk * dv) as i64)),
+        mul(var("j"), i64c(dv as i64)),
+    );
+    let mut key = score(dot("q", "k", kbase.clone(), d));
+    let mut upd = online_update(ct);
+    upd.push(assign(
+        "dacc",
+        add(
+            mul(var("dacc"), var("alpha")),
+            mul(var("p"), dot("go", "v", vbase.clone(), dv)),
+        ),
+    ));
+    upd.push(assign("m", var("mn")));
+    key.push(if_(bin(BinFn::Ne, var("sc"), inf()), upd));
+    st.push(for_("j", i64c(0), var("jend"), i64c(1), key));
+    let full = bin(BinFn::Eq, var("m"), inf());
+    st.push(store("st", ct, mul(var("r"), i64c(3)), var("m")));
+    st.push(store(
+        "st",
+        ct,
+        add(mul(var("r"), i64c(3)), i64c(1)),
+        select(full.clone(), lit(0.0, ct), var("s")),
+    ));
+    st.push(store(
+        "st",
+        ct,
+        add(mul(var("r"), i64c(3)), i64c(2)),
+        select(full, lit(0.0, ct), div(var("dacc"), var("s"))),
+    ));
+    let rows_q = bsz * heads * sq;
+    let stats = finish(
+        "attention_grad_stats",
+        Kernel {
+            name: String::new(),
+            params: stats_params,
+            block: TROWS,
+            body: vec![tid_rows(rows_q, st)],
+        },
+    )?;
+
+    // 2. The gradient.
+    // P_ij from the saved statistics of query row `qr`: 0 for a fully masked row.
+    let prob = |qr: Expr| -> Vec<Stmt> {
+        vec![
+            let_("mi", ct, load("st", ct, mul(qr.clone(), i64c(3)))),
+            let_(
+                "li",
+                ct,
+                load("st", ct, add(mul(qr.clone(), i64c(3)), i64c(1))),
+            ),
+            let_("di", ct, load("st", ct, add(mul(qr, i64c(3)), i64c(2)))),
+            let_(
+                "pij",
+                ct,
+                select(
+                    bin(BinFn::Eq, var("li"), lit(0.0, ct)),
+                    lit(0.0, ct),
+                    div(un(UnFn::Exp, sub(var("sc"), var("mi"))), var("li")),
+                ),
+            ),
+        ]
+    };
+    let accs = |n: usize| -> Vec<Stmt> {
+        (0..n)
+            .map(|t| let_(&format!("a{t}"), ct, lit(0.0, ct)))
+            .collect()
+    };
+    let axpy = |coef: Expr, buf: &str, base: Expr, n: usize| -> Vec<Stmt> {
+        let mut s = vec![let_("cf", ct, coef)];
+        for t in 0..n {
+            let a = format!("a{t}");
+            let l = load(buf, e, add(base.clone(), i64c(t as i64)));
+            s.push(assign(&a, add(var(&a), mul(var("cf"), to_ct(l, e, ct)))));
+        }
+        s
+    };
+    let (rows, width, body) = if wrt == 0 {
+        let mut b = vec![
+            let_("bh", CTy::I64, div(var("r"), i64c(sq as i64))),
+            let_("i", CTy::I64, rem(var("r"), i64c(sq as i64))),
+        ];
+        b.extend(row("q", "q", mul(var("r"), i64c(d as i64)), d));
+        b.extend(row("go", "g", mul(var("r"), i64c(dv as i64)), dv));
+        b.extend(accs(d));
+        b.push(let_("jend", CTy::I64, key_limit(causal, var("i"), sq, sk)));
+        let mut key = score(dot("q", "k", kbase.clone(), d));
+        let mut inner = prob(var("r"));
+        inner.extend(axpy(
+            mul(
+                var("pij"),
+                sub(dot("go", "v", vbase.clone(), dv), var("di")),
+            ),
+            "k",
+            kbase.clone(),
+            d,
+        ));
+        key.push(if_(bin(BinFn::Ne, var("sc"), inf()), inner));
+        b.push(for_("j", i64c(0), var("jend"), i64c(1), key));
+        (rows_q, d, b)
+    } else {
+        // A thread per key row `j` of head `bh`, over the queries `i` that see it.
+        let mut b = vec![
+            let_("bh", CTy::I64, div(var("r"), i64c(sk as i64))),
+            let_("j", CTy::I64, rem(var("r"), i64c(sk as i64))),
+        ];
+        b.extend(row("kk", "k", mul(var("r"), i64c(d as i64)), d));
+        if wrt == 1 {
+            b.extend(row("vv", "v", mul(var("r"), i64c(dv as i64)), dv));
+        }
+        let n = if wrt == 1 { d } else { dv };
+        b.extend(accs(n));
+        let qrow = add(mul(var("bh"), i64c(sq as i64)), var("i"));
+        let qbase = mul(qrow.clone(), i64c(d as i64));
+        let gbase = mul(qrow.clone(), i64c(dv as i64));
+        let mut q_loop = score(dot("kk", "q", qbase.clone(), d));
+        let mut inner = prob(qrow);
+        if wrt == 1 {
+            inner.extend(axpy(
+                mul(var("pij"), sub(dot("vv", "g", gbase, dv), var("di"))),
+                "q",
+                qbase,
+                d,
+            ));
+        } else {
+            inner.extend(axpy(var("pij"), "g", gbase, dv));
+        }
+        q_loop.push(if_(bin(BinFn::Ne, var("sc"), inf()), inner));
+        let visible = bin(BinFn::Lt, var("j"), key_limit(causal, var("i"), sq, sk));
+        b.push(for_(
+            "i",
+            i64c(0),
+            i64c(sq as i64),
+            i64c(1),
+            vec![if_(visible, q_loop)],
+        ));
+        (bsz * heads * sk, n, b)
+    };
+    let mut body = body;
+    let factor = if wrt == 2 { 1.0 } else { scale };
+    for t in 0..width {
+        body.push(store(
+            "out",
+            e,
+            add(mul(var("r"), i64c(width as i64)), i64c(t as i64)),
+            mul(var(&format!("a{t}")), fc(factor, ct)),
+        ));
+    }
+    let main = finish(
+        "attention_grad",
+        Kernel {
+            name: String::new(),
+            params,
+            block: TROWS,
+            body: vec![tid_rows(rows, body)],
+        },
+    )?;
+    let mut args: Vec<ArgRef> = (0..n_in).map(ArgRef::Input).collect();
+    args.push(ArgRef::Scratch);
+    let mut main_args = args.clone();
+    main_args.push(ArgRef::Output);
+    Ok(StepKernels {
+        launches: vec![
+            Launch {
+                kernel: stats,
+                args,
+                grid: grid_for(rows_q as u64, TROWS as u64),
+            },
+            Launch {
+                kernel: main,
+                args: main_args,
+                grid: grid_for(rows as u64, TROWS as u64),
+            },
+        ],
+        scratch_bytes: rows_q * 3 * super::ir::elem_bytes(ct),
+    })
+}

@@ -198,7 +198,8 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         Op::Pool { .. } | Op::PoolGrad { .. } => {
             pool::lower(op, inputs, out).map(CudaStep::Kernels)
         }
-        Op::AttentionGrad { .. } | Op::CumSum { .. } | Op::TopK { .. } => unsupported(),
+        Op::AttentionGrad { .. } => attention::lower_grad(op, inputs, out).map(CudaStep::Kernels),
+        Op::CumSum { .. } | Op::TopK { .. } => unsupported(),
         Op::Attention { .. } => attention::lower(op, inputs, out).map(CudaStep::Kernels),
         Op::SparseMatmul { .. } | Op::SampledMatmul => Err(CodegenError::Unsupported {
             op: op.name(),
