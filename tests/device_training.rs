@@ -261,3 +261,52 @@ fn bf16_parameters_train_with_f32_master_weights_on_every_device() {
         rustytorch::ops::testing::assert_close(gpu, cpu, 2e-2, "bf16 fc1.w cuda vs cpu");
     }
 }
+
+/// A causal self-attention block trained on every device from the same start: after the same
+/// steps its parameters agree (on the GPU machine, the attention gradient's kernels against the
+/// CPU kernel through whole training steps).
+#[test]
+fn attention_block_trains_alike_on_cuda_and_cpu() {
+    let devices = test_devices();
+    let (b, s, d, h) = (4, 24, 32, 4);
+    let build = |device: Device| {
+        let g = GraphBuilder::new();
+        let x = g.input("x", DType::F32, [b, s, d]);
+        let y = g.input("y", DType::F32, [b, s, d]);
+        let wq = g.param("wq", [d, d], Init::kaiming_uniform(d, 11));
+        let wk = g.param("wk", [d, d], Init::kaiming_uniform(d, 12));
+        let wv = g.param("wv", [d, d], Init::kaiming_uniform(d, 13));
+        let wo = g.param("wo", [d, d], Init::kaiming_uniform(d, 14));
+        let heads = |t: &Tensor| t.reshape([b, s, h, d / h]).permute(&[0, 2, 1, 3]);
+        let (q, k, v) = (
+            heads(&x.matmul(&wq)),
+            heads(&x.matmul(&wk)),
+            heads(&x.matmul(&wv)),
+        );
+        let a = q
+            .attention(&k, &v, None, Causal::TopLeft, None)
+            .permute(&[0, 2, 1, 3])
+            .reshape([b, s, d]);
+        let out = x.add(&a.matmul(&wo));
+        let loss = out.sub(&y).mul(&out.sub(&y)).mean_all();
+        g.train_step(&loss, AdamW::new(1e-2), &StepOptions::default())
+            .unwrap();
+        compile(&g, &[&loss], device).unwrap()
+    };
+    let mut exes: Vec<Executable> = devices.iter().map(|&dv| build(dv)).collect();
+    let ty = TensorType::new(DType::F32, Shape::new(vec![b, s, d]));
+    for step in 0..5 {
+        let x = rustytorch::ops::testing::rand_tensor(&ty, 100 + step, -1.0, 1.0);
+        let y = rustytorch::ops::testing::rand_tensor(&ty, 200 + step, -1.0, 1.0);
+        for exe in &mut exes {
+            exe.run(&[("x", x.clone()), ("y", y.clone())]).unwrap();
+        }
+    }
+    for name in ["wq", "wk", "wv", "wo"] {
+        let a = exes[0].param(name).unwrap().to_f64_vec();
+        for other in &exes[1..] {
+            let c = other.param(name).unwrap().to_f64_vec();
+            rustytorch::ops::testing::assert_close(&c, &a, 2e-3, name);
+        }
+    }
+}
