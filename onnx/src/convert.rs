@@ -2724,18 +2724,14 @@ impl Importer {
         let qh = a.int_opt("q_num_heads")?;
         let kvh = a.int_opt("kv_num_heads")?;
         let scale = a.find("scale", AttributeType::Float)?.map(|s| s.f() as f64);
-        if a.float("softcap", 0.0)? != 0.0 {
-            return why("softcap is not supported");
-        }
+        let softcap = a.float("softcap", 0.0)? as f64;
         let _ = a.int("softmax_precision", 0)?;
-        if a.int("qk_matmul_output_mode", 0)? != 0 || cx.n_outputs > 3 {
-            return why("the qk_matmul output is not supported");
+        let mode = a.int("qk_matmul_output_mode", 0)?;
+        if !(0..=3).contains(&mode) {
+            return why(format!("qk_matmul_output_mode {mode}"));
         }
-        if cx.inputs.get(4).copied().flatten().is_some()
-            || cx.inputs.get(5).copied().flatten().is_some()
-        {
-            return why("past_key and past_value are not supported");
-        }
+        let want_qk = cx.n_outputs > 3;
+        let past = (self.opt_input(cx, 4)?, self.opt_input(cx, 5)?);
         if cx.inputs.get(6).copied().flatten().is_some() {
             return why("nonpad_kv_seqlen is not supported");
         }
@@ -2766,6 +2762,18 @@ impl Importer {
         if dq.len() != 4 || dk.len() != 4 || self.dims(&v4).len() != 4 {
             return why("q, k and v must be 3-D or 4-D");
         }
+        // Past keys and values come first along the sequence; the totals are the present ones.
+        let (k4, v4, past_len) = match past {
+            (None, None) => (k4, v4, 0),
+            (Some(pk), Some(pv)) => {
+                let n = self.dims(&pk).get(2).copied().unwrap_or(0);
+                let k = self.emit(Op::Concat { axis: 2 }, &[&pk, &k4])?;
+                let v = self.emit(Op::Concat { axis: 2 }, &[&pv, &v4])?;
+                (k, v, n)
+            }
+            _ => return why("past_key and past_value come together"),
+        };
+        let total = self.dims(&k4)[2];
         // Grouped queries: each key/value head serves H_q / H_kv consecutive query heads.
         let repeat = |im: &mut Importer, t: &Val| -> Result<Val> {
             let d = im.dims(t);
@@ -2791,20 +2799,84 @@ impl Importer {
             Some(_) => AttnMask::Additive,
         };
         let scale = scale.unwrap_or(1.0 / (dq[3] as f64).sqrt());
-        let op = Op::Attention {
-            causal: if causal {
-                Causal::TopLeft
-            } else {
-                Causal::None
-            },
-            mask: kind,
-            scale: F64Bits::new(scale),
+        // Causal: query i sees keys j <= past + i (top-left without a past; bottom-right when
+        // the new keys are as many as the queries).
+        let causal_kind = match (causal, past_len) {
+            (false, _) => Some(Causal::None),
+            (true, 0) => Some(Causal::TopLeft),
+            (true, p) if total - p == dq[2] => Some(Causal::BottomRight),
+            _ => None,
         };
-        let mut ins = vec![&q4, &kr, &vr];
-        if let Some(m) = &mask {
-            ins.push(m);
-        }
-        let y = self.emit(op, &ins)?;
+        let (y, qk) = match causal_kind {
+            Some(c) if softcap == 0.0 && !want_qk => {
+                let op = Op::Attention {
+                    causal: c,
+                    mask: kind,
+                    scale: F64Bits::new(scale),
+                };
+                let mut ins = vec![&q4, &kr, &vr];
+                if let Some(m) = &mask {
+                    ins.push(m);
+                }
+                (self.emit(op, &ins)?, None)
+            }
+            _ => {
+                // In primitives: scores, + mask and causal bias, softcap, softmax, · v.
+                let mm = |tb| Op::Matmul {
+                    trans_a: false,
+                    trans_b: tb,
+                };
+                let s0 = self.emit(mm(true), &[&q4, &kr])?;
+                let s0 = self.bin_s(BinaryOp::Mul, &s0, scale)?;
+                let dt = self.dtype(&q4);
+                let mut s1 = s0.clone();
+                if let Some(m) = &mask {
+                    let bias = if self.dtype(m) == DType::Bool {
+                        let z = self.scalar(0.0, dt);
+                        let inf = self.scalar(f64::NEG_INFINITY, dt);
+                        self.emit(Op::Where, &[m, &z, &inf])?
+                    } else {
+                        m.clone()
+                    };
+                    s1 = self.bin(BinaryOp::Add, &s1, &bias)?;
+                }
+                if causal {
+                    let sq = dq[2];
+                    check_fold(sq * total, "the causal mask")?;
+                    let v: Vec<f64> = (0..sq * total)
+                        .map(|p| {
+                            let (i, j) = (p / total, p % total);
+                            if j > past_len + i {
+                                f64::NEG_INFINITY
+                            } else {
+                                0.0
+                            }
+                        })
+                        .collect();
+                    let cm = known(HostTensor::from_f64_slice(
+                        &TensorType::new(dt, [sq, total]),
+                        &v,
+                    )?);
+                    s1 = self.bin(BinaryOp::Add, &s1, &cm)?;
+                }
+                let s2 = if softcap > 0.0 {
+                    let t = self.bin_s(BinaryOp::Div, &s1, softcap)?;
+                    let t = self.un(UnaryOp::Tanh, &t)?;
+                    self.bin_s(BinaryOp::Mul, &t, softcap)?
+                } else {
+                    s1.clone()
+                };
+                let p = self.emit(Op::Softmax { axis: 3 }, &[&s2])?;
+                let y = self.emit(mm(false), &[&p, &vr])?;
+                let qk = match mode {
+                    0 => s0,
+                    1 => s1,
+                    2 => s2,
+                    _ => p,
+                };
+                (y, Some(qk))
+            }
+        };
         let y = if three {
             let d = self.dims(&y);
             let t = self.permute(&y, vec![0, 2, 1, 3])?;
@@ -2812,7 +2884,11 @@ impl Importer {
         } else {
             y
         };
-        Ok(vec![y, k, v])
+        let mut outs = vec![y, k4, v4];
+        if let Some(qk) = qk {
+            outs.push(qk);
+        }
+        Ok(outs)
     }
 
     /// The negative log-likelihood of log-probabilities `x` `[N, C, d...]` at integer targets
