@@ -31,29 +31,12 @@ const WARPS: i64 = BLOCK as i64 / WARP;
 
 /// Lowers `Attention` (inputs q, k, v and the mask when it has one).
 pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKernels> {
-    let Op::Attention {
-        causal,
-        mask,
-        scale,
-    } = op
-    else {
-        return Err(CodegenError::Invalid(format!(
-            "{} is not attention",
-            op.name()
-        )));
-    };
-    let want = rustytorch_ops::infer(op, inputs)?;
-    if &want != out {
-        return Err(CodegenError::Invalid(format!(
-            "attention: result type {out} does not match the inferred {want}"
-        )));
-    }
-    if out.shape.numel() == 0 {
+    let Some((causal, mask, scale, _)) = checked(op, inputs, out)? else {
         return Ok(StepKernels::default());
-    }
-    let p = Problem::new(*mask, inputs);
+    };
+    let p = Problem::new(mask, inputs);
     if tiled(inputs) {
-        return lower_tiled(*causal, *mask, scale.get(), p, inputs.len());
+        return lower_tiled(causal, mask, scale, p, inputs.len());
     }
     let Problem {
         bsz,
@@ -94,7 +77,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
         body.extend(guard(r, d, vec![assign(&qn, to_ct(l, e, ct))]));
     }
     // The keys this row sees.
-    body.push(let_("jend", CTy::I64, key_limit(*causal, var("i"), sq, sk)));
+    body.push(let_("jend", CTy::I64, key_limit(causal, var("i"), sq, sk)));
     body.push(let_("m", ct, neg_inf()));
     body.push(let_("s", ct, lit(0.0, ct)));
     for r in 0..ro {
@@ -121,8 +104,8 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
             add(var("dot"), bin(BinFn::ShflXor, var("dot"), i32c(off))),
         ));
     }
-    key.push(let_("sc", ct, mul(var("dot"), fc(scale.get(), ct))));
-    key.extend(apply_mask(*mask, mask_strides.as_deref(), heads, e, ct));
+    key.push(let_("sc", ct, mul(var("dot"), fc(scale, ct))));
+    key.extend(apply_mask(mask, mask_strides.as_deref(), heads, e, ct));
     // A masked key (−∞) weighs nothing; anything else, NaN included, updates the state.
     let mut upd = online_update(ct);
     for r in 0..ro {
@@ -177,6 +160,42 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
         }],
         scratch_bytes: 0,
     })
+}
+
+/// The attributes of `Attention` or `AttentionGrad` (`wrt` is 0 for the forward) once `out` is
+/// checked against the inferred type; `None` for an empty result (nothing to launch).
+fn checked(
+    op: &Op,
+    inputs: &[&TensorType],
+    out: &TensorType,
+) -> Result<Option<(Causal, AttnMask, f64, u8)>> {
+    let (causal, mask, scale, wrt) = match op {
+        Op::Attention {
+            causal,
+            mask,
+            scale,
+        } => (*causal, *mask, scale.get(), 0),
+        Op::AttentionGrad {
+            causal,
+            mask,
+            scale,
+            wrt,
+        } => (*causal, *mask, scale.get(), *wrt),
+        _ => {
+            return Err(CodegenError::Invalid(format!(
+                "{} is not attention",
+                op.name()
+            )))
+        }
+    };
+    let want = rustytorch_ops::infer(op, inputs)?;
+    if &want != out {
+        return Err(CodegenError::Invalid(format!(
+            "{}: result type {out} does not match the inferred {want}",
+            op.name()
+        )));
+    }
+    Ok((out.shape.numel() > 0).then_some((causal, mask, scale, wrt)))
 }
 
 /// Sizes, types and kernel parameters of one attention op.
@@ -564,28 +583,9 @@ fn param(name: &str, elem: CTy, writes: bool) -> Param {
 /// A fully masked query row has `l = 0` and contributes nothing. Scalar arithmetic, statistics in
 /// f32 (f64 for f64); correct for any shape, not tuned.
 pub fn lower_grad(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKernels> {
-    let Op::AttentionGrad {
-        causal,
-        mask,
-        scale,
-        wrt,
-    } = op
-    else {
-        return Err(CodegenError::Invalid(format!(
-            "{} is not attention_grad",
-            op.name()
-        )));
-    };
-    let want = rustytorch_ops::infer(op, inputs)?;
-    if &want != out {
-        return Err(CodegenError::Invalid(format!(
-            "attention_grad: result type {out} does not match the inferred {want}"
-        )));
-    }
-    if out.shape.numel() == 0 {
+    let Some((causal, mask, scale, wrt)) = checked(op, inputs, out)? else {
         return Ok(StepKernels::default());
-    }
-    let (causal, mask, scale, wrt) = (*causal, *mask, scale.get(), *wrt);
+    };
     let fwd = Problem::new(mask, inputs);
     let (bsz, heads, sq, d, sk, dv, e, ct) = (
         fwd.bsz, fwd.heads, fwd.sq, fwd.d, fwd.sk, fwd.dv, fwd.e, fwd.ct,
