@@ -503,7 +503,13 @@ fn inspect(
     picture: &cli_observe::PictureArgs,
 ) -> Res<()> {
     let device = parse_device(device)?;
-    let source = load_graph(graph_path)?;
+    // An ONNX model is imported with the given sizes as its named dims' defaults: its
+    // `Shape`-derived values fold at import, so specializing afterwards could not follow them.
+    let source = if onnx_cli::is_onnx(graph_path) {
+        onnx_cli::import_with_defaults(graph_path, dims)?
+    } else {
+        load_graph(graph_path)?
+    };
     // A graph with named dims is inspected at one size of them (the defaults unless given).
     let sizes = dim_sizes(&source, dims)?;
     let graph = source.specialize(&sizes)?;

@@ -96,6 +96,12 @@ pub fn import_default(path: &Path) -> Res<Graph> {
     import(path, &ImportOptions::default())
 }
 
+/// Imports a model for `inspect --dim NAME=N ...`: the symbolic dims named in `dims` take those
+/// sizes as their defaults (the others 1).
+pub fn import_with_defaults(path: &Path, dims: &[String]) -> Res<Graph> {
+    import(path, &parse_dims(dims)?)
+}
+
 /// Integer inputs larger than this are not offered to the importer as known values.
 const MAX_BOUND: usize = 1 << 16;
 /// Other inputs up to this many elements are offered too.

@@ -8,7 +8,8 @@
 //!
 //! Not yet: one executable for several sizes of this model. The exporter computes its reshape
 //! targets and positions from `Shape(ids)`, which the importer folds into constants at the
-//! default sizes, so they do not follow the named dims.
+//! default sizes, so they do not follow the named dims; `inspect --dim` imports at the sizes it
+//! is given for that reason.
 
 use rustytorch::npy::read_npy;
 use rustytorch::onnx::{import_file, ImportOptions};
@@ -72,4 +73,25 @@ fn exported_gpt_matches_pytorch_at_several_shapes() {
             .collect();
         assert_close(&y.to_f64_vec(), &w, 1e-5, &format!("logits at [{nb},{ns}]"));
     }
+}
+
+#[test]
+fn runner_inspects_the_exported_gpt_at_given_sizes() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_rustytorch"))
+        .arg("inspect")
+        .arg(data("tiny_gpt.onnx"))
+        .args(["--dim", "batch=3", "--dim", "seq=17"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("batch=3") && text.contains("seq=17"),
+        "{text}"
+    );
+    assert!(text.contains("%0 = input ids : i64[batch,seq]"), "{text}");
 }
