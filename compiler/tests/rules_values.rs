@@ -613,7 +613,7 @@ const ATTN_SHAPES: [(usize, usize, usize, usize, usize); 3] =
 
 /// Attention spelled in primitives: scores by `scale` (`mul`, `div`, `unscaled`), masked by
 /// `mask` (`plain`, `additive`, `causal` with `ge`/`le` keep masks or a constant, `causal-drop`
-/// with `lt`/`gt` drop masks), the softmax spelled when `spelled_softmax`.
+/// with `lt`/`gt` drop masks or a constant), the softmax spelled when `spelled_softmax`.
 fn attention_spelled(
     gb: &GraphBuilder,
     x: &[Tensor],
@@ -652,10 +652,16 @@ fn attention_spelled(
             gb.where_(&keep, &s, &fill_t)
         }
         _ => {
-            let drop = if variant % 2 == 1 {
-                col.gt(&row)
-            } else {
-                row.lt(&col)
+            let drop = match variant % 3 {
+                0 => row.lt(&col),
+                1 => col.gt(&row),
+                _ => {
+                    // Strictly upper-triangular, as `torch.triu(ones, 1)` exports.
+                    let vals: Vec<f64> = (0..sq * sk)
+                        .map(|i| ((i % sk) > (i / sk)) as u8 as f64)
+                        .collect();
+                    gb.constant(tensor(DType::Bool, &[sq, sk], &vals))
+                }
             };
             gb.where_(&drop, &fill_t, &s)
         }

@@ -34,6 +34,9 @@ pub struct TensorAnalysis {
     /// Indices of graph constants that are causal masks: bool, lower-triangular over the last two
     /// dims (true where column <= row), the same for every leading index.
     pub causal_constants: HashSet<u32>,
+    /// Indices of graph constants that are the complement: true exactly where column > row (the
+    /// positions a causal mask drops, as `torch.triu(ones, 1)` spells them).
+    pub causal_drop_constants: HashSet<u32>,
 }
 
 impl Analysis<TNode> for TensorAnalysis {

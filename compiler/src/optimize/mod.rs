@@ -74,8 +74,8 @@ pub struct OptimizeReport {
 }
 
 /// Whether constant `t` is a causal mask: bool of rank >= 2, true exactly where column <= row in
-/// every trailing `[rows, cols]` block.
-fn is_causal_constant(t: &rustytorch_ops::HostTensor) -> bool {
+/// every trailing `[rows, cols]` block (with `keep == false`, exactly where column > row).
+fn is_causal_constant(t: &rustytorch_ops::HostTensor, keep: bool) -> bool {
     let dims = t.dims();
     if t.dtype() != DType::Bool || dims.len() < 2 {
         return false;
@@ -84,7 +84,7 @@ fn is_causal_constant(t: &rustytorch_ops::HostTensor) -> bool {
     let v = t.to_f64_vec();
     v.iter().enumerate().all(|(i, &x)| {
         let (r, c) = ((i / cols) % rows.max(1), i % cols);
-        (x != 0.0) == (c <= r)
+        (x != 0.0) == ((c <= r) == keep)
     })
 }
 
@@ -99,7 +99,14 @@ pub fn optimize(graph: &Graph, cfg: &OptimizeConfig) -> Result<(Graph, OptimizeR
             .constants
             .iter()
             .enumerate()
-            .filter(|(_, c)| is_causal_constant(c))
+            .filter(|(_, c)| is_causal_constant(c, true))
+            .map(|(i, _)| i as u32)
+            .collect(),
+        causal_drop_constants: graph
+            .constants
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| is_causal_constant(c, false))
             .map(|(i, _)| i as u32)
             .collect(),
         ..Default::default()

@@ -29,7 +29,8 @@
 //!   `where(keep, S, fill)` or `where(drop, fill, S)` with `fill` ≤ −1e4 (−∞ included) and a
 //!   causal `keep` (→ `causal=top_left`): `iota(rows) >= iota(cols)`, `iota(cols) <= iota(rows)`
 //!   (`drop`: `iota(rows) < iota(cols)`, `iota(cols) > iota(rows)`) over the scores' last two
-//!   dims, or a bool graph constant that is lower-triangular. A causal top-left mask never masks a
+//!   dims, or a bool graph constant that is lower-triangular (`drop`: strictly upper-triangular,
+//!   as `torch.triu(ones, 1)` exported to ONNX spells it). A causal top-left mask never masks a
 //!   whole row, so the fused op computes exactly the spelled values; with an additive mask that is
 //!   −∞ over a whole row the spelled form gives NaN where the fused op gives zeros.
 
@@ -241,7 +242,14 @@ fn causal_mask(cx: &Ctx<'_>, v: &str, keep: bool, sq: usize, sk: usize) -> bool 
     }
     let id = cx.id(v);
     cx.eg[id].nodes.iter().any(|n| match &n.op {
-        Op::Constant { index, .. } => keep && cx.eg.analysis.causal_constants.contains(index),
+        Op::Constant { index, .. } => {
+            let set = if keep {
+                &cx.eg.analysis.causal_constants
+            } else {
+                &cx.eg.analysis.causal_drop_constants
+            };
+            set.contains(index)
+        }
         Op::Binary(b) => {
             let (l, rr) = (n.children[0], n.children[1]);
             let row = |c| has_iota(cx, c, r - 2, r);
