@@ -501,6 +501,22 @@ fn input_type(
     Ok((ty, names))
 }
 
+/// What [`Importer::conv_parts`] reads for a convolution or a transposed convolution.
+struct ConvParts {
+    x: Val,
+    w: Val,
+    b: Option<Val>,
+    /// x's and w's dims.
+    dx: Vec<usize>,
+    dw: Vec<usize>,
+    /// Spatial rank.
+    s: usize,
+    groups: usize,
+    kernel: Vec<usize>,
+    strides: Vec<usize>,
+    dilations: Vec<usize>,
+}
+
 struct Importer {
     /// The graph being built (through the builder, which derives the named-dim shape of each
     /// node from its operands').
@@ -3311,7 +3327,10 @@ impl Importer {
         Ok(v.iter().map(|&x| x as usize).collect())
     }
 
-    fn conv(&mut self, cx: &Ctx) -> Result<Val> {
+    /// The operands and attributes a convolution and a transposed convolution share: x, w, the
+    /// optional bias, x's dims, the spatial rank, groups, the kernel (checked against
+    /// `kernel_shape`), strides and dilations. `what` names the op in errors.
+    fn conv_parts(&mut self, cx: &Ctx, what: &str) -> Result<ConvParts> {
         let a = &cx.attrs;
         let x = self.input(cx, 0)?;
         let w = self.input(cx, 1)?;
@@ -3319,7 +3338,7 @@ impl Importer {
         let (dx, dw) = (self.dims(&x), self.dims(&w));
         if dx.len() < 3 || dx.len() != dw.len() {
             return why(format!(
-                "input rank {} and weight rank {} do not fit a convolution",
+                "input rank {} and weight rank {} do not fit a {what}",
                 dx.len(),
                 dw.len()
             ));
@@ -3336,6 +3355,32 @@ impl Importer {
         }
         let strides = self.spatial_attr(cx, "strides", s)?;
         let dilations = self.spatial_attr(cx, "dilations", s)?;
+        Ok(ConvParts {
+            x,
+            w,
+            b,
+            dx,
+            dw,
+            s,
+            groups,
+            kernel,
+            strides,
+            dilations,
+        })
+    }
+
+    fn conv(&mut self, cx: &Ctx) -> Result<Val> {
+        let ConvParts {
+            x,
+            w,
+            b,
+            dx,
+            groups,
+            kernel,
+            strides,
+            dilations,
+            ..
+        } = self.conv_parts(cx, "convolution")?;
         let pads = self.spatial_pads(cx, &dx[2..], &kernel, &strides, &dilations)?;
         let (xin, padding) = self.symmetric(&x, &pads, 0.0)?;
         let op = Op::Conv {
@@ -3359,29 +3404,18 @@ impl Importer {
     /// size (output padding included) and then cropped by the pads.
     fn conv_transpose(&mut self, cx: &Ctx) -> Result<Val> {
         let a = &cx.attrs;
-        let x = self.input(cx, 0)?;
-        let w = self.input(cx, 1)?;
-        let b = self.opt_input(cx, 2)?;
-        let (dx, dw) = (self.dims(&x), self.dims(&w));
-        if dx.len() < 3 || dx.len() != dw.len() {
-            return why(format!(
-                "input rank {} and weight rank {} do not fit a transposed convolution",
-                dx.len(),
-                dw.len()
-            ));
-        }
-        let s = dx.len() - 2;
-        let groups = a.int("group", 1)?.max(1) as usize;
-        let kernel: Vec<usize> = dw[2..].to_vec();
-        if let Some(k) = a.ints("kernel_shape")? {
-            if k.iter().map(|&v| v as usize).collect::<Vec<_>>() != kernel {
-                return why(format!(
-                    "kernel_shape {k:?} differs from the weight's {kernel:?}"
-                ));
-            }
-        }
-        let strides = self.spatial_attr(cx, "strides", s)?;
-        let dilations = self.spatial_attr(cx, "dilations", s)?;
+        let ConvParts {
+            x,
+            w,
+            b,
+            dx,
+            dw,
+            s,
+            groups,
+            kernel,
+            strides,
+            dilations,
+        } = self.conv_parts(cx, "transposed convolution")?;
         let out_pad: Vec<usize> = match a.ints("output_padding")? {
             Some(v) if v.len() == s && v.iter().all(|&p| p >= 0) => {
                 v.iter().map(|&p| p as usize).collect()
