@@ -151,42 +151,58 @@ fn pool_graph(
 fn conv_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     let f16 = DType::F16;
     let tflops = |fl: f64, ms: f64| fl / (ms * 1e-3) / 1e12;
-    let fl2 = 2.0 * (64u64 * 64 * 64 * 56 * 56 * 9) as f64;
-    for (label, d, bwd) in [
-        ("conv2d 3x3 64c 56x56 b64 f16 fwd", f16, false),
-        ("conv2d 3x3 64c 56x56 b64 f16 fwd+bwd", f16, true),
-        ("conv2d 3x3 64c 56x56 b64 f32 fwd", DType::F32, false),
-    ] {
-        let g = conv_graph(&[64, 64, 56, 56], &[64, 64, 3, 3], 1, d, bwd);
-        let t = time_graph(&g, 10, true);
-        let fl = if bwd { 3.0 * fl2 } else { fl2 };
-        push(label, t, "TFLOP/s", tflops(fl, t.0));
-    }
-    let fl1 = 2.0 * (32u64 * 256 * 256 * 4096 * 3) as f64;
-    for bwd in [false, true] {
-        let g = conv_graph(&[32, 256, 4096], &[256, 256, 3], 1, f16, bwd);
-        let t = time_graph(&g, 10, true);
-        let label = if bwd { "fwd+bwd" } else { "fwd" };
-        let fl = if bwd { 3.0 * fl1 } else { fl1 };
-        push(
-            &format!("conv1d k3 256c L4096 b32 f16 {label}"),
-            t,
-            "TFLOP/s",
-            tflops(fl, t.0),
-        );
-    }
-    let fl3 = 2.0 * (8u64 * 64 * 64 * 16 * 56 * 56 * 27) as f64;
-    for bwd in [false, true] {
-        let g = conv_graph(&[8, 64, 16, 56, 56], &[64, 64, 3, 3, 3], 1, f16, bwd);
-        let t = time_graph(&g, 5, true);
-        let label = if bwd { "fwd+bwd" } else { "fwd" };
-        let fl = if bwd { 3.0 * fl3 } else { fl3 };
-        push(
-            &format!("conv3d 3x3x3 64c 16x56x56 b8 f16 {label}"),
-            t,
-            "TFLOP/s",
-            tflops(fl, t.0),
-        );
+    // (shape label, x, w, dtype, forward+backward too, timed runs); padding 1, stride 1.
+    type ConvRow<'a> = (&'a str, &'a [usize], &'a [usize], DType, bool, usize);
+    let rows: [ConvRow; 4] = [
+        (
+            "conv2d 3x3 64c 56x56 b64 f16",
+            &[64, 64, 56, 56],
+            &[64, 64, 3, 3],
+            f16,
+            true,
+            10,
+        ),
+        (
+            "conv2d 3x3 64c 56x56 b64 f32",
+            &[64, 64, 56, 56],
+            &[64, 64, 3, 3],
+            DType::F32,
+            false,
+            10,
+        ),
+        (
+            "conv1d k3 256c L4096 b32 f16",
+            &[32, 256, 4096],
+            &[256, 256, 3],
+            f16,
+            true,
+            10,
+        ),
+        (
+            "conv3d 3x3x3 64c 16x56x56 b8 f16",
+            &[8, 64, 16, 56, 56],
+            &[64, 64, 3, 3, 3],
+            f16,
+            true,
+            5,
+        ),
+    ];
+    for (label, x, w, d, with_bwd, iters) in rows {
+        // Same-size output: 2·N·K·(C·window)·spatial multiply-adds.
+        let fwd = 2.0
+            * (x[0] * x[2..].iter().product::<usize>()) as f64
+            * w.iter().product::<usize>() as f64;
+        let passes: &[bool] = if with_bwd { &[false, true] } else { &[false] };
+        for &bwd in passes {
+            let g = conv_graph(x, w, 1, d, bwd);
+            let t = time_graph(&g, iters, true);
+            let (name, fl) = if bwd {
+                ("fwd+bwd", 3.0 * fwd)
+            } else {
+                ("fwd", fwd)
+            };
+            push(&format!("{label} {name}"), t, "TFLOP/s", tflops(fl, t.0));
+        }
     }
     // Pooling: bytes of the input plus the output over the time.
     let x = [64usize, 64, 112, 112];
