@@ -25,7 +25,8 @@ struct Prepared {
 pub struct Blas {
     handle: sys::cublasLtHandle_t,
     workspace: u64,
-    cache: HashMap<(MatmulDesc, bool), Prepared>,
+    /// Per descriptor (whether TF32 is allowed is fixed for the handle's life).
+    cache: HashMap<MatmulDesc, Prepared>,
     tf32: bool,
 }
 
@@ -71,12 +72,11 @@ impl Blas {
     }
 
     fn prepare(&mut self, m: &MatmulDesc) -> Result<&Prepared> {
-        let key = (m.clone(), self.tf32);
-        if !self.cache.contains_key(&key) {
+        if !self.cache.contains_key(m) {
             let p = self.make(m)?;
-            self.cache.insert(key.clone(), p);
+            self.cache.insert(m.clone(), p);
         }
-        Ok(&self.cache[&key])
+        Ok(&self.cache[m])
     }
 
     fn make(&self, m: &MatmulDesc) -> Result<Prepared> {

@@ -41,7 +41,8 @@ struct Prepared {
 /// cuDNN state of one device.
 pub struct Dnn {
     handle: sys::cudnnHandle_t,
-    cache: HashMap<(DnnDesc, bool), Prepared>,
+    /// Per descriptor (whether TF32 is allowed is fixed for the handle's life).
+    cache: HashMap<DnnDesc, Prepared>,
     tf32: bool,
 }
 
@@ -166,8 +167,7 @@ impl Dnn {
     /// needs. Choosing the algorithm runs cuDNN's benchmark on the device's stream, so this must
     /// not be called during stream capture.
     pub(crate) fn prepare(&mut self, d: &DnnDesc, stream: sys::cudaStream_t) -> Result<usize> {
-        let key = (d.clone(), self.tf32);
-        if !self.cache.contains_key(&key) {
+        if !self.cache.contains_key(d) {
             // SAFETY: the handle is live; the stream belongs to the device's context.
             unsafe { dn::set_stream(self.handle, stream) }.map_err(|e| err("set stream", e))?;
             let mut p = Prepared {
@@ -185,9 +185,9 @@ impl Dnn {
                 destroy(&p);
                 return Err(e);
             }
-            self.cache.insert(key.clone(), p);
+            self.cache.insert(d.clone(), p);
         }
-        Ok(self.cache[&key].scratch)
+        Ok(self.cache[d].scratch)
     }
 
     fn make(&self, d: &DnnDesc, p: &mut Prepared) -> Result<()> {
@@ -343,15 +343,11 @@ impl Dnn {
         Ok(())
     }
 
-    /// Runs `d` on `stream` over the tensors at `at`.
-    pub(crate) fn run(
-        &mut self,
-        d: &DnnDesc,
-        at: &DnnPtrs,
-        stream: sys::cudaStream_t,
-    ) -> Result<()> {
-        self.prepare(d, stream)?;
-        let p = &self.cache[&(d.clone(), self.tf32)];
+    /// Runs `d`, made by [`Dnn::prepare`] beforehand, on `stream` over the tensors at `at`.
+    pub(crate) fn run(&self, d: &DnnDesc, at: &DnnPtrs, stream: sys::cudaStream_t) -> Result<()> {
+        let p = self.cache.get(d).ok_or_else(|| {
+            RuntimeError::Invalid(format!("cuDNN step {:?} was not prepared", d.kind))
+        })?;
         let h = self.handle;
         // SAFETY: the handle is live; the stream belongs to the device's context.
         unsafe { dn::set_stream(h, stream) }.map_err(|e| err("set stream", e))?;

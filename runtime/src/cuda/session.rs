@@ -231,20 +231,13 @@ impl CudaSession {
                 CudaStep::Matmul { after, .. } => after.scratch_bytes,
                 CudaStep::Dnn(d) => {
                     let ws = dev.with_dnn(|dn| dn.prepare(&d.desc, stream as _))?;
-                    let launches = d.before.iter().chain(&d.after);
-                    let staged = launches
-                        .flat_map(|l| &l.args)
-                        .filter_map(|a| match a {
-                            ArgRef::ScratchAt(_) => Some(d.desc.staging_bytes),
-                            _ => None,
-                        })
-                        .max()
-                        .unwrap_or(0);
-                    staged.max(if ws > 0 {
+                    // The workspace follows the staging buffers; a step without a workspace
+                    // needs the staging alone (0 when it stages nothing).
+                    if ws > 0 {
                         d.desc.workspace_offset() + ws
                     } else {
                         d.desc.staging_bytes
-                    })
+                    }
                 }
                 CudaStep::Alias => 0,
             });
