@@ -2,7 +2,8 @@
 //! texts and valid graph files (bytes flipped, inserted and deleted; numbers made huge, negative
 //! or zero; lines duplicated and dropped; tokens swapped; truncation; bincode bodies corrupted
 //! behind a recomputed checksum). Every case must give a graph that verifies or an error: never a
-//! panic (not even one caught inside the loaders), an abort or a hang.
+//! panic (not even one caught inside the loaders), an abort or a hang. A valid graph that names
+//! dims is also specialized at other sizes, which must verify or be an error.
 
 use rustytorch_compiler::format::{from_bytes, to_bytes, ParamStorage, HEADER_LEN};
 use rustytorch_compiler::text::{parse, print};
@@ -37,8 +38,9 @@ impl Rng {
 }
 
 /// Seed graphs: a small CNN training step (convolutions and their gradients, pooling, pads,
-/// slices, concatenation, AdamW state, guards and updates) and a graph of generator leaves,
-/// movement ops, attention and parameters with values.
+/// slices, concatenation, AdamW state, guards and updates), a graph of generator leaves,
+/// movement ops, attention and parameters with values, and a graph over named dims (symbolic
+/// shapes through reshapes, concatenation and slices).
 fn seeds() -> Vec<Graph> {
     let b = GraphBuilder::new();
     let x = b.input("x", DType::F32, [2, 1, 6, 6]);
@@ -89,7 +91,40 @@ fn seeds() -> Vec<Graph> {
         &b.rand_normal(0.0, 1.0, 3, TensorType::new(DType::F64, [3])),
     );
     let misc = b.graph().unwrap();
-    vec![cnn, misc]
+
+    let b = GraphBuilder::new();
+    let batch = b.dim("batch", 4);
+    let seq = b.dim("seq", 6);
+    let x = b.input_dims("x", DType::F32, &[batch.clone(), seq.clone(), 8.into()]);
+    let w = b.param("w", [8, 8], Init::kaiming_uniform(8, 4));
+    let h = x.matmul(&w).gelu();
+    let flat = h.reshape_infer(&[-1, 8]);
+    let heads = x.reshape_dims(&[batch, seq, 2.into(), 4.into()]);
+    b.output("t", &h.transpose(0, 1).sum(&[2], false));
+    b.output("heads", &heads.softmax(-1));
+    b.output("cat", &b.concat(&[&flat, &flat], 0).slice(1, 0, 4, 1));
+    let dims = b.graph().unwrap();
+    vec![cnn, misc, dims]
+}
+
+/// Sizes to specialize a graph with named dims at, besides the defaults it verified at: small,
+/// and large enough that products of two dims leave the limits.
+const SIZES: &[usize] = &[1, 3, 1 << 20, 1 << 40];
+
+/// Specializes a valid graph that names dims at each of [`SIZES`] for every dim: a graph that
+/// verifies or an error.
+fn specialize_all(g: &Graph) -> Result<(), String> {
+    if g.dims.named.is_empty() {
+        return Ok(());
+    }
+    for &n in SIZES {
+        let sizes = vec![n; g.dims.named.len()];
+        if let Ok(at) = g.specialize(&sizes) {
+            at.verify()
+                .map_err(|e| format!("specialized at {n} but invalid: {e}"))?;
+        }
+    }
+    Ok(())
 }
 
 /// Pooling over a rank-3 view, to cover pooling in the second seed.
@@ -385,6 +420,7 @@ fn mutated_ir_texts_parse_or_fail_cleanly() {
         |t| match parse(t) {
             Ok(g) => {
                 g.verify().map_err(|e| format!("parsed but invalid: {e}"))?;
+                specialize_all(&g)?;
                 let again = parse(&print(&g)).map_err(|e| format!("reprint: {e}"))?;
                 again.verify().map_err(|e| e.to_string())?;
                 Ok(true)
@@ -420,6 +456,7 @@ fn mutated_graph_files_load_or_fail_cleanly() {
         |f| match from_bytes(f) {
             Ok(g) => {
                 g.verify().map_err(|e| format!("loaded but invalid: {e}"))?;
+                specialize_all(&g)?;
                 let again = to_bytes(&g, ParamStorage::Embedded)
                     .and_then(|b| from_bytes(&b))
                     .map_err(|e| format!("re-save: {e}"))?;
