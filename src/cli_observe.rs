@@ -4,7 +4,7 @@
 use crate::{fail, load_graph, parse_device, read_given_inputs, Failure, Res};
 use clap::Args;
 use rustytorch::compiler::inspect::dot::{to_dot, DotOptions, LayerView, Panel};
-use rustytorch::compiler::inspect::parse_layer_list;
+use rustytorch::compiler::inspect::{find_layers, parse_layer_list};
 use rustytorch::compiler::passes::{self, Compiled};
 use rustytorch::compiler::Graph;
 use rustytorch::profile::{fill_inputs, profile, GroupBy, ProfileOptions};
@@ -64,6 +64,12 @@ pub fn picture(graph: &Graph, per_pass: bool, args: &PictureArgs) -> Res<()> {
             parse_layer_list(list).map_err(|e| Failure(format!("--layers {e} (or `all`)")))?,
         ),
     };
+    if args.layers.is_some() && find_layers(graph).is_none() {
+        eprintln!(
+            "--layers: this graph has no repeated layers (three or more layers of parameters \
+             named like `h0.…` or `layers.3.…`), so every node is drawn"
+        );
+    }
     let before = stage(graph, false, false)?;
     let mut stages: Vec<(String, Compiled)> = Vec::new();
     if per_pass {

@@ -68,6 +68,14 @@ fn inspect_draws_dot_and_reports_memory() {
     // With -o, the usual report prints too, the memory plan's among it.
     assert!(out.contains("memory plan: arena"), "{out}");
     assert!(out.contains("peak: "), "{out}");
+    // A layer filter on a graph without repeated layers says that it draws everything.
+    let o = cli(&["inspect", gs, "--dot", "--layers", "0"], None);
+    assert!(ok(&o).starts_with("digraph"));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("no repeated layers"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
 
 #[test]
