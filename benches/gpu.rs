@@ -232,6 +232,54 @@ fn conv_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     );
 }
 
+/// SpGEMM through cuSPARSE on device CSR matrices (f32, i32 indices, random square matrices; the
+/// wall time of `DeviceCsr::matmul`, which waits for the result: its size is data-dependent), and
+/// SpMM in a graph (a constant pattern, values and x as inputs). The same shapes as
+/// `benches/gpu_sparse_peer.py` measures with torch.sparse.
+fn sparse_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
+    use rustytorch::runtime::cuda::DeviceCsr;
+    use rustytorch::sparse::random_csr;
+    for (n, density) in [(16384usize, 1e-3), (65536, 1e-4), (8192, 1e-2)] {
+        let a = random_csr(n, n, density, DType::F32, DType::I32, 1).expect("a");
+        let b = random_csr(n, n, density, DType::F32, DType::I32, 2).expect("b");
+        let (da, db) = (
+            DeviceCsr::upload(0, &a).expect("upload"),
+            DeviceCsr::upload(0, &b).expect("upload"),
+        );
+        let mut nnz = 0;
+        let mut times = vec![];
+        for _ in 0..7 {
+            let t0 = std::time::Instant::now();
+            let c = da.matmul(&db).expect("spgemm");
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+            nnz = c.nnz();
+        }
+        times.sort_by(f64::total_cmp);
+        push(
+            &format!("spgemm f32 n {n} density {density:e}"),
+            (times[times.len() / 2], 0),
+            "M nnz(C)",
+            nnz as f64 / 1e6,
+        );
+    }
+    let (n, density, cols) = (16384usize, 1e-3, 256usize);
+    let a = random_csr(n, n, density, DType::F32, DType::I32, 3).expect("a");
+    let g = GraphBuilder::new();
+    let pattern = rustytorch::compiler::CsrPattern::constant(&g, &a);
+    let v = p(&g, "v", DType::F32, &[a.nnz()]);
+    let x = p(&g, "x", DType::F32, &[n, cols]);
+    let y = pattern.matmul(&v, &x);
+    let t = time(&g, &[&y], 20, true);
+    // Bytes: A once (values and column indices), x gathered once per entry row-wise, y written.
+    let gb = ((a.nnz() * 8 + (n + 1) * 4) + 2 * n * cols * 4) as f64;
+    push(
+        &format!("spmm f32 n {n} density {density:e} x {cols} cols"),
+        t,
+        "GB/s (A + x + y)",
+        gb / (t.0 * 1e-3) / 1e9,
+    );
+}
+
 fn main() {
     if let Err(e) = rustytorch::runtime::cuda_device_count() {
         println!("gpu bench: no CUDA device here ({e}); run it on the GPU machine");
@@ -249,10 +297,16 @@ fn main() {
             value,
         });
     };
-    // `bench-gpu conv` measures the convolution rows only.
-    let only_conv = std::env::args().skip(1).any(|a| a == "conv");
-    conv_rows(&mut push);
+    // `bench-gpu conv` measures the convolution rows only, `bench-gpu sparse` the sparse ones.
+    let only = |w: &str| std::env::args().skip(1).any(|a| a == w);
+    let (only_conv, only_sparse) = (only("conv"), only("sparse"));
+    if !only_sparse {
+        conv_rows(&mut push);
+    }
     if !only_conv {
+        sparse_rows(&mut push);
+    }
+    if !only_conv && !only_sparse {
         let (r, c) = (32768usize, 4096usize);
         let tb = |bytes: f64, ms: f64| bytes / (ms * 1e-3) / 1e12;
 

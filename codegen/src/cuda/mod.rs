@@ -15,9 +15,11 @@ pub mod matmul;
 pub mod pool;
 pub mod reduce;
 pub mod rows;
+pub mod sparse;
 
 pub use dnn::{DnnDesc, DnnStep};
 pub use matmul::MatmulDesc;
+pub use sparse::SpmmDesc;
 
 use crate::{CodegenError, Result};
 use ir::Kernel;
@@ -86,6 +88,8 @@ pub enum CudaStep {
     /// pooling backward reads) lives in the step's scratch, sized by the runtime once it has
     /// picked the algorithm.
     Dnn(DnnStep),
+    /// A cuSPARSE SpMM (its workspace in the step's scratch, sized by the runtime).
+    Spmm(SpmmDesc),
     /// Nothing to run: the output aliases its operand's bytes (a reshape placed as an alias by
     /// the memory plan).
     Alias,
@@ -141,9 +145,8 @@ fn cudnn_pooling() -> bool {
     std::env::var("RUSTYTORCH_CUDNN_POOLING").as_deref() == Ok("1")
 }
 
-/// Lowers one op with operand types `inputs` and result type `out` for CUDA. The attention
-/// gradient, cumsum, topk and the sparse ops have no CUDA implementation yet: they are an error
-/// naming the op.
+/// Lowers one op with operand types `inputs` and result type `out` for CUDA. Cumsum and topk have
+/// no CUDA implementation yet: they are an error naming the op.
 pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaStep> {
     let unsupported = || {
         Err(CodegenError::Unsupported {
@@ -201,12 +204,7 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         Op::AttentionGrad { .. } => attention::lower_grad(op, inputs, out).map(CudaStep::Kernels),
         Op::CumSum { .. } | Op::TopK { .. } => unsupported(),
         Op::Attention { .. } => attention::lower(op, inputs, out).map(CudaStep::Kernels),
-        Op::SparseMatmul { .. } | Op::SampledMatmul => Err(CodegenError::Unsupported {
-            op: op.name(),
-            device: "cuda",
-            reason: "sparse ops are not supported on CUDA yet (cuSPARSE SpMM/SDDMM); run this \
-                     graph with Device::Cpu"
-                .into(),
-        }),
+        Op::SparseMatmul { .. } => sparse::lower_spmm(op, inputs, out).map(CudaStep::Spmm),
+        Op::SampledMatmul => sparse::lower_sddmm(op, inputs, out).map(CudaStep::Kernels),
     }
 }

@@ -13,8 +13,10 @@ pub mod blas;
 pub mod compile;
 pub mod dnn;
 mod session;
+pub mod sparse;
 
 pub use session::CudaSession;
+pub use sparse::DeviceCsr;
 
 use crate::pool::{Block, Pool, SegmentAllocator, SegmentError};
 use crate::{Backend, Result, RuntimeError, Session};
@@ -74,6 +76,7 @@ pub struct GpuDevice {
     functions: Mutex<HashMap<String, CudaFunction>>,
     blas: Mutex<Option<(blas::Blas, Block)>>,
     dnn: Mutex<Option<dnn::Dnn>>,
+    sparse: Mutex<Option<sparse::Sparse>>,
 }
 
 fn derr(what: &str) -> impl Fn(dr::DriverError) -> RuntimeError + '_ {
@@ -132,6 +135,7 @@ impl GpuDevice {
             functions: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
             dnn: Mutex::new(None),
+            sparse: Mutex::new(None),
         })
     }
 
@@ -212,6 +216,18 @@ impl GpuDevice {
         let mut g = self.dnn.lock().expect("dnn lock");
         if g.is_none() {
             *g = Some(dnn::Dnn::new()?);
+        }
+        body(g.as_mut().expect("opened above"))
+    }
+
+    /// Runs `body` with this device's cuSPARSE handle (opened on first use).
+    pub(crate) fn with_sparse<T>(
+        &self,
+        body: impl FnOnce(&mut sparse::Sparse) -> Result<T>,
+    ) -> Result<T> {
+        let mut g = self.sparse.lock().expect("sparse lock");
+        if g.is_none() {
+            *g = Some(sparse::Sparse::new()?);
         }
         body(g.as_mut().expect("opened above"))
     }

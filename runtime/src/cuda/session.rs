@@ -3,6 +3,7 @@
 //! updates with device-to-device copies when every guard passed.
 
 use super::dnn::DnnPtrs;
+use super::sparse::SpmmCall;
 use super::GpuDevice;
 use crate::pool::Block;
 use crate::timing::{StepClock, StepTime, StepTimes};
@@ -44,7 +45,95 @@ enum Exec {
         ptrs: DnnPtrs,
         after: Vec<Resolved>,
     },
+    Spmm(SpmmCall),
     Nothing,
+}
+
+/// Where a sparse op's pattern component comes from: checked at prepare (a constant) or before
+/// every run (an input), since cuSPARSE and the kernels read it unchecked.
+#[derive(Clone)]
+enum PatternPart {
+    Const(Arc<HostTensor>),
+    Input(usize),
+}
+
+/// The pattern of one sparse step, checked like the CPU kernels check it.
+#[derive(Clone)]
+struct PatternCheck {
+    step: usize,
+    rows: usize,
+    cols: usize,
+    row_ptr: PatternPart,
+    col_idx: PatternPart,
+}
+
+impl PatternCheck {
+    /// The check of step `i`'s pattern, or None for a step that is not a sparse op.
+    fn of(plan: &Plan, i: usize) -> Result<Option<PatternCheck>> {
+        let step = &plan.steps[i];
+        let (rows, cols) = match &step.op {
+            rustytorch_ops::Op::SparseMatmul { rows, cols, .. } => (*rows, *cols),
+            rustytorch_ops::Op::SampledMatmul => (
+                plan.types[step.inputs[2]].shape.dims()[0],
+                plan.types[step.inputs[3]].shape.dims()[0],
+            ),
+            _ => return Ok(None),
+        };
+        let part = |v: usize| match &plan.sources[v] {
+            Source::Const(t) => Ok(PatternPart::Const(t.clone())),
+            Source::Input(j) => Ok(PatternPart::Input(*j)),
+            _ => Err(RuntimeError::Codegen(
+                rustytorch_codegen::CodegenError::Unsupported {
+                    op: step.op.name(),
+                    device: "cuda",
+                    reason: "the pattern (row_ptr, col_idx) of a sparse op must be a graph \
+                             constant or input on CUDA, where it is checked before use"
+                        .into(),
+                },
+            )),
+        };
+        Ok(Some(PatternCheck {
+            step: i,
+            rows,
+            cols,
+            row_ptr: part(step.inputs[0])?,
+            col_idx: part(step.inputs[1])?,
+        }))
+    }
+
+    /// Whether the check reads run inputs (else it was done at prepare).
+    fn reads_inputs(&self) -> bool {
+        matches!(self.row_ptr, PatternPart::Input(_))
+            || matches!(self.col_idx, PatternPart::Input(_))
+    }
+
+    fn run(&self, plan: &Plan, inputs: &[Arc<HostTensor>]) -> Result<()> {
+        let get = |p: &PatternPart| match p {
+            PatternPart::Const(t) => t.clone(),
+            PatternPart::Input(j) => inputs[*j].clone(),
+        };
+        let (rp, ci) = (get(&self.row_ptr), get(&self.col_idx));
+        let op = plan.steps[self.step].op.name();
+        let r = match (rp.data(), ci.data()) {
+            (Data::I32(a), Data::I32(b)) => {
+                rustytorch_ops::sparse::check_csr_pattern(op, self.rows, self.cols, a, b, false)
+            }
+            (Data::I64(a), Data::I64(b)) => {
+                rustytorch_ops::sparse::check_csr_pattern(op, self.rows, self.cols, a, b, false)
+            }
+            _ => {
+                return Err(RuntimeError::Invalid(format!(
+                    "step {} ({op}): row_ptr and col_idx must both be i32 or both be i64",
+                    self.step
+                )))
+            }
+        };
+        r.map_err(|source| RuntimeError::Kernel {
+            step: self.step,
+            op,
+            source,
+        })
+    }
 }
 
 /// A plan prepared on a CUDA device (see the module docs).
@@ -57,6 +146,8 @@ pub struct CudaSession {
     inputs: Vec<u64>,
     params: Vec<u64>,
     exec: Vec<(usize, Exec)>,
+    /// Sparse patterns that arrive as inputs, checked before every run.
+    pattern_checks: Vec<PatternCheck>,
     /// The scratch buffer every step shares (the largest any step needs).
     scratch: u64,
     transfers: TransferStats,
@@ -92,7 +183,11 @@ unsafe impl Send for Graph {}
 
 /// Copies a host tensor's elements to `dst` on `stream`, straight from its typed storage (f16 and
 /// bf16 are their bit patterns, bool one byte 0/1 on both sides); returns the bytes copied.
-fn htod(dst: u64, t: &HostTensor, stream: cudarc::driver::sys::CUstream) -> Result<usize> {
+pub(crate) fn htod(
+    dst: u64,
+    t: &HostTensor,
+    stream: cudarc::driver::sys::CUstream,
+) -> Result<usize> {
     fn copy<T>(dst: u64, v: &[T], stream: cudarc::driver::sys::CUstream) -> Result<usize> {
         if v.is_empty() {
             return Ok(0);
@@ -111,12 +206,21 @@ fn htod(dst: u64, t: &HostTensor, stream: cudarc::driver::sys::CUstream) -> Resu
         Data::I64(v) => copy(dst, v, stream),
         Data::U8(v) => copy(dst, v, stream),
         Data::Bool(v) => copy(dst, v, stream),
+        Data::I8(v) => copy(dst, v, stream),
+        Data::I16(v) => copy(dst, v, stream),
+        Data::U16(v) => copy(dst, v, stream),
+        Data::U32(v) => copy(dst, v, stream),
+        Data::U64(v) => copy(dst, v, stream),
     }
 }
 
 /// Copies `ty`'s elements from `src` into a new host tensor (bool read as bytes, nonzero = true,
 /// so no byte pattern can make an invalid `bool`).
-fn dtoh(src: u64, ty: &TensorType, stream: cudarc::driver::sys::CUstream) -> Result<HostTensor> {
+pub(crate) fn dtoh(
+    src: u64,
+    ty: &TensorType,
+    stream: cudarc::driver::sys::CUstream,
+) -> Result<HostTensor> {
     fn copy<T: Clone + Default>(
         src: u64,
         n: usize,
@@ -141,6 +245,11 @@ fn dtoh(src: u64, ty: &TensorType, stream: cudarc::driver::sys::CUstream) -> Res
         DType::I32 => Data::I32(copy(src, n, stream)?),
         DType::I64 => Data::I64(copy(src, n, stream)?),
         DType::U8 => Data::U8(copy(src, n, stream)?),
+        DType::I8 => Data::I8(copy(src, n, stream)?),
+        DType::I16 => Data::I16(copy(src, n, stream)?),
+        DType::U16 => Data::U16(copy(src, n, stream)?),
+        DType::U32 => Data::U32(copy(src, n, stream)?),
+        DType::U64 => Data::U64(copy(src, n, stream)?),
         DType::Bool => Data::Bool(
             copy::<u8>(src, n, stream)?
                 .into_iter()
@@ -182,6 +291,7 @@ impl CudaSession {
             inputs: vec![],
             params: vec![],
             exec: vec![],
+            pattern_checks: vec![],
             scratch: 0,
             transfers: TransferStats::default(),
             replay: std::env::var("RUSTYTORCH_CUDA_GRAPH").as_deref() != Ok("0"),
@@ -225,8 +335,26 @@ impl CudaSession {
         // cuDNN steps learn their scratch (workspace) once their algorithm is chosen.
         let stream = dev.stream.cu_stream();
         let mut scratch_bytes = 0;
-        for st in &steps {
+        let mut spmm_calls: Vec<Option<SpmmCall>> = Vec::with_capacity(steps.len());
+        for (i, st) in steps.iter().enumerate() {
+            if let Some(c) = PatternCheck::of(&plan, i)? {
+                if c.reads_inputs() {
+                    s.pattern_checks.push(c);
+                } else {
+                    c.run(&plan, &[])?;
+                }
+            }
+            let mut call = None;
+            if let CudaStep::Spmm(desc) = st {
+                let step = &plan.steps[i];
+                let ins: Vec<u64> = step.inputs.iter().map(|&v| s.ptrs[v]).collect();
+                let out = s.ptrs[step.output];
+                call = Some(dev.with_sparse(|sp| sp.prepare_spmm(desc, &ins, out, stream as _))?);
+            }
+            let call_bytes = call.as_ref().map_or(0, |c| c.buffer);
+            spmm_calls.push(call);
             scratch_bytes = scratch_bytes.max(match st {
+                CudaStep::Spmm(_) => call_bytes,
                 CudaStep::Kernels(k) => k.scratch_bytes,
                 CudaStep::Matmul { after, .. } => after.scratch_bytes,
                 CudaStep::Dnn(d) => {
@@ -252,7 +380,7 @@ impl CudaSession {
                 CudaStep::Kernels(k) => k.launches.iter().collect(),
                 CudaStep::Matmul { after, .. } => after.launches.iter().collect(),
                 CudaStep::Dnn(d) => d.before.iter().chain(&d.after).collect(),
-                CudaStep::Alias => vec![],
+                CudaStep::Spmm(_) | CudaStep::Alias => vec![],
             };
             for l in ks {
                 sources.push((l.kernel.name.clone(), source(&l.kernel)?));
@@ -261,7 +389,7 @@ impl CudaSession {
         let funcs = dev.functions(&sources)?;
         let mut funcs = funcs.into_iter();
 
-        for (i, (step, st)) in plan.steps.iter().zip(steps).enumerate() {
+        for (i, ((step, st), call)) in plan.steps.iter().zip(steps).zip(spmm_calls).enumerate() {
             let out = s.ptrs[step.output];
             let ins: Vec<u64> = step.inputs.iter().map(|&v| s.ptrs[v]).collect();
             let mut resolve = |k: &StepKernels| -> Vec<Resolved> {
@@ -332,6 +460,7 @@ impl CudaSession {
                         desc,
                     }
                 }
+                CudaStep::Spmm(_) => Exec::Spmm(call.expect("prepared above")),
                 CudaStep::Alias => Exec::Nothing,
             };
             s.exec.push((i, e));
@@ -460,6 +589,13 @@ impl CudaSession {
                         self.launch(l, i, stream)?;
                     }
                 }
+                Exec::Spmm(call) => {
+                    self.dev
+                        .with_sparse(|sp| sp.spmm(call, self.scratch, stream))
+                        .map_err(|e| {
+                            RuntimeError::Device(format!("step {i} (sparse_matmul): {e}"))
+                        })?;
+                }
                 Exec::Nothing => {}
             }
         }
@@ -575,6 +711,12 @@ impl Session for CudaSession {
                     t.ty()
                 )));
             }
+        }
+        // Sparse patterns are checked before anything is uploaded.
+        for c in &self.pattern_checks {
+            c.run(&self.plan, inputs)?;
+        }
+        for (i, t) in inputs.iter().enumerate() {
             let dst = self.inputs[i];
             self.upload(dst, t)?;
         }
