@@ -1369,3 +1369,37 @@ fn silu_ones_are_matched_within_a_tolerance() {
     let g = graph_of(feeds, &|gb, x| vec![silu(1.01)(gb, x)]);
     assert!(!optimized(&g).ops.contains("silu"));
 }
+
+/// Exponents are matched exactly: `pow(x, 2.001)` and `pow(x, 3.001)` are NaN for negative x, and
+/// a norm or GELU recognized from them would turn those NaNs into numbers.
+#[test]
+fn exponents_are_matched_exactly() {
+    let x = random(DType::F64, &[4, 8], 7, -4.0, 4.0);
+    let feeds = std::slice::from_ref(&x);
+    for (layer, name) in [(true, "layer_norm"), (false, "rms_norm")] {
+        let spelled = |p: f64| {
+            move |_: &GraphBuilder, x: &[Tensor]| {
+                let xc = if layer {
+                    x[0].sub(&x[0].mean(&[-1], true))
+                } else {
+                    x[0].clone()
+                };
+                let v = xc.pow_scalar(p).mean(&[-1], true).add_scalar(1e-5);
+                vec![xc.mul(&v.rsqrt())]
+            }
+        };
+        assert!(optimized(&graph_of(feeds, &spelled(2.0))).ops.contains(name));
+        assert!(!optimized(&graph_of(feeds, &spelled(2.001))).ops.contains(name));
+    }
+    let gelu = |p: f64| {
+        move |_: &GraphBuilder, x: &[Tensor]| {
+            let x = &x[0];
+            let inner = x.add(&x.pow_scalar(p).mul_scalar(0.044715));
+            vec![x
+                .mul_scalar(0.5)
+                .mul(&inner.mul_scalar(SQRT_2_OVER_PI).tanh().add_scalar(1.0))]
+        }
+    };
+    assert!(optimized(&graph_of(feeds, &gelu(3.0))).ops.contains("gelu_tanh"));
+    assert!(!optimized(&graph_of(feeds, &gelu(3.001))).ops.contains("gelu_tanh"));
+}
