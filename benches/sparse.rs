@@ -4,7 +4,7 @@
 //! times the Rust kernel; a summary table of medians and ratios is printed at the end.
 //!
 //! `cargo bench --bench sparse` (set `RUSTYTORCH_SPARSE_BENCH=small` to skip the n = 8192,
-//! density 1e-2 case, whose product has about 37 M nonzeros).
+//! density 1e-2 case, whose product has about 37 M nonzeros, or `large` to run it alone).
 
 #![allow(missing_docs)] // criterion_group! generates undocumented public functions
 
@@ -18,8 +18,12 @@ use std::time::Instant;
 
 /// (n, density) of each case.
 fn cases() -> Vec<(usize, f64)> {
-    let mut c = vec![(16384, 1e-3), (65536, 1e-4)];
-    if std::env::var("RUSTYTORCH_SPARSE_BENCH").as_deref() != Ok("small") {
+    let which = std::env::var("RUSTYTORCH_SPARSE_BENCH").unwrap_or_default();
+    let mut c = vec![];
+    if which != "large" {
+        c.extend([(16384, 1e-3), (65536, 1e-4)]);
+    }
+    if which != "small" {
         c.push((8192, 1e-2));
     }
     c

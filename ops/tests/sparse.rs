@@ -45,8 +45,10 @@ fn transpose(a: &[f64], m: usize, n: usize) -> Vec<f64> {
     (0..n * m).map(|p| a[(p % m) * n + p / m]).collect()
 }
 
-/// The shapes every product test covers: (m, k, n, density of A, density of B).
-const SHAPES: [(usize, usize, usize, f64, f64); 10] = [
+/// The shapes every product test covers: (m, k, n, density of A, density of B). The last two
+/// are wide: rows with many products for their width (the branch-free path) and rows with a few
+/// products spread over many columns (sorted).
+const SHAPES: [(usize, usize, usize, f64, f64); 12] = [
     (0, 0, 0, 0.5, 0.5),
     (0, 5, 3, 0.5, 0.5),
     (4, 0, 3, 0.5, 0.5),
@@ -57,6 +59,8 @@ const SHAPES: [(usize, usize, usize, f64, f64); 10] = [
     (40, 12, 9, 0.02, 0.6),
     (9, 40, 64, 0.9, 0.7),
     (64, 64, 64, 0.05, 0.05),
+    (30, 200, 3000, 0.02, 0.01),
+    (30, 200, 3000, 0.01, 0.002),
 ];
 
 #[test]

@@ -1,12 +1,9 @@
 //! SpGEMM on the CPU: `C = A·B` for CSR A and B with a CSR result, by Gustavson's row-by-row
-//! method in two phases over rayon:
-//!
-//! 1. *symbolic*: the number of distinct columns of each row of C (a per-thread marker array over
-//!    B's columns), summed into C's row pointers, so C's arrays are allocated once at their exact
-//!    size;
-//! 2. *numeric*: each row of C accumulated in a per-thread dense accumulator with a bitmap of
-//!    the touched columns; the columns come out sorted by reading the bitmap's words in order
-//!    (or, for a few columns spread over a wide range, by sorting them), written to C's slice.
+//! method over rayon: each row of C is accumulated in a per-thread dense accumulator with a
+//! bitmap of the touched columns; the columns come out sorted by reading the bitmap's words in
+//! order (or, for a few columns spread over a wide range, by sorting them). Each block of rows
+//! writes into its own buffers, which are then copied into C's arrays at their offsets (one pass
+//! over the products; a symbolic pass counting each row first would make two).
 //!
 //! Rows are split into contiguous blocks of about equal work (multiply-adds plus one per row), a
 //! few per thread, so skewed rows do not idle threads. The number of nonzeros of C depends on the
@@ -99,86 +96,61 @@ fn typed<I: SpIndex, V: Acc>(
         .collect();
     let blocks = split_rows(&work, rayon::current_num_threads() * 4);
 
-    // Phase 1: the size of each row of C.
-    let mut row_nnz = vec![0usize; m];
-    let parts = split_mut(&mut row_nnz, &blocks);
-    parts.into_par_iter().for_each(|(rows, out)| {
-        // A bitmap of the columns the current row has touched (n/8 bytes: in L1 for n ≤ 256 K),
-        // and the list of them, to clear the bitmap for the next row.
-        let mut bits = vec![0u64; n.div_ceil(64)];
-        let mut touched: Vec<usize> = Vec::new();
-        for (i, o) in rows.zip(out.iter_mut()) {
-            let (s, e) = (arp[i].to_usize(), arp[i + 1].to_usize());
-            if e - s == 1 {
-                let k = aci[s].to_usize();
-                *o = brp[k + 1].to_usize() - brp[k].to_usize();
-                continue;
-            }
-            touched.clear();
-            for &k in &aci[s..e] {
-                let k = k.to_usize();
-                for &j in &bci[brp[k].to_usize()..brp[k + 1].to_usize()] {
-                    let j = j.to_usize();
-                    let (w, bit) = (j >> 6, 1u64 << (j & 63));
-                    if bits[w] & bit == 0 {
-                        bits[w] |= bit;
-                        touched.push(j);
-                    }
-                }
-            }
-            *o = touched.len();
-            for &j in &touched {
-                bits[j >> 6] = 0;
-            }
-        }
-    });
-
-    // Row pointers of C.
-    let mut crp = Vec::with_capacity(m + 1);
-    crp.push(0usize);
-    let mut total = 0usize;
-    for &c in &row_nnz {
-        total += c;
-        crp.push(total);
-    }
-    if total > I::LIMIT {
-        return Err(err(
-            "spgemm",
-            format!(
-                "the product has {total} nonzeros, more than {} indices can address; use i64 \
-                 indices",
-                I::DTYPE
-            ),
-        ));
-    }
-
-    // Phase 2: values and sorted column indices, each block writing its own slice of C.
-    let mut cci = vec![I::default(); total];
-    let mut cv = vec![V::default(); total];
-    let spans: Vec<std::ops::Range<usize>> =
-        blocks.iter().map(|r| crp[r.start]..crp[r.end]).collect();
-    let ci_parts = split_mut(&mut cci, &spans);
-    let v_parts = split_mut(&mut cv, &spans);
-    let crp_ref = &crp;
-    blocks.into_par_iter().zip(ci_parts).zip(v_parts).for_each(
-        |((rows, (_, ci_out)), (_, v_out))| {
-            let base = crp_ref[rows.start];
+    // One pass per block: each block accumulates its rows into its own buffers (sized from its
+    // work, an upper bound of its nonzeros), then the blocks are copied into C's arrays at their
+    // offsets. A separate symbolic pass (counting each row's columns first) would traverse every
+    // product twice; the copy costs one pass over C instead.
+    type Block<I, V> = (Vec<usize>, Vec<I>, Vec<V>);
+    let parts: Vec<Block<I, V>> = blocks
+        .par_iter()
+        .map(|rows| {
+            let bound: usize = work[rows.clone()].iter().sum();
+            let mut counts = Vec::with_capacity(rows.len());
+            let mut ci_out: Vec<I> = Vec::with_capacity(bound.min(rows.len().saturating_mul(n)));
+            let mut v_out: Vec<V> = Vec::with_capacity(ci_out.capacity());
             // Which columns the current row has touched, one bit each (small enough for L1).
             let mut bits = vec![0u64; n.div_ceil(64)];
             let mut acc = vec![V::default(); n];
+            // The branch-free path's accumulator, kept all zeros between rows.
+            let mut zacc = vec![V::default(); n];
+            let words = n.div_ceil(64);
             let mut cols: Vec<usize> = Vec::new();
-            for i in rows {
+            for i in rows.clone() {
                 let (s, e) = (arp[i].to_usize(), arp[i + 1].to_usize());
-                let (os, oe) = (crp_ref[i] - base, crp_ref[i + 1] - base);
-                let (ci_row, v_row) = (&mut ci_out[os..oe], &mut v_out[os..oe]);
+                let before = ci_out.len();
                 if e - s == 1 {
                     // One nonzero in A's row: C's row is a scaled copy of B's (already sorted).
                     let (k, x) = (aci[s].to_usize(), av[s]);
                     let (bs, be) = (brp[k].to_usize(), brp[k + 1].to_usize());
-                    ci_row.copy_from_slice(&bci[bs..be]);
-                    for (o, &y) in v_row.iter_mut().zip(&bv[bs..be]) {
-                        *o = x * y;
+                    ci_out.extend_from_slice(&bci[bs..be]);
+                    v_out.extend(bv[bs..be].iter().map(|&y| x * y));
+                    counts.push(be - bs);
+                    continue;
+                }
+                let products = work[i] - 1;
+                if products >= words {
+                    // Many products for the width: accumulate without branches (every product
+                    // adds into a zeroed accumulator and sets its column's bit), then read the
+                    // whole bitmap in order, which lists the columns sorted and clears both.
+                    for p in s..e {
+                        let (k, x) = (aci[p].to_usize(), av[p]);
+                        let (bs, be) = (brp[k].to_usize(), brp[k + 1].to_usize());
+                        for (&j, &y) in bci[bs..be].iter().zip(&bv[bs..be]) {
+                            let j = j.to_usize();
+                            bits[j >> 6] |= 1u64 << (j & 63);
+                            zacc[j] = zacc[j] + x * y;
+                        }
                     }
+                    for (w, word) in bits.iter_mut().enumerate() {
+                        let mut b = std::mem::take(word);
+                        while b != 0 {
+                            let j = w * 64 + b.trailing_zeros() as usize;
+                            ci_out.push(I::from_usize(j));
+                            v_out.push(std::mem::take(&mut zacc[j]));
+                            b &= b - 1;
+                        }
+                    }
+                    counts.push(ci_out.len() - before);
                     continue;
                 }
                 cols.clear();
@@ -205,29 +177,79 @@ fn typed<I: SpIndex, V: Acc>(
                 if len > 0 && hi + 1 - lo <= 4 * len * log {
                     // Reading the touched words in order lists the columns sorted (and clears
                     // the bits for the next row).
-                    let mut w_out = 0;
                     for (w, word) in bits.iter_mut().enumerate().take(hi + 1).skip(lo) {
                         let mut b = std::mem::take(word);
                         while b != 0 {
                             let j = w * 64 + b.trailing_zeros() as usize;
-                            ci_row[w_out] = I::from_usize(j);
-                            v_row[w_out] = acc[j];
-                            w_out += 1;
+                            ci_out.push(I::from_usize(j));
+                            v_out.push(acc[j]);
                             b &= b - 1;
                         }
                     }
                 } else {
                     // Few columns spread over a wide range: sort them.
                     cols.sort_unstable();
-                    for ((c, o), &j) in ci_row.iter_mut().zip(v_row.iter_mut()).zip(&cols) {
-                        *c = I::from_usize(j);
-                        *o = acc[j];
+                    for &j in &cols {
+                        ci_out.push(I::from_usize(j));
+                        v_out.push(acc[j]);
                         bits[j >> 6] = 0;
                     }
                 }
+                counts.push(ci_out.len() - before);
             }
-        },
-    );
+            (counts, ci_out, v_out)
+        })
+        .collect();
+
+    // Row pointers of C.
+    let mut crp = Vec::with_capacity(m + 1);
+    crp.push(0usize);
+    let mut total = 0usize;
+    for (counts, _, _) in &parts {
+        for &c in counts {
+            total += c;
+            crp.push(total);
+        }
+    }
+    if total > I::LIMIT {
+        return Err(err(
+            "spgemm",
+            format!(
+                "the product has {total} nonzeros, more than {} indices can address; use i64 \
+                 indices",
+                I::DTYPE
+            ),
+        ));
+    }
+    // The blocks' buffers into C's arrays, each block into its own slice.
+    let spans: Vec<std::ops::Range<usize>> =
+        blocks.iter().map(|r| crp[r.start]..crp[r.end]).collect();
+    let mut cci: Vec<I> = Vec::with_capacity(total);
+    let mut cv: Vec<V> = Vec::with_capacity(total);
+    {
+        let ci_dst = split_uninit(cci.spare_capacity_mut(), &spans);
+        let v_dst = split_uninit(cv.spare_capacity_mut(), &spans);
+        parts
+            .par_iter()
+            .zip(ci_dst)
+            .zip(v_dst)
+            .for_each(|(((_, ci, v), cd), vd)| {
+                for (d, s) in cd.iter_mut().zip(ci) {
+                    d.write(*s);
+                }
+                for (d, s) in vd.iter_mut().zip(v) {
+                    d.write(*s);
+                }
+            });
+    }
+    // SAFETY: the spans partition 0..total (block b's rows start at crp[start] and end at
+    // crp[end], consecutive blocks sharing their boundary), and block b wrote exactly
+    // crp[end] − crp[start] elements (its own row counts) into its span, so every element of
+    // both arrays is initialized.
+    unsafe {
+        cci.set_len(total);
+        cv.set_len(total);
+    }
     let rp = HostTensor::from_data(
         I::wrap(crp.into_iter().map(I::from_usize).collect()),
         [m + 1],
@@ -260,16 +282,15 @@ fn split_rows(work: &[usize], parts: usize) -> Vec<std::ops::Range<usize>> {
     out
 }
 
-/// Splits `v` into the disjoint mutable slices covering `ranges` (contiguous, in order, from 0),
-/// each paired with its range.
-fn split_mut<'a, T>(
-    mut v: &'a mut [T],
+/// Splits `v` into the disjoint mutable slices covering `ranges` (contiguous, in order, from 0).
+fn split_uninit<'a, T>(
+    mut v: &'a mut [std::mem::MaybeUninit<T>],
     ranges: &[std::ops::Range<usize>],
-) -> Vec<(std::ops::Range<usize>, &'a mut [T])> {
+) -> Vec<&'a mut [std::mem::MaybeUninit<T>]> {
     let mut out = Vec::with_capacity(ranges.len());
     for r in ranges {
         let (head, tail) = std::mem::take(&mut v).split_at_mut(r.end - r.start);
-        out.push((r.clone(), head));
+        out.push(head);
         v = tail;
     }
     out
