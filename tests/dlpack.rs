@@ -15,16 +15,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-const DTYPES: [DType; 8] = [
-    DType::F32,
-    DType::F64,
-    DType::F16,
-    DType::BF16,
-    DType::I32,
-    DType::I64,
-    DType::U8,
-    DType::Bool,
-];
+const DTYPES: [DType; 13] = DType::ALL;
 
 fn cuda() -> bool {
     std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
@@ -35,6 +26,8 @@ fn sample(dtype: DType, dims: &[usize], seed: u64) -> HostTensor {
     let (lo, hi) = match dtype {
         DType::Bool => (0.0, 2.0),
         DType::U8 => (0.0, 250.0),
+        DType::I8 => (-120.0, 120.0),
+        d if d.is_unsigned_int() => (0.0, 60000.0),
         d if d.is_int() => (-1000.0, 1000.0),
         _ => (-3.0, 3.0),
     };
@@ -94,6 +87,11 @@ fn every_dtype_round_trips_without_a_copy() {
                 rustytorch::ops::Data::I64(v) => v.as_ptr() as u64,
                 rustytorch::ops::Data::U8(v) => v.as_ptr() as u64,
                 rustytorch::ops::Data::Bool(v) => v.as_ptr() as u64,
+                rustytorch::ops::Data::I8(v) => v.as_ptr() as u64,
+                rustytorch::ops::Data::I16(v) => v.as_ptr() as u64,
+                rustytorch::ops::Data::U16(v) => v.as_ptr() as u64,
+                rustytorch::ops::Data::U32(v) => v.as_ptr() as u64,
+                rustytorch::ops::Data::U64(v) => v.as_ptr() as u64,
             };
             assert_eq!(e.data_ptr(), storage, "{dtype}");
             // A copy reads the same elements.
@@ -738,5 +736,24 @@ fn cuda_executables_run_on_device_tensors() {
             (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
             "{got:?} vs {want:?}"
         );
+    }
+}
+
+#[test]
+fn integer_dtypes_use_dlpacks_int_and_uint_codes() {
+    // kDLInt is 0 and kDLUInt 1, with the width in bits (dlpack.h).
+    for (dtype, code, bits) in [
+        (DType::I8, 0, 8),
+        (DType::I16, 0, 16),
+        (DType::I32, 0, 32),
+        (DType::I64, 0, 64),
+        (DType::U8, 1, 8),
+        (DType::U16, 1, 16),
+        (DType::U32, 1, 32),
+        (DType::U64, 1, 64),
+    ] {
+        let t = DLDataType::of(dtype);
+        assert_eq!((t.code, t.bits, t.lanes), (code, bits, 1), "{dtype}");
+        assert_eq!(t.dtype().unwrap(), dtype);
     }
 }

@@ -54,6 +54,13 @@ const BINARY: [BinaryOp; 15] = [
     BinaryOp::Or,
 ];
 
+/// The dtypes CUDA kernels handle (the others are an error naming the op, tested below).
+fn cuda_dtypes() -> impl Iterator<Item = DType> {
+    DType::ALL
+        .into_iter()
+        .filter(|&d| cuda::ir::dtype_supported(d))
+}
+
 fn ty(dt: DType, dims: &[usize]) -> TensorType {
     TensorType::new(dt, Shape::new(dims))
 }
@@ -114,6 +121,7 @@ fn specials(dt: DType) -> HostTensor {
         ],
         DType::U8 => vec![0.0, 1.0, 2.0, 7.0, 127.0, 128.0, 200.0, 255.0],
         DType::Bool => vec![0.0, 1.0],
+        other => panic!("{other} has no CUDA kernels"),
     };
     HostTensor::from_f64_slice(&ty(dt, &[v.len()]), &v).unwrap()
 }
@@ -189,7 +197,7 @@ fn unary_ops_every_dtype() {
     let mut cases = 0;
     for (k, &u) in UNARY.iter().enumerate() {
         let op = Op::Unary(u);
-        for dt in DType::ALL {
+        for dt in cuda_dtypes() {
             if !accepts(&op, &[ty(dt, &[2])]) {
                 continue;
             }
@@ -225,7 +233,7 @@ const PAIRS: [(&[usize], &[usize]); 6] = [
 fn binary_ops_every_dtype_with_broadcasting() {
     for (k, &o) in BINARY.iter().enumerate() {
         let op = Op::Binary(o);
-        for dt in DType::ALL {
+        for dt in cuda_dtypes() {
             if !accepts(&op, &[ty(dt, &[2]), ty(dt, &[2])]) {
                 continue;
             }
@@ -259,7 +267,7 @@ fn binary_ops_every_dtype_with_broadcasting() {
 
 #[test]
 fn where_every_dtype() {
-    for dt in DType::ALL {
+    for dt in cuda_dtypes() {
         let shapes: [[&[usize]; 3]; 4] = [
             [&[3, 1, 5], &[4, 5], &[3, 4, 1]],
             [&[], &[2, 3], &[]],
@@ -330,8 +338,8 @@ fn cast_sources(dt: DType) -> Vec<HostTensor> {
 
 #[test]
 fn cast_every_pair_of_dtypes() {
-    for from in DType::ALL {
-        for to in DType::ALL {
+    for from in cuda_dtypes() {
+        for to in cuda_dtypes() {
             let op = Op::Cast { to };
             for (s, x) in cast_sources(from).iter().enumerate() {
                 check_with(&op, &[x], true, &format!("cast {from} -> {to} ({s})"));
@@ -578,7 +586,7 @@ fn fused_integer_bool_and_cast_chains() {
 #[test]
 fn permute_expand_slice_reshape() {
     let perms: [&[usize]; 5] = [&[0, 2, 1], &[2, 0, 1], &[1, 0, 2], &[2, 1, 0], &[0, 1, 2]];
-    for (s, dt) in DType::ALL.into_iter().enumerate() {
+    for (s, dt) in cuda_dtypes().enumerate() {
         let x = rand(dt, &[5, 7, 33], s as u64, -100.0, 100.0);
         for p in perms {
             let op = Op::Permute { perm: p.to_vec() };
@@ -645,7 +653,7 @@ fn tiled_transposes() {
     ];
     let perms4: [&[usize]; 4] = [&[0, 3, 1, 2], &[3, 2, 1, 0], &[1, 0, 3, 2], &[2, 3, 0, 1]];
     let mut n_tiled = 0;
-    for (s, dt) in DType::ALL.into_iter().enumerate() {
+    for (s, dt) in cuda_dtypes().enumerate() {
         let x = rand(dt, &[3, 37, 41], 500 + s as u64, -100.0, 100.0);
         let x4 = rand(dt, &[2, 9, 5, 40], 510 + s as u64, -100.0, 100.0);
         for (x, perms) in [(&x, &perms3[..]), (&x4, &perms4[..])] {
@@ -673,7 +681,7 @@ fn tiled_transposes() {
 
 #[test]
 fn concat_and_pad() {
-    for (s, dt) in DType::ALL.into_iter().enumerate() {
+    for (s, dt) in cuda_dtypes().enumerate() {
         let seed = 200 + 10 * s as u64;
         for axis in 0..3 {
             let mut dims = [vec![2, 3, 4], vec![2, 3, 4], vec![2, 3, 4], vec![2, 3, 4]];
@@ -735,7 +743,7 @@ fn indices(dt: DType, dims: &[usize], seed: u64, n: usize) -> HostTensor {
 
 #[test]
 fn gather_and_index_select() {
-    for (s, dt) in DType::ALL.into_iter().enumerate() {
+    for (s, dt) in cuda_dtypes().enumerate() {
         for idt in [DType::I32, DType::I64] {
             let seed = 300 + 10 * s as u64;
             let x = rand(dt, &[4, 6, 5], seed, -100.0, 100.0);
@@ -761,7 +769,7 @@ fn gather_and_index_select() {
 
 #[test]
 fn scatter_add_and_index_add() {
-    for (s, dt) in DType::ALL.into_iter().enumerate() {
+    for (s, dt) in cuda_dtypes().enumerate() {
         if dt == DType::Bool {
             continue;
         }
@@ -915,7 +923,7 @@ fn check_vector(op: &Op, inputs: &[&HostTensor], what: &str) -> bool {
 /// dtype, unary/binary/where/cast/fused, sizes with and without a scalar tail, against the CPU.
 #[test]
 fn vectorized_elementwise_kernels() {
-    for dt in DType::ALL {
+    for dt in cuda_dtypes() {
         let w = 16 / dt.size_bytes();
         for n in [256 * w, 256 * w + w - 1, 3 * 256 * w + 1] {
             let what = |s: &str| format!("{s} {dt} [{n}]");
@@ -982,4 +990,48 @@ fn snapshot_bf16_chain_vectorized() {
     let src = cuda::source(only_kernel(&step)).unwrap();
     assert_eq!(step.launches[0].grid, 65_535);
     insta::assert_snapshot!("bf16_chain_vectorized", src);
+}
+
+#[test]
+fn integer_dtypes_without_kernels_are_unsupported_naming_the_op() {
+    use rustytorch_codegen::cuda::reduce;
+    use rustytorch_ops::ReduceKind;
+    for dt in [DType::I8, DType::I16, DType::U16, DType::U32, DType::U64] {
+        assert!(!cuda::ir::dtype_supported(dt));
+        let x = ty(dt, &[2, 3]);
+        let cases: [(Op, Vec<TensorType>); 4] = [
+            (Op::Binary(BinaryOp::Add), vec![x.clone(), x.clone()]),
+            (Op::Cast { to: DType::F32 }, vec![ty(DType::F32, &[2, 3])]),
+            (Op::Permute { perm: vec![1, 0] }, vec![x.clone()]),
+            (
+                Op::Reduce {
+                    kind: ReduceKind::Sum,
+                    axes: vec![1],
+                    keep_dims: false,
+                },
+                vec![x.clone()],
+            ),
+        ];
+        for (op, ins) in cases {
+            // A cast *to* the dtype is refused as well as an operand of it.
+            let op = match op {
+                Op::Cast { .. } => Op::Cast { to: dt },
+                op => op,
+            };
+            let refs: Vec<&TensorType> = ins.iter().collect();
+            let out = infer(&op, &refs).unwrap();
+            let r = match &op {
+                Op::Reduce { .. } => reduce::lower(&op, &refs, &out),
+                Op::Permute { .. } => elementwise::lower_movement(&op, &refs, &out),
+                _ => elementwise::lower(&op, &refs, &out),
+            };
+            let e = r.unwrap_err();
+            assert!(
+                matches!(e, rustytorch_codegen::CodegenError::Unsupported { .. }),
+                "{e}"
+            );
+            let e = e.to_string();
+            assert!(e.contains(op.name()) && e.contains(dt.name()), "{e}");
+        }
+    }
 }

@@ -239,6 +239,11 @@ pub fn tensor_bytes(t: &HostTensor) -> Vec<u8> {
         Data::I64(v) => le(v, |x| x.to_le_bytes()),
         Data::U8(v) => v.clone(),
         Data::Bool(v) => v.iter().map(|&b| b as u8).collect(),
+        Data::I8(v) => le(v, |x| x.to_le_bytes()),
+        Data::I16(v) => le(v, |x| x.to_le_bytes()),
+        Data::U16(v) => le(v, |x| x.to_le_bytes()),
+        Data::U32(v) => le(v, |x| x.to_le_bytes()),
+        Data::U64(v) => le(v, |x| x.to_le_bytes()),
     }
 }
 
@@ -315,6 +320,11 @@ fn tensor_from_bytes(
             }
             Data::Bool(bytes.iter().map(|&b| b == 1).collect())
         }
+        DType::I8 => Data::I8(from(bytes, i8::from_le_bytes)),
+        DType::I16 => Data::I16(from(bytes, i16::from_le_bytes)),
+        DType::U16 => Data::U16(from(bytes, u16::from_le_bytes)),
+        DType::U32 => Data::U32(from(bytes, u32::from_le_bytes)),
+        DType::U64 => Data::U64(from(bytes, u64::from_le_bytes)),
     };
     HostTensor::from_data(data, shape).map_err(|e| fmt_err(format!("{}: {e}", what())))
 }
@@ -329,6 +339,11 @@ fn st_dtype(d: DType) -> safetensors::Dtype {
         DType::I64 => safetensors::Dtype::I64,
         DType::U8 => safetensors::Dtype::U8,
         DType::Bool => safetensors::Dtype::BOOL,
+        DType::I8 => safetensors::Dtype::I8,
+        DType::I16 => safetensors::Dtype::I16,
+        DType::U16 => safetensors::Dtype::U16,
+        DType::U32 => safetensors::Dtype::U32,
+        DType::U64 => safetensors::Dtype::U64,
     }
 }
 
@@ -364,6 +379,11 @@ fn from_st_dtype(d: safetensors::Dtype) -> Option<DType> {
         safetensors::Dtype::I64 => DType::I64,
         safetensors::Dtype::U8 => DType::U8,
         safetensors::Dtype::BOOL => DType::Bool,
+        safetensors::Dtype::I8 => DType::I8,
+        safetensors::Dtype::I16 => DType::I16,
+        safetensors::Dtype::U16 => DType::U16,
+        safetensors::Dtype::U32 => DType::U32,
+        safetensors::Dtype::U64 => DType::U64,
         _ => return None,
     })
 }

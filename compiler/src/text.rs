@@ -906,6 +906,11 @@ impl<'a> Lexer<'a> {
             DType::I32 => Data::I32(all(&toks, "an i32", |t| t.parse().ok())?),
             DType::I64 => Data::I64(all(&toks, "an i64", |t| t.parse().ok())?),
             DType::U8 => Data::U8(all(&toks, "a u8", |t| t.parse().ok())?),
+            DType::I8 => Data::I8(all(&toks, "an i8", |t| t.parse().ok())?),
+            DType::I16 => Data::I16(all(&toks, "an i16", |t| t.parse().ok())?),
+            DType::U16 => Data::U16(all(&toks, "a u16", |t| t.parse().ok())?),
+            DType::U32 => Data::U32(all(&toks, "a u32", |t| t.parse().ok())?),
+            DType::U64 => Data::U64(all(&toks, "a u64", |t| t.parse().ok())?),
             DType::Bool => Data::Bool(all(&toks, "true or false", |t| match t {
                 "true" => Some(true),
                 "false" => Some(false),

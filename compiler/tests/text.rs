@@ -271,3 +271,51 @@ fn parse_errors_carry_line_numbers() {
         );
     }
 }
+
+/// A graph with an input and a constant of every dtype (the integer constants at their extremes),
+/// each cast to f32 and to i64.
+fn every_dtype_graph() -> Graph {
+    let mut g = Graph::new();
+    for d in DType::ALL {
+        let x = g
+            .add_input(&format!("x_{d}"), TensorType::new(d, [2]))
+            .unwrap();
+        // -∞ and +∞ saturate to an integer dtype's minimum and maximum.
+        let c = g.add_constant(
+            HostTensor::from_vec(vec![f64::NEG_INFINITY, f64::INFINITY, -1.0, 0.0], [2, 2])
+                .unwrap()
+                .cast(d),
+        );
+        let xf = g.add(Op::Cast { to: DType::F32 }, &[x]).unwrap();
+        let ci = g.add(Op::Cast { to: DType::I64 }, &[c]).unwrap();
+        let back = g.add(Op::Cast { to: d }, &[xf]).unwrap();
+        g.add_output(&format!("f_{d}"), xf).unwrap();
+        g.add_output(&format!("c_{d}"), ci).unwrap();
+        g.add_output(&format!("b_{d}"), back).unwrap();
+    }
+    g
+}
+
+#[test]
+fn every_dtype_prints_and_parses_back() {
+    let g = every_dtype_graph();
+    let text = print(&g);
+    for (d, want) in [
+        (DType::I8, "i8[2,2] = [-128, 127, -1, 0]"),
+        (DType::I16, "i16[2,2] = [-32768, 32767, -1, 0]"),
+        (DType::U16, "u16[2,2] = [0, 65535, 0, 0]"),
+        (DType::U32, "u32[2,2] = [0, 4294967295, 0, 0]"),
+        (DType::U64, "u64[2,2] = [0, 18446744073709551615, 0, 0]"),
+    ] {
+        assert!(text.contains(want), "{d}: {text}");
+        assert!(text.contains(&format!("x_{d} : {d}[2]")), "{d}: {text}");
+        assert!(text.contains(&format!("cast[to={d}]")), "{d}: {text}");
+    }
+    let back = parse(&text).unwrap();
+    assert_eq!(print(&back), text);
+    assert_eq!(back.constants, g.constants);
+    // A value out of the dtype's range is an error naming it.
+    let bad = text.replace("[-128, 127, -1, 0]", "[-129, 127, -1, 0]");
+    let e = parse(&bad).unwrap_err().to_string();
+    assert!(e.contains("-129") && e.contains("i8"), "{e}");
+}

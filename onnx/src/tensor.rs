@@ -19,9 +19,15 @@ pub fn dtype_from_onnx(code: i32) -> std::result::Result<DType, String> {
         DataType::Int64 => DType::I64,
         DataType::Uint8 => DType::U8,
         DataType::Bool => DType::Bool,
+        DataType::Int8 => DType::I8,
+        DataType::Int16 => DType::I16,
+        DataType::Uint16 => DType::U16,
+        DataType::Uint32 => DType::U32,
+        DataType::Uint64 => DType::U64,
         other => {
             return Err(format!(
-                "element type {} is not supported (supported: float, double, float16, bfloat16, int32, int64, uint8, bool)",
+                "element type {} is not supported (supported: float, double, float16, bfloat16, \
+                 int8, int16, int32, int64, uint8, uint16, uint32, uint64, bool)",
                 other.as_str_name().to_lowercase()
             ))
         }
@@ -160,12 +166,18 @@ pub fn tensor_from_proto(t: &TensorProto, base_dir: Option<&Path>) -> Result<Hos
             DType::I64 => Data::I64(from_le(&raw, i64::from_le_bytes)),
             DType::U8 => Data::U8(raw),
             DType::Bool => Data::Bool(raw.iter().map(|&b| b != 0).collect()),
+            DType::I8 => Data::I8(from_le(&raw, i8::from_le_bytes)),
+            DType::I16 => Data::I16(from_le(&raw, i16::from_le_bytes)),
+            DType::U16 => Data::U16(from_le(&raw, u16::from_le_bytes)),
+            DType::U32 => Data::U32(from_le(&raw, u32::from_le_bytes)),
+            DType::U64 => Data::U64(from_le(&raw, u64::from_le_bytes)),
         }
     } else {
         let got = match dtype {
             DType::F32 => t.float_data.len(),
             DType::F64 => t.double_data.len(),
             DType::I64 => t.int64_data.len(),
+            DType::U32 | DType::U64 => t.uint64_data.len(),
             _ => t.int32_data.len(),
         };
         if got != n {
@@ -181,6 +193,11 @@ pub fn tensor_from_proto(t: &TensorProto, base_dir: Option<&Path>) -> Result<Hos
             DType::Bool => Data::Bool(i32s.iter().map(|&v| v != 0).collect()),
             DType::F16 => Data::F16(i32s.iter().map(|&v| f16::from_bits(v as u16)).collect()),
             DType::BF16 => Data::BF16(i32s.iter().map(|&v| bf16::from_bits(v as u16)).collect()),
+            DType::I8 => Data::I8(i32s.iter().map(|&v| v as i8).collect()),
+            DType::I16 => Data::I16(i32s.iter().map(|&v| v as i16).collect()),
+            DType::U16 => Data::U16(i32s.iter().map(|&v| v as u16).collect()),
+            DType::U32 => Data::U32(t.uint64_data.iter().map(|&v| v as u32).collect()),
+            DType::U64 => Data::U64(t.uint64_data.clone()),
         }
     };
     Ok(HostTensor::from_data(data, shape)?)

@@ -23,11 +23,21 @@ pub enum DType {
     U8,
     /// Boolean (one byte on the host).
     Bool,
+    /// 8-bit signed integer.
+    I8,
+    /// 16-bit signed integer.
+    I16,
+    /// 16-bit unsigned integer.
+    U16,
+    /// 32-bit unsigned integer.
+    U32,
+    /// 64-bit unsigned integer.
+    U64,
 }
 
 impl DType {
-    /// Every dtype, in a fixed order.
-    pub const ALL: [DType; 8] = [
+    /// Every dtype, in declaration order (the order graph files number them in).
+    pub const ALL: [DType; 13] = [
         DType::F32,
         DType::F64,
         DType::F16,
@@ -36,15 +46,20 @@ impl DType {
         DType::I64,
         DType::U8,
         DType::Bool,
+        DType::I8,
+        DType::I16,
+        DType::U16,
+        DType::U32,
+        DType::U64,
     ];
 
     /// Bytes per element.
     pub fn size_bytes(self) -> usize {
         match self {
-            DType::F32 | DType::I32 => 4,
-            DType::F64 | DType::I64 => 8,
-            DType::F16 | DType::BF16 => 2,
-            DType::U8 | DType::Bool => 1,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F64 | DType::I64 | DType::U64 => 8,
+            DType::F16 | DType::BF16 | DType::I16 | DType::U16 => 2,
+            DType::U8 | DType::I8 | DType::Bool => 1,
         }
     }
 
@@ -55,7 +70,17 @@ impl DType {
 
     /// Whether this is an integer type (bool excluded).
     pub fn is_int(self) -> bool {
-        matches!(self, DType::I32 | DType::I64 | DType::U8)
+        self.is_signed_int() || self.is_unsigned_int()
+    }
+
+    /// Whether this is a signed integer type.
+    pub fn is_signed_int(self) -> bool {
+        matches!(self, DType::I8 | DType::I16 | DType::I32 | DType::I64)
+    }
+
+    /// Whether this is an unsigned integer type (bool excluded).
+    pub fn is_unsigned_int(self) -> bool {
+        matches!(self, DType::U8 | DType::U16 | DType::U32 | DType::U64)
     }
 
     /// The short name used in IR text (`f32`, `bf16`, ...).
@@ -69,6 +94,11 @@ impl DType {
             DType::I64 => "i64",
             DType::U8 => "u8",
             DType::Bool => "bool",
+            DType::I8 => "i8",
+            DType::I16 => "i16",
+            DType::U16 => "u16",
+            DType::U32 => "u32",
+            DType::U64 => "u64",
         }
     }
 
@@ -126,6 +156,11 @@ element_num!(f64, DType::F64);
 element_num!(i32, DType::I32);
 element_num!(i64, DType::I64);
 element_num!(u8, DType::U8);
+element_num!(i8, DType::I8);
+element_num!(i16, DType::I16);
+element_num!(u16, DType::U16);
+element_num!(u32, DType::U32);
+element_num!(u64, DType::U64);
 
 impl Element for bool {
     const DTYPE: DType = DType::Bool;
@@ -212,3 +247,8 @@ host_element!(i32, I32);
 host_element!(i64, I64);
 host_element!(u8, U8);
 host_element!(bool, Bool);
+host_element!(i8, I8);
+host_element!(i16, I16);
+host_element!(u16, U16);
+host_element!(u32, U32);
+host_element!(u64, U64);

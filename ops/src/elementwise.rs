@@ -50,7 +50,7 @@ fn unary_accepts(u: UnaryOp, d: DType) -> bool {
         | UnaryOp::Silu
         | UnaryOp::Erf => d.is_float(),
         UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round => d.is_float() || d.is_int(),
-        UnaryOp::Neg => d.is_float() || matches!(d, DType::I32 | DType::I64),
+        UnaryOp::Neg => d.is_float() || d.is_signed_int(),
         UnaryOp::Abs | UnaryOp::Sign | UnaryOp::Relu => d.is_float() || d.is_int(),
         UnaryOp::Not => d == DType::Bool,
         UnaryOp::IsNan | UnaryOp::IsInf | UnaryOp::IsFinite => d.is_float() || d.is_int(),
@@ -955,6 +955,11 @@ macro_rules! int_impl {
 int_impl!(i32, signed: true);
 int_impl!(i64, signed: true);
 int_impl!(u8, signed: false);
+int_impl!(i8, signed: true);
+int_impl!(i16, signed: true);
+int_impl!(u16, signed: false);
+int_impl!(u32, signed: false);
+int_impl!(u64, signed: false);
 
 // ================================================================================================
 // Loading operands and running chunks
@@ -1312,6 +1317,11 @@ fn unary_cpu(op: &Op, u: UnaryOp, x: &HostTensor) -> Result<Data> {
         Data::I32(v) => Data::I32(int_unary(u, v)),
         Data::I64(v) => Data::I64(int_unary(u, v)),
         Data::U8(v) => Data::U8(int_unary(u, v)),
+        Data::I8(v) => Data::I8(int_unary(u, v)),
+        Data::I16(v) => Data::I16(int_unary(u, v)),
+        Data::U16(v) => Data::U16(int_unary(u, v)),
+        Data::U32(v) => Data::U32(int_unary(u, v)),
+        Data::U64(v) => Data::U64(int_unary(u, v)),
         Data::Bool(v) => Data::Bool(unary_tensor::<bool, bool, bool, bool>(v, |a, d| {
             map1(a, d, |b: bool| !b)
         })),
@@ -1415,6 +1425,36 @@ fn binary_cpu(op: &Op, b: BinaryOp, x: &HostTensor, y: &HostTensor, out: &Shape)
             Src::new(y.as_slice()?, ys, out),
             out,
         )),
+        Data::I8(v) => Data::I8(int_binary(
+            b,
+            Src::new(v, xs, out),
+            Src::new(y.as_slice()?, ys, out),
+            out,
+        )),
+        Data::I16(v) => Data::I16(int_binary(
+            b,
+            Src::new(v, xs, out),
+            Src::new(y.as_slice()?, ys, out),
+            out,
+        )),
+        Data::U16(v) => Data::U16(int_binary(
+            b,
+            Src::new(v, xs, out),
+            Src::new(y.as_slice()?, ys, out),
+            out,
+        )),
+        Data::U32(v) => Data::U32(int_binary(
+            b,
+            Src::new(v, xs, out),
+            Src::new(y.as_slice()?, ys, out),
+            out,
+        )),
+        Data::U64(v) => Data::U64(int_binary(
+            b,
+            Src::new(v, xs, out),
+            Src::new(y.as_slice()?, ys, out),
+            out,
+        )),
         Data::Bool(_) => return Err(unsupported(op, &[x, y])),
     })
 }
@@ -1492,17 +1532,17 @@ fn where_tensor<T: HostElement>(
 
 // ---- cast ----
 
-/// A source element widened losslessly (floats to f64, integers and bool to i64).
+/// A source element widened losslessly (floats to f64, integers and bool to i128).
 enum Wide {
     F(f64),
-    I(i64),
+    I(i128),
 }
 
 /// Casting with Rust `as` semantics between every pair of dtypes.
 trait CastElem: Element {
     fn wide(self) -> Wide;
     fn from_float(v: f64) -> Self;
-    fn from_int(v: i64) -> Self;
+    fn from_int(v: i128) -> Self;
     #[inline(always)]
     fn cast_from<S: CastElem>(s: S) -> Self {
         match s.wide() {
@@ -1528,15 +1568,15 @@ fn f64_to_f32_odd(x: f64) -> f32 {
     f32::from_bits(toward)
 }
 
-/// An i64 as an f32 that rounds correctly to f16/bf16 (sticky bit kept below 24 bits).
-fn i64_to_f32_sticky(v: i64) -> f32 {
+/// An integer as an f32 that rounds correctly to f16/bf16 (sticky bit kept below 24 bits).
+fn int_to_f32_sticky(v: i128) -> f32 {
     let m = v.unsigned_abs();
-    let bits = 64 - m.leading_zeros();
+    let bits = 128 - m.leading_zeros();
     let r = if bits <= 24 {
         m as f32
     } else {
         let shift = bits - 24;
-        let kept = (m >> shift) | ((m & ((1u64 << shift) - 1)) != 0) as u64;
+        let kept = (m >> shift) | ((m & ((1u128 << shift) - 1)) != 0) as u128;
         kept as f32 * (shift as f32).exp2()
     };
     if v < 0 {
@@ -1568,19 +1608,19 @@ macro_rules! cast_float {
                 $from_f(v)
             }
             #[inline(always)]
-            fn from_int(v: i64) -> Self {
+            fn from_int(v: i128) -> Self {
                 $from_i(v)
             }
         }
     };
 }
-cast_float!(f32, |v: f64| v as f32, |v: i64| v as f32);
-cast_float!(f64, |v: f64| v, |v: i64| v as f64);
-cast_float!(f16, f64_to_f16, |v: i64| f16::from_f32(i64_to_f32_sticky(
+cast_float!(f32, |v: f64| v as f32, |v: i128| v as f32);
+cast_float!(f64, |v: f64| v, |v: i128| v as f64);
+cast_float!(f16, f64_to_f16, |v: i128| f16::from_f32(int_to_f32_sticky(
     v
 )));
-cast_float!(bf16, f64_to_bf16, |v: i64| bf16::from_f32(
-    i64_to_f32_sticky(v)
+cast_float!(bf16, f64_to_bf16, |v: i128| bf16::from_f32(
+    int_to_f32_sticky(v)
 ));
 
 macro_rules! cast_int {
@@ -1588,32 +1628,32 @@ macro_rules! cast_int {
         impl CastElem for $t {
             #[inline(always)]
             fn wide(self) -> Wide {
-                Wide::I(self as i64)
+                Wide::I(self as i128)
             }
             #[inline(always)]
             fn from_float(v: f64) -> Self {
                 v as $t
             }
             #[inline(always)]
-            fn from_int(v: i64) -> Self {
+            fn from_int(v: i128) -> Self {
                 v as $t
             }
         }
     )*};
 }
-cast_int!(i32, i64, u8);
+cast_int!(i32, i64, u8, i8, i16, u16, u32, u64);
 
 impl CastElem for bool {
     #[inline(always)]
     fn wide(self) -> Wide {
-        Wide::I(self as i64)
+        Wide::I(self as i128)
     }
     #[inline(always)]
     fn from_float(v: f64) -> Self {
         v != 0.0
     }
     #[inline(always)]
-    fn from_int(v: i64) -> Self {
+    fn from_int(v: i128) -> Self {
         v != 0
     }
 }
@@ -1632,7 +1672,8 @@ fn cast_vec<S: CastElem, D: CastElem>(src: &[S]) -> Vec<D> {
     out
 }
 
-fn cast_cpu(x: &HostTensor, to: DType) -> Data {
+/// The `cast` kernel: `x`'s elements converted to `to`.
+pub(crate) fn cast_cpu(x: &HostTensor, to: DType) -> Data {
     if x.dtype() == to {
         return x.data().clone();
     }
@@ -1651,37 +1692,52 @@ enum Slot<C> {
 /// Cast semantics in a float compute type: the value a `cast` to `to` produces, represented in `C`.
 fn cast_real<F: Real>(from: DType, to: DType, x: Operand<'_, F>, d: &mut [F]) {
     let int_src = !from.is_float();
+    // To an integer: an integer source wraps (through i128, which holds every integer value), a
+    // float source truncates and saturates.
+    macro_rules! int_cast {
+        ($t:ty) => {
+            if int_src {
+                map1(x, d, |v: F| F::lit(v.to_f64() as i128 as $t as f64))
+            } else {
+                map1(x, d, |v: F| F::lit(v.to_f64() as $t as f64))
+            }
+        };
+    }
     match to {
         DType::F32 => map1(x, d, |v: F| F::lit(v.to_f64() as f32 as f64)),
         DType::F64 => map1(x, d, |v: F| v),
         DType::F16 => map1(x, d, |v: F| F::lit(f64_to_f16(v.to_f64()).to_f64())),
         DType::BF16 => map1(x, d, |v: F| F::lit(f64_to_bf16(v.to_f64()).to_f64())),
-        DType::I32 if int_src => map1(x, d, |v: F| F::lit(v.to_f64() as i64 as i32 as f64)),
-        DType::I32 => map1(x, d, |v: F| F::lit(v.to_f64() as i32 as f64)),
-        DType::I64 => map1(x, d, |v: F| F::lit(v.to_f64() as i64 as f64)),
-        DType::U8 if int_src => map1(x, d, |v: F| F::lit(v.to_f64() as i64 as u8 as f64)),
-        DType::U8 => map1(x, d, |v: F| F::lit(v.to_f64() as u8 as f64)),
         DType::Bool => map1(x, d, |v: F| F::from_bool(v != F::ZERO)),
+        DType::I8 => int_cast!(i8),
+        DType::I16 => int_cast!(i16),
+        DType::I32 => int_cast!(i32),
+        DType::I64 => int_cast!(i64),
+        DType::U8 => int_cast!(u8),
+        DType::U16 => int_cast!(u16),
+        DType::U32 => int_cast!(u32),
+        DType::U64 => int_cast!(u64),
     }
 }
 
 /// Brings integer results computed in floats back to integer semantics: truncation toward zero,
-/// 0 for non-finite results (division by zero), wrapping for u8 and i32.
+/// 0 for non-finite results (division by zero), wrapping for the integers narrower than 64 bits.
 fn fix_int<F: Real>(dtype: DType, d: &mut [F]) {
+    let bits = 8 * dtype.size_bytes() as i32;
+    let signed = dtype.is_signed_int();
     let fix = |v: F| -> F {
         let t = v.to_f64().trunc();
         let t = if t.is_finite() { t } else { 0.0 };
-        F::lit(match dtype {
-            DType::U8 => t.rem_euclid(256.0),
-            DType::I32 => {
-                let w = t.rem_euclid(4_294_967_296.0);
-                if w >= 2_147_483_648.0 {
-                    w - 4_294_967_296.0
-                } else {
-                    w
-                }
+        F::lit(if bits < 64 {
+            let m = 2f64.powi(bits);
+            let w = t.rem_euclid(m);
+            if signed && w >= m / 2.0 {
+                w - m
+            } else {
+                w
             }
-            _ => t,
+        } else {
+            t
         })
     };
     for v in d.iter_mut() {

@@ -144,6 +144,11 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
             DType::I32 => accumulate::<i32>(op, inputs, &idx, out),
             DType::I64 => accumulate::<i64>(op, inputs, &idx, out),
             DType::U8 => accumulate::<u8>(op, inputs, &idx, out),
+            DType::I8 => accumulate::<i8>(op, inputs, &idx, out),
+            DType::I16 => accumulate::<i16>(op, inputs, &idx, out),
+            DType::U16 => accumulate::<u16>(op, inputs, &idx, out),
+            DType::U32 => accumulate::<u32>(op, inputs, &idx, out),
+            DType::U64 => accumulate::<u64>(op, inputs, &idx, out),
             DType::Bool => Err(dtype_err(
                 op,
                 &[&inputs[0].ty()],
@@ -281,6 +286,11 @@ macro_rules! acc_int {
 acc_int!(i32);
 acc_int!(i64);
 acc_int!(u8);
+acc_int!(i8);
+acc_int!(i16);
+acc_int!(u16);
+acc_int!(u32);
+acc_int!(u64);
 
 /// scatter_add and index_add in accumulation type `A`.
 fn accumulate<A: Acc>(

@@ -452,6 +452,11 @@ fn concat(inputs: &[&HostTensor], axis: usize, out: &TensorType) -> Result<Data>
         Data::I32(_) => cat!(I32),
         Data::I64(_) => cat!(I64),
         Data::U8(_) => cat!(U8),
+        Data::I8(_) => cat!(I8),
+        Data::I16(_) => cat!(I16),
+        Data::U16(_) => cat!(U16),
+        Data::U32(_) => cat!(U32),
+        Data::U64(_) => cat!(U64),
         Data::Bool(_) => cat!(Bool),
     })
 }

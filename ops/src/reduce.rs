@@ -101,7 +101,7 @@ fn reduced_dims(dims: &[usize], axes: &[usize], keep: bool) -> Vec<usize> {
 // ---------------------------------------------------------------------------------------------
 // Accumulators
 
-/// The arithmetic a reduction accumulates in: f32, f64 or i64.
+/// The arithmetic a reduction accumulates in: f32, f64, i64 or u64 (integers wrap).
 trait Acc: Copy + Send + Sync + PartialOrd + 'static {
     const ZERO: Self;
     const ONE: Self;
@@ -142,32 +142,38 @@ macro_rules! acc_float {
 acc_float!(f32);
 acc_float!(f64);
 
-impl Acc for i64 {
-    const ZERO: Self = 0;
-    const ONE: Self = 1;
-    const LOWEST: Self = i64::MIN;
-    const HIGHEST: Self = i64::MAX;
-    #[inline(always)]
-    fn add(self, o: Self) -> Self {
-        self.wrapping_add(o)
-    }
-    #[inline(always)]
-    fn mul(self, o: Self) -> Self {
-        self.wrapping_mul(o)
-    }
-    #[inline(always)]
-    fn is_nan(self) -> bool {
-        false
-    }
-    #[inline(always)]
-    fn div_count(self, n: usize) -> Self {
-        if n == 0 {
-            0
-        } else {
-            self / n as i64
+macro_rules! acc_int {
+    ($t:ty) => {
+        impl Acc for $t {
+            const ZERO: Self = 0;
+            const ONE: Self = 1;
+            const LOWEST: Self = <$t>::MIN;
+            const HIGHEST: Self = <$t>::MAX;
+            #[inline(always)]
+            fn add(self, o: Self) -> Self {
+                self.wrapping_add(o)
+            }
+            #[inline(always)]
+            fn mul(self, o: Self) -> Self {
+                self.wrapping_mul(o)
+            }
+            #[inline(always)]
+            fn is_nan(self) -> bool {
+                false
+            }
+            #[inline(always)]
+            fn div_count(self, n: usize) -> Self {
+                if n == 0 {
+                    0
+                } else {
+                    self / n as $t
+                }
+            }
         }
-    }
+    };
 }
+acc_int!(i64);
+acc_int!(u64);
 
 /// A numeric element with its accumulator types: `A` for max/min (exact), `S` for sum, mean and
 /// prod (f64 for every float dtype).
@@ -239,6 +245,36 @@ num!(
 num!(i64, i64, |x| x, |a| a, i64, |x| x, |s| s);
 num!(u8, i64, |x| x as i64, |a| a as u8, i64, |x| x as i64, |s| s
     as u8);
+num!(i8, i64, |x| x as i64, |a| a as i8, i64, |x| x as i64, |s| s
+    as i8);
+num!(
+    i16,
+    i64,
+    |x| x as i64,
+    |a| a as i16,
+    i64,
+    |x| x as i64,
+    |s| s as i16
+);
+num!(
+    u16,
+    i64,
+    |x| x as i64,
+    |a| a as u16,
+    i64,
+    |x| x as i64,
+    |s| s as u16
+);
+num!(
+    u32,
+    i64,
+    |x| x as i64,
+    |a| a as u32,
+    i64,
+    |x| x as i64,
+    |s| s as u32
+);
+num!(u64, u64, |x| x, |a| a, u64, |x| x, |s| s);
 
 /// One reduction: its identity and combining step (associative, so partials can be merged).
 trait Reducer<A>: Copy + Send + Sync {
@@ -622,23 +658,11 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
                     // The identity of max is −∞ (the dtype's least value for integers), of min
                     // +∞: ONNX's definition of the max or min of nothing.
                     let max = *kind == ReduceKind::Max;
-                    let v = match x.dtype() {
-                        DType::I32 => f64::from(if max { i32::MIN } else { i32::MAX }),
-                        DType::I64 => {
-                            if max {
-                                i64::MIN as f64
-                            } else {
-                                i64::MAX as f64
-                            }
-                        }
-                        DType::U8 => f64::from(if max { u8::MIN } else { u8::MAX }),
-                        _ => {
-                            if max {
-                                f64::NEG_INFINITY
-                            } else {
-                                f64::INFINITY
-                            }
-                        }
+                    // (`full` saturates, so ±∞ gives an integer dtype's extremes.)
+                    let v = if max {
+                        f64::NEG_INFINITY
+                    } else {
+                        f64::INFINITY
                     };
                     return Ok(HostTensor::full(out, v));
                 }
@@ -649,6 +673,11 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
                     Data::BF16(v) => reduce_num(v, dims, axes, *kind),
                     Data::I32(v) => reduce_num(v, dims, axes, *kind),
                     Data::I64(v) => reduce_num(v, dims, axes, *kind),
+                    Data::I8(v) => reduce_num(v, dims, axes, *kind),
+                    Data::I16(v) => reduce_num(v, dims, axes, *kind),
+                    Data::U16(v) => reduce_num(v, dims, axes, *kind),
+                    Data::U32(v) => reduce_num(v, dims, axes, *kind),
+                    Data::U64(v) => reduce_num(v, dims, axes, *kind),
                     Data::U8(v) => reduce_num(v, dims, axes, *kind),
                     Data::Bool(v) => reduce_bool(v, dims, axes, *kind),
                 }
@@ -669,6 +698,11 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
                 Data::BF16(v) => arg_num(v, outer, red, inner, max),
                 Data::I32(v) => arg_num(v, outer, red, inner, max),
                 Data::I64(v) => arg_num(v, outer, red, inner, max),
+                Data::I8(v) => arg_num(v, outer, red, inner, max),
+                Data::I16(v) => arg_num(v, outer, red, inner, max),
+                Data::U16(v) => arg_num(v, outer, red, inner, max),
+                Data::U32(v) => arg_num(v, outer, red, inner, max),
+                Data::U64(v) => arg_num(v, outer, red, inner, max),
                 Data::U8(v) => arg_num(v, outer, red, inner, max),
                 Data::Bool(_) => {
                     return Err(dtype_err(op, &[&x.ty()], "needs a numeric dtype"));

@@ -79,12 +79,11 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
                 );
                 HostTensor::from_f64_slice(out, &o)
             } else {
-                let v: Vec<i64> = match x.data() {
-                    Data::I64(v) => v.clone(),
-                    Data::I32(v) => v.iter().map(|&a| a as i64).collect(),
-                    Data::U8(v) => v.iter().map(|&a| a as i64).collect(),
-                    _ => return Err(dtype_err(op, &[&x.ty()], "needs a numeric dtype")),
-                };
+                if x.dtype() == DType::Bool {
+                    return Err(dtype_err(op, &[&x.ty()], "needs a numeric dtype"));
+                }
+                // Integers sum in wrapping i64 (the low bits of every narrower or unsigned sum).
+                let v = x.cast(DType::I64).to_vec::<i64>()?;
                 let mut o = vec![0i64; v.len()];
                 scan(
                     &v,
@@ -98,8 +97,13 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
                     i64::wrapping_add,
                 );
                 let data = match x.dtype() {
+                    DType::I8 => Data::I8(o.iter().map(|&a| a as i8).collect()),
+                    DType::I16 => Data::I16(o.iter().map(|&a| a as i16).collect()),
                     DType::I32 => Data::I32(o.iter().map(|&a| a as i32).collect()),
                     DType::U8 => Data::U8(o.iter().map(|&a| a as u8).collect()),
+                    DType::U16 => Data::U16(o.iter().map(|&a| a as u16).collect()),
+                    DType::U32 => Data::U32(o.iter().map(|&a| a as u32).collect()),
+                    DType::U64 => Data::U64(o.iter().map(|&a| a as u64).collect()),
                     _ => Data::I64(o),
                 };
                 HostTensor::from_data(data, out.shape.clone())

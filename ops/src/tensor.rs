@@ -22,6 +22,16 @@ pub enum Data {
     U8(Vec<u8>),
     /// bool elements.
     Bool(Vec<bool>),
+    /// i8 elements.
+    I8(Vec<i8>),
+    /// i16 elements.
+    I16(Vec<i16>),
+    /// u16 elements.
+    U16(Vec<u16>),
+    /// u32 elements.
+    U32(Vec<u32>),
+    /// u64 elements.
+    U64(Vec<u64>),
 }
 
 /// Runs `$body` with `$v` bound to the typed vector inside a [`Data`] (one dispatch per tensor,
@@ -38,6 +48,11 @@ macro_rules! with_data {
             $crate::Data::I64($v) => $body,
             $crate::Data::U8($v) => $body,
             $crate::Data::Bool($v) => $body,
+            $crate::Data::I8($v) => $body,
+            $crate::Data::I16($v) => $body,
+            $crate::Data::U16($v) => $body,
+            $crate::Data::U32($v) => $body,
+            $crate::Data::U64($v) => $body,
         }
     };
 }
@@ -79,6 +94,26 @@ macro_rules! with_dtype {
                 type $T = bool;
                 $body
             }
+            $crate::DType::I8 => {
+                type $T = i8;
+                $body
+            }
+            $crate::DType::I16 => {
+                type $T = i16;
+                $body
+            }
+            $crate::DType::U16 => {
+                type $T = u16;
+                $body
+            }
+            $crate::DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            $crate::DType::U64 => {
+                type $T = u64;
+                $body
+            }
         }
     };
 }
@@ -95,6 +130,11 @@ impl Data {
             Data::I64(_) => DType::I64,
             Data::U8(_) => DType::U8,
             Data::Bool(_) => DType::Bool,
+            Data::I8(_) => DType::I8,
+            Data::I16(_) => DType::I16,
+            Data::U16(_) => DType::U16,
+            Data::U32(_) => DType::U32,
+            Data::U64(_) => DType::U64,
         }
     }
 
@@ -227,13 +267,12 @@ impl HostTensor {
         HostTensor::from_data(self.data, shape)
     }
 
-    /// A copy converted to `dtype` (`as` semantics; f16/bf16 rounded once).
+    /// A copy converted to `dtype`, as the `cast` op converts (`as` semantics, integers exact at
+    /// every width; f16/bf16 rounded once).
     pub fn cast(&self, dtype: DType) -> HostTensor {
-        if dtype == self.dtype() {
-            return self.clone();
+        HostTensor {
+            shape: self.shape.clone(),
+            data: crate::elementwise::cast_cpu(self, dtype),
         }
-        let vals = self.to_f64_vec();
-        HostTensor::from_f64_slice(&TensorType::new(dtype, self.shape.clone()), &vals)
-            .expect("same element count")
     }
 }

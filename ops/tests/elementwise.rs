@@ -751,6 +751,308 @@ fn where_selects_with_broadcasting() {
     }
 }
 
+// ---- the integer dtypes at every width, against i128 ----
+
+/// Every integer dtype.
+const INTS: [DType; 8] = [
+    DType::I8,
+    DType::I16,
+    DType::I32,
+    DType::I64,
+    DType::U8,
+    DType::U16,
+    DType::U32,
+    DType::U64,
+];
+
+/// `r` wrapped to the range of integer dtype `d` (two's complement at its width).
+fn wrap(d: DType, r: i128) -> i128 {
+    let m = 1i128 << (8 * d.size_bytes());
+    let w = r.rem_euclid(m);
+    if d.is_signed_int() && w >= m / 2 {
+        w - m
+    } else {
+        w
+    }
+}
+
+/// `n` seeded random values of integer dtype `d` over its whole range (random bit patterns),
+/// none zero.
+fn rand_int_vals(d: DType, n: usize, seed: u64) -> Vec<i128> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x2545_f491_4f6c_dd1d;
+    (0..n)
+        .map(|_| {
+            // splitmix64
+            s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            match wrap(d, z as i128) {
+                0 => 1,
+                v => v,
+            }
+        })
+        .collect()
+}
+
+fn int_tensor(d: DType, dims: &[usize], v: &[i128]) -> HostTensor {
+    macro_rules! mk {
+        ($t:ty) => {
+            HostTensor::from_vec(
+                v.iter().map(|&x| x as $t).collect::<Vec<$t>>(),
+                dims.to_vec(),
+            )
+            .unwrap()
+        };
+    }
+    match d {
+        DType::I8 => mk!(i8),
+        DType::I16 => mk!(i16),
+        DType::I32 => mk!(i32),
+        DType::I64 => mk!(i64),
+        DType::U8 => mk!(u8),
+        DType::U16 => mk!(u16),
+        DType::U32 => mk!(u32),
+        DType::U64 => mk!(u64),
+        other => panic!("{other} is not an integer dtype"),
+    }
+}
+
+/// The exact values of an integer or bool tensor.
+fn int_vals(t: &HostTensor) -> Vec<i128> {
+    use rustytorch_ops::Data;
+    fn all<T: Copy>(v: &[T], f: impl Fn(T) -> i128) -> Vec<i128> {
+        v.iter().map(|&x| f(x)).collect()
+    }
+    match t.data() {
+        Data::I8(v) => all(v, i128::from),
+        Data::I16(v) => all(v, i128::from),
+        Data::I32(v) => all(v, i128::from),
+        Data::I64(v) => all(v, i128::from),
+        Data::U8(v) => all(v, i128::from),
+        Data::U16(v) => all(v, i128::from),
+        Data::U32(v) => all(v, i128::from),
+        Data::U64(v) => all(v, i128::from),
+        Data::Bool(v) => all(v, i128::from),
+        other => panic!("{} is not an integer dtype", other.dtype()),
+    }
+}
+
+/// The integer semantics of the arithmetic ops, in i128 then wrapped to `d`.
+fn int_ref_wide(b: BinaryOp, d: DType, x: i128, y: i128) -> i128 {
+    let r = match b {
+        BinaryOp::Add => x + y,
+        BinaryOp::Sub => x - y,
+        BinaryOp::Mul => x.wrapping_mul(y),
+        // Truncation toward zero; division by zero gives 0; MIN / -1 wraps to MIN.
+        BinaryOp::Div if y == 0 => 0,
+        BinaryOp::Div => x / y,
+        BinaryOp::Pow if y < 0 => match x {
+            1 => 1,
+            -1 => 1 - 2 * (y & 1),
+            _ => 0,
+        },
+        BinaryOp::Pow => (0..y).fold(1i128, |acc, _| wrap(d, acc.wrapping_mul(x))),
+        BinaryOp::Maximum => x.max(y),
+        BinaryOp::Minimum => x.min(y),
+        BinaryOp::Eq => (x == y) as i128,
+        BinaryOp::Ne => (x != y) as i128,
+        BinaryOp::Lt => (x < y) as i128,
+        BinaryOp::Le => (x <= y) as i128,
+        BinaryOp::Gt => (x > y) as i128,
+        BinaryOp::Ge => (x >= y) as i128,
+        BinaryOp::And | BinaryOp::Or => unreachable!("bool only"),
+    };
+    if b.is_predicate() {
+        r
+    } else {
+        wrap(d, r)
+    }
+}
+
+#[test]
+fn integer_binary_ops_at_every_width_match_i128() {
+    // Broadcast shapes; whole-range values, so sums, products and quotients overflow and wrap.
+    let (sa, sb, so) = ([3, 1, 40], [5, 40], [3, 5, 40]);
+    let (na, nb) = (120, 200);
+    for (k, d) in INTS.into_iter().enumerate() {
+        let seed = 100 + 10 * k as u64;
+        let mut xv = rand_int_vals(d, na, seed);
+        let mut yv = rand_int_vals(d, nb, seed + 1);
+        // Division by zero, MIN / -1, ties for the comparisons and for maximum/minimum.
+        yv[3] = 0;
+        yv[17] = 0;
+        if d.is_signed_int() {
+            let min = -(1i128 << (8 * d.size_bytes() - 1));
+            xv[5] = min;
+            yv[5] = -1;
+        }
+        for i in (0..40).step_by(4) {
+            yv[i] = xv[i];
+        }
+        let (x, y) = (int_tensor(d, &sa, &xv), int_tensor(d, &sb, &yv));
+        for b in ARITH.into_iter().chain(CMP) {
+            // Pow with small exponents (negative ones for the signed types).
+            let (y, yv) = if b == BinaryOp::Pow {
+                let lo = if d.is_signed_int() { -2 } else { 0 };
+                let e: Vec<i128> = (0..nb as i128).map(|i| lo + i % 7).collect();
+                (int_tensor(d, &sb, &e), e)
+            } else {
+                (y.clone(), yv.clone())
+            };
+            let z = run(&Op::Binary(b), &[&x, &y]);
+            let out_dtype = if b.is_predicate() { DType::Bool } else { d };
+            assert_eq!(z.ty(), ty(out_dtype, &so), "{b:?} {d}");
+            let got = int_vals(&z);
+            for (i, &g) in got.iter().enumerate() {
+                let (p, q) = (xv[bidx(&so, &sa, i)], yv[bidx(&so, &sb, i)]);
+                let want = int_ref_wide(b, d, p, q);
+                assert_eq!(g, want, "{b:?} {d}: {p} and {q}");
+            }
+        }
+    }
+}
+
+#[test]
+fn integer_unary_ops_and_where_at_every_width() {
+    for (k, d) in INTS.into_iter().enumerate() {
+        let mut xv = rand_int_vals(d, 64, 300 + k as u64);
+        if d.is_signed_int() {
+            xv[0] = -(1i128 << (8 * d.size_bytes() - 1));
+        }
+        let x = int_tensor(d, &[64], &xv);
+        let mut ops = vec![
+            UnaryOp::Abs,
+            UnaryOp::Sign,
+            UnaryOp::Relu,
+            UnaryOp::Floor,
+            UnaryOp::Round,
+        ];
+        if d.is_signed_int() {
+            ops.push(UnaryOp::Neg);
+        }
+        for u in ops {
+            let got = int_vals(&run(&Op::Unary(u), &[&x]));
+            let want: Vec<i128> = xv
+                .iter()
+                .map(|&v| {
+                    wrap(
+                        d,
+                        match u {
+                            UnaryOp::Abs => v.abs(),
+                            UnaryOp::Sign => v.signum(),
+                            UnaryOp::Relu => v.max(0),
+                            UnaryOp::Neg => -v,
+                            _ => v,
+                        },
+                    )
+                })
+                .collect();
+            assert_eq!(got, want, "{u:?} {d}");
+        }
+        // where(c, a, b) with a broadcast scalar branch.
+        let c = rand_tensor(&ty(DType::Bool, &[64]), 310 + k as u64, 0.0, 1.0);
+        let bv = rand_int_vals(d, 1, 320 + k as u64);
+        let b = int_tensor(d, &[], &bv);
+        let got = int_vals(&run(&Op::Where, &[&c, &x, &b]));
+        let cv = c.to_vec::<bool>().unwrap();
+        let want: Vec<i128> = (0..64).map(|i| if cv[i] { xv[i] } else { bv[0] }).collect();
+        assert_eq!(got, want, "where {d}");
+    }
+}
+
+#[test]
+fn integer_casts_between_every_width_are_exact() {
+    // Integer to integer wraps (Rust `as`), integer to f32/f64 rounds once to nearest, integer to
+    // bool is `!= 0`; values over the whole range of each source type.
+    for (k, from) in INTS.into_iter().enumerate() {
+        let mut v = rand_int_vals(from, 300, 500 + k as u64);
+        v.extend([0, 1, 127, 128, 255, 256, 65_535, 65_536].map(|x| wrap(from, x)));
+        if from.is_signed_int() {
+            v.extend([-1, -128, -129, -32_769]);
+            v.iter_mut().for_each(|x| *x = wrap(from, *x));
+        }
+        let src = int_tensor(from, &[v.len()], &v);
+        for to in INTS.into_iter().chain([DType::Bool]) {
+            let got = int_vals(&run(&Op::Cast { to }, &[&src]));
+            let want: Vec<i128> = v
+                .iter()
+                .map(|&x| {
+                    if to == DType::Bool {
+                        (x != 0) as i128
+                    } else {
+                        wrap(to, x)
+                    }
+                })
+                .collect();
+            assert_eq!(got, want, "cast {from} -> {to}");
+            // The host-side conversion is the same kernel.
+            assert_eq!(
+                src.cast(to),
+                run(&Op::Cast { to }, &[&src]),
+                "{from} -> {to}"
+            );
+        }
+        let f64s = run(&Op::Cast { to: DType::F64 }, &[&src])
+            .to_vec::<f64>()
+            .unwrap();
+        let f32s = run(&Op::Cast { to: DType::F32 }, &[&src])
+            .to_vec::<f32>()
+            .unwrap();
+        for (i, &x) in v.iter().enumerate() {
+            assert_eq!(f64s[i], x as f64, "{from} -> f64: {x}");
+            assert_eq!(f32s[i], x as f32, "{from} -> f32: {x}");
+        }
+        // Back from the float: truncation and saturation (exact where the float holds the value).
+        let back = run(
+            &Op::Cast { to: from },
+            &[&run(&Op::Cast { to: DType::F64 }, &[&src])],
+        );
+        for (i, g) in int_vals(&back).into_iter().enumerate() {
+            let f = f64s[i];
+            let want = match from {
+                DType::I64 => f as i64 as i128,
+                DType::U64 => f as u64 as i128,
+                _ => v[i],
+            };
+            assert_eq!(g, want, "{from} -> f64 -> {from}");
+        }
+    }
+}
+
+#[test]
+fn ops_without_integer_kernels_are_dtype_errors_naming_the_op() {
+    for d in [DType::I8, DType::I16, DType::U16, DType::U32, DType::U64] {
+        let x = ty(d, &[2, 3]);
+        let cases: Vec<(Op, Vec<TensorType>, &str)> = vec![
+            (Op::Unary(UnaryOp::Exp), vec![x.clone()], "exp"),
+            (Op::Unary(UnaryOp::Sqrt), vec![x.clone()], "sqrt"),
+            (Op::Binary(BinaryOp::And), vec![x.clone(), x.clone()], "and"),
+            (
+                Op::Binary(BinaryOp::Add),
+                vec![x.clone(), ty(DType::I32, &[2, 3])],
+                "add",
+            ),
+        ];
+        for (op, tys, name) in cases {
+            let refs: Vec<&TensorType> = tys.iter().collect();
+            let e = rustytorch_ops::infer(&op, &refs).unwrap_err().to_string();
+            assert!(e.contains(name) && e.contains(&x.to_string()), "{e}");
+            let ins: Vec<HostTensor> = tys.iter().map(|t| rand_tensor(t, 1, 1.0, 9.0)).collect();
+            let ins: Vec<&HostTensor> = ins.iter().collect();
+            let e = eval_cpu(&op, &ins).unwrap_err().to_string();
+            assert!(e.contains(name), "{e}");
+        }
+        if d.is_unsigned_int() {
+            let e = rustytorch_ops::infer(&Op::Unary(UnaryOp::Neg), &[&x])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("neg") && e.contains("signed"), "{e}");
+        }
+    }
+}
+
 // ---- casts ----
 
 /// Correct round-to-nearest-even of `v` to a 16-bit float, checked against its neighbours.
@@ -799,16 +1101,29 @@ fn ref_bf16(v: f64) -> f64 {
 
 fn cast_ref(from: DType, to: DType, v: f64) -> f64 {
     let int_src = !from.is_float();
+    // Integer sources wrap (Rust `as` between integers), float sources truncate and saturate.
+    macro_rules! int {
+        ($t:ty) => {
+            if int_src {
+                v as i128 as $t as f64
+            } else {
+                v as $t as f64
+            }
+        };
+    }
     match to {
         DType::F32 => v as f32 as f64,
         DType::F64 => v,
         DType::F16 => ref_f16(v),
         DType::BF16 => ref_bf16(v),
-        DType::I32 if int_src => v as i64 as i32 as f64,
-        DType::I32 => v as i32 as f64,
-        DType::I64 => v as i64 as f64,
-        DType::U8 if int_src => v as i64 as u8 as f64,
-        DType::U8 => v as u8 as f64,
+        DType::I8 => int!(i8),
+        DType::I16 => int!(i16),
+        DType::I32 => int!(i32),
+        DType::I64 => int!(i64),
+        DType::U8 => int!(u8),
+        DType::U16 => int!(u16),
+        DType::U32 => int!(u32),
+        DType::U64 => int!(u64),
         DType::Bool => (v != 0.0) as u8 as f64,
     }
 }

@@ -36,8 +36,8 @@ fn reference(
 }
 
 fn rand(dtype: DType, dims: &[usize], seed: u64) -> HostTensor {
-    let (lo, hi) = if dtype == DType::U8 {
-        (1.0, 200.0)
+    let (lo, hi) = if dtype.is_unsigned_int() {
+        (1.0, 120.0)
     } else {
         (-50.0, 50.0)
     };

@@ -76,8 +76,8 @@ fn reduce(kind: ReduceKind, axes: &[usize], keep: bool) -> Op {
 fn range(dt: DType, kind: ReduceKind) -> (f64, f64) {
     match (dt, kind) {
         // Factors that cannot overflow the dtype.
-        (DType::U8, ReduceKind::Prod) => (0.0, 2.0),
-        (DType::U8, _) => (0.0, 50.0),
+        (d, ReduceKind::Prod) if d.is_unsigned_int() => (0.0, 2.0),
+        (d, _) if d.is_unsigned_int() => (0.0, 50.0),
         (d, ReduceKind::Prod) if d.is_int() => (-1.0, 2.0),
         (d, _) if d.is_int() => (-40.0, 40.0),
         (_, ReduceKind::Prod) => (0.6, 1.4),
@@ -99,9 +99,15 @@ fn check_case(dt: DType, kind: ReduceKind, dims: &[usize], axes: &[usize], keep:
         _ => tolerance(dt),
     };
     // Integer results wrap to the dtype (accumulated in i64, then truncated).
+    let wrap = |f: fn(i64) -> f64| want.iter().map(|&w| f(w as i64)).collect::<Vec<f64>>();
     let want: Vec<f64> = match dt {
-        DType::I32 => want.iter().map(|&w| w as i64 as i32 as f64).collect(),
-        DType::U8 => want.iter().map(|&w| w as i64 as u8 as f64).collect(),
+        DType::I8 => wrap(|w| w as i8 as f64),
+        DType::I16 => wrap(|w| w as i16 as f64),
+        DType::I32 => wrap(|w| w as i32 as f64),
+        DType::U8 => wrap(|w| w as u8 as f64),
+        DType::U16 => wrap(|w| w as u16 as f64),
+        DType::U32 => wrap(|w| w as u32 as f64),
+        DType::U64 => wrap(|w| w as u64 as f64),
         _ => want,
     };
     assert_close(
@@ -145,6 +151,11 @@ fn numeric_reductions_every_dtype() {
         DType::I32,
         DType::I64,
         DType::U8,
+        DType::I8,
+        DType::I16,
+        DType::U16,
+        DType::U32,
+        DType::U64,
     ] {
         for kind in kinds {
             if kind == ReduceKind::Mean && !dt.is_float() {
@@ -319,6 +330,11 @@ fn argmax_argmin_every_dtype() {
         DType::I32,
         DType::I64,
         DType::U8,
+        DType::I8,
+        DType::I16,
+        DType::U16,
+        DType::U32,
+        DType::U64,
     ] {
         // A small integer range makes ties, which must resolve to the first index.
         let (lo, hi) = if dt.is_float() {
@@ -509,4 +525,28 @@ fn no_gradient_for_indices_and_bools() {
     let cot = HostTensor::from_vec(vec![true], Shape::scalar()).unwrap();
     let g = vjp_eager(&reduce(ReduceKind::Any, &[0], false), &[b], &cot).unwrap();
     assert_eq!(g, vec![None]);
+}
+
+#[test]
+fn u64_reductions_over_the_whole_range() {
+    // Values above 2^63 compare and add as unsigned (max/min exact, sums wrap modulo 2^64).
+    let v = vec![u64::MAX, 1 << 63, 5, (1 << 63) - 1, u64::MAX - 2, 7];
+    let x = HostTensor::from_vec(v.clone(), [2, 3]).unwrap();
+    let run = |kind| {
+        eval_cpu(&reduce(kind, &[1], false), &[&x])
+            .unwrap()
+            .to_vec::<u64>()
+            .unwrap()
+    };
+    assert_eq!(run(ReduceKind::Max), vec![u64::MAX, u64::MAX - 2]);
+    assert_eq!(run(ReduceKind::Min), vec![5, 7]);
+    let sum = |r: &[u64]| r.iter().fold(0u64, |a, &b| a.wrapping_add(b));
+    assert_eq!(run(ReduceKind::Sum), vec![sum(&v[..3]), sum(&v[3..])]);
+    let arg = Op::ArgReduce {
+        kind: ArgKind::ArgMax,
+        axis: 1,
+        keep_dims: false,
+    };
+    let a = eval_cpu(&arg, &[&x]).unwrap().to_vec::<i64>().unwrap();
+    assert_eq!(a, vec![0, 1]);
 }

@@ -115,6 +115,11 @@ impl DLDataType {
             DType::I64 => (Self::INT, 64),
             DType::U8 => (Self::UINT, 8),
             DType::Bool => (Self::BOOL, 8),
+            DType::I8 => (Self::INT, 8),
+            DType::I16 => (Self::INT, 16),
+            DType::U16 => (Self::UINT, 16),
+            DType::U32 => (Self::UINT, 32),
+            DType::U64 => (Self::UINT, 64),
         };
         DLDataType {
             code,
@@ -134,10 +139,15 @@ impl DLDataType {
             (Self::INT, 64, 1) => DType::I64,
             (Self::UINT, 8, 1) => DType::U8,
             (Self::BOOL, 8, 1) => DType::Bool,
+            (Self::INT, 8, 1) => DType::I8,
+            (Self::INT, 16, 1) => DType::I16,
+            (Self::UINT, 16, 1) => DType::U16,
+            (Self::UINT, 32, 1) => DType::U32,
+            (Self::UINT, 64, 1) => DType::U64,
             _ => {
                 return Err(dl_err(format!(
                     "DLPack type (code {}, {} bits, {} lanes) has no RustyTorch dtype (f32, f64, \
-                     f16, bf16, i32, i64, u8 and bool do)",
+                     f16, bf16, i8, i16, i32, i64, u8, u16, u32, u64 and bool do)",
                     self.code, self.bits, self.lanes
                 )))
             }
@@ -296,6 +306,11 @@ fn host_ptr(t: &HostTensor) -> *mut c_void {
         Data::I64(v) => v.as_ptr() as *mut c_void,
         Data::U8(v) => v.as_ptr() as *mut c_void,
         Data::Bool(v) => v.as_ptr() as *mut c_void,
+        Data::I8(v) => v.as_ptr() as *mut c_void,
+        Data::I16(v) => v.as_ptr() as *mut c_void,
+        Data::U16(v) => v.as_ptr() as *mut c_void,
+        Data::U32(v) => v.as_ptr() as *mut c_void,
+        Data::U64(v) => v.as_ptr() as *mut c_void,
     }
 }
 
@@ -820,6 +835,11 @@ pub(crate) unsafe fn gather(
         DType::I64 => typed(base, dims, strides, rd::<i64>),
         DType::U8 => typed(base, dims, strides, rd::<u8>),
         DType::Bool => typed(base, dims, strides, |p| rd::<u8>(p) != 0),
+        DType::I8 => typed(base, dims, strides, rd::<i8>),
+        DType::I16 => typed(base, dims, strides, rd::<i16>),
+        DType::U16 => typed(base, dims, strides, rd::<u16>),
+        DType::U32 => typed(base, dims, strides, rd::<u32>),
+        DType::U64 => typed(base, dims, strides, rd::<u64>),
     };
     Ok(HostTensor::from_data(data, ty.shape.clone())?)
 }

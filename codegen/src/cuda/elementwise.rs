@@ -112,6 +112,7 @@ pub fn lower_movement(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Resu
 
 /// Checks that `out` is what the op infers from `inputs`.
 fn check_types(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<()> {
+    super::ir::check_dtypes(op, inputs, out)?;
     let t = rustytorch_ops::infer(op, inputs)?;
     if &t != out {
         return Err(CodegenError::Invalid(format!(
@@ -832,6 +833,16 @@ fn fused_cast(b: &mut Body, from: DType, to: DType, x: Expr, c: CTy) -> Expr {
         DType::U8 if int_src => back(cast(CTy::U8, cast(CTy::I64, x)), CTy::U8),
         DType::U8 => back(cast(CTy::U8, x), CTy::U8),
         DType::Bool => cast(c, ne(x, lit(0.0, c))),
+        // Not reached: `check_dtypes` rejects these dtypes before any kernel is built.
+        DType::I8 | DType::I16 | DType::U16 | DType::U32 | DType::U64 => {
+            let t = CTy::storage(to);
+            let v = if int_src {
+                cast(t, cast(CTy::I64, x))
+            } else {
+                cast(t, x)
+            };
+            back(v, t.compute_of())
+        }
     }
 }
 

@@ -71,6 +71,9 @@ pub fn c_type(t: CTy) -> &'static str {
         CTy::U64 => "unsigned long long",
         CTy::U8 => "unsigned char",
         CTy::Bool => "bool",
+        CTy::I8 => "signed char",
+        CTy::I16 => "short",
+        CTy::U16 => "unsigned short",
     }
 }
 
@@ -198,6 +201,9 @@ fn int_lit(v: i64, t: CTy) -> String {
         CTy::U32 => format!("{}u", v as u32),
         CTy::U64 => format!("{}ull", v as u64),
         CTy::U8 => format!("((unsigned char){})", v as u8),
+        CTy::I8 => format!("((signed char)({}))", v as i8),
+        CTy::I16 => format!("((short)({}))", v as i16),
+        CTy::U16 => format!("((unsigned short){})", v as u16),
         CTy::Bool => (if v != 0 { "true" } else { "false" }).into(),
         CTy::F32 | CTy::F64 | CTy::F16 | CTy::BF16 => float_lit(v as f64, t),
     }
@@ -206,7 +212,7 @@ fn int_lit(v: i64, t: CTy) -> String {
 fn wider(a: CTy, b: CTy) -> CTy {
     let rank = |t: CTy| match t {
         CTy::Bool => 0,
-        CTy::U8 => 1,
+        CTy::U8 | CTy::I8 | CTy::I16 | CTy::U16 => 1,
         CTy::I32 => 2,
         CTy::U32 => 3,
         CTy::I64 => 4,
@@ -621,6 +627,9 @@ impl Printer<'_> {
                         CTy::Bool => {
                             // Adding bools is `or`; a racing plain store of `true` is benign.
                             format!("if ({}) {{ {buf}[{i}] = true; }}", self.expr(value)?)
+                        }
+                        CTy::I8 | CTy::I16 | CTy::U16 => {
+                            return self.err(format!("no atomic add to {elem:?} storage"))
                         }
                     };
                     self.line(depth, &l);

@@ -231,6 +231,11 @@ fn to_bytes(d: &Data) -> Vec<u8> {
         Data::I64(v) => flat(v, |x| x.to_le_bytes()),
         Data::U8(v) => v.clone(),
         Data::Bool(v) => v.iter().map(|&b| b as u8).collect(),
+        Data::I8(v) => flat(v, |x| x.to_le_bytes()),
+        Data::I16(v) => flat(v, |x| x.to_le_bytes()),
+        Data::U16(v) => flat(v, |x| x.to_le_bytes()),
+        Data::U32(v) => flat(v, |x| x.to_le_bytes()),
+        Data::U64(v) => flat(v, |x| x.to_le_bytes()),
     }
 }
 
@@ -253,6 +258,11 @@ fn from_bytes(b: &[u8], dtype: DType) -> Result<Data, usize> {
             }
             Data::Bool(b.iter().map(|&x| x == 1).collect())
         }
+        DType::I8 => Data::I8(chunks(b, i8::from_le_bytes)),
+        DType::I16 => Data::I16(chunks(b, i16::from_le_bytes)),
+        DType::U16 => Data::U16(chunks(b, u16::from_le_bytes)),
+        DType::U32 => Data::U32(chunks(b, u32::from_le_bytes)),
+        DType::U64 => Data::U64(chunks(b, u64::from_le_bytes)),
     })
 }
 
@@ -331,6 +341,10 @@ fn convert(v: Value, t: CTy) -> Value {
         CTy::U64 => Value::U64(as_num!(v, u64)),
         CTy::U8 => Value::U8(as_num!(v, u8)),
         CTy::Bool => Value::Bool(truthy(v)),
+        // The storage-only narrow integers hold their values in int.
+        CTy::I8 => Value::I32(as_num!(v, i8) as i32),
+        CTy::I16 => Value::I32(as_num!(v, i16) as i32),
+        CTy::U16 => Value::I32(as_num!(v, u16) as i32),
     }
 }
 
@@ -359,6 +373,9 @@ fn read_elem(b: &[u8], elem: CTy, i: usize) -> Value {
         CTy::U64 => Value::U64(u64::from_le_bytes(le(b, i))),
         CTy::U8 => Value::U8(b[i]),
         CTy::Bool => Value::Bool(b[i] != 0),
+        CTy::I8 => Value::I32(b[i] as i8 as i32),
+        CTy::I16 => Value::I32(i16::from_le_bytes(le(b, i)) as i32),
+        CTy::U16 => Value::I32(u16::from_le_bytes(le(b, i)) as i32),
     }
 }
 
@@ -378,6 +395,9 @@ fn write_elem(b: &mut [u8], elem: CTy, i: usize, v: Value) -> Option<()> {
         (CTy::U64, Value::U64(x)) => put(b, i, x.to_le_bytes()),
         (CTy::U8, Value::U8(x)) => b[i] = x,
         (CTy::Bool, Value::Bool(x)) => b[i] = x as u8,
+        (CTy::I8, Value::I32(x)) => b[i] = x as i8 as u8,
+        (CTy::I16, Value::I32(x)) => put(b, i, (x as i16).to_le_bytes()),
+        (CTy::U16, Value::I32(x)) => put(b, i, (x as u16).to_le_bytes()),
         _ => return None,
     }
     Some(())
@@ -536,7 +556,7 @@ struct T {
 fn wider(a: CTy, b: CTy) -> CTy {
     let rank = |t: CTy| match t {
         CTy::Bool => 0,
-        CTy::U8 => 1,
+        CTy::U8 | CTy::I8 | CTy::I16 | CTy::U16 => 1,
         CTy::I32 => 2,
         CTy::U32 => 3,
         CTy::I64 => 4,
@@ -714,6 +734,7 @@ impl Compiler<'_> {
                     CTy::U64 => (Value::U64(v as u64), CTy::U64),
                     CTy::U8 => (Value::U8(v as u8), CTy::U8),
                     CTy::Bool => (Value::Bool(v != 0), CTy::Bool),
+                    CTy::I8 | CTy::I16 | CTy::U16 => (convert(Value::I64(v), *t), CTy::I32),
                     CTy::F32 | CTy::F64 | CTy::F16 | CTy::BF16 => float_const(v as f64, *t),
                 };
                 typed(E::Const(c), *t, ct)
@@ -1001,6 +1022,9 @@ impl Compiler<'_> {
                     CTy::U32 | CTy::U8 => CTy::U32,
                     CTy::I64 | CTy::U64 => CTy::U64,
                     CTy::Bool => CTy::Bool,
+                    CTy::I8 | CTy::I16 | CTy::U16 => {
+                        return self.err(format!("no atomic add to {elem:?} storage"))
+                    }
                 };
                 S::AtomicAdd {
                     buf: b,

@@ -31,6 +31,12 @@ pub enum CTy {
     U8,
     /// bool (stored as one byte)
     Bool,
+    /// Storage only: signed char (no template computes with it; see [`check_dtypes`]).
+    I8,
+    /// Storage only: short (no template computes with it; see [`check_dtypes`]).
+    I16,
+    /// Storage only: unsigned short (no template computes with it; see [`check_dtypes`]).
+    U16,
 }
 
 impl CTy {
@@ -45,6 +51,11 @@ impl CTy {
             DType::I64 => CTy::I64,
             DType::U8 => CTy::U8,
             DType::Bool => CTy::Bool,
+            DType::I8 => CTy::I8,
+            DType::I16 => CTy::I16,
+            DType::U16 => CTy::U16,
+            DType::U32 => CTy::U32,
+            DType::U64 => CTy::U64,
         }
     }
 
@@ -57,6 +68,7 @@ impl CTy {
     pub fn compute_of(self) -> CTy {
         match self {
             CTy::F16 | CTy::BF16 => CTy::F32,
+            CTy::I8 | CTy::I16 | CTy::U16 => CTy::I32,
             t => t,
         }
     }
@@ -64,6 +76,48 @@ impl CTy {
     /// Whether this is a floating-point type.
     pub fn is_float(self) -> bool {
         matches!(self, CTy::F32 | CTy::F64 | CTy::F16 | CTy::BF16)
+    }
+}
+
+/// Whether CUDA kernels handle tensors of `d`: every dtype but the integers other than i32, i64
+/// and u8.
+pub fn dtype_supported(d: DType) -> bool {
+    !matches!(
+        d,
+        DType::I8 | DType::I16 | DType::U16 | DType::U32 | DType::U64
+    )
+}
+
+/// The one check of operand and result dtypes that every CUDA lowering of an op accepting
+/// integers runs first (elementwise, movement, indexing, reductions; the other families accept
+/// only float tensors and integer indices): i8, i16, u16, u32 and u64 tensors, and fused
+/// instructions of those dtypes, are an [`Unsupported`](crate::CodegenError::Unsupported) error
+/// naming the op.
+pub fn check_dtypes(
+    op: &rustytorch_ops::Op,
+    inputs: &[&rustytorch_ops::TensorType],
+    out: &rustytorch_ops::TensorType,
+) -> crate::Result<()> {
+    let instrs = match op {
+        rustytorch_ops::Op::Fused(k) => &k.instrs[..],
+        _ => &[],
+    };
+    let bad = inputs
+        .iter()
+        .map(|t| t.dtype)
+        .chain([out.dtype])
+        .chain(instrs.iter().map(|i| i.dtype))
+        .find(|&d| !dtype_supported(d));
+    match bad {
+        Some(d) => Err(crate::CodegenError::Unsupported {
+            op: op.name(),
+            device: "cuda",
+            reason: format!(
+                "{d} tensors have no CUDA kernels yet (i32, i64 and u8 do); cast to one of \
+                 those or run this graph with Device::Cpu"
+            ),
+        }),
+        None => Ok(()),
     }
 }
 
@@ -460,8 +514,8 @@ pub fn elem_bytes(t: CTy) -> usize {
     match t {
         CTy::F64 | CTy::I64 | CTy::U64 => 8,
         CTy::F32 | CTy::I32 | CTy::U32 => 4,
-        CTy::F16 | CTy::BF16 => 2,
-        CTy::U8 | CTy::Bool => 1,
+        CTy::F16 | CTy::BF16 | CTy::I16 | CTy::U16 => 2,
+        CTy::U8 | CTy::I8 | CTy::Bool => 1,
     }
 }
 /// `buf[index] = value;`

@@ -45,6 +45,7 @@ const WARPS: i64 = BLOCK as i64 / WARP;
 /// Lowers a reduction-shaped op: `Reduce`, `ArgReduce`, `Softmax`, `LogSoftmax`, `LayerNorm`,
 /// `RmsNorm`, `CrossEntropy` and `CrossEntropyGrad`. An output without elements needs no launch.
 pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKernels> {
+    super::ir::check_dtypes(op, inputs, out)?;
     let want = rustytorch_ops::infer(op, inputs)?;
     if &want != out {
         return Err(CodegenError::Invalid(format!(
@@ -237,7 +238,10 @@ fn acc_ty(d: DType) -> CTy {
         DType::F64 => CTy::F64,
         DType::F32 | DType::F16 | DType::BF16 => CTy::F32,
         DType::Bool => CTy::I32,
-        DType::I32 | DType::I64 | DType::U8 => CTy::I64,
+        DType::I8 | DType::I16 | DType::I32 | DType::I64 | DType::U8 | DType::U16 | DType::U32 => {
+            CTy::I64
+        }
+        DType::U64 => CTy::U64,
     }
 }
 
