@@ -1,7 +1,7 @@
 //! SpGEMM on the CPU: `C = A·B` for CSR A and B with a CSR result, by Gustavson's row-by-row
 //! method over rayon: each row of C is accumulated in a per-thread dense accumulator with a
-//! bitmap of the touched columns; the columns come out sorted by reading the bitmap's words in
-//! order (or, for a few columns spread over a wide range, by sorting them). Each block of rows
+//! bitmap of the touched columns (and, for rows with few products, a bitmap of its non-zero
+//! words); the columns come out sorted by reading the bitmaps in order. Each block of rows
 //! writes into its own buffers, which are then copied into C's arrays at their offsets (one pass
 //! over the products; a symbolic pass counting each row first would make two).
 //!
@@ -114,7 +114,8 @@ fn typed<I: SpIndex, V: Acc>(
             // The branch-free path's accumulator, kept all zeros between rows.
             let mut zacc = vec![V::default(); n];
             let words = n.div_ceil(64);
-            let mut cols: Vec<usize> = Vec::new();
+            // Which words of `bits` are non-zero, one bit each.
+            let mut summary = vec![0u64; words.div_ceil(64)];
             for i in rows.clone() {
                 let (s, e) = (arp[i].to_usize(), arp[i + 1].to_usize());
                 let before = ci_out.len();
@@ -153,7 +154,10 @@ fn typed<I: SpIndex, V: Acc>(
                     counts.push(ci_out.len() - before);
                     continue;
                 }
-                cols.clear();
+                // Few products for the width: a second bitmap level marks the words of `bits`
+                // in use, so reading the columns back in order touches only those words (plus
+                // the summary's span), never the whole row width, and nothing needs sorting.
+                let (mut slo, mut shi, mut len) = (usize::MAX, 0, 0);
                 for p in s..e {
                     let (k, x) = (aci[p].to_usize(), av[p]);
                     let (bs, be) = (brp[k].to_usize(), brp[k + 1].to_usize());
@@ -161,23 +165,24 @@ fn typed<I: SpIndex, V: Acc>(
                         let j = j.to_usize();
                         let (w, bit) = (j >> 6, 1u64 << (j & 63));
                         if bits[w] & bit == 0 {
+                            if bits[w] == 0 {
+                                summary[w >> 6] |= 1u64 << (w & 63);
+                                slo = slo.min(w >> 6);
+                                shi = shi.max(w >> 6);
+                            }
                             bits[w] |= bit;
                             acc[j] = x * y;
-                            cols.push(j);
+                            len += 1;
                         } else {
                             acc[j] = acc[j] + x * y;
                         }
                     }
                 }
-                let len = cols.len();
-                let (lo, hi) = cols
-                    .iter()
-                    .fold((usize::MAX, 0), |(l, h), &j| (l.min(j >> 6), h.max(j >> 6)));
-                let log = (usize::BITS - len.leading_zeros()) as usize;
-                if len > 0 && hi + 1 - lo <= 4 * len * log {
-                    // Reading the touched words in order lists the columns sorted (and clears
-                    // the bits for the next row).
-                    for (w, word) in bits.iter_mut().enumerate().take(hi + 1).skip(lo) {
+                if slo <= shi && (shi + 1 - slo) * 64 <= 4 * len {
+                    // The columns fill their span densely: read its words straight through.
+                    summary[slo..=shi].fill(0);
+                    let end = ((shi + 1) * 64).min(words);
+                    for (w, word) in bits.iter_mut().enumerate().take(end).skip(slo * 64) {
                         let mut b = std::mem::take(word);
                         while b != 0 {
                             let j = w * 64 + b.trailing_zeros() as usize;
@@ -186,13 +191,20 @@ fn typed<I: SpIndex, V: Acc>(
                             b &= b - 1;
                         }
                     }
-                } else {
-                    // Few columns spread over a wide range: sort them.
-                    cols.sort_unstable();
-                    for &j in &cols {
-                        ci_out.push(I::from_usize(j));
-                        v_out.push(acc[j]);
-                        bits[j >> 6] = 0;
+                } else if slo <= shi {
+                    for sw in slo..=shi {
+                        let mut sb = std::mem::take(&mut summary[sw]);
+                        while sb != 0 {
+                            let w = sw * 64 + sb.trailing_zeros() as usize;
+                            let mut b = std::mem::take(&mut bits[w]);
+                            while b != 0 {
+                                let j = w * 64 + b.trailing_zeros() as usize;
+                                ci_out.push(I::from_usize(j));
+                                v_out.push(acc[j]);
+                                b &= b - 1;
+                            }
+                            sb &= sb - 1;
+                        }
                     }
                 }
                 counts.push(ci_out.len() - before);
