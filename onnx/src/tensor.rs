@@ -202,3 +202,90 @@ pub fn tensor_from_proto(t: &TensorProto, base_dir: Option<&Path>) -> Result<Hos
     };
     Ok(HostTensor::from_data(data, shape)?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn proto(dtype: DataType, dims: &[i64]) -> TensorProto {
+        TensorProto {
+            name: Some("t".into()),
+            data_type: Some(dtype as i32),
+            dims: dims.to_vec(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn integer_element_types_from_typed_fields_and_raw_bytes() {
+        // The narrow integers are stored widened in int32_data, uint32 and uint64 in uint64_data.
+        let mut t = proto(DataType::Int8, &[3]);
+        t.int32_data = vec![-128, 127, -1];
+        assert_eq!(
+            tensor_from_proto(&t, None).unwrap(),
+            HostTensor::from_vec(vec![-128i8, 127, -1], [3]).unwrap()
+        );
+        let mut t = proto(DataType::Int16, &[2]);
+        t.int32_data = vec![-32768, 32767];
+        assert_eq!(
+            tensor_from_proto(&t, None)
+                .unwrap()
+                .to_vec::<i16>()
+                .unwrap(),
+            vec![-32768, 32767]
+        );
+        let mut t = proto(DataType::Uint16, &[2]);
+        t.int32_data = vec![0, 65535];
+        assert_eq!(
+            tensor_from_proto(&t, None)
+                .unwrap()
+                .to_vec::<u16>()
+                .unwrap(),
+            vec![0, 65535]
+        );
+        let mut t = proto(DataType::Uint32, &[2]);
+        t.uint64_data = vec![0, u32::MAX as u64];
+        assert_eq!(
+            tensor_from_proto(&t, None)
+                .unwrap()
+                .to_vec::<u32>()
+                .unwrap(),
+            vec![0, u32::MAX]
+        );
+        let mut t = proto(DataType::Uint64, &[2]);
+        t.uint64_data = vec![1 << 63, u64::MAX];
+        assert_eq!(
+            tensor_from_proto(&t, None)
+                .unwrap()
+                .to_vec::<u64>()
+                .unwrap(),
+            vec![1 << 63, u64::MAX]
+        );
+        // Raw little-endian bytes.
+        let mut t = proto(DataType::Uint64, &[1]);
+        t.raw_data = Some(u64::MAX.to_le_bytes().to_vec());
+        assert_eq!(
+            tensor_from_proto(&t, None)
+                .unwrap()
+                .to_vec::<u64>()
+                .unwrap(),
+            vec![u64::MAX]
+        );
+        let mut t = proto(DataType::Int16, &[2]);
+        t.raw_data = Some([(-2i16).to_le_bytes(), 300i16.to_le_bytes()].concat());
+        assert_eq!(
+            tensor_from_proto(&t, None)
+                .unwrap()
+                .to_vec::<i16>()
+                .unwrap(),
+            vec![-2, 300]
+        );
+        // A count that does not match the shape is an error, not a panic.
+        let mut t = proto(DataType::Uint32, &[3]);
+        t.uint64_data = vec![1];
+        assert!(tensor_from_proto(&t, None).is_err());
+        // The element types RustyTorch does not have name themselves.
+        let e = dtype_from_onnx(DataType::Float8e4m3fn as i32).unwrap_err();
+        assert!(e.contains("float8e4m3fn") && e.contains("uint64"), "{e}");
+    }
+}
