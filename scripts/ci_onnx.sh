@@ -3,7 +3,8 @@
 # tests) and onnxruntime into a cached virtual environment, builds the runner, and runs ONNX's
 # node tests of every op the importer claims (scripts/onnx_conformance.py --check): a test listed
 # in scripts/onnx_conformance_passing.txt that fails now fails this script. Then the light_* CNNs
-# the package ships, against onnxruntime (scripts/onnx_models.py).
+# the package ships and the GPT exported from PyTorch (tests/data/onnx/tiny_gpt.onnx), against
+# onnxruntime (scripts/onnx_models.py).
 #
 #   scripts/ci_onnx.sh
 #   RUSTYTORCH_ONNX_VENV=/tmp/venv scripts/ci_onnx.sh

@@ -4,7 +4,8 @@ Inception v1/v2, ResNet-50, ShuffleNet, SqueezeNet, VGG-19, ZFNet-512, their wei
 ConstantOfShape nodes, which this script replaces with seeded random weights scaled by their fan-in,
 so that the outputs are not constant) run through `rustytorch run model.onnx` and through
 onnxruntime on the same seeded random input; the outputs must agree (relative to the output's scale: max |a − b| ≤ 1e-3 ·
-max |b| + 1e-5).
+max |b| + 1e-5). Then the GPT-style model exported from PyTorch (tests/data/onnx/tiny_gpt.onnx) on
+its recorded token ids, against onnxruntime and PyTorch's recorded logits (max |a − b| ≤ 1e-5).
 
     scripts/onnx_models.py            # a line per model; exit 1 if one disagrees or fails
     scripts/onnx_models.py -k resnet  # only models whose name contains `resnet`
@@ -104,8 +105,48 @@ def main():
             ok = worst <= 1.0
             failed += not ok
             print(f"{'ok  ' if ok else 'FAIL'} {f}: max error {worst:.3g} of the tolerance ({secs:.1f} s with import and compile)")
+    if args.pattern in "tiny_gpt.onnx":
+        failed += not tiny_gpt(args.binary)
+        names.append("tiny_gpt.onnx")
     print(f"{len(names) - failed} passed, {failed} failed")
     sys.exit(1 if failed else 0)
+
+
+def tiny_gpt(binary):
+    """The GPT-style model exported from PyTorch (tests/data/onnx, see tests/onnx_gpt.rs) on its
+    recorded token ids: RustyTorch's and onnxruntime's logits against PyTorch's recorded ones and
+    against each other (max |a - b| <= 1e-5, the Rust test's tolerance). Prints the differences."""
+    data = os.path.join(ROOT, "tests", "data", "onnx")
+    path = os.path.join(data, "tiny_gpt.onnx")
+    ids = np.load(os.path.join(data, "tiny_gpt_ids.npy"))
+    torch_logits = np.load(os.path.join(data, "tiny_gpt_logits.npy")).astype(np.float64)
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    (ort_logits,) = sess.run(None, {sess.get_inputs()[0].name: ids})
+    with tempfile.TemporaryDirectory() as tmp:
+        r = subprocess.run(
+            [binary, "run", path, "--input", f"ids={os.path.join(data, 'tiny_gpt_ids.npy')}", "--out", tmp],
+            capture_output=True,
+            text=True,
+        )
+        if r.returncode != 0:
+            print(f"FAIL tiny_gpt.onnx: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+            return False
+        outs = [f for f in os.listdir(tmp) if f.endswith(".npy")]
+        ours = np.load(os.path.join(tmp, outs[0])).astype(np.float64)
+    ort_logits = ort_logits.astype(np.float64)
+    if ours.shape != ort_logits.shape or ours.shape != torch_logits.shape:
+        print(f"FAIL tiny_gpt.onnx: shapes {ours.shape}, onnxruntime {ort_logits.shape}, PyTorch {torch_logits.shape}")
+        return False
+    d_ort = float(np.abs(ours - ort_logits).max())
+    d_torch = float(np.abs(ours - torch_logits).max())
+    d_ref = float(np.abs(ort_logits - torch_logits).max())
+    ok = max(d_ort, d_torch) <= 1e-5
+    print(
+        f"{'ok  ' if ok else 'FAIL'} tiny_gpt.onnx: max |RustyTorch - onnxruntime| {d_ort:.2g}, "
+        f"|RustyTorch - PyTorch| {d_torch:.2g}, |onnxruntime - PyTorch| {d_ref:.2g} "
+        f"(logits up to {np.abs(torch_logits).max():.3g})"
+    )
+    return ok
 
 
 if __name__ == "__main__":
