@@ -87,11 +87,11 @@ impl fmt::Display for FuseReport {
 }
 
 /// Whether a node may be an instruction of a fused kernel (as a group member): an elementwise op
-/// with no 32/64-bit integer result or operand (fused kernels compute in f32 or f64, which do not
-/// hold every such integer exactly, nor wrap like them).
+/// with no integer result or operand wider than 8 bits (fused kernels compute in f32 or f64, which
+/// do not hold every product of such integers exactly, nor wrap like them).
 fn fusable(graph: &Graph, n: NodeId) -> bool {
     let node = &graph.g[n];
-    let wide_int = |d: DType| matches!(d, DType::I32 | DType::I64);
+    let wide_int = |d: DType| d.is_int() && d.size_bytes() > 1;
     matches!(
         node.op,
         Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. }

@@ -114,7 +114,15 @@ pub fn first_non_finite(t: &HostTensor) -> Option<(usize, f64)> {
         Data::F64(v) => find(v, f64::is_finite, |x| x),
         Data::F16(v) => find(v, |x| x.is_finite(), f64::from),
         Data::BF16(v) => find(v, |x| x.is_finite(), f64::from),
-        Data::I32(_) | Data::I64(_) | Data::U8(_) | Data::Bool(_) => None,
+        Data::I8(_)
+        | Data::I16(_)
+        | Data::I32(_)
+        | Data::I64(_)
+        | Data::U8(_)
+        | Data::U16(_)
+        | Data::U32(_)
+        | Data::U64(_)
+        | Data::Bool(_) => None,
     }
 }
 
