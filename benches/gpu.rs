@@ -280,6 +280,102 @@ fn sparse_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     );
 }
 
+/// A tiny MLP at batch 1 (4 × (linear 64→64 + bias + GELU), softmax): launch-bound. Its run time
+/// with and without CUDA graph replay, and the sum of its kernels' own times (CUDA events around
+/// each step of an eager run: the floor that replay approaches).
+fn tiny_mlp_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
+    let build = || {
+        let g = GraphBuilder::new();
+        let x = p(&g, "x", DType::F32, &[1, 64]);
+        let mut hdn = x;
+        for l in 0..4 {
+            let w = p(&g, &format!("w{l}"), DType::F32, &[64, 64]);
+            let b = p(&g, &format!("b{l}"), DType::F32, &[64]);
+            hdn = hdn.matmul(&w).add(&b).gelu();
+        }
+        let y = hdn.softmax(-1);
+        (g, y)
+    };
+    for replay in [false, true] {
+        let (g, y) = build();
+        let t = time(&g, &[&y], 200, replay);
+        let label = if replay {
+            "tiny mlp b1, graph replay"
+        } else {
+            "tiny mlp b1, launches"
+        };
+        push(label, t, "us/run", t.0 * 1e3);
+    }
+    let (g, y) = build();
+    let mut exe = compile(&g, &[&y], Device::Cuda(0)).expect("compile");
+    exe.set_step_timing(true);
+    let mut sums = vec![];
+    for _ in 0..50 {
+        exe.run(&[]).expect("run");
+        let times = exe.step_times().expect("step times");
+        sums.push(times.total_us());
+    }
+    sums.sort_by(f64::total_cmp);
+    let kernels = exe.plan().steps.len();
+    push(
+        "tiny mlp b1, sum of its kernels' times",
+        (sums[sums.len() / 2] / 1e3, kernels),
+        "us/run",
+        sums[sums.len() / 2],
+    );
+}
+
+/// The all-MiniLM-L6-v2-shaped BERT encoder (6 layers, width 384, 12 heads, MLP 1536; random
+/// weights; mean pooling and L2 normalization) through `Executable`: throughput at 256 sentences
+/// of 128 tokens and latency at 8 × 32, in bf16 and f16, each against `benches/gpu_bert_peer.py`
+/// (transformers' BertModel of the same shape) in the same run. The time is the plan's steps
+/// replayed back to back (`time_steps`, no host copies), and for latency also a whole `run`
+/// (inputs in, embeddings out).
+fn bert_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
+    use rustytorch::models::bert::{bert_encoder, BertConfig};
+    let cfg = BertConfig::minilm_l6();
+    for dtype in [DType::BF16, DType::F16] {
+        for (b, s) in [(256usize, 128usize), (8, 32)] {
+            let g = GraphBuilder::new();
+            let m = bert_encoder(&g, &cfg, dtype, b, s);
+            let mut exe = compile_with(
+                &g,
+                &[&m.embeddings],
+                Device::Cuda(0),
+                &CompileOptions::inference(),
+            )
+            .expect("compile");
+            let ids: Vec<i64> = (0..(b * s) as i64).map(|i| 1 + i * 7919 % 30000).collect();
+            let ids = HostTensor::from_vec(ids, [b, s]).expect("ids");
+            let mask = HostTensor::from_vec(vec![1f32; b * s], [b, s]).expect("mask");
+            let args = [("input_ids", ids), ("attention_mask", mask)];
+            for _ in 0..3 {
+                exe.run(&args).expect("run");
+            }
+            let ms = exe.time_steps(20).expect("timing");
+            let kernels = exe.plan().steps.len();
+            let name = format!("minilm encoder {dtype} {b}x{s}");
+            push(&name, (ms, kernels), "sentences/s", b as f64 / (ms * 1e-3));
+            if b == 8 {
+                let mut runs = vec![];
+                for _ in 0..20 {
+                    let t0 = std::time::Instant::now();
+                    exe.run(&args).expect("run");
+                    runs.push(t0.elapsed().as_secs_f64() * 1e3);
+                }
+                runs.sort_by(f64::total_cmp);
+                let med = runs[runs.len() / 2];
+                push(
+                    &format!("{name}, whole run()"),
+                    (med, kernels),
+                    "sentences/s",
+                    b as f64 / (med * 1e-3),
+                );
+            }
+        }
+    }
+}
+
 fn main() {
     if let Err(e) = rustytorch::runtime::cuda_device_count() {
         println!("gpu bench: no CUDA device here ({e}); run it on the GPU machine");
@@ -299,7 +395,17 @@ fn main() {
     };
     // `bench-gpu conv` measures the convolution rows only, `bench-gpu sparse` the sparse ones.
     let only = |w: &str| std::env::args().skip(1).any(|a| a == w);
-    let (only_conv, only_sparse) = (only("conv"), only("sparse"));
+    // `bench-gpu tiny` the launch-bound tiny MLP only, `bench-gpu bert` the MiniLM encoder only.
+    let (only_conv, only_sparse, only_tiny, only_bert) =
+        (only("conv"), only("sparse"), only("tiny"), only("bert"));
+    if only_tiny {
+        tiny_mlp_rows(&mut push);
+    }
+    if only_bert {
+        bert_rows(&mut push);
+    }
+    let lone = only_tiny || only_bert;
+    let (only_conv, only_sparse) = (only_conv || lone, only_sparse || lone);
     if !only_sparse {
         conv_rows(&mut push);
     }
@@ -474,26 +580,10 @@ fn main() {
             ms,
         );
         drop(s);
-
-        // A tiny MLP at batch 1: launch-bound, with and without CUDA graph replay.
-        for replay in [false, true] {
-            let g = GraphBuilder::new();
-            let x = p(&g, "x", DType::F32, &[1, 64]);
-            let mut hdn = x;
-            for l in 0..4 {
-                let w = p(&g, &format!("w{l}"), DType::F32, &[64, 64]);
-                let b = p(&g, &format!("b{l}"), DType::F32, &[64]);
-                hdn = hdn.matmul(&w).add(&b).gelu();
-            }
-            let y = hdn.softmax(-1);
-            let t = time(&g, &[&y], 200, replay);
-            let label = if replay {
-                "tiny mlp b1, graph replay"
-            } else {
-                "tiny mlp b1, launches"
-            };
-            push(label, t, "us/run", t.0 * 1e3);
-        }
+    }
+    if !only_conv && !only_sparse {
+        tiny_mlp_rows(&mut push);
+        bert_rows(&mut push);
     }
     let json: Vec<String> = rows
         .iter()

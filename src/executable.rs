@@ -45,6 +45,11 @@ pub struct CompileOptions {
     /// For a graph with named dims: how many compiled shapes the executable keeps (at least
     /// one; the least recently used is dropped first). See [`Executable::shape_cache`].
     pub shape_cache: usize,
+    /// On a GPU: capture the whole plan as a CUDA graph after its first run and replay it, so a
+    /// small model's run is not its launch count times the launch cost (the plan is static:
+    /// every buffer and kernel argument is fixed at prepare). On by default; the environment's
+    /// `RUSTYTORCH_CUDA_GRAPH=0` turns the default off. Runs with step timing on are eager.
+    pub graph_replay: bool,
 }
 
 impl Default for CompileOptions {
@@ -55,6 +60,7 @@ impl Default for CompileOptions {
             nonfinite: NonFinitePolicy::Error,
             anomaly: std::env::var("RUSTYTORCH_ANOMALY").is_ok_and(|v| v.trim() == "1"),
             shape_cache: 8,
+            graph_replay: std::env::var("RUSTYTORCH_CUDA_GRAPH").as_deref() != Ok("0"),
         }
     }
 }
@@ -449,7 +455,8 @@ fn build(
             Some(sources),
         )
     } else {
-        let (placement, session) = prepare(device, &compiled.graph, &plan, params)?;
+        let (placement, mut session) = prepare(device, &compiled.graph, &plan, params)?;
+        session.set_graph_replay(opts.graph_replay);
         (placement, session, None)
     };
     tracing::debug!(placement = %placement, "prepared");
@@ -867,6 +874,12 @@ impl Executable {
     /// Where the graph was placed and why (for [`Device::Auto`], the cost estimate).
     pub fn placement(&self) -> &Placement {
         &self.placement
+    }
+
+    /// How many runs replayed a captured CUDA graph (see [`CompileOptions::graph_replay`]; 0 on
+    /// the CPU).
+    pub fn graph_replays(&self) -> u64 {
+        self.session.graph_replays()
     }
 
     /// Statistics of the device memory pool (None on the CPU, which has none).

@@ -38,6 +38,14 @@ fn tol(d: DType) -> f64 {
     }
 }
 
+/// Every dtype the test device computes in (on CUDA, the integer types it refuses with an error
+/// naming the op are left out: `codegen::cuda::ir::dtype_supported`).
+fn dtypes() -> impl Iterator<Item = DType> {
+    DType::ALL
+        .into_iter()
+        .filter(|&d| !cuda() || rustytorch::codegen::cuda::ir::dtype_supported(d))
+}
+
 fn t(d: DType, dims: &[usize]) -> TensorType {
     TensorType::new(d, Shape::new(dims.to_vec()))
 }
@@ -110,7 +118,7 @@ fn unary_ops_all_dtypes() {
         GeluTanh, Silu, Sign, Floor, Ceil, Round, Not, IsNan, IsInf, IsFinite,
     ];
     for (k, u) in all.into_iter().enumerate() {
-        for d in DType::ALL {
+        for d in dtypes() {
             let (lo, hi) = match u {
                 Log | Sqrt | Rsqrt => (0.05, 4.0),
                 Reciprocal => (0.2, 3.0),
@@ -132,7 +140,7 @@ fn binary_ops_broadcast_all_dtypes() {
         Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge, And, Or,
     ];
     for (k, b) in all.into_iter().enumerate() {
-        for d in DType::ALL {
+        for d in dtypes() {
             let (lo, hi) = match (b, d.is_float()) {
                 (Pow, true) => (0.1, 2.5),
                 (Pow, false) => (-2.0, 4.0),
@@ -154,14 +162,14 @@ fn binary_ops_broadcast_all_dtypes() {
 
 #[test]
 fn where_and_cast() {
-    for d in DType::ALL {
+    for d in dtypes() {
         let c = rnd(DType::Bool, &[4, 5], 3, 0.0, 1.0);
         let a = rnd(d, &[3, 4, 5], 4, -3.0, 3.0);
         let b = rnd(d, &[5], 5, -3.0, 3.0);
         check(&format!("where {d:?}"), Op::Where, vec![c, a, b]);
     }
-    for from in DType::ALL {
-        for to in DType::ALL {
+    for from in dtypes() {
+        for to in dtypes() {
             let x = rnd(from, &[17, 33], 11, -300.0, 300.0);
             check(&format!("cast {from:?}->{to:?}"), Op::Cast { to }, vec![x]);
         }
@@ -173,7 +181,7 @@ fn reductions() {
     use ReduceKind::*;
     let shapes: [&[usize]; 3] = [&[6, 7, 9], &[3, 2000], &[4097]];
     for kind in [Sum, Mean, Max, Min, Prod, Any, All] {
-        for d in DType::ALL {
+        for d in dtypes() {
             for (si, dims) in shapes.iter().enumerate() {
                 let rank = dims.len();
                 let mut axes_sets: Vec<Vec<usize>> = (0..rank).map(|a| vec![a]).collect();
@@ -265,7 +273,7 @@ fn softmax_and_norms() {
 
 #[test]
 fn movement() {
-    for d in DType::ALL {
+    for d in dtypes() {
         let x = rnd(d, &[5, 6, 7], 51, -9.0, 9.0);
         let perm = |p: &[usize]| Op::Permute { perm: p.to_vec() };
         check(&format!("permute {d:?}"), perm(&[2, 0, 1]), vec![x.clone()]);

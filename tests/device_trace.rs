@@ -1,5 +1,6 @@
 //! Step timing and traces on the test device (CUDA where `RUSTYTORCH_TEST_CUDA=1`, else the CPU):
-//! a GPT-2 block's run traced to a Chrome trace whose step events sum to the run's time.
+//! a GPT-2 block's run traced to a Chrome trace whose step events sum to the run's time, and
+//! CUDA graph replay as a compile option.
 
 use rustytorch::models::{gpt2_block, Gpt2Config};
 use rustytorch::prelude::*;
@@ -84,4 +85,39 @@ fn a_traced_gpt2_block_accounts_for_its_run_time() {
         .count();
     assert_eq!(steps, 3 * exe.plan().steps.len());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `CompileOptions::graph_replay`: on the GPU a session with it on replays its captured plan from
+/// the second run and computes what an eager one does; with it off it never replays (the CPU
+/// never does).
+#[test]
+fn graph_replay_follows_the_compile_option() {
+    let device = if cuda() { Device::Cuda(0) } else { Device::Cpu };
+    let g = GraphBuilder::new();
+    let x = g.input("x", DType::F32, [4, 32]);
+    let w = g.param("w", [32, 32], Init::kaiming_uniform(32, 1));
+    let y = x.matmul(&w).gelu().softmax(-1);
+    g.output("y", &y);
+    let graph = g.graph().unwrap();
+    let xv = rustytorch::ops::testing::rand_tensor(&x.ty().unwrap(), 5, -1.0, 1.0);
+    let mut outs = vec![];
+    for replay in [false, true] {
+        let opts = CompileOptions {
+            graph_replay: replay,
+            ..CompileOptions::inference()
+        };
+        let mut exe = compile_graph(&graph, device, &opts).unwrap();
+        let mut last = None;
+        for _ in 0..4 {
+            last = Some(exe.run(&[("x", xv.clone())]).unwrap().into_vec().remove(0));
+        }
+        let replays = exe.graph_replays();
+        if cuda() && replay {
+            assert!(replays >= 2, "{replays} replays in 4 runs");
+        } else {
+            assert_eq!(replays, 0);
+        }
+        outs.push(last.unwrap().to_f64_vec());
+    }
+    assert_eq!(outs[0], outs[1], "replayed and eager runs differ");
 }

@@ -106,29 +106,3 @@ fn sparse_matmul_compiles_runs_and_trains_its_values() {
     assert_eq!(v1.dims(), &[a.nnz()]);
     assert_ne!(v1.to_f64_vec(), a.values().to_f64_vec());
 }
-
-#[test]
-fn sparse_ops_are_a_clear_error_on_cuda() {
-    use rustytorch::ops::{Op, TensorType};
-    let t = |d: DType, dims: &[usize]| TensorType::new(d, dims.to_vec());
-    let op = Op::SparseMatmul {
-        rows: 3,
-        cols: 2,
-        trans_a: false,
-    };
-    let ins = [
-        t(DType::I64, &[4]),
-        t(DType::I64, &[4]),
-        t(DType::F32, &[4]),
-        t(DType::F32, &[2, 5]),
-    ];
-    let refs: Vec<&TensorType> = ins.iter().collect();
-    let e = rustytorch::codegen::cuda::lower_step(&op, &refs, &t(DType::F32, &[3, 5]))
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(
-        e.contains("sparse_matmul") && e.contains("not supported on CUDA yet"),
-        "{e}"
-    );
-}

@@ -1,13 +1,74 @@
-//! The CUDA attention kernel against the CPU kernel through the IR interpreter: every float dtype,
-//! causal kinds, additive and bool masks (with fully masked rows), head sizes that do not fill a
-//! warp, more keys than lanes, and NaN scores.
+//! The CUDA attention kernels against the CPU kernel through the IR interpreter: every float
+//! dtype, causal kinds, additive and bool masks (with fully masked rows), head sizes that do not
+//! fill a warp, more keys than lanes, and NaN scores; for the forward both the single kernel and
+//! the GEMM path (its softmax kernel interpreted between host products standing in for the two
+//! cuBLASLt GEMMs: scores in f32, probabilities in the operands' type).
 
-use rustytorch_codegen::cuda::{self, CudaStep};
-use rustytorch_ops::testing::rand_tensor;
-use rustytorch_ops::{AttnMask, Causal, DType, F64Bits, HostTensor, Op};
+use rustytorch_codegen::cuda::{self, attention, interp, Launch, StepKernels};
+use rustytorch_ops::testing::{assert_close, rand_tensor, tolerance};
+use rustytorch_ops::{eval_cpu, AttnMask, Causal, DType, F64Bits, HostTensor, Op, TensorType};
 
 mod common;
-use common::{check, ty};
+use common::ty;
+
+/// The forward through both CUDA paths, anything else through the common check.
+fn check(op: &Op, inputs: &[&HostTensor], what: &str) {
+    let Op::Attention {
+        causal,
+        mask,
+        scale,
+    } = op
+    else {
+        return common::check(op, inputs, what);
+    };
+    let tys: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+    let refs: Vec<&TensorType> = tys.iter().collect();
+    let out = rustytorch_ops::infer(op, &refs).unwrap();
+    let want = eval_cpu(op, inputs).unwrap_or_else(|e| panic!("{what}: CPU: {e}"));
+    // The single kernel.
+    let step = attention::lower(op, &refs, &out).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let got = interp::run_step(&step, inputs, &out, None).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let tol = tolerance(out.dtype);
+    assert_close(&got.to_f64_vec(), &want.to_f64_vec(), tol, what);
+    if inputs[0].dtype() == DType::F64 || out.shape.numel() == 0 {
+        return;
+    }
+    // The GEMM path.
+    let f32 = |t: &HostTensor| t.cast(DType::F32);
+    let nt = Op::Matmul {
+        trans_a: false,
+        trans_b: true,
+    };
+    let s = eval_cpu(&nt, &[&f32(inputs[0]), &f32(inputs[1])]).unwrap();
+    let kernel = attention::gemm_softmax_kernel(*causal, *mask, scale.get(), &refs)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    cuda::source(&kernel).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let mut ins = vec![&s];
+    if *mask != AttnMask::None {
+        ins.push(inputs[3]);
+    }
+    let step = StepKernels {
+        launches: vec![Launch::simple(kernel, ins.len(), 4)],
+        scratch_bytes: 0,
+    };
+    let p_ty = TensorType::new(out.dtype, s.ty().shape.clone());
+    let p = interp::run_step(&step, &ins, &p_ty, None)
+        .unwrap_or_else(|e| panic!("{what} (gemm softmax): {e}"));
+    let nn = Op::Matmul {
+        trans_a: false,
+        trans_b: false,
+    };
+    let o = eval_cpu(&nn, &[&f32(&p), &f32(inputs[2])])
+        .unwrap()
+        .cast(out.dtype);
+    // The probabilities are rounded to the operands' type before the second product.
+    assert_close(
+        &o.to_f64_vec(),
+        &want.to_f64_vec(),
+        2.0 * tol,
+        &format!("{what} (gemm path)"),
+    );
+}
 
 /// Checks attention over q, k, v with every causal kind, unmasked, with an additive mask over
 /// [Sq, Sk] (−∞ entries and a fully masked first row) and with a bool mask per batch and head;
@@ -97,10 +158,7 @@ fn snapshot_causal_bf16_gpt2_heads() {
     let t = ty(DType::BF16, &[8, 12, 1024, 64]);
     let op = op(Causal::TopLeft, AttnMask::None, 0.125);
     let refs = [&t, &t, &t];
-    let step = match cuda::lower_step(&op, &refs, &t).unwrap() {
-        CudaStep::Kernels(k) => k,
-        other => panic!("{other:?}"),
-    };
+    let step = attention::lower(&op, &refs, &t).unwrap();
     assert_eq!(step.launches.len(), 1);
     let src = cuda::source(&step.launches[0].kernel).unwrap();
     insta::assert_snapshot!("attention_causal_bf16_gpt2", src);

@@ -1388,8 +1388,12 @@ fn exponents_are_matched_exactly() {
                 vec![xc.mul(&v.rsqrt())]
             }
         };
-        assert!(optimized(&graph_of(feeds, &spelled(2.0))).ops.contains(name));
-        assert!(!optimized(&graph_of(feeds, &spelled(2.001))).ops.contains(name));
+        assert!(optimized(&graph_of(feeds, &spelled(2.0)))
+            .ops
+            .contains(name));
+        assert!(!optimized(&graph_of(feeds, &spelled(2.001)))
+            .ops
+            .contains(name));
     }
     let gelu = |p: f64| {
         move |_: &GraphBuilder, x: &[Tensor]| {
@@ -1400,6 +1404,10 @@ fn exponents_are_matched_exactly() {
                 .mul(&inner.mul_scalar(SQRT_2_OVER_PI).tanh().add_scalar(1.0))]
         }
     };
-    assert!(optimized(&graph_of(feeds, &gelu(3.0))).ops.contains("gelu_tanh"));
-    assert!(!optimized(&graph_of(feeds, &gelu(3.001))).ops.contains("gelu_tanh"));
+    assert!(optimized(&graph_of(feeds, &gelu(3.0)))
+        .ops
+        .contains("gelu_tanh"));
+    assert!(!optimized(&graph_of(feeds, &gelu(3.001)))
+        .ops
+        .contains("gelu_tanh"));
 }

@@ -13,16 +13,21 @@
 //! all masked is zero; a NaN score makes its row NaN. Only the order of additions differs.
 //!
 //! This is the general kernel, for any head size and mask. Its arithmetic is scalar (no tensor
-//! cores): it is what long sequences with large heads should not use once a tensor-core kernel
-//! exists for their shape.
+//! cores). Where the scores fit a memory budget ([`GEMM_SCORES_LIMIT`]), f32/f16/bf16 attention
+//! runs instead as two cuBLASLt batched GEMMs on the tensor cores around a generated masked
+//! softmax ([`lower_gemm`]): `S = Q·Kᵀ` in f32 into the step's scratch, `P = softmax(scale·S +
+//! mask)` per row (causal limits, fully masked rows zero, NaN rows NaN, as above) in the
+//! operands' type, `O = P·V`. It writes and reads the scores once, which the tensor cores' speed
+//! repays many times over at the sequence lengths that fit (measured in docs/performance.md).
 
 use super::ir::{
     add, assign, bin, div, fc, for_, i32c, i64c, if_, lane_and_warp, let_, lit, load, mul, rem,
     select, store, sub, un, var, warp_row_loop, BinFn, CTy, Expr, Kernel, Param, Stmt, UnFn,
 };
-use super::{finish, grid_for, ArgRef, Launch, StepKernels};
+use super::matmul::MatmulDesc;
+use super::{finish, grid_for, ArgRef, CudaStep, Launch, StepKernels};
 use crate::{CodegenError, Result};
-use rustytorch_ops::{AttnMask, Causal, Op, Shape, TensorType};
+use rustytorch_ops::{AttnMask, Causal, DType, Op, Shape, TensorType};
 
 /// Threads per block (eight query rows).
 const BLOCK: u32 = 256;
@@ -818,4 +823,210 @@ pub fn lower_grad(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<S
         ],
         scratch_bytes: rows_q * 3 * super::ir::elem_bytes(ct),
     })
+}
+
+/// Bytes of scratch (the f32 scores and the probabilities) up to which attention runs as GEMMs.
+pub const GEMM_SCORES_LIMIT: usize = 1 << 30;
+
+/// Attention as GEMMs: `S = Q·Kᵀ` (f32, scratch at 0), the masked softmax into `P` (the
+/// operands' type, scratch at [`AttnGemm::p_at`]), `O = P·V`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttnGemm {
+    /// `S = Q·Kᵀ`: cuBLASLt's A is K (operand 1), B is Q (operand 0), D the scores.
+    pub qk: MatmulDesc,
+    /// The softmax (arguments: the scores, the mask when there is one, the probabilities).
+    pub softmax: Launch,
+    /// `O = P·V`: cuBLASLt's A is V (operand 2), B the probabilities, D the output.
+    pub pv: MatmulDesc,
+    /// Byte offset of the probabilities in the scratch.
+    pub p_at: usize,
+    /// Bytes of scratch the step needs.
+    pub scratch_bytes: usize,
+}
+
+/// The scratch bytes the GEMM path of `Attention` over `inputs` needs: `(P's offset, total)`.
+fn gemm_scratch(inputs: &[&TensorType]) -> (usize, usize) {
+    let (qd, kd) = (inputs[0].shape.dims(), inputs[1].shape.dims());
+    let scores = qd[0] * qd[1] * qd[2] * kd[2];
+    let p_at = (scores * 4).next_multiple_of(256);
+    (p_at, p_at + scores * inputs[0].dtype.size_bytes())
+}
+
+/// Whether `Attention` over `inputs` runs as GEMMs: f32/f16/bf16 operands whose scores and
+/// probabilities fit [`GEMM_SCORES_LIMIT`]; `RUSTYTORCH_ATTENTION=kernel` keeps the single kernel.
+pub fn gemm_path(inputs: &[&TensorType]) -> bool {
+    matches!(inputs[0].dtype, DType::F32 | DType::F16 | DType::BF16)
+        && gemm_scratch(inputs).1 <= GEMM_SCORES_LIMIT
+        && std::env::var("RUSTYTORCH_ATTENTION").as_deref() != Ok("kernel")
+}
+
+/// Lowers `Attention` to its GEMM form (see [`AttnGemm`]); an empty result runs nothing.
+pub fn lower_gemm(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaStep> {
+    let Some((causal, mask, scale, _)) = checked(op, inputs, out)? else {
+        return Ok(CudaStep::Kernels(StepKernels::default()));
+    };
+    let p = Problem::new(mask, inputs);
+    let (bh, dt) = (p.bsz * p.heads, inputs[0].dtype);
+    let t = |dims: [usize; 3]| TensorType::new(dt, dims);
+    let desc = |op: Op, a: TensorType, b: TensorType, o: TensorType| -> Result<MatmulDesc> {
+        match super::matmul::lower(&op, &[&a, &b], &o)? {
+            CudaStep::Matmul { desc, after } if after.launches.is_empty() => Ok(desc),
+            other => Err(CodegenError::Invalid(format!(
+                "attention: unexpected matmul lowering {other:?}"
+            ))),
+        }
+    };
+    let mut qk = desc(
+        Op::Matmul {
+            trans_a: false,
+            trans_b: true,
+        },
+        t([bh, p.sq, p.d]),
+        t([bh, p.sk, p.d]),
+        t([bh, p.sq, p.sk]),
+    )?;
+    qk.out_dtype = DType::F32;
+    let pv = desc(
+        Op::Matmul {
+            trans_a: false,
+            trans_b: false,
+        },
+        t([bh, p.sq, p.sk]),
+        t([bh, p.sk, p.dv]),
+        t([bh, p.sq, p.dv]),
+    )?;
+    let (p_at, scratch_bytes) = gemm_scratch(inputs);
+    let kernel = gemm_softmax_kernel(causal, mask, scale, inputs)?;
+    let mut args = vec![ArgRef::ScratchAt(0)];
+    if mask != AttnMask::None {
+        args.push(ArgRef::Input(3));
+    }
+    args.push(ArgRef::ScratchAt(p_at));
+    let rows = (bh * p.sq) as u64;
+    Ok(CudaStep::Attention(AttnGemm {
+        qk,
+        softmax: Launch {
+            kernel,
+            args,
+            grid: grid_for(rows, WARPS as u64),
+        },
+        pv,
+        p_at,
+        scratch_bytes,
+    }))
+}
+
+/// The softmax of the GEMM path: a warp per query row reads the row's f32 scores `s`, applies
+/// `scale`, the mask and the causal limit, and writes the probabilities `p` in the operands' type
+/// (zeros past the causal limit and for a fully masked row; NaN for a row with a NaN score).
+/// Parameters: `s`, [`mask`], `p`.
+pub fn gemm_softmax_kernel(
+    causal: Causal,
+    mask: AttnMask,
+    scale: f64,
+    inputs: &[&TensorType],
+) -> Result<Kernel> {
+    let pr = Problem::new(mask, inputs);
+    let (e, ct) = (pr.e, CTy::F32);
+    let (sq, sk) = (pr.sq, pr.sk);
+    let rows = (pr.bsz * pr.heads * sq) as i64;
+    let neg_inf = || fc(f64::NEG_INFINITY, ct);
+    // The score of key `j` in `sc`: scaled, masked.
+    let score = || {
+        let mut v = vec![let_(
+            "sc",
+            ct,
+            mul(load("s", CTy::F32, add(var("sb"), var("j"))), fc(scale, ct)),
+        )];
+        v.extend(apply_mask(
+            mask,
+            pr.mask_strides.as_deref(),
+            pr.heads,
+            e,
+            ct,
+        ));
+        v
+    };
+    // NaN sticks: a NaN score (or maximum) wins.
+    let nan_max = |a: Expr, b: Expr| {
+        select(
+            bin(
+                BinFn::Or,
+                un(UnFn::IsNan, b.clone()),
+                bin(BinFn::Gt, b.clone(), a.clone()),
+            ),
+            b,
+            a,
+        )
+    };
+    let lanes = |body: Vec<Stmt>, end: Expr| for_("j", var("lane"), end, i64c(WARP), body);
+    let mut body = vec![
+        let_("i", CTy::I64, rem(var("row"), i64c(sq as i64))),
+        let_("bh", CTy::I64, div(var("row"), i64c(sq as i64))),
+        let_("sb", CTy::I64, mul(var("row"), i64c(sk as i64))),
+        let_("jend", CTy::I64, key_limit(causal, var("i"), sq, sk)),
+        let_("m", ct, neg_inf()),
+    ];
+    let mut pass1 = score();
+    pass1.push(assign("m", nan_max(var("m"), var("sc"))));
+    body.push(lanes(pass1, var("jend")));
+    // The lanes' maxima meet in a butterfly (the shuffle is taken by every lane, before the
+    // select that reads it).
+    for off in [16, 8, 4, 2, 1] {
+        let o = format!("mo{off}");
+        body.push(let_(&o, ct, bin(BinFn::ShflXor, var("m"), i32c(off))));
+        body.push(assign("m", nan_max(var("m"), var(&o))));
+    }
+    // A fully masked row: every probability is zero.
+    body.push(let_("dead", CTy::Bool, bin(BinFn::Eq, var("m"), neg_inf())));
+    body.push(let_("sum", ct, lit(0.0, ct)));
+    let mut pass2 = score();
+    pass2.push(assign(
+        "sum",
+        add(var("sum"), un(UnFn::Exp, sub(var("sc"), var("m")))),
+    ));
+    body.push(if_(
+        un(UnFn::Not, var("dead")),
+        vec![lanes(pass2, var("jend"))],
+    ));
+    for off in [16, 8, 4, 2, 1] {
+        body.push(assign(
+            "sum",
+            add(var("sum"), bin(BinFn::ShflXor, var("sum"), i32c(off))),
+        ));
+    }
+    body.push(let_(
+        "inv",
+        ct,
+        select(var("dead"), lit(0.0, ct), div(lit(1.0, ct), var("sum"))),
+    ));
+    let mut pass3 = score();
+    let prob = select(
+        bin(
+            BinFn::Or,
+            var("dead"),
+            bin(BinFn::Ge, var("j"), var("jend")),
+        ),
+        lit(0.0, ct),
+        mul(un(UnFn::Exp, sub(var("sc"), var("m"))), var("inv")),
+    );
+    pass3.push(store("p", e, add(var("sb"), var("j")), prob));
+    body.push(lanes(pass3, i64c(sk as i64)));
+
+    let mut params = vec![param("s", CTy::F32, false)];
+    if mask != AttnMask::None {
+        params.push(param("mask", CTy::storage(inputs[3].dtype), false));
+    }
+    params.push(param("p", e, true));
+    let mut all = lane_and_warp();
+    all.push(warp_row_loop(rows, WARPS, body));
+    finish(
+        "attn_softmax",
+        Kernel {
+            name: String::new(),
+            params,
+            block: BLOCK,
+            body: all,
+        },
+    )
 }

@@ -34,8 +34,10 @@ pub enum LtActivation {
 /// `D[m×n] = op(A)[m×k] · op(B)[k×n]` where A is the step's operand 1 and B its operand 0.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct MatmulDesc {
-    /// Element type of A, B, D and the bias (compute is f32, or f64 for f64).
+    /// Element type of A, B and the bias (compute is f32, or f64 for f64).
     pub dtype: DType,
+    /// Element type of D (`dtype`, or f32 for f32 results of half-precision operands).
+    pub out_dtype: DType,
     /// Rows of D (the op's N).
     pub m: u64,
     /// Columns of D (the op's M).
@@ -149,6 +151,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaSt
     };
     let desc = MatmulDesc {
         dtype,
+        out_dtype: dtype,
         m: n as u64,
         n: m as u64,
         k: k as u64,

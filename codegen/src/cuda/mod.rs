@@ -90,6 +90,8 @@ pub enum CudaStep {
     Dnn(DnnStep),
     /// A cuSPARSE SpMM (its workspace in the step's scratch, sized by the runtime).
     Spmm(SpmmDesc),
+    /// Attention as two cuBLASLt GEMMs around a generated softmax (scores in the scratch).
+    Attention(attention::AttnGemm),
     /// Nothing to run: the output aliases its operand's bytes (a reshape placed as an alias by
     /// the memory plan).
     Alias,
@@ -203,6 +205,9 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         }
         Op::AttentionGrad { .. } => attention::lower_grad(op, inputs, out).map(CudaStep::Kernels),
         Op::CumSum { .. } | Op::TopK { .. } => unsupported(),
+        Op::Attention { .. } if attention::gemm_path(inputs) => {
+            attention::lower_gemm(op, inputs, out)
+        }
         Op::Attention { .. } => attention::lower(op, inputs, out).map(CudaStep::Kernels),
         Op::SparseMatmul { .. } => sparse::lower_spmm(op, inputs, out).map(CudaStep::Spmm),
         Op::SampledMatmul => sparse::lower_sddmm(op, inputs, out).map(CudaStep::Kernels),

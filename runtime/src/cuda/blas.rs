@@ -132,7 +132,9 @@ impl Blas {
         // Stored shapes (column-major): A is m×k (k×m when transposed), B is k×n (n×k).
         let (ar, ac) = if m.trans_a { (m.k, m.m) } else { (m.m, m.k) };
         let (br, bc) = if m.trans_b { (m.n, m.k) } else { (m.k, m.n) };
-        let layout = |rows: u64,
+        let dty = data_type(m.out_dtype)?;
+        let layout = |ty: sys::cudaDataType,
+                      rows: u64,
                       cols: u64,
                       ld: u64,
                       stride: i64|
@@ -161,9 +163,9 @@ impl Blas {
             }
             Ok(l)
         };
-        let a = layout(ar, ac, m.lda, m.stride_a)?;
-        let b = layout(br, bc, m.ldb, m.stride_b)?;
-        let d = layout(m.m, m.n, m.ldd, m.stride_d)?;
+        let a = layout(ty, ar, ac, m.lda, m.stride_a)?;
+        let b = layout(ty, br, bc, m.ldb, m.stride_b)?;
+        let d = layout(dty, m.m, m.n, m.ldd, m.stride_d)?;
         let pref = lt::create_matmul_pref().map_err(|e| err("pref", e))?;
         let ws = WORKSPACE_BYTES as u64;
         // SAFETY: `pref` is live; the value is the u64 the attribute requires.
@@ -213,7 +215,7 @@ impl Blas {
         bias: Option<u64>,
         stream: sys::cudaStream_t,
     ) -> Result<()> {
-        let elt = m.dtype.size_bytes() as u64;
+        let (elt, delt) = (m.dtype.size_bytes() as u64, m.out_dtype.size_bytes() as u64);
         let (handle, workspace) = (self.handle, self.workspace);
         let p = self.prepare(m)?;
         if let Some(bias) = bias {
@@ -235,7 +237,7 @@ impl Blas {
             (&one32 as *const f32 as _, &zero32 as *const f32 as _)
         };
         for &(oa, ob, od) in &m.calls {
-            let (pa, pb, pd) = (a + oa * elt, b + ob * elt, d + od * elt);
+            let (pa, pb, pd) = (a + oa * elt, b + ob * elt, d + od * delt);
             // SAFETY: the descriptors are live; the pointers address device buffers of the sizes
             // the layouts describe (checked by the plan's types); the workspace holds
             // WORKSPACE_BYTES; beta is 0 so C (= D) is not read.

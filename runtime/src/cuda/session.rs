@@ -46,6 +46,14 @@ enum Exec {
         after: Vec<Resolved>,
     },
     Spmm(SpmmCall),
+    /// `S = Q·Kᵀ` into the scratch, the softmax, `O = P·V` (see `AttnGemm`).
+    Attention {
+        qk: MatmulDesc,
+        softmax: Vec<Resolved>,
+        pv: MatmulDesc,
+        /// q, k, v, the probabilities and the output.
+        ptrs: [u64; 5],
+    },
     Nothing,
 }
 
@@ -355,6 +363,7 @@ impl CudaSession {
             spmm_calls.push(call);
             scratch_bytes = scratch_bytes.max(match st {
                 CudaStep::Spmm(_) => call_bytes,
+                CudaStep::Attention(a) => a.scratch_bytes,
                 CudaStep::Kernels(k) => k.scratch_bytes,
                 CudaStep::Matmul { after, .. } => after.scratch_bytes,
                 CudaStep::Dnn(d) => {
@@ -380,6 +389,7 @@ impl CudaSession {
                 CudaStep::Kernels(k) => k.launches.iter().collect(),
                 CudaStep::Matmul { after, .. } => after.launches.iter().collect(),
                 CudaStep::Dnn(d) => d.before.iter().chain(&d.after).collect(),
+                CudaStep::Attention(a) => vec![&a.softmax],
                 CudaStep::Spmm(_) | CudaStep::Alias => vec![],
             };
             for l in ks {
@@ -461,6 +471,15 @@ impl CudaSession {
                     }
                 }
                 CudaStep::Spmm(_) => Exec::Spmm(call.expect("prepared above")),
+                CudaStep::Attention(a) => Exec::Attention {
+                    softmax: resolve(&StepKernels {
+                        launches: vec![a.softmax],
+                        scratch_bytes: 0,
+                    }),
+                    ptrs: [ins[0], ins[1], ins[2], scratch + a.p_at as u64, out],
+                    qk: a.qk,
+                    pv: a.pv,
+                },
                 CudaStep::Alias => Exec::Nothing,
             };
             s.exec.push((i, e));
@@ -588,6 +607,23 @@ impl CudaSession {
                     for l in after {
                         self.launch(l, i, stream)?;
                     }
+                }
+                Exec::Attention {
+                    qk,
+                    softmax,
+                    pv,
+                    ptrs: [q, k, v, p, out],
+                } => {
+                    let gemm = |desc: &MatmulDesc, a: u64, b: u64, d: u64| {
+                        self.dev
+                            .with_blas(|bl| bl.run(desc, a, b, d, None, stream as _))
+                            .map_err(|e| RuntimeError::Device(format!("step {i} (attention): {e}")))
+                    };
+                    gemm(qk, *k, *q, self.scratch)?;
+                    for l in softmax {
+                        self.launch(l, i, stream)?;
+                    }
+                    gemm(pv, *v, *p, *out)?;
                 }
                 Exec::Spmm(call) => {
                     self.dev
