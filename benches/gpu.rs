@@ -527,6 +527,40 @@ fn main() {
             "TFLOP/s",
             att_flops / (t.0 * 1e-3) / 1e12,
         );
+        // Forward and the three gradients (the backward counted as 2.5× the forward, as
+        // PyTorch's SDPA figures are).
+        let mut graph = Graph::new();
+        let ty = tt(bf, &[bsz, heads, seq, hd]);
+        let ids: Vec<_> = ["q", "k", "v", "dy"]
+            .iter()
+            .map(|n| graph.add_input(n, ty.clone()).expect("input"))
+            .collect();
+        let attn = |wrt: Option<u8>| match wrt {
+            None => Op::Attention {
+                causal: rustytorch::ops::Causal::TopLeft,
+                mask: rustytorch::ops::AttnMask::None,
+                scale: rustytorch::ops::F64Bits::new(0.125),
+            },
+            Some(wrt) => Op::AttentionGrad {
+                causal: rustytorch::ops::Causal::TopLeft,
+                mask: rustytorch::ops::AttnMask::None,
+                scale: rustytorch::ops::F64Bits::new(0.125),
+                wrt,
+            },
+        };
+        let y = graph.add(attn(None), &ids[..3]).expect("attention");
+        graph.add_output("y", y).expect("y");
+        for wrt in 0..3u8 {
+            let d = graph.add(attn(Some(wrt)), &ids).expect("grad");
+            graph.add_output(&format!("d{wrt}"), d).expect("d");
+        }
+        let t = time_graph(&graph, 5, true);
+        push(
+            "attention causal bf16 b8 h12 s1024 d64 fwd+bwd",
+            t,
+            "TFLOP/s",
+            3.5 * att_flops / (t.0 * 1e-3) / 1e12,
+        );
 
         // GPT-2 small forward (f32, batch 8 x 1024): the CPU-side compile, then lowering and
         // preparing for CUDA (kernels from NVRTC or the kernel caches), twice in this process.

@@ -13,6 +13,10 @@ use common::ty;
 
 /// The forward through both CUDA paths, anything else through the common check.
 fn check(op: &Op, inputs: &[&HostTensor], what: &str) {
+    if let Op::AttentionGrad { .. } = op {
+        check_kernel(op, inputs, what, attention::lower_grad);
+        return check_grad_gemm(op, inputs, what);
+    }
     let Op::Attention {
         causal,
         mask,
@@ -21,15 +25,12 @@ fn check(op: &Op, inputs: &[&HostTensor], what: &str) {
     else {
         return common::check(op, inputs, what);
     };
+    check_kernel(op, inputs, what, attention::lower);
     let tys: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
     let refs: Vec<&TensorType> = tys.iter().collect();
     let out = rustytorch_ops::infer(op, &refs).unwrap();
     let want = eval_cpu(op, inputs).unwrap_or_else(|e| panic!("{what}: CPU: {e}"));
-    // The single kernel.
-    let step = attention::lower(op, &refs, &out).unwrap_or_else(|e| panic!("{what}: {e}"));
-    let got = interp::run_step(&step, inputs, &out, None).unwrap_or_else(|e| panic!("{what}: {e}"));
     let tol = tolerance(out.dtype);
-    assert_close(&got.to_f64_vec(), &want.to_f64_vec(), tol, what);
     if inputs[0].dtype() == DType::F64 || out.shape.numel() == 0 {
         return;
     }
@@ -73,6 +74,94 @@ fn check(op: &Op, inputs: &[&HostTensor], what: &str) {
 /// Checks attention over q, k, v with every causal kind, unmasked, with an additive mask over
 /// [Sq, Sk] (−∞ entries and a fully masked first row) and with a bool mask per batch and head;
 /// with `per_query_bool`, also a bool mask per query with a fully masked first row.
+/// The single-kernel lowering `lower` of `op` through the interpreter against the CPU kernel.
+fn check_kernel(
+    op: &Op,
+    inputs: &[&HostTensor],
+    what: &str,
+    lower: fn(&Op, &[&TensorType], &TensorType) -> rustytorch_codegen::Result<StepKernels>,
+) {
+    let tys: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+    let refs: Vec<&TensorType> = tys.iter().collect();
+    let out = rustytorch_ops::infer(op, &refs).unwrap();
+    let want = eval_cpu(op, inputs).unwrap_or_else(|e| panic!("{what}: CPU: {e}"));
+    let step = lower(op, &refs, &out).unwrap_or_else(|e| panic!("{what}: {e}"));
+    for l in &step.launches {
+        cuda::source(&l.kernel).unwrap_or_else(|e| panic!("{what}: {e}"));
+    }
+    let got = interp::run_step(&step, inputs, &out, None).unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_close(
+        &got.to_f64_vec(),
+        &want.to_f64_vec(),
+        tolerance(out.dtype),
+        what,
+    );
+}
+
+/// `a·b` on the host in f32 (standing in for a cuBLASLt GEMM with f32 accumulation).
+fn host_mm(a: &HostTensor, b: &HostTensor, trans_a: bool, trans_b: bool) -> HostTensor {
+    let op = Op::Matmul { trans_a, trans_b };
+    eval_cpu(&op, &[&a.cast(DType::F32), &b.cast(DType::F32)]).unwrap()
+}
+
+/// The GEMM form of `AttentionGrad`: host products for the GEMMs, the interpreter for the
+/// softmax and its backward, against the CPU kernel.
+fn check_grad_gemm(op: &Op, inputs: &[&HostTensor], what: &str) {
+    let Op::AttentionGrad {
+        causal,
+        mask,
+        scale,
+        wrt,
+    } = op
+    else {
+        unreachable!()
+    };
+    let dt = inputs[0].dtype();
+    if dt == DType::F64 {
+        return;
+    }
+    let tys: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+    let refs: Vec<&TensorType> = tys.iter().collect();
+    let want = eval_cpu(op, inputs).unwrap_or_else(|e| panic!("{what}: CPU: {e}"));
+    let (q, k, v, g) = (inputs[0], inputs[1], inputs[2], inputs[inputs.len() - 1]);
+    let s = host_mm(q, k, false, true);
+    let soft = attention::gemm_softmax_kernel(*causal, *mask, scale.get(), &refs).unwrap();
+    let mut ins = vec![&s];
+    if *mask != AttnMask::None {
+        ins.push(inputs[3]);
+    }
+    let run = |kernel, ins: &[&HostTensor], init: Option<&HostTensor>| {
+        let step = StepKernels {
+            launches: vec![Launch::simple(kernel, ins.len(), 4)],
+            scratch_bytes: 0,
+        };
+        let ty = TensorType::new(dt, s.ty().shape.clone());
+        interp::run_step(&step, ins, &ty, init).unwrap_or_else(|e| panic!("{what}: {e}"))
+    };
+    let p = run(soft, &ins, None);
+    let got = if *wrt == 2 {
+        host_mm(&p, g, true, false)
+    } else {
+        let dp = host_mm(g, v, false, true);
+        let kernel = attention::grad_softmax_kernel(scale.get(), &refs).unwrap();
+        let ds = run(kernel, &[&dp], Some(&p));
+        if *wrt == 0 {
+            host_mm(&ds, k, false, false)
+        } else {
+            host_mm(&ds, q, true, false)
+        }
+    }
+    .cast(dt);
+    // P and dS are rounded to the operands' type between the products.
+    let tol = 4.0 * tolerance(dt);
+    assert_close(
+        &got.to_f64_vec(),
+        &want.to_f64_vec(),
+        tol,
+        &format!("{what} (gemm path)"),
+    );
+}
+
 fn check_masks(q: &HostTensor, k: &HostTensor, v: &HostTensor, seed: u64, per_query_bool: bool) {
     let (qd, kd) = (q.ty().shape.dims().to_vec(), k.ty().shape.dims().to_vec());
     let (b, h, sq, d, sk) = (qd[0], qd[1], qd[2], qd[3], kd[2]);

@@ -25,7 +25,7 @@ use super::ir::{
     select, store, sub, un, var, warp_row_loop, BinFn, CTy, Expr, Kernel, Param, Stmt, UnFn,
 };
 use super::matmul::MatmulDesc;
-use super::{finish, grid_for, ArgRef, CudaStep, Launch, StepKernels};
+use super::{finish, grid_for, ArgRef, Composite, CudaStep, Launch, Part, StepKernels};
 use crate::{CodegenError, Result};
 use rustytorch_ops::{AttnMask, Causal, DType, Op, Shape, TensorType};
 
@@ -828,22 +828,6 @@ pub fn lower_grad(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<S
 /// Bytes of scratch (the f32 scores and the probabilities) up to which attention runs as GEMMs.
 pub const GEMM_SCORES_LIMIT: usize = 1 << 30;
 
-/// Attention as GEMMs: `S = Q·Kᵀ` (f32, scratch at 0), the masked softmax into `P` (the
-/// operands' type, scratch at [`AttnGemm::p_at`]), `O = P·V`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct AttnGemm {
-    /// `S = Q·Kᵀ`: cuBLASLt's A is K (operand 1), B is Q (operand 0), D the scores.
-    pub qk: MatmulDesc,
-    /// The softmax (arguments: the scores, the mask when there is one, the probabilities).
-    pub softmax: Launch,
-    /// `O = P·V`: cuBLASLt's A is V (operand 2), B the probabilities, D the output.
-    pub pv: MatmulDesc,
-    /// Byte offset of the probabilities in the scratch.
-    pub p_at: usize,
-    /// Bytes of scratch the step needs.
-    pub scratch_bytes: usize,
-}
-
 /// The scratch bytes the GEMM path of `Attention` over `inputs` needs: `(P's offset, total)`.
 fn gemm_scratch(inputs: &[&TensorType]) -> (usize, usize) {
     let (qd, kd) = (inputs[0].shape.dims(), inputs[1].shape.dims());
@@ -860,41 +844,43 @@ pub fn gemm_path(inputs: &[&TensorType]) -> bool {
         && std::env::var("RUSTYTORCH_ATTENTION").as_deref() != Ok("kernel")
 }
 
-/// Lowers `Attention` to its GEMM form (see [`AttnGemm`]); an empty result runs nothing.
-pub fn lower_gemm(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaStep> {
-    let Some((causal, mask, scale, _)) = checked(op, inputs, out)? else {
-        return Ok(CudaStep::Kernels(StepKernels::default()));
-    };
+/// The cuBLASLt call of the batched product `a·b` (with the given transposes) of operand types
+/// `a`, `b` into `o`.
+fn gemm(
+    trans_a: bool,
+    trans_b: bool,
+    a: &TensorType,
+    b: &TensorType,
+    o: &TensorType,
+) -> Result<MatmulDesc> {
+    let op = Op::Matmul { trans_a, trans_b };
+    match super::matmul::lower(&op, &[a, b], o)? {
+        CudaStep::Matmul { desc, after } if after.launches.is_empty() => Ok(desc),
+        other => Err(CodegenError::Invalid(format!(
+            "attention: unexpected matmul lowering {other:?}"
+        ))),
+    }
+}
+
+/// The first parts of both GEMM forms: `S = Q·Kᵀ` (f32, scratch at 0), then the masked softmax
+/// writing `P` (the operands' type) at `p_at`. Returns the parts, `p_at` and the scratch size.
+fn scores_and_probabilities(
+    causal: Causal,
+    mask: AttnMask,
+    scale: f64,
+    inputs: &[&TensorType],
+) -> Result<(Vec<Part>, usize, usize)> {
     let p = Problem::new(mask, inputs);
     let (bh, dt) = (p.bsz * p.heads, inputs[0].dtype);
     let t = |dims: [usize; 3]| TensorType::new(dt, dims);
-    let desc = |op: Op, a: TensorType, b: TensorType, o: TensorType| -> Result<MatmulDesc> {
-        match super::matmul::lower(&op, &[&a, &b], &o)? {
-            CudaStep::Matmul { desc, after } if after.launches.is_empty() => Ok(desc),
-            other => Err(CodegenError::Invalid(format!(
-                "attention: unexpected matmul lowering {other:?}"
-            ))),
-        }
-    };
-    let mut qk = desc(
-        Op::Matmul {
-            trans_a: false,
-            trans_b: true,
-        },
-        t([bh, p.sq, p.d]),
-        t([bh, p.sk, p.d]),
-        t([bh, p.sq, p.sk]),
+    let mut qk = gemm(
+        false,
+        true,
+        &t([bh, p.sq, p.d]),
+        &t([bh, p.sk, p.d]),
+        &t([bh, p.sq, p.sk]),
     )?;
     qk.out_dtype = DType::F32;
-    let pv = desc(
-        Op::Matmul {
-            trans_a: false,
-            trans_b: false,
-        },
-        t([bh, p.sq, p.sk]),
-        t([bh, p.sk, p.dv]),
-        t([bh, p.sq, p.dv]),
-    )?;
     let (p_at, scratch_bytes) = gemm_scratch(inputs);
     let kernel = gemm_softmax_kernel(causal, mask, scale, inputs)?;
     let mut args = vec![ArgRef::ScratchAt(0)];
@@ -903,17 +889,183 @@ pub fn lower_gemm(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
     }
     args.push(ArgRef::ScratchAt(p_at));
     let rows = (bh * p.sq) as u64;
-    Ok(CudaStep::Attention(AttnGemm {
-        qk,
-        softmax: Launch {
+    let parts = vec![
+        Part::Gemm {
+            desc: qk,
+            a: ArgRef::Input(1),
+            b: ArgRef::Input(0),
+            d: ArgRef::ScratchAt(0),
+        },
+        Part::Launch(Launch {
             kernel,
             args,
             grid: grid_for(rows, WARPS as u64),
-        },
-        pv,
-        p_at,
+        }),
+    ];
+    Ok((parts, p_at, scratch_bytes))
+}
+
+/// Lowers `Attention` to its GEMM form: `S = Q·Kᵀ` in f32 into the scratch, the masked softmax
+/// into `P`, `O = P·V` (an empty result runs nothing).
+pub fn lower_gemm(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaStep> {
+    let Some((causal, mask, scale, _)) = checked(op, inputs, out)? else {
+        return Ok(CudaStep::Kernels(StepKernels::default()));
+    };
+    let p = Problem::new(mask, inputs);
+    let (bh, dt) = (p.bsz * p.heads, inputs[0].dtype);
+    let t = |dims: [usize; 3]| TensorType::new(dt, dims);
+    let (mut parts, p_at, scratch_bytes) = scores_and_probabilities(causal, mask, scale, inputs)?;
+    parts.push(Part::Gemm {
+        desc: gemm(
+            false,
+            false,
+            &t([bh, p.sq, p.sk]),
+            &t([bh, p.sk, p.dv]),
+            &t([bh, p.sq, p.dv]),
+        )?,
+        a: ArgRef::Input(2),
+        b: ArgRef::ScratchAt(p_at),
+        d: ArgRef::Output,
+    });
+    Ok(CudaStep::Composite(Composite {
+        parts,
         scratch_bytes,
     }))
+}
+
+/// Lowers `AttentionGrad` (operands q, k, v, [mask], dO) to its GEMM form, recomputing `P` as
+/// the forward does: for v, `dV = Pᵀ·dO`; for q and k, `dP = dO·Vᵀ` (f32, over the scores),
+/// `dS = P∘(dP − rowsum(P∘dP))·scale` in place of `P` ([`grad_softmax_kernel`]), then
+/// `dQ = dS·K` or `dK = dSᵀ·Q`. A fully masked row has `P = 0`, so it contributes nothing.
+pub fn lower_grad_gemm(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaStep> {
+    let Some((causal, mask, scale, wrt)) = checked(op, inputs, out)? else {
+        return Ok(CudaStep::Kernels(StepKernels::default()));
+    };
+    let p = Problem::new(mask, inputs);
+    let (bh, dt) = (p.bsz * p.heads, inputs[0].dtype);
+    let t = |dims: [usize; 3]| TensorType::new(dt, dims);
+    let g = ArgRef::Input(inputs.len() - 1);
+    let (mut parts, p_at, scratch_bytes) = scores_and_probabilities(causal, mask, scale, inputs)?;
+    let probs = t([bh, p.sq, p.sk]);
+    if wrt == 2 {
+        parts.push(Part::Gemm {
+            desc: gemm(
+                true,
+                false,
+                &probs,
+                &t([bh, p.sq, p.dv]),
+                &t([bh, p.sk, p.dv]),
+            )?,
+            a: g,
+            b: ArgRef::ScratchAt(p_at),
+            d: ArgRef::Output,
+        });
+    } else {
+        let mut dp = gemm(
+            false,
+            true,
+            &t([bh, p.sq, p.dv]),
+            &t([bh, p.sk, p.dv]),
+            &probs,
+        )?;
+        dp.out_dtype = DType::F32;
+        parts.push(Part::Gemm {
+            desc: dp,
+            a: ArgRef::Input(2),
+            b: g,
+            d: ArgRef::ScratchAt(0),
+        });
+        parts.push(Part::Launch(Launch {
+            kernel: grad_softmax_kernel(scale, inputs)?,
+            args: vec![ArgRef::ScratchAt(0), ArgRef::ScratchAt(p_at)],
+            grid: grid_for((bh * p.sq) as u64, WARPS as u64),
+        }));
+        let (desc, a) = if wrt == 0 {
+            (
+                gemm(
+                    false,
+                    false,
+                    &probs,
+                    &t([bh, p.sk, p.d]),
+                    &t([bh, p.sq, p.d]),
+                )?,
+                ArgRef::Input(1),
+            )
+        } else {
+            (
+                gemm(
+                    true,
+                    false,
+                    &probs,
+                    &t([bh, p.sq, p.d]),
+                    &t([bh, p.sk, p.d]),
+                )?,
+                ArgRef::Input(0),
+            )
+        };
+        parts.push(Part::Gemm {
+            desc,
+            a,
+            b: ArgRef::ScratchAt(p_at),
+            d: ArgRef::Output,
+        });
+    }
+    Ok(CudaStep::Composite(Composite {
+        parts,
+        scratch_bytes,
+    }))
+}
+
+/// The softmax's backward of the GEMM path: a warp per query row reads `dp` (f32) and the
+/// probabilities `p`, and overwrites `p` with `dS = P∘(dP − Σ_j P_j dP_j)·scale` in the
+/// operands' type. Parameters: `dp`, `p`.
+pub fn grad_softmax_kernel(scale: f64, inputs: &[&TensorType]) -> Result<Kernel> {
+    let pr = Problem::new(AttnMask::None, inputs);
+    let (e, ct) = (pr.e, CTy::F32);
+    let (sq, sk) = (pr.sq, pr.sk);
+    let rows = (pr.bsz * pr.heads * sq) as i64;
+    let lanes = |body: Vec<Stmt>| for_("j", var("lane"), i64c(sk as i64), i64c(WARP), body);
+    let at = || add(var("sb"), var("j"));
+    let mut body = vec![
+        let_("sb", CTy::I64, mul(var("row"), i64c(sk as i64))),
+        let_("dd", ct, lit(0.0, ct)),
+        lanes(vec![assign(
+            "dd",
+            add(
+                var("dd"),
+                mul(to_ct(load("p", e, at()), e, ct), load("dp", CTy::F32, at())),
+            ),
+        )]),
+    ];
+    for off in [16, 8, 4, 2, 1] {
+        let o = format!("do{off}");
+        body.push(let_(&o, ct, bin(BinFn::ShflXor, var("dd"), i32c(off))));
+        body.push(assign("dd", add(var("dd"), var(&o))));
+    }
+    body.push(lanes(vec![
+        let_("pj", ct, to_ct(load("p", e, at()), e, ct)),
+        store(
+            "p",
+            e,
+            at(),
+            mul(
+                mul(var("pj"), sub(load("dp", CTy::F32, at()), var("dd"))),
+                fc(scale, ct),
+            ),
+        ),
+    ]));
+    let params = vec![param("dp", CTy::F32, false), param("p", e, true)];
+    let mut all = lane_and_warp();
+    all.push(warp_row_loop(rows, WARPS, body));
+    finish(
+        "attn_softmax_grad",
+        Kernel {
+            name: String::new(),
+            params,
+            block: BLOCK,
+            body: all,
+        },
+    )
 }
 
 /// The softmax of the GEMM path: a warp per query row reads the row's f32 scores `s`, applies

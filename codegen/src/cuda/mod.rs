@@ -90,11 +90,39 @@ pub enum CudaStep {
     Dnn(DnnStep),
     /// A cuSPARSE SpMM (its workspace in the step's scratch, sized by the runtime).
     Spmm(SpmmDesc),
-    /// Attention as two cuBLASLt GEMMs around a generated softmax (scores in the scratch).
-    Attention(attention::AttnGemm),
+    /// cuBLASLt GEMMs and generated kernels in order over the operands, the output and the
+    /// step's scratch (attention and its gradients as GEMMs).
+    Composite(Composite),
     /// Nothing to run: the output aliases its operand's bytes (a reshape placed as an alias by
     /// the memory plan).
     Alias,
+}
+
+/// One part of a [`Composite`] step.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Part {
+    /// A cuBLASLt matmul with cuBLASLt's A, B and D at these places (see [`MatmulDesc`]).
+    Gemm {
+        /// The call.
+        desc: MatmulDesc,
+        /// cuBLASLt's A (the product's right operand).
+        a: ArgRef,
+        /// cuBLASLt's B (the product's left operand).
+        b: ArgRef,
+        /// The result.
+        d: ArgRef,
+    },
+    /// A kernel launch.
+    Launch(Launch),
+}
+
+/// Library calls and kernels run in order as one step.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct Composite {
+    /// The parts, in order.
+    pub parts: Vec<Part>,
+    /// Bytes of scratch the parts share.
+    pub scratch_bytes: usize,
 }
 
 /// Number of blocks for `n` work items at `per_block` items per block, capped at [`MAX_GRID`]
@@ -202,6 +230,9 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         }
         Op::Pool { .. } | Op::PoolGrad { .. } => {
             pool::lower(op, inputs, out).map(CudaStep::Kernels)
+        }
+        Op::AttentionGrad { .. } if attention::gemm_path(inputs) => {
+            attention::lower_grad_gemm(op, inputs, out)
         }
         Op::AttentionGrad { .. } => attention::lower_grad(op, inputs, out).map(CudaStep::Kernels),
         Op::CumSum { .. } | Op::TopK { .. } => unsupported(),

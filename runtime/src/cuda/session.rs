@@ -13,7 +13,7 @@ use crate::{
 use cudarc::driver::sys::{self as ds, CUstream};
 use cudarc::driver::{result as dr, CudaFunction};
 use rustytorch_codegen::cuda::{
-    lower_plan, source, ArgRef, CudaStep, DnnDesc, Launch, MatmulDesc, StepKernels,
+    lower_plan, source, ArgRef, CudaStep, DnnDesc, Launch, MatmulDesc, Part, StepKernels,
 };
 use rustytorch_codegen::{Plan, Source, Storage};
 use rustytorch_ops::{DType, Data, HostTensor, TensorType};
@@ -46,15 +46,16 @@ enum Exec {
         after: Vec<Resolved>,
     },
     Spmm(SpmmCall),
-    /// `S = Q·Kᵀ` into the scratch, the softmax, `O = P·V` (see `AttnGemm`).
-    Attention {
-        qk: MatmulDesc,
-        softmax: Vec<Resolved>,
-        pv: MatmulDesc,
-        /// q, k, v, the probabilities and the output.
-        ptrs: [u64; 5],
-    },
+    /// GEMMs and launches in order (see `Composite`).
+    Composite(Vec<ExecPart>),
     Nothing,
+}
+
+/// A resolved part of a composite step.
+enum ExecPart {
+    /// cuBLASLt's A, B and D addresses.
+    Gemm(MatmulDesc, u64, u64, u64),
+    Launch(Resolved),
 }
 
 /// Where a sparse op's pattern component comes from: checked at prepare (a constant) or before
@@ -363,7 +364,7 @@ impl CudaSession {
             spmm_calls.push(call);
             scratch_bytes = scratch_bytes.max(match st {
                 CudaStep::Spmm(_) => call_bytes,
-                CudaStep::Attention(a) => a.scratch_bytes,
+                CudaStep::Composite(c) => c.scratch_bytes,
                 CudaStep::Kernels(k) => k.scratch_bytes,
                 CudaStep::Matmul { after, .. } => after.scratch_bytes,
                 CudaStep::Dnn(d) => {
@@ -389,7 +390,14 @@ impl CudaSession {
                 CudaStep::Kernels(k) => k.launches.iter().collect(),
                 CudaStep::Matmul { after, .. } => after.launches.iter().collect(),
                 CudaStep::Dnn(d) => d.before.iter().chain(&d.after).collect(),
-                CudaStep::Attention(a) => vec![&a.softmax],
+                CudaStep::Composite(c) => c
+                    .parts
+                    .iter()
+                    .filter_map(|p| match p {
+                        Part::Launch(l) => Some(l),
+                        Part::Gemm { .. } => None,
+                    })
+                    .collect(),
                 CudaStep::Spmm(_) | CudaStep::Alias => vec![],
             };
             for l in ks {
@@ -471,15 +479,30 @@ impl CudaSession {
                     }
                 }
                 CudaStep::Spmm(_) => Exec::Spmm(call.expect("prepared above")),
-                CudaStep::Attention(a) => Exec::Attention {
-                    softmax: resolve(&StepKernels {
-                        launches: vec![a.softmax],
-                        scratch_bytes: 0,
-                    }),
-                    ptrs: [ins[0], ins[1], ins[2], scratch + a.p_at as u64, out],
-                    qk: a.qk,
-                    pv: a.pv,
-                },
+                CudaStep::Composite(c) => {
+                    let at = |a: ArgRef| match a {
+                        ArgRef::Input(j) => ins[j],
+                        ArgRef::Output => out,
+                        ArgRef::Scratch => scratch,
+                        ArgRef::ScratchAt(off) => scratch + off as u64,
+                    };
+                    let mut parts = vec![];
+                    for part in c.parts {
+                        parts.push(match part {
+                            Part::Gemm { desc, a, b, d } => {
+                                ExecPart::Gemm(desc, at(a), at(b), at(d))
+                            }
+                            Part::Launch(l) => ExecPart::Launch(
+                                resolve(&StepKernels {
+                                    launches: vec![l],
+                                    scratch_bytes: 0,
+                                })
+                                .remove(0),
+                            ),
+                        });
+                    }
+                    Exec::Composite(parts)
+                }
                 CudaStep::Alias => Exec::Nothing,
             };
             s.exec.push((i, e));
@@ -608,22 +631,21 @@ impl CudaSession {
                         self.launch(l, i, stream)?;
                     }
                 }
-                Exec::Attention {
-                    qk,
-                    softmax,
-                    pv,
-                    ptrs: [q, k, v, p, out],
-                } => {
-                    let gemm = |desc: &MatmulDesc, a: u64, b: u64, d: u64| {
-                        self.dev
-                            .with_blas(|bl| bl.run(desc, a, b, d, None, stream as _))
-                            .map_err(|e| RuntimeError::Device(format!("step {i} (attention): {e}")))
-                    };
-                    gemm(qk, *k, *q, self.scratch)?;
-                    for l in softmax {
-                        self.launch(l, i, stream)?;
+                Exec::Composite(parts) => {
+                    for part in parts {
+                        match part {
+                            ExecPart::Gemm(desc, a, b, d) => self
+                                .dev
+                                .with_blas(|bl| bl.run(desc, *a, *b, *d, None, stream as _))
+                                .map_err(|e| {
+                                    RuntimeError::Device(format!(
+                                        "step {i} ({}): {e}",
+                                        self.plan.steps[i].op.name()
+                                    ))
+                                })?,
+                            ExecPart::Launch(l) => self.launch(l, i, stream)?,
+                        }
                     }
-                    gemm(pv, *v, *p, *out)?;
                 }
                 Exec::Spmm(call) => {
                     self.dev
