@@ -376,6 +376,58 @@ fn bert_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     }
 }
 
+/// NCCL all-reduce and broadcast of f32 buffers of 1 MiB to 1 GiB over every GPU, timed as
+/// `../shared/peers/torch_peers2.py nccl` times torch.distributed (20 calls after 5, wall clock
+/// to the streams' end; bus bandwidth = bytes / time × 2(n−1)/n for all-reduce, × 1 for
+/// broadcast).
+fn nccl_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
+    use rustytorch::runtime::cuda::{Collective, DeviceTensor, ReduceOp};
+    let n = rustytorch::runtime::cuda_device_count().expect("devices");
+    if n < 2 {
+        println!("nccl: {n} GPU(s); the collectives need two");
+        return;
+    }
+    let devs: Vec<usize> = (0..n).collect();
+    let coll = Collective::new(&devs).expect("communicator");
+    for mib in [1usize, 16, 256, 1024] {
+        let len = mib * (1 << 20) / 4;
+        let host = HostTensor::from_vec(vec![1f32; len], [len]).expect("host");
+        let mut bufs: Vec<DeviceTensor> = devs
+            .iter()
+            .map(|&d| DeviceTensor::upload(d, &host).expect("upload"))
+            .collect();
+        for op in ["all_reduce", "broadcast"] {
+            let run = |bufs: &mut [DeviceTensor]| match op {
+                "all_reduce" => coll.all_reduce(bufs, ReduceOp::Sum).expect("all_reduce"),
+                _ => coll.broadcast(bufs, 0).expect("broadcast"),
+            };
+            for _ in 0..5 {
+                run(&mut bufs);
+            }
+            coll.synchronize().expect("sync");
+            let iters = 20;
+            let t0 = std::time::Instant::now();
+            for _ in 0..iters {
+                run(&mut bufs);
+            }
+            coll.synchronize().expect("sync");
+            let s = t0.elapsed().as_secs_f64() / iters as f64;
+            let algbw = (mib << 20) as f64 / s / 1e9;
+            let factor = if op == "all_reduce" {
+                2.0 * (n - 1) as f64 / n as f64
+            } else {
+                1.0
+            };
+            push(
+                &format!("nccl {op} f32 {mib} MiB on {n} GPUs"),
+                (s * 1e3, 0),
+                "GB/s bus",
+                algbw * factor,
+            );
+        }
+    }
+}
+
 fn main() {
     if let Err(e) = rustytorch::runtime::cuda_device_count() {
         println!("gpu bench: no CUDA device here ({e}); run it on the GPU machine");
@@ -395,7 +447,12 @@ fn main() {
     };
     // `bench-gpu conv` measures the convolution rows only, `bench-gpu sparse` the sparse ones.
     let only = |w: &str| std::env::args().skip(1).any(|a| a == w);
-    // `bench-gpu tiny` the launch-bound tiny MLP only, `bench-gpu bert` the MiniLM encoder only.
+    // `bench-gpu tiny` the launch-bound tiny MLP only, `bench-gpu bert` the MiniLM encoder only,
+    // `bench-gpu nccl` the collectives only (two or more GPUs).
+    if only("nccl") {
+        nccl_rows(&mut push);
+        return;
+    }
     let (only_conv, only_sparse, only_tiny, only_bert) =
         (only("conv"), only("sparse"), only("tiny"), only("bert"));
     if only_tiny {

@@ -12,9 +12,11 @@
 pub mod blas;
 pub mod compile;
 pub mod dnn;
+pub mod nccl;
 mod session;
 pub mod sparse;
 
+pub use nccl::{Collective, DeviceTensor, ReduceOp, UniqueId};
 pub use session::CudaSession;
 pub use sparse::DeviceCsr;
 
