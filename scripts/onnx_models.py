@@ -11,6 +11,8 @@ its recorded token ids, against onnxruntime and PyTorch's recorded logits (max |
     scripts/onnx_models.py -k resnet  # only models whose name contains `resnet`
 """
 
+import atexit
+import shutil
 import argparse
 import os
 import subprocess
@@ -67,7 +69,9 @@ def main():
     for f in names:
         rng = np.random.default_rng(0)
         model = randomize(onnx.load(os.path.join(light, f)), rng)
+        # The randomized model (up to 0.5 GB for VGG-19) lives only as long as its check.
         tmpdir = tempfile.mkdtemp()
+        atexit.register(shutil.rmtree, tmpdir, True)
         path = os.path.join(tmpdir, f)
         onnx.save(model, path)
         inits = {i.name for i in model.graph.initializer}
