@@ -81,6 +81,37 @@ pub struct GpuDevice {
     sparse: Mutex<Option<sparse::Sparse>>,
 }
 
+/// Launches `func` over `grid` blocks of `block` threads on `stream` with device-pointer
+/// arguments `args`.
+///
+/// # Safety
+/// `func` must take exactly these pointer parameters, in this order, each addressing a live
+/// buffer of the size the kernel reads or writes; the launch copies the values before returning.
+pub(crate) unsafe fn launch_pointers(
+    func: &CudaFunction,
+    grid: u32,
+    block: u32,
+    args: &[u64],
+    stream: ds::CUstream,
+) -> std::result::Result<(), dr::DriverError> {
+    let mut args = args.to_vec();
+    let mut ptrs: Vec<*mut std::ffi::c_void> = args
+        .iter_mut()
+        .map(|a| a as *mut u64 as *mut std::ffi::c_void)
+        .collect();
+    // SAFETY: the caller's contract; `ptrs` points at `args`, alive for the call.
+    unsafe {
+        dr::launch_kernel(
+            func.cu_function(),
+            (grid, 1, 1),
+            (block, 1, 1),
+            0,
+            stream,
+            &mut ptrs,
+        )
+    }
+}
+
 fn derr(what: &str) -> impl Fn(dr::DriverError) -> RuntimeError + '_ {
     move |e| RuntimeError::Device(format!("{what}: {e}"))
 }

@@ -17,7 +17,6 @@ use rustytorch_codegen::cuda::{
 };
 use rustytorch_codegen::{Plan, Source, Storage};
 use rustytorch_ops::{DType, Data, HostTensor, TensorType};
-use std::ffi::c_void;
 use std::sync::Arc;
 
 struct Resolved {
@@ -717,26 +716,10 @@ impl CudaSession {
     }
 
     fn launch(&self, r: &Resolved, step: usize, stream: CUstream) -> Result<()> {
-        let mut args = r.args.clone();
-        let mut ptrs: Vec<*mut c_void> = args
-            .iter_mut()
-            .map(|a| a as *mut u64 as *mut c_void)
-            .collect();
         // SAFETY: the function was compiled from a kernel whose parameters are exactly these
         // device pointers, in this order, each addressing a live buffer of the size its type
-        // needs (resolved from the memory plan at prepare time); the launch copies the argument
-        // values before returning.
-        unsafe {
-            dr::launch_kernel(
-                r.func.cu_function(),
-                (r.grid, 1, 1),
-                (r.block, 1, 1),
-                0,
-                stream,
-                &mut ptrs,
-            )
-        }
-        .map_err(|e| {
+        // needs (resolved from the memory plan at prepare time).
+        unsafe { super::launch_pointers(&r.func, r.grid, r.block, &r.args, stream) }.map_err(|e| {
             RuntimeError::Device(format!(
                 "step {step} ({}): kernel launch failed: {e}",
                 self.plan.steps[step].op.name()

@@ -449,6 +449,20 @@ impl DeviceCsr {
         }
     }
 
+    /// A cuSPARSE descriptor over this matrix's buffers.
+    fn descriptor(&self) -> Result<SpMat> {
+        SpMat::csr(
+            self.rows,
+            self.cols,
+            self.nnz,
+            addr(&self.row_ptr),
+            addr(&self.col_idx),
+            addr(&self.values),
+            self.index,
+            self.dtype,
+        )
+    }
+
     /// Rows.
     pub fn rows(&self) -> usize {
         self.rows
@@ -547,48 +561,38 @@ impl DeviceCsr {
             self.dev.with_sparse(|s| {
                 let h = s.on(stream)?;
                 let (m, n, nnz) = (a.rows as i32, a.cols as i32, a.nnz as i32);
+                // Both calls take the same arguments but the last.
+                macro_rules! conv {
+                    ($f:ident, $last:expr) => {
+                        sp::$f(
+                            h,
+                            m,
+                            n,
+                            nnz,
+                            addr(&a.values) as *const c_void,
+                            addr(&a.row_ptr) as *const i32,
+                            addr(&a.col_idx) as *const i32,
+                            addr(&out.values) as *mut c_void,
+                            addr(&out.row_ptr) as *mut i32,
+                            addr(&out.col_idx) as *mut i32,
+                            vt,
+                            act,
+                            base,
+                            alg,
+                            $last,
+                        )
+                    };
+                }
                 let mut bytes = 0usize;
                 // SAFETY: every pointer addresses a live buffer of the size the call implies
                 // (i32 indices, values of `a.dtype`).
                 check("csr2csc buffer size", unsafe {
-                    sp::cusparseCsr2cscEx2_bufferSize(
-                        h,
-                        m,
-                        n,
-                        nnz,
-                        addr(&a.values) as *const c_void,
-                        addr(&a.row_ptr) as *const i32,
-                        addr(&a.col_idx) as *const i32,
-                        addr(&out.values) as *mut c_void,
-                        addr(&out.row_ptr) as *mut i32,
-                        addr(&out.col_idx) as *mut i32,
-                        vt,
-                        act,
-                        base,
-                        alg,
-                        &mut bytes,
-                    )
+                    conv!(cusparseCsr2cscEx2_bufferSize, &mut bytes)
                 })?;
                 let buf = self.dev.alloc(bytes)?;
                 // SAFETY: as above, with a workspace of the size asked for.
                 let r = check("csr2csc", unsafe {
-                    sp::cusparseCsr2cscEx2(
-                        h,
-                        m,
-                        n,
-                        nnz,
-                        addr(&a.values) as *const c_void,
-                        addr(&a.row_ptr) as *const i32,
-                        addr(&a.col_idx) as *const i32,
-                        addr(&out.values) as *mut c_void,
-                        addr(&out.row_ptr) as *mut i32,
-                        addr(&out.col_idx) as *mut i32,
-                        vt,
-                        act,
-                        base,
-                        alg,
-                        buf.addr as *mut c_void,
-                    )
+                    conv!(cusparseCsr2cscEx2, buf.addr as *mut c_void)
                 });
                 self.dev.free(buf);
                 r
@@ -682,7 +686,7 @@ fn cast(
         .collect::<Result<Vec<_>>>()?;
     let funcs = dev.functions(&sources)?;
     for (l, f) in k.launches.iter().zip(funcs) {
-        let mut args: Vec<u64> = l
+        let args: Vec<u64> = l
             .args
             .iter()
             .map(|a| match a {
@@ -690,23 +694,10 @@ fn cast(
                 _ => addr(dst),
             })
             .collect();
-        let mut ptrs: Vec<*mut c_void> = args
-            .iter_mut()
-            .map(|a| a as *mut u64 as *mut c_void)
-            .collect();
         // SAFETY: the cast kernel's parameters are its input and output pointers, both live
         // buffers of n elements of their types.
-        unsafe {
-            dr::launch_kernel(
-                f.cu_function(),
-                (l.grid, 1, 1),
-                (l.kernel.block, 1, 1),
-                0,
-                stream,
-                &mut ptrs,
-            )
-        }
-        .map_err(|e| RuntimeError::Device(format!("cast kernel: {e}")))?;
+        unsafe { super::launch_pointers(&f, l.grid, l.kernel.block, &args, stream) }
+            .map_err(|e| RuntimeError::Device(format!("cast kernel: {e}")))?;
     }
     Ok(())
 }
@@ -800,26 +791,7 @@ impl Sparse {
         let (m, n) = (a.rows, b.cols);
         let sc = Scalars::of(a.dtype);
         let none = sp::cusparseOperation_t::CUSPARSE_OPERATION_NON_TRANSPOSE;
-        let ma = SpMat::csr(
-            a.rows,
-            a.cols,
-            a.nnz,
-            addr(&a.row_ptr),
-            addr(&a.col_idx),
-            addr(&a.values),
-            a.index,
-            a.dtype,
-        )?;
-        let mb = SpMat::csr(
-            b.rows,
-            b.cols,
-            b.nnz,
-            addr(&b.row_ptr),
-            addr(&b.col_idx),
-            addr(&b.values),
-            b.index,
-            b.dtype,
-        )?;
+        let (ma, mb) = (a.descriptor()?, b.descriptor()?);
         // C's row offsets must exist before the work estimation; its other arrays follow the
         // size query.
         let mut c = DeviceCsr {
@@ -845,130 +817,61 @@ impl Sparse {
             blocks: vec![],
         };
         let ct = sc.compute();
+        // The phases' calls share their first eleven arguments.
+        macro_rules! phase {
+            ($f:ident $(, $rest:expr)*) => {
+                sp::$f(h, none, none, sc.one(), ma.0, mb.0, sc.zero(), mc.0, ct, alg, d.0 $(, $rest)*)
+            };
+        }
+        let null = std::ptr::null_mut::<c_void>;
         // Each phase: the size query (null buffer), then the call with a buffer of that size.
         // SAFETY (every call below): live handle and descriptors over live buffers; host
         // scalars of the compute type; each buffer holds the bytes the size query returned and
         // stays allocated (in `bufs`) until the copy has been enqueued.
         let mut bs1 = 0usize;
-        // SAFETY: see the note before the first phase above.
+        // SAFETY: see above.
         check("SpGEMM work estimation", unsafe {
-            sp::cusparseSpGEMM_workEstimation(
-                h,
-                none,
-                none,
-                sc.one(),
-                ma.0,
-                mb.0,
-                sc.zero(),
-                mc.0,
-                ct,
-                alg,
-                d.0,
-                &mut bs1,
-                std::ptr::null_mut(),
-            )
+            phase!(cusparseSpGEMM_workEstimation, &mut bs1, null())
         })?;
-        let b1 = bufs.alloc(bs1)?;
-        // SAFETY: see the note before the first phase above.
+        let b1 = bufs.alloc(bs1)? as *mut c_void;
+        // SAFETY: see above.
         check("SpGEMM work estimation", unsafe {
-            sp::cusparseSpGEMM_workEstimation(
-                h,
-                none,
-                none,
-                sc.one(),
-                ma.0,
-                mb.0,
-                sc.zero(),
-                mc.0,
-                ct,
-                alg,
-                d.0,
-                &mut bs1,
-                b1 as *mut c_void,
-            )
+            phase!(cusparseSpGEMM_workEstimation, &mut bs1, b1)
         })?;
         let mut bs2 = 0usize;
         if alg == sp::cusparseSpGEMMAlg_t::CUSPARSE_SPGEMM_ALG1 {
-            // SAFETY: see the note before the first phase above.
+            // SAFETY: see above.
             check("SpGEMM compute", unsafe {
-                sp::cusparseSpGEMM_compute(
-                    h,
-                    none,
-                    none,
-                    sc.one(),
-                    ma.0,
-                    mb.0,
-                    sc.zero(),
-                    mc.0,
-                    ct,
-                    alg,
-                    d.0,
-                    &mut bs2,
-                    std::ptr::null_mut(),
-                )
+                phase!(cusparseSpGEMM_compute, &mut bs2, null())
             })?;
         } else {
             let mut bs3 = 0usize;
-            // SAFETY: see the note before the first phase above.
+            // SAFETY: see above.
             check("SpGEMM memory estimate", unsafe {
-                sp::cusparseSpGEMM_estimateMemory(
-                    h,
-                    none,
-                    none,
-                    sc.one(),
-                    ma.0,
-                    mb.0,
-                    sc.zero(),
-                    mc.0,
-                    ct,
-                    alg,
-                    d.0,
+                phase!(
+                    cusparseSpGEMM_estimateMemory,
                     ALG3_CHUNK,
                     &mut bs3,
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
+                    null(),
+                    std::ptr::null_mut()
                 )
             })?;
-            let b3 = bufs.alloc(bs3)?;
-            // SAFETY: see the note before the first phase above.
+            let b3 = bufs.alloc(bs3)? as *mut c_void;
+            // SAFETY: see above.
             check("SpGEMM memory estimate", unsafe {
-                sp::cusparseSpGEMM_estimateMemory(
-                    h,
-                    none,
-                    none,
-                    sc.one(),
-                    ma.0,
-                    mb.0,
-                    sc.zero(),
-                    mc.0,
-                    ct,
-                    alg,
-                    d.0,
+                phase!(
+                    cusparseSpGEMM_estimateMemory,
                     ALG3_CHUNK,
                     &mut bs3,
-                    b3 as *mut c_void,
-                    &mut bs2,
+                    b3,
+                    &mut bs2
                 )
             })?;
         }
-        let b2 = bufs.alloc(bs2)?;
-        // SAFETY: see the note before the first phase above.
+        let b2 = bufs.alloc(bs2)? as *mut c_void;
+        // SAFETY: see above.
         check("SpGEMM compute", unsafe {
-            sp::cusparseSpGEMM_compute(
-                h,
-                none,
-                none,
-                sc.one(),
-                ma.0,
-                mb.0,
-                sc.zero(),
-                mc.0,
-                ct,
-                alg,
-                d.0,
-                &mut bs2,
-                b2 as *mut c_void,
-            )
+            phase!(cusparseSpGEMM_compute, &mut bs2, b2)
         })?;
         let (mut r, mut cc, mut nnz) = (0i64, 0i64, 0i64);
         // SAFETY: see the note before the first phase above.
@@ -990,21 +893,7 @@ impl Sparse {
             )
         })?;
         // SAFETY: see the note before the first phase above.
-        check("SpGEMM copy", unsafe {
-            sp::cusparseSpGEMM_copy(
-                h,
-                none,
-                none,
-                sc.one(),
-                ma.0,
-                mb.0,
-                sc.zero(),
-                mc.0,
-                ct,
-                alg,
-                d.0,
-            )
-        })?;
+        check("SpGEMM copy", unsafe { phase!(cusparseSpGEMM_copy) })?;
         // The buffers return to the pool stream-ordered, after the copy.
         drop(bufs);
         Ok(c)
