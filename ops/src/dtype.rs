@@ -53,6 +53,18 @@ impl DType {
         DType::U64,
     ];
 
+    /// Every integer dtype (those [`DType::is_int`] accepts), signed by width, then unsigned.
+    pub const INTS: [DType; 8] = [
+        DType::I8,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+        DType::U8,
+        DType::U16,
+        DType::U32,
+        DType::U64,
+    ];
+
     /// Bytes per element.
     pub fn size_bytes(self) -> usize {
         match self {
@@ -252,3 +264,17 @@ host_element!(i16, I16);
 host_element!(u16, U16);
 host_element!(u32, U32);
 host_element!(u64, U64);
+
+#[cfg(test)]
+mod tests {
+    use super::DType;
+
+    #[test]
+    fn ints_lists_every_integer_dtype_once() {
+        let mut want: Vec<DType> = DType::ALL.into_iter().filter(|d| d.is_int()).collect();
+        let mut got = DType::INTS.to_vec();
+        want.sort_by_key(|d| format!("{d:?}"));
+        got.sort_by_key(|d| format!("{d:?}"));
+        assert_eq!(got, want);
+    }
+}

@@ -753,18 +753,6 @@ fn where_selects_with_broadcasting() {
 
 // ---- the integer dtypes at every width, against i128 ----
 
-/// Every integer dtype.
-const INTS: [DType; 8] = [
-    DType::I8,
-    DType::I16,
-    DType::I32,
-    DType::I64,
-    DType::U8,
-    DType::U16,
-    DType::U32,
-    DType::U64,
-];
-
 /// `r` wrapped to the range of integer dtype `d` (two's complement at its width).
 fn wrap(d: DType, r: i128) -> i128 {
     let m = 1i128 << (8 * d.size_bytes());
@@ -876,7 +864,7 @@ fn integer_binary_ops_at_every_width_match_i128() {
     // Broadcast shapes; whole-range values, so sums, products and quotients overflow and wrap.
     let (sa, sb, so) = ([3, 1, 40], [5, 40], [3, 5, 40]);
     let (na, nb) = (120, 200);
-    for (k, d) in INTS.into_iter().enumerate() {
+    for (k, d) in DType::INTS.into_iter().enumerate() {
         let seed = 100 + 10 * k as u64;
         let mut xv = rand_int_vals(d, na, seed);
         let mut yv = rand_int_vals(d, nb, seed + 1);
@@ -916,7 +904,7 @@ fn integer_binary_ops_at_every_width_match_i128() {
 
 #[test]
 fn integer_unary_ops_and_where_at_every_width() {
-    for (k, d) in INTS.into_iter().enumerate() {
+    for (k, d) in DType::INTS.into_iter().enumerate() {
         let mut xv = rand_int_vals(d, 64, 300 + k as u64);
         if d.is_signed_int() {
             xv[0] = -(1i128 << (8 * d.size_bytes() - 1));
@@ -966,7 +954,7 @@ fn integer_unary_ops_and_where_at_every_width() {
 fn integer_casts_between_every_width_are_exact() {
     // Integer to integer wraps (Rust `as`), integer to f32/f64 rounds once to nearest, integer to
     // bool is `!= 0`; values over the whole range of each source type.
-    for (k, from) in INTS.into_iter().enumerate() {
+    for (k, from) in DType::INTS.into_iter().enumerate() {
         let mut v = rand_int_vals(from, 300, 500 + k as u64);
         v.extend([0, 1, 127, 128, 255, 256, 65_535, 65_536].map(|x| wrap(from, x)));
         if from.is_signed_int() {
@@ -974,7 +962,7 @@ fn integer_casts_between_every_width_are_exact() {
             v.iter_mut().for_each(|x| *x = wrap(from, *x));
         }
         let src = int_tensor(from, &[v.len()], &v);
-        for to in INTS.into_iter().chain([DType::Bool]) {
+        for to in DType::INTS.into_iter().chain([DType::Bool]) {
             let got = int_vals(&run(&Op::Cast { to }, &[&src]));
             let want: Vec<i128> = v
                 .iter()

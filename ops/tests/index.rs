@@ -7,18 +7,6 @@ use rustytorch_ops::{eval_cpu, infer, DType, HostTensor, Op, OpError, Shape, Ten
 const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 const INDEX: [DType; 2] = [DType::I32, DType::I64];
 
-/// Every integer dtype.
-const INTS: [DType; 8] = [
-    DType::I8,
-    DType::I16,
-    DType::I32,
-    DType::I64,
-    DType::U8,
-    DType::U16,
-    DType::U32,
-    DType::U64,
-];
-
 /// The low end of a random range: `lo`, or 1 for the unsigned dtypes (no zeros, no saturation).
 fn low(dtype: DType, lo: f64) -> f64 {
     if dtype.is_unsigned_int() {
@@ -65,7 +53,7 @@ fn gather_every_axis_dtype_and_index_type() {
     let xd = [4, 5, 6];
     // Index dims smaller than x's on the other axes, larger on the gathered one.
     let ids = [[7, 3, 6], [4, 8, 2], [2, 5, 9]];
-    for dtype in FLOATS.into_iter().chain(INTS) {
+    for dtype in FLOATS.into_iter().chain(DType::INTS) {
         let x = rand_tensor(&ty(dtype, &xd), 1, low(dtype, -50.0), 50.0);
         let xv = x.to_f64_vec();
         for axis in 0..3 {
@@ -159,7 +147,7 @@ fn scatter_add_every_axis_dtype_and_index_type() {
 #[test]
 fn index_select_and_embedding() {
     let xd = [6, 4, 5];
-    for dtype in FLOATS.into_iter().chain(INTS).chain([DType::Bool]) {
+    for dtype in FLOATS.into_iter().chain(DType::INTS).chain([DType::Bool]) {
         let x = rand_tensor(&ty(dtype, &xd), 8, low(dtype, -10.0), 10.0);
         let xv = x.to_f64_vec();
         for axis in 0..3 {
