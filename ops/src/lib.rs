@@ -3,6 +3,7 @@
 //!
 //! The three entry points dispatch once on the op family: [`infer`], [`eval_cpu`] and [`vjp`].
 
+pub mod buf;
 pub mod dtype;
 pub mod error;
 pub mod grad;
@@ -29,6 +30,7 @@ pub mod reduce;
 pub mod scan;
 pub mod sparse;
 
+pub use buf::Buf;
 pub use dtype::{DType, Element, HostElement};
 pub use error::{fmt_types, OpError, Result};
 pub use grad::{GradBuilder, Value, VjpCtx};
