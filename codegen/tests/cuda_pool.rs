@@ -22,11 +22,7 @@ const KINDS: [PoolKind; 3] = [
 
 fn ops(kind: PoolKind, window: &[usize], stride: usize, pad: usize) -> (Op, Op) {
     let n = window.len();
-    let geom = ConvGeom {
-        stride: vec![stride; n],
-        padding: vec![pad; n],
-        dilation: vec![1; n],
-    };
+    let geom = ConvGeom::new(vec![stride; n], vec![pad; n], vec![1; n]);
     (
         Op::Pool {
             kind,
@@ -44,13 +40,21 @@ fn ops(kind: PoolKind, window: &[usize], stride: usize, pad: usize) -> (Op, Op) 
 #[test]
 fn pooling_matches_the_cpu() {
     // (x, window, stride, padding)
-    let cases: [(&[usize], &[usize], usize, usize); 6] = [
+    // The later cases have rows long enough for the row-vectorized forward kernel (a thread per
+    // 16 bytes of outputs) in some or all dtypes.
+    let cases: [(&[usize], &[usize], usize, usize); 12] = [
         (&[2, 3, 11], &[3], 2, 1),
         (&[1, 2, 9, 7], &[3, 3], 2, 1),
         (&[2, 1, 8, 8], &[2, 2], 2, 0),
         (&[1, 2, 10, 9], &[2, 3], 4, 1),
         (&[1, 2, 5, 6, 7], &[3, 2, 3], 2, 1),
         (&[1, 1, 6, 6], &[3, 3], 1, 1),
+        (&[2, 3, 7, 32], &[3, 3], 2, 1),
+        (&[1, 2, 4, 16], &[2, 2], 2, 0),
+        (&[2, 3, 64], &[3], 2, 1),
+        (&[1, 2, 5, 6, 16], &[3, 2, 3], 2, 1),
+        (&[1, 2, 5, 16], &[3, 3], 1, 1),
+        (&[1, 1, 4, 32], &[2, 2], 4, 0),
     ];
     for (c, &(xd, window, stride, pad)) in cases.iter().enumerate() {
         for kind in KINDS {
@@ -65,6 +69,28 @@ fn pooling_matches_the_cpu() {
             }
         }
     }
+}
+
+/// Which forward kernel a pooling op lowers to.
+fn forward_kernel(x: &[usize], window: &[usize], stride: usize, pad: usize, dt: DType) -> String {
+    let (fwd, _) = ops(PoolKind::Max, window, stride, pad);
+    let xt = ty(dt, x);
+    let y = infer(&fwd, &[&xt]).unwrap();
+    match cuda::lower_step(&fwd, &[&xt], &y).unwrap() {
+        CudaStep::Kernels(k) => k.launches[0].kernel.name.clone(),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn long_rows_take_the_vectorized_forward() {
+    // Rows of 16-byte multiples in and out: a thread per vector of outputs.
+    assert!(forward_kernel(&[2, 3, 7, 32], &[3, 3], 2, 1, DType::F16).starts_with("pool_rows"));
+    assert!(forward_kernel(&[2, 3, 64], &[3], 2, 1, DType::F32).starts_with("pool_rows"));
+    assert!(forward_kernel(&[1, 1, 4, 32], &[2, 2], 4, 0, DType::BF16).starts_with("pool_rows"));
+    // An output row of 9 halves (not a multiple of 8), or 7 floats: the generic kernel.
+    assert!(!forward_kernel(&[1, 2, 10, 18], &[2, 2], 2, 0, DType::F16).starts_with("pool_rows"));
+    assert!(!forward_kernel(&[1, 2, 9, 7], &[3, 3], 2, 1, DType::F32).starts_with("pool_rows"));
 }
 
 #[test]
@@ -96,4 +122,19 @@ fn max_pool_ties_and_nan_follow_the_cpu() {
         assert!(a == b || (a.is_nan() && b.is_nan()), "{a} vs {b}");
     }
     assert!(fy.iter().any(|a| a.is_nan()));
+}
+
+/// The benchmarked max pool (3×3, stride 2, padding 1, f16, 64×64×112×112): a thread per eight
+/// outputs of a row, its window rows read as 16-byte vectors.
+#[test]
+fn snapshot_max_pool_f16_rows() {
+    let (fwd, _) = ops(PoolKind::Max, &[3, 3], 2, 1);
+    let xt = ty(DType::F16, &[64, 64, 112, 112]);
+    let y = infer(&fwd, &[&xt]).unwrap();
+    let step = match cuda::lower_step(&fwd, &[&xt], &y).unwrap() {
+        CudaStep::Kernels(k) => k,
+        other => panic!("{other:?}"),
+    };
+    let src = cuda::source(&step.launches[0].kernel).unwrap();
+    insta::assert_snapshot!("max_pool_f16_rows", src);
 }

@@ -193,6 +193,169 @@ fn argmax(
     out
 }
 
+/// The outputs per thread of the row-vectorized forward kernel ([`forward_rows`]), if it
+/// applies: one 16-byte vector of outputs along the last spatial dim, which needs that dim's
+/// input and output sizes to be multiples of it (so every row starts 16-byte aligned and a
+/// thread's outputs never cross a row), padding below the window (no window lies wholly in the
+/// padding) and a window span of at most 64 inputs.
+fn vector_width(geo: &Geo, dt: rustytorch_ops::DType) -> Option<usize> {
+    let vl = 16 / dt.size_bytes();
+    let last = geo.ins.len().checked_sub(1)?;
+    let (k, s) = (geo.ks[last], geo.stride[last]);
+    let ok = vl >= 2
+        && geo.ins[last] % vl == 0
+        && geo.outs[last] % vl == 0
+        && geo.pad.iter().zip(&geo.ks).all(|(p, k)| p < k)
+        && (vl - 1) * s + k <= 64;
+    ok.then_some(vl)
+}
+
+/// The forward kernel with a thread per `vl` consecutive outputs along the last spatial dim.
+///
+/// Generic pooling (a thread per output, scalar loads) is bound by index arithmetic, at well under
+/// half the copy bandwidth. Here a thread reads, for each row of its window in the other dims, the
+/// `(vl−1)·stride + window` inputs its outputs cover as aligned 16-byte vectors (a vector lies
+/// wholly inside or wholly outside a row, since rows are multiples of `vl` long; vectors outside
+/// read as padding: −∞ for max, 0 for average), reduces them in registers and stores its outputs
+/// as one vector. Because `vl·stride` is a multiple of `vl`, where the span starts within its
+/// first vector is the same constant for every thread, so the whole body is straight-line code.
+fn forward_rows(kind: PoolKind, geo: &Geo, dt: rustytorch_ops::DType, vl: usize) -> Result<Kernel> {
+    let (el, ty) = (CTy::storage(dt), CTy::compute(dt));
+    let d = geo.ins.len();
+    let last = d - 1;
+    let (k, s, p) = (geo.ks[last], geo.stride[last], geo.pad[last]);
+    let in_w = geo.ins[last] as i64;
+    let span = (vl - 1) * s + k;
+    // The span's offset inside its first aligned vector: (−p) mod vl.
+    let lead = (-(p as i64)).rem_euclid(vl as i64) as usize;
+    let chunks = (lead + span).div_ceil(vl);
+    let fill = match kind {
+        PoolKind::Max => fc(f64::NEG_INFINITY, ty),
+        PoolKind::Avg { .. } => fc(0.0, ty),
+    };
+    let xv = |j: usize| format!("x{j}");
+    let acc = |v: usize| format!("acc{v}");
+    let n = geo.planes * geo.outs.iter().product::<usize>() / vl;
+    let params = vec![param("x", dt, false), param("out", dt, true)];
+    grid_kernel("pool_rows", params, n, |b: &mut Body, i| {
+        let mut dims = vec![geo.planes];
+        dims.extend(&geo.outs);
+        dims[d] /= vl;
+        let mut co = Coords::new(&dims, i.clone());
+        let plane = co.get(b, 0);
+        let mut pre = vec![];
+        let ranges: Vec<(Expr, Expr)> = (0..last)
+            .map(|j| {
+                let oj = co.get(b, j + 1);
+                window(&mut pre, geo, j, oj, "")
+            })
+            .collect();
+        for st in pre {
+            b.push(st);
+        }
+        let ot = co.get(b, d);
+        // The first input column of the span, and the aligned vector holding it.
+        let c0 = b.named(
+            "col0",
+            CTy::I64,
+            sub(mul(ot, i64c((vl * s) as i64)), i64c(p as i64)),
+        );
+        let a0 = b.named("vec0", CTy::I64, sub(c0.clone(), i64c(lead as i64)));
+        let base = b.named("pbase", CTy::I64, mul(plane, i64c(geo.in_sp() as i64)));
+        for v in 0..vl {
+            b.push(let_(&acc(v), ty, fill.clone()));
+        }
+        // One row of the window: its span's vectors, then each output's window along the row.
+        let st = geo.in_strides();
+        let row = linear(
+            (0..last)
+                .map(|j| (var(&format!("w{j}")), st[j] as i64))
+                .collect(),
+            0,
+        );
+        let mut body = vec![let_("row", CTy::I64, add(base, row))];
+        for q in 0..chunks {
+            let used: Vec<usize> = (0..vl)
+                .filter(|e| (lead..lead + span).contains(&(q * vl + e)))
+                .collect();
+            let start = format!("q{q}");
+            body.push(let_(
+                &start,
+                CTy::I64,
+                add(a0.clone(), i64c((q * vl) as i64)),
+            ));
+            for &e in &used {
+                body.push(let_(&xv(q * vl + e - lead), ty, fill.clone()));
+            }
+            let inside = bin(
+                BinFn::And,
+                bin(BinFn::Ge, var(&start), i64c(0)),
+                lt(var(&start), i64c(in_w)),
+            );
+            let at = add(var("row"), var(&start));
+            let loads = if used.len() * 2 > vl {
+                let names: Vec<String> = (0..vl).map(|e| format!("t{q}_{e}")).collect();
+                let mut l = vec![load_vec("x", el, at, names.clone())];
+                for &e in &used {
+                    l.push(assign(&xv(q * vl + e - lead), var(&names[e])));
+                }
+                l
+            } else {
+                used.iter()
+                    .map(|&e| {
+                        let v = load("x", el, add(at.clone(), i64c(e as i64)));
+                        assign(&xv(q * vl + e - lead), v)
+                    })
+                    .collect()
+            };
+            body.push(if_(inside, loads));
+        }
+        for v in 0..vl {
+            for t in 0..k {
+                let xj = var(&xv(v * s + t));
+                let a = var(&acc(v));
+                body.push(match kind {
+                    PoolKind::Max => {
+                        let take = bin(
+                            BinFn::Or,
+                            bin(BinFn::Gt, xj.clone(), a.clone()),
+                            un(UnFn::IsNan, xj.clone()),
+                        );
+                        assign(&acc(v), select(take, xj, a))
+                    }
+                    PoolKind::Avg { .. } => assign(&acc(v), add(a, xj)),
+                });
+            }
+        }
+        for st in nest(&ranges, &window_steps(geo, ""), "", body) {
+            b.push(st);
+        }
+        let results: Vec<Expr> = (0..vl)
+            .map(|v| match kind {
+                PoolKind::Max => var(&acc(v)),
+                PoolKind::Avg { count_include_pad } => {
+                    let div_by = if count_include_pad {
+                        fc(geo.ks.iter().product::<usize>() as f64, ty)
+                    } else {
+                        // In-bounds rows (the other dims) times in-bounds columns of output v.
+                        let cs = add(c0.clone(), i64c((v * s) as i64));
+                        let lo = bin(BinFn::Max, cs.clone(), i64c(0));
+                        let hi = bin(BinFn::Min, add(cs, i64c(k as i64)), i64c(in_w));
+                        let mut cnt = sub(hi, lo);
+                        for (lo, hi) in &ranges {
+                            cnt = mul(cnt, sub(hi.clone(), lo.clone()));
+                        }
+                        cast(ty, cnt)
+                    };
+                    div(var(&acc(v)), div_by)
+                }
+            })
+            .collect();
+        b.push(store_vec("out", el, mul(i, i64c(vl as i64)), results));
+        Ok(())
+    })
+}
+
 fn launch(k: Kernel, n_inputs: usize, n: usize) -> StepKernels {
     StepKernels {
         launches: vec![Launch::simple(k, n_inputs, grid(n))],
@@ -235,6 +398,10 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
     let (el, ty) = (CTy::storage(dt), CTy::compute(dt));
     if !grad {
         let geo = Geo::new(&x.shape, &out.shape, kernel, geom);
+        if let Some(vl) = vector_width(&geo, dt) {
+            let k = forward_rows(kind, &geo, dt, vl)?;
+            return Ok(launch(k, 1, n / vl));
+        }
         let params = vec![param("x", dt, false), param("out", dt, true)];
         let k = grid_kernel("pool", params, n, |b: &mut Body, i| {
             let (base, ranges) = output_window(b, &geo, i.clone());
