@@ -78,6 +78,7 @@ fn conv_graph(x: &[usize], w: &[usize], pad: usize, d: DType, backward: bool) ->
         stride: vec![1; n],
         padding: vec![pad; n],
         dilation: vec![1; n],
+        layout: Default::default(),
     };
     let mut g = Graph::new();
     let xi = g.add_input("x", tt(d, x)).expect("x");
@@ -123,6 +124,7 @@ fn pool_graph(
         stride: vec![s; 2],
         padding: vec![pad; 2],
         dilation: vec![1; 2],
+        layout: Default::default(),
     };
     let mut g = Graph::new();
     let xi = g.add_input("x", tt(DType::F16, x)).expect("x");
@@ -229,6 +231,18 @@ fn conv_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
         t,
         "TB/s",
         tb(n as f64 * 2.0 * 1.25, t.0),
+    );
+    // The copy bandwidth the pooling rows are held to, in the same run: a copy-like `neg` of the
+    // same input (one read, one write).
+    let g = GraphBuilder::new();
+    let xi = p(&g, "x", f16, &x);
+    let y = xi.neg();
+    let t = time(&g, &[&y], 20, true);
+    push(
+        "copy-like neg 64x64x112x112 f16",
+        t,
+        "TB/s",
+        tb(n as f64 * 2.0 * 2.0, t.0),
     );
 }
 

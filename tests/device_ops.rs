@@ -473,6 +473,7 @@ fn conv_geom(n: usize, stride: usize, pad: usize, dil: usize) -> ConvGeom {
         stride: vec![stride; n],
         padding: vec![pad; n],
         dilation: vec![dil; n],
+        layout: Default::default(),
     }
 }
 

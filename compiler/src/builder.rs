@@ -1159,6 +1159,7 @@ impl Tensor {
             stride: per_dim(&opts.stride, n),
             padding: per_dim(&opts.padding, n),
             dilation: per_dim(&opts.dilation, n),
+            layout: Default::default(),
         };
         let mut ins = vec![self, w];
         ins.extend(bias);
@@ -1186,6 +1187,7 @@ impl Tensor {
             stride: per_dim(if stride.is_empty() { &kernel } else { stride }, n),
             padding: per_dim(padding, n),
             dilation: vec![1; n],
+            layout: Default::default(),
         };
         self.b.apply(Op::Pool { kind, kernel, geom }, &[self])
     }

@@ -29,10 +29,13 @@ use std::path::Path;
 
 /// The file's first eight bytes.
 pub const MAGIC: [u8; 8] = *b"RTGRAPH\0";
-/// The format version this build writes and the newest it reads (2 added named dims).
-pub const VERSION: u32 = 2;
+/// The format version this build writes and the newest it reads (2 added named dims, 3 the
+/// channels-last layout of convolutions and pooling).
+pub const VERSION: u32 = 3;
 /// The first version whose body holds named dims.
 const NAMED_DIMS_VERSION: u32 = 2;
+/// The first version whose body holds the table of channels-last nodes.
+const LAYOUTS_VERSION: u32 = 3;
 /// Bytes before the body.
 pub const HEADER_LEN: usize = 24;
 
@@ -77,6 +80,9 @@ struct GraphDef {
     /// (node, its shape as dim expressions) for the nodes whose shape depends on named dims
     /// (version 2).
     shapes: Vec<(u32, Vec<DimDef>)>,
+    /// The convolution and pooling nodes whose geometry is channels-last, ascending (version 3;
+    /// the layout is not part of an op's own encoding, so older files read as channels-first).
+    layouts: Vec<u32>,
 }
 
 /// The body of version 1: [`GraphDef`] without named dims.
@@ -105,8 +111,80 @@ impl From<GraphDefV1> for GraphDef {
             sidecar: d.sidecar,
             dims: Vec::new(),
             shapes: Vec::new(),
+            layouts: Vec::new(),
         }
     }
+}
+
+/// The body of version 2: [`GraphDef`] without the table of channels-last nodes.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+struct GraphDefV2 {
+    nodes: Vec<NodeDef>,
+    inputs: Vec<InputDecl>,
+    params: Vec<ParamDecl>,
+    constants: Vec<TensorDef>,
+    outputs: Vec<(String, u32)>,
+    updates: Vec<(u32, u32)>,
+    guards: Vec<(String, u32)>,
+    sidecar: Option<String>,
+    dims: Vec<DimDecl>,
+    shapes: Vec<(u32, Vec<DimDef>)>,
+}
+
+impl From<GraphDefV2> for GraphDef {
+    fn from(d: GraphDefV2) -> GraphDef {
+        GraphDef {
+            nodes: d.nodes,
+            inputs: d.inputs,
+            params: d.params,
+            constants: d.constants,
+            outputs: d.outputs,
+            updates: d.updates,
+            guards: d.guards,
+            sidecar: d.sidecar,
+            dims: d.dims,
+            shapes: d.shapes,
+            layouts: Vec::new(),
+        }
+    }
+}
+
+/// The geometry of a convolution or pooling op.
+fn geom_mut(op: &mut Op) -> Option<&mut rustytorch_ops::ConvGeom> {
+    match op {
+        Op::Conv { geom, .. }
+        | Op::ConvGradInput { geom, .. }
+        | Op::ConvGradWeight { geom, .. }
+        | Op::Pool { geom, .. }
+        | Op::PoolGrad { geom, .. } => Some(geom),
+        _ => None,
+    }
+}
+
+/// Marks the nodes of the `layouts` table channels-last, checking the table first: ascending
+/// node ids, each a convolution or pooling node.
+fn apply_layouts(def: &mut GraphDef) -> Result<()> {
+    let n = def.nodes.len();
+    for (k, &id) in def.layouts.iter().enumerate() {
+        if k > 0 && def.layouts[k - 1] >= id {
+            return Err(fmt_err(format!(
+                "layouts: node {id} follows node {} (the table must be ascending)",
+                def.layouts[k - 1]
+            )));
+        }
+        let node = def
+            .nodes
+            .get_mut(id as usize)
+            .ok_or_else(|| fmt_err(format!("layouts names node {id}, but there are {n} nodes")))?;
+        let name = node.op.name();
+        let geom = geom_mut(&mut node.op).ok_or_else(|| {
+            fmt_err(format!(
+                "layouts names node {id} ({name}), which is not a convolution or pooling"
+            ))
+        })?;
+        geom.layout = rustytorch_ops::Layout::ChannelsLast;
+    }
+    Ok(())
 }
 
 /// A named dim and its default size.
@@ -237,7 +315,7 @@ pub fn tensor_bytes(t: &HostTensor) -> Vec<u8> {
         Data::BF16(v) => le(v, |x| x.to_bits().to_le_bytes()),
         Data::I32(v) => le(v, |x| x.to_le_bytes()),
         Data::I64(v) => le(v, |x| x.to_le_bytes()),
-        Data::U8(v) => v.clone(),
+        Data::U8(v) => v.to_vec(),
         Data::Bool(v) => v.iter().map(|&b| b as u8).collect(),
         Data::I8(v) => le(v, |x| x.to_le_bytes()),
         Data::I16(v) => le(v, |x| x.to_le_bytes()),
@@ -307,24 +385,24 @@ fn tensor_from_bytes(
             .collect()
     }
     let data = match dtype {
-        DType::F32 => Data::F32(from(bytes, f32::from_le_bytes)),
-        DType::F64 => Data::F64(from(bytes, f64::from_le_bytes)),
-        DType::F16 => Data::F16(from(bytes, |b| f16::from_bits(u16::from_le_bytes(b)))),
-        DType::BF16 => Data::BF16(from(bytes, |b| bf16::from_bits(u16::from_le_bytes(b)))),
-        DType::I32 => Data::I32(from(bytes, i32::from_le_bytes)),
-        DType::I64 => Data::I64(from(bytes, i64::from_le_bytes)),
-        DType::U8 => Data::U8(bytes.to_vec()),
+        DType::F32 => Data::F32(from(bytes, f32::from_le_bytes).into()),
+        DType::F64 => Data::F64(from(bytes, f64::from_le_bytes).into()),
+        DType::F16 => Data::F16(from(bytes, |b| f16::from_bits(u16::from_le_bytes(b))).into()),
+        DType::BF16 => Data::BF16(from(bytes, |b| bf16::from_bits(u16::from_le_bytes(b))).into()),
+        DType::I32 => Data::I32(from(bytes, i32::from_le_bytes).into()),
+        DType::I64 => Data::I64(from(bytes, i64::from_le_bytes).into()),
+        DType::U8 => Data::U8(bytes.to_vec().into()),
         DType::Bool => {
             if let Some(b) = bytes.iter().find(|&&b| b > 1) {
                 return Err(fmt_err(format!("{}: bool byte {b} is not 0 or 1", what())));
             }
             Data::Bool(bytes.iter().map(|&b| b == 1).collect())
         }
-        DType::I8 => Data::I8(from(bytes, i8::from_le_bytes)),
-        DType::I16 => Data::I16(from(bytes, i16::from_le_bytes)),
-        DType::U16 => Data::U16(from(bytes, u16::from_le_bytes)),
-        DType::U32 => Data::U32(from(bytes, u32::from_le_bytes)),
-        DType::U64 => Data::U64(from(bytes, u64::from_le_bytes)),
+        DType::I8 => Data::I8(from(bytes, i8::from_le_bytes).into()),
+        DType::I16 => Data::I16(from(bytes, i16::from_le_bytes).into()),
+        DType::U16 => Data::U16(from(bytes, u16::from_le_bytes).into()),
+        DType::U32 => Data::U32(from(bytes, u32::from_le_bytes).into()),
+        DType::U64 => Data::U64(from(bytes, u64::from_le_bytes).into()),
     };
     HostTensor::from_data(data, shape).map_err(|e| fmt_err(format!("{}: {e}", what())))
 }
@@ -555,7 +633,16 @@ fn encode(
             })
             .collect(),
         shapes: dim_defs(graph, &map)?,
+        layouts: Vec::new(),
     };
+    let mut def = def;
+    def.layouts = (0..def.nodes.len())
+        .filter(|&i| {
+            geom_mut(&mut def.nodes[i].op.clone())
+                .is_some_and(|g| g.layout == rustytorch_ops::Layout::ChannelsLast)
+        })
+        .map(|i| i as u32)
+        .collect();
     Ok((frame(&def)?, sidecar_bytes))
 }
 
@@ -702,8 +789,15 @@ fn decode_body(body: &[u8]) -> Result<GraphDef> {
 
 /// Decodes the body of a file of `version` (an older version through its own schema).
 fn decode_versioned(body: &[u8], version: u32) -> Result<GraphDef> {
-    if version >= NAMED_DIMS_VERSION {
+    if version >= LAYOUTS_VERSION {
         return decode_body(body);
+    }
+    if version >= NAMED_DIMS_VERSION {
+        return write_options()
+            .with_limit(body.len() as u64)
+            .deserialize::<GraphDefV2>(body)
+            .map(GraphDef::from)
+            .map_err(|e| fmt_err(format!("malformed body (version {version}): {e}")));
     }
     write_options()
         .with_limit(body.len() as u64)
@@ -715,7 +809,8 @@ fn decode_versioned(body: &[u8], version: u32) -> Result<GraphDef> {
 fn decode(bytes: &[u8], sidecar: &mut dyn FnMut(&str) -> Result<Vec<u8>>) -> Result<Graph> {
     let body = unframe(bytes)?;
     let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
-    let def = decode_versioned(body, version)?;
+    let mut def = decode_versioned(body, version)?;
+    apply_layouts(&mut def)?;
     validate(&def)?;
     let mut side: HashMap<String, HostTensor> = HashMap::new();
     if def.params.iter().any(|p| p.data == ParamData::Sidecar) {

@@ -21,6 +21,7 @@ fn geom(n: usize, stride: usize, padding: usize) -> ConvGeom {
         stride: vec![stride; n],
         padding: vec![padding; n],
         dilation: vec![1; n],
+        layout: Default::default(),
     }
 }
 
@@ -886,6 +887,57 @@ fn a_version_1_file_still_loads_and_runs() {
         VERSION
     );
     assert_same(&graph, &from_bytes(&again).unwrap());
+}
+
+/// The golden file as version 2 wrote it (frozen: never blessed again), with its values. Its
+/// convolutions and pooling have no layout table and read as channels-first.
+const GOLDEN_V2: &str = "every_op_v2.rtg";
+const GOLDEN_V2_VALUES: &str = "every_op_v2.values.safetensors";
+
+#[test]
+fn a_version_2_file_still_loads_as_channels_first() {
+    let bytes = std::fs::read(fixture(GOLDEN_V2)).unwrap();
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 2);
+    let graph = from_bytes(&bytes).unwrap();
+    let mut convs = 0;
+    for id in graph.topo_order().unwrap() {
+        if let Op::Conv { geom, .. }
+        | Op::ConvGradInput { geom, .. }
+        | Op::ConvGradWeight { geom, .. }
+        | Op::Pool { geom, .. }
+        | Op::PoolGrad { geom, .. } = &graph.node(id).unwrap().op
+        {
+            assert_eq!(geom.layout, rustytorch_ops::Layout::ChannelsFirst);
+            convs += 1;
+        }
+    }
+    assert_eq!(convs, 5);
+    assert_eq!(
+        runs_to_recorded_values(&graph, GOLDEN_V2_VALUES),
+        Op::VARIANT_COUNT
+    );
+    let again = to_bytes(&graph, ParamStorage::Embedded).unwrap();
+    assert_same(&graph, &from_bytes(&again).unwrap());
+}
+
+/// A channels-last node keeps its layout through a file (the current golden file holds one too).
+#[test]
+fn channels_last_layout_round_trips() {
+    let g = golden_graph();
+    let last = |g: &Graph| {
+        g.topo_order()
+            .unwrap()
+            .into_iter()
+            .filter(|&id| {
+                matches!(&g.node(id).unwrap().op,
+                    Op::ConvGradInput { geom, .. } if geom.layout == rustytorch_ops::Layout::ChannelsLast)
+            })
+            .count()
+    };
+    assert_eq!(last(&g), 1);
+    let back = from_bytes(&to_bytes(&g, ParamStorage::Embedded).unwrap()).unwrap();
+    assert_eq!(last(&back), 1);
+    assert_same(&g, &back);
 }
 
 /// Runs `graph` on the inputs recorded in the fixture `values` and checks its outputs against

@@ -215,6 +215,7 @@ fn overflowing_shape_arithmetic_is_an_error_naming_the_op() {
         stride: vec![stride],
         padding: vec![padding],
         dilation: vec![dilation],
+        layout: Default::default(),
     };
     // pad: before + size + after
     let pad = Op::Pad {
@@ -321,6 +322,7 @@ fn insane_ops() -> Vec<(Op, Op, Vec<TensorType>)> {
         stride: vec![s, s],
         padding: vec![p, p],
         dilation: vec![1, 1],
+        layout: Default::default(),
     };
     let slice = |steps: Vec<usize>, ends: Vec<usize>| Op::Slice {
         starts: vec![0, 1, 0],

@@ -59,7 +59,7 @@ fn why<T>(msg: impl Into<String>) -> Result<T> {
 /// The integers of a known integer tensor.
 fn ints_of(t: &HostTensor) -> Result<Vec<i64>> {
     Ok(match t.data() {
-        Data::I64(v) => v.clone(),
+        Data::I64(v) => v.to_vec(),
         Data::I32(v) => v.iter().map(|&x| x as i64).collect(),
         Data::U8(v) => v.iter().map(|&x| x as i64).collect(),
         other => return why(format!("expected integers, got {}", other.dtype())),
@@ -1899,6 +1899,7 @@ impl Importer {
                         stride: strides,
                         padding: vec![0; s],
                         dilation: vec![1; s],
+                        layout: Default::default(),
                     },
                 };
                 let avg = self.emit(op, &[&t])?;
@@ -1990,6 +1991,7 @@ impl Importer {
                         stride: vec![1, 1],
                         padding: vec![0, 0],
                         dilation: vec![1, 1],
+                        layout: Default::default(),
                     },
                 };
                 let avg = self.emit(pool, &[&sq])?;
@@ -3388,6 +3390,7 @@ impl Importer {
                 stride: strides,
                 padding,
                 dilation: dilations,
+                layout: Default::default(),
             },
             groups,
             bias: b.is_some(),
@@ -3492,6 +3495,7 @@ impl Importer {
                 stride: strides,
                 padding: vec![0; s],
                 dilation: dilations,
+                layout: Default::default(),
             },
             groups,
             input_shape: Shape::new(input_shape),
@@ -3580,6 +3584,7 @@ impl Importer {
             stride: strides.clone(),
             padding,
             dilation: vec![1; s],
+            layout: Default::default(),
         };
         let all_pads: Vec<(usize, usize)> = pads
             .iter()

@@ -3,11 +3,17 @@
 //!
 //! One implementation serves every rank: 1-d and 2-d problems are run as 3-d ones with leading
 //! spatial dims of size 1. f16/bf16 are computed in f32 and rounded once at the end.
+//!
+//! Channels-last ops (`geom.layout`, [`Layout::ChannelsLast`]: activations `[N, *spatial, C]`,
+//! weights `[O, *kernel, C/groups]`) are inferred on their dims reordered channels-first, and the
+//! CPU runs them by transposing the operands channels-first, running the channels-first kernel
+//! and transposing the result back: the CPU has no faster channels-last kernel, and the layout
+//! exists for devices whose libraries have one (docs/architecture.md).
 
 use crate::util::{arity, attr_err, dtype_err, shape_err};
 use crate::{
-    bf16, f16, ConvGeom, DType, Data, Element, HostTensor, Op, OpError, Result, Shape, TensorType,
-    Value, VjpCtx,
+    bf16, f16, ConvGeom, DType, Data, Element, HostTensor, Layout, Op, OpError, Result, Shape,
+    TensorType, Value, VjpCtx,
 };
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -98,7 +104,7 @@ pub(crate) fn run_real(
                 .iter()
                 .map(|t| t.as_slice::<f64>())
                 .collect::<Result<Vec<_>>>()?;
-            Data::F64(k.run::<f64>(&xs))
+            Data::F64(k.run::<f64>(&xs).into())
         }
         DType::F32 | DType::F16 | DType::BF16 => {
             let cows: Vec<Cow<'_, [f32]>> = inputs.iter().map(|t| as_f32(t)).collect();
@@ -107,7 +113,7 @@ pub(crate) fn run_real(
             match out.dtype {
                 DType::F16 => Data::F16(r.into_iter().map(f16::from_f32).collect()),
                 DType::BF16 => Data::BF16(r.into_iter().map(bf16::from_f32).collect()),
-                _ => Data::F32(r),
+                _ => Data::F32(r.into()),
             }
         }
         d => {
@@ -282,12 +288,17 @@ fn conv_out_shape(
 
 /// Output type of `conv`, `conv_grad_input` and `conv_grad_weight`.
 pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
+    // Shapes are checked channels-first; `first` reorders a shape of the op's layout.
+    let first = |geom: &ConvGeom, dims: &[usize]| geom.layout.dims_to_first(dims);
+    let back = |geom: &ConvGeom, s: Shape| Shape::new(geom.layout.dims_from_first(s.dims()));
     match op {
         Op::Conv { geom, groups, bias } => {
             arity(op, inputs, if *bias { 3 } else { 2 })?;
             let d = float_dtype(op, inputs)?;
             let (x, w) = (inputs[0].shape.dims(), inputs[1].shape.dims());
-            let out = conv_out_shape(op, inputs, x, w, geom, *groups)?;
+            spatial_rank(op, inputs, x)?;
+            let (xf, wf) = (first(geom, x), first(geom, w));
+            let out = conv_out_shape(op, inputs, &xf, &wf, geom, *groups)?;
             if *bias && inputs[2].shape.dims() != [w[0]] {
                 return Err(shape_err(
                     op,
@@ -295,7 +306,7 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
                     format!("bias must have shape [{}] (the output channels)", w[0]),
                 ));
             }
-            Ok(TensorType::new(d, out))
+            Ok(TensorType::new(d, back(geom, out)))
         }
         Op::ConvGradInput {
             geom,
@@ -305,7 +316,10 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
             arity(op, inputs, 2)?;
             let d = float_dtype(op, inputs)?;
             let (g, w) = (inputs[0].shape.dims(), inputs[1].shape.dims());
-            let out = conv_out_shape(op, inputs, input_shape.dims(), w, geom, *groups)?;
+            spatial_rank(op, inputs, input_shape.dims())?;
+            let xf = first(geom, input_shape.dims());
+            let out = conv_out_shape(op, inputs, &xf, &first(geom, w), geom, *groups)?;
+            let out = back(geom, out);
             if out.dims() != g {
                 return Err(shape_err(
                     op,
@@ -323,7 +337,10 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
             arity(op, inputs, 2)?;
             let d = float_dtype(op, inputs)?;
             let (x, g) = (inputs[0].shape.dims(), inputs[1].shape.dims());
-            let out = conv_out_shape(op, inputs, x, weight_shape.dims(), geom, *groups)?;
+            spatial_rank(op, inputs, x)?;
+            let wf = first(geom, weight_shape.dims());
+            let out = conv_out_shape(op, inputs, &first(geom, x), &wf, geom, *groups)?;
+            let out = back(geom, out);
             if out.dims() != g {
                 return Err(shape_err(
                     op,
@@ -334,6 +351,65 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
             Ok(TensorType::new(d, weight_shape.clone()))
         }
         _ => Err(attr_err(op, "not a convolution op")),
+    }
+}
+
+/// Runs a channels-last op on the CPU: its operands transposed channels-first (`transpose[k]`
+/// says whether operand `k` is one of its activations or weights), the channels-first `op` on
+/// them, and its result transposed back.
+pub(crate) fn via_channels_first(
+    op: &Op,
+    inputs: &[&HostTensor],
+    transpose: &[bool],
+    out: &TensorType,
+) -> Result<HostTensor> {
+    let moved: Vec<HostTensor> = inputs
+        .iter()
+        .zip(transpose)
+        .map(|(t, &tr)| {
+            if tr {
+                let perm = Layout::ChannelsLast.to_first(t.dims().len());
+                crate::eval_cpu(&Op::Permute { perm }, &[t])
+            } else {
+                Ok((*t).clone())
+            }
+        })
+        .collect::<Result<_>>()?;
+    let refs: Vec<&HostTensor> = moved.iter().collect();
+    let r = crate::eval_cpu(op, &refs)?;
+    let perm = Layout::ChannelsLast.from_first(out.shape.rank());
+    crate::eval_cpu(&Op::Permute { perm }, &[&r])
+}
+
+/// `op` with its geometry channels-first and its shape attribute reordered to match.
+fn channels_first(op: &Op) -> Op {
+    let first = |g: &ConvGeom| g.clone().with_layout(Layout::ChannelsFirst);
+    let shape = |g: &ConvGeom, s: &Shape| Shape::new(g.layout.dims_to_first(s.dims()));
+    match op {
+        Op::Conv { geom, groups, bias } => Op::Conv {
+            geom: first(geom),
+            groups: *groups,
+            bias: *bias,
+        },
+        Op::ConvGradInput {
+            geom,
+            groups,
+            input_shape,
+        } => Op::ConvGradInput {
+            geom: first(geom),
+            groups: *groups,
+            input_shape: shape(geom, input_shape),
+        },
+        Op::ConvGradWeight {
+            geom,
+            groups,
+            weight_shape,
+        } => Op::ConvGradWeight {
+            geom: first(geom),
+            groups: *groups,
+            weight_shape: shape(geom, weight_shape),
+        },
+        other => other.clone(),
     }
 }
 
@@ -752,6 +828,16 @@ impl RealKernel for ConvDw {
 
 /// CPU kernels of `conv`, `conv_grad_input` and `conv_grad_weight`.
 pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTensor> {
+    if let Op::Conv { geom, .. }
+    | Op::ConvGradInput { geom, .. }
+    | Op::ConvGradWeight { geom, .. } = op
+    {
+        if geom.layout == Layout::ChannelsLast {
+            // Every operand is an activation or a weight except a bias.
+            let transpose: Vec<bool> = (0..inputs.len()).map(|k| k < 2).collect();
+            return via_channels_first(&channels_first(op), inputs, &transpose, out);
+        }
+    }
     match op {
         Op::Conv { geom, groups, .. } => {
             let geo = Geo::new(
@@ -791,9 +877,10 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
 // Gradients
 // ---------------------------------------------------------------------------------------------
 
-/// Gradient rules. The three ops are linear in each input:
+/// Gradient rules (the gradients of a channels-last op are channels-last ops). The three ops are
+/// linear in each input:
 /// - `conv(x, w, b)`: dx = conv_grad_input(g, w), dw = conv_grad_weight(x, g), db = Σ g over all
-///   dims but 1;
+///   dims but the channels;
 /// - `conv_grad_input(g, w)`, cotangent c: d/dg = conv(c, w), d/dw = conv_grad_weight(c, g);
 /// - `conv_grad_weight(x, g)`, cotangent c: d/dx = conv_grad_input(g, c), d/dg = conv(x, c).
 pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
@@ -820,7 +907,9 @@ pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
             )?;
             let mut grads = vec![Some(dx), Some(dw)];
             if *bias {
-                let axes: Vec<usize> = (0..cx.ty(grad).shape.rank()).filter(|&a| a != 1).collect();
+                let rank = cx.ty(grad).shape.rank();
+                let c = geom.layout.channel_axis(rank);
+                let axes: Vec<usize> = (0..rank).filter(|&a| a != c).collect();
                 grads.push(Some(cx.sum(grad, axes, false)?));
             }
             Ok(grads)

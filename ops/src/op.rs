@@ -222,7 +222,65 @@ pub enum Activation {
     GeluTanh,
 }
 
-/// Convolution / pooling geometry, one entry per spatial dim.
+/// Where the channel dim of a convolution's or pooling's tensors lies.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+pub enum Layout {
+    /// `[N, C, *spatial]` (NCW, NCHW, NCDHW); weights `[O, C/groups, *kernel]`.
+    #[default]
+    ChannelsFirst,
+    /// `[N, *spatial, C]` (NWC, NHWC, NDHWC); weights `[O, *kernel, C/groups]`.
+    ChannelsLast,
+}
+
+impl Layout {
+    /// The permutation taking a channels-first tensor of `rank` to this layout
+    /// (`[0, 2, .., rank-1, 1]` for channels-last, the identity otherwise).
+    pub fn from_first(self, rank: usize) -> Vec<usize> {
+        match self {
+            Layout::ChannelsFirst => (0..rank).collect(),
+            Layout::ChannelsLast if rank < 2 => (0..rank).collect(),
+            Layout::ChannelsLast => std::iter::once(0)
+                .chain(2..rank)
+                .chain(std::iter::once(1))
+                .collect(),
+        }
+    }
+
+    /// The permutation taking a tensor of `rank` in this layout to channels-first
+    /// (`[0, rank-1, 1, .., rank-2]` for channels-last).
+    pub fn to_first(self, rank: usize) -> Vec<usize> {
+        match self {
+            Layout::ChannelsFirst => (0..rank).collect(),
+            Layout::ChannelsLast if rank < 2 => (0..rank).collect(),
+            Layout::ChannelsLast => [0, rank - 1].into_iter().chain(1..rank - 1).collect(),
+        }
+    }
+
+    /// The axis holding the channels in a tensor of `rank`.
+    pub fn channel_axis(self, rank: usize) -> usize {
+        match self {
+            Layout::ChannelsFirst => 1,
+            Layout::ChannelsLast => rank.saturating_sub(1),
+        }
+    }
+
+    /// `dims` (in this layout) reordered channels-first.
+    pub fn dims_to_first(self, dims: &[usize]) -> Vec<usize> {
+        self.to_first(dims.len()).iter().map(|&a| dims[a]).collect()
+    }
+
+    /// Channels-first `dims` reordered into this layout.
+    pub fn dims_from_first(self, dims: &[usize]) -> Vec<usize> {
+        self.from_first(dims.len())
+            .iter()
+            .map(|&a| dims[a])
+            .collect()
+    }
+}
+
+/// Convolution / pooling geometry, one entry per spatial dim, and the tensors' layout.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct ConvGeom {
     /// Stride per spatial dim.
@@ -231,6 +289,29 @@ pub struct ConvGeom {
     pub padding: Vec<usize>,
     /// Dilation per spatial dim.
     pub dilation: Vec<usize>,
+    /// The layout of the op's activations and weights (and of its results). Not part of the
+    /// serde encoding: graph files from version 3 keep it in a table of their own
+    /// (docs/graph-format.md), so older files read as channels-first.
+    #[serde(skip)]
+    pub layout: Layout,
+}
+
+impl ConvGeom {
+    /// Channels-first geometry with these strides, paddings and dilations.
+    pub fn new(stride: Vec<usize>, padding: Vec<usize>, dilation: Vec<usize>) -> ConvGeom {
+        ConvGeom {
+            stride,
+            padding,
+            dilation,
+            layout: Layout::ChannelsFirst,
+        }
+    }
+
+    /// The same geometry in `layout`.
+    pub fn with_layout(mut self, layout: Layout) -> ConvGeom {
+        self.layout = layout;
+        self
+    }
 }
 
 /// One instruction of a fused elementwise kernel: an elementwise op over earlier values.
@@ -460,7 +541,8 @@ pub enum Op {
     },
 
     // ---- convolution and pooling ----
-    /// N-d convolution (NCW / NCHW / NCDHW), inputs x, w, [bias].
+    /// N-d convolution (NCW / NCHW / NCDHW, or channels-last by `geom.layout`), inputs x, w,
+    /// [bias].
     Conv {
         /// Geometry.
         geom: ConvGeom,
@@ -487,7 +569,7 @@ pub enum Op {
         /// The weight's shape.
         weight_shape: Shape,
     },
-    /// N-d pooling over the trailing spatial dims of NC...
+    /// N-d pooling over the spatial dims of `[N, C, *spatial]` (or `[N, *spatial, C]`).
     Pool {
         /// Max or average.
         kind: PoolKind,
@@ -690,11 +772,7 @@ impl Op {
         let t = |dtype: DType, dims: &[usize]| TensorType::new(dtype, dims.to_vec());
         let f32t = |dims: &[usize]| t(DType::F32, dims);
         let f = F64Bits::new;
-        let geom2 = ConvGeom {
-            stride: vec![1, 2],
-            padding: vec![1, 0],
-            dilation: vec![1, 1],
-        };
+        let geom2 = ConvGeom::new(vec![1, 2], vec![1, 0], vec![1, 1]);
         let x = f32t(&[2, 3]);
         let all: [(Op, Vec<TensorType>); Op::VARIANT_COUNT] = [
             (
@@ -865,12 +943,13 @@ impl Op {
                 vec![f32t(&[1, 2, 4, 5]), f32t(&[3, 2, 3, 3]), f32t(&[3])],
             ),
             (
+                // Channels-last, so that every file and text test meets the layout.
                 Op::ConvGradInput {
-                    geom: geom2.clone(),
+                    geom: geom2.clone().with_layout(Layout::ChannelsLast),
                     groups: 1,
-                    input_shape: Shape::new([1, 2, 4, 5]),
+                    input_shape: Shape::new([1, 4, 5, 2]),
                 },
-                vec![f32t(&[1, 3, 4, 2]), f32t(&[3, 2, 3, 3])],
+                vec![f32t(&[1, 4, 2, 3]), f32t(&[3, 3, 3, 2])],
             ),
             (
                 Op::ConvGradWeight {
@@ -884,11 +963,7 @@ impl Op {
                 Op::Pool {
                     kind: PoolKind::Max,
                     kernel: vec![2, 2],
-                    geom: ConvGeom {
-                        stride: vec![2, 2],
-                        padding: vec![0, 0],
-                        dilation: vec![1, 1],
-                    },
+                    geom: ConvGeom::new(vec![2, 2], vec![0, 0], vec![1, 1]),
                 },
                 vec![f32t(&[1, 2, 4, 4])],
             ),
@@ -898,11 +973,7 @@ impl Op {
                         count_include_pad: false,
                     },
                     kernel: vec![3],
-                    geom: ConvGeom {
-                        stride: vec![1],
-                        padding: vec![1],
-                        dilation: vec![1],
-                    },
+                    geom: ConvGeom::new(vec![1], vec![1], vec![1]),
                 },
                 vec![f32t(&[1, 2, 5]), f32t(&[1, 2, 5])],
             ),

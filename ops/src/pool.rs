@@ -1,16 +1,21 @@
-//! Max and average pooling over 1, 2 or 3 trailing spatial dims of `[N, C, *spatial]`: shape
-//! inference, CPU kernels (parallel over the N·C planes) and gradients.
+//! Max and average pooling over 1, 2 or 3 spatial dims of `[N, C, *spatial]` (or, with a
+//! channels-last `geom.layout`, `[N, *spatial, C]`): shape inference, CPU kernels (parallel over
+//! the N·C planes; channels-last tensors are transposed channels-first around them, as for
+//! convolutions) and gradients.
 //!
 //! Windows never lie wholly in the padding (padding <= kernel/2, as PyTorch requires), so every
 //! window has at least one real element: max pooling never returns a padded −∞, and average
 //! pooling without `count_include_pad` never divides by zero.
 
-use crate::conv::{check_geom, float_dtype, run_real, spatial_rank, to3, Real, RealKernel};
+use crate::conv::{
+    check_geom, float_dtype, run_real, spatial_rank, to3, via_channels_first, Real, RealKernel,
+};
 use crate::util::{arity, attr_err, shape_err, PAR_THRESHOLD};
-use crate::{ConvGeom, HostTensor, Op, PoolKind, Result, Shape, TensorType, Value, VjpCtx};
+use crate::{ConvGeom, HostTensor, Layout, Op, PoolKind, Result, Shape, TensorType, Value, VjpCtx};
 use rayon::prelude::*;
 
-/// The output shape of pooling `x`, validating the attributes.
+/// The output shape of pooling `x` (in the op's layout), channels-first, validating the
+/// attributes.
 fn pool_out_shape(
     op: &Op,
     inputs: &[&TensorType],
@@ -19,6 +24,7 @@ fn pool_out_shape(
     geom: &ConvGeom,
 ) -> Result<Shape> {
     let s = spatial_rank(op, inputs, x)?;
+    let x = &geom.layout.dims_to_first(x)[..];
     check_geom(op, geom, s)?;
     if kernel.len() != s {
         return Err(attr_err(
@@ -79,12 +85,13 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
             arity(op, inputs, 1)?;
             let d = float_dtype(op, inputs)?;
             let out = pool_out_shape(op, inputs, inputs[0].shape.dims(), kernel, geom)?;
-            Ok(TensorType::new(d, out))
+            Ok(TensorType::new(d, geom.layout.dims_from_first(out.dims())))
         }
         Op::PoolGrad { kernel, geom, .. } => {
             arity(op, inputs, 2)?;
             let d = float_dtype(op, inputs)?;
             let out = pool_out_shape(op, inputs, inputs[0].shape.dims(), kernel, geom)?;
+            let out = Shape::new(geom.layout.dims_from_first(out.dims()));
             if inputs[1].shape != out {
                 return Err(shape_err(
                     op,
@@ -260,6 +267,18 @@ impl RealKernel for PoolBwd {
 
 /// CPU kernels of `pool` and `pool_grad`.
 pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTensor> {
+    if let Op::Pool { kind, kernel, geom } | Op::PoolGrad { kind, kernel, geom } = op {
+        if geom.layout == Layout::ChannelsLast {
+            let geom = geom.clone().with_layout(Layout::ChannelsFirst);
+            let (kind, kernel) = (*kind, kernel.clone());
+            let first = if matches!(op, Op::Pool { .. }) {
+                Op::Pool { kind, kernel, geom }
+            } else {
+                Op::PoolGrad { kind, kernel, geom }
+            };
+            return via_channels_first(&first, inputs, &[true, true], out);
+        }
+    }
     match op {
         Op::Pool { kind, kernel, geom } => {
             let geo = Geo::new(*kind, inputs[0].dims(), out.shape.dims(), kernel, geom);

@@ -17,7 +17,8 @@
 //! - Enums are lower-case words: `act=none|relu|gelu|gelu_tanh`,
 //!   `causal=none|top_left|bottom_right`, `mask=none|additive|bool`,
 //!   `reduction=mean|sum|none`, pooling `kind=max|avg` (with the flag `count_include_pad`).
-//! - Convolution/pooling geometry is spread over `stride`, `padding` and `dilation` lists.
+//! - Convolution/pooling geometry is spread over `stride`, `padding` and `dilation` lists, and
+//!   the flag `channels_last` marks the channels-last layout (absent: channels-first).
 //! - A fused kernel is `fused[n_inputs=N,out=TY,instrs=I;I;...]`, each instruction being
 //!   `OP@ARGS@DTYPE` (`mul@0:1@f32`: the op text, its `:`-separated operands and its dtype);
 //!   separators inside nested brackets belong to the nested op.
@@ -31,7 +32,8 @@
 
 use crate::{
     Activation, ArgKind, AttnMask, BinaryOp, Causal, ConvGeom, DType, F64Bits, FusedInstr,
-    FusedKernel, Op, OpError, PoolKind, ReduceKind, Reduction, Result, Shape, TensorType, UnaryOp,
+    FusedKernel, Layout, Op, OpError, PoolKind, ReduceKind, Reduction, Result, Shape, TensorType,
+    UnaryOp,
 };
 use std::fmt;
 use std::str::FromStr;
@@ -316,6 +318,7 @@ impl AttrOut {
         self.kv("stride", list_text(&g.stride));
         self.kv("padding", list_text(&g.padding));
         self.kv("dilation", list_text(&g.dilation));
+        self.flag("channels_last", g.layout == Layout::ChannelsLast);
     }
 }
 
@@ -651,10 +654,15 @@ impl<'a> Attrs<'a> {
         self.val(key, "a dtype", DType::from_name)
     }
     fn geom(&mut self) -> PResult<ConvGeom> {
-        Ok(ConvGeom {
-            stride: self.list("stride")?,
-            padding: self.list("padding")?,
-            dilation: self.list("dilation")?,
+        let g = ConvGeom::new(
+            self.list("stride")?,
+            self.list("padding")?,
+            self.list("dilation")?,
+        );
+        Ok(if self.flag("channels_last")? {
+            g.with_layout(Layout::ChannelsLast)
+        } else {
+            g
         })
     }
     fn finish(&self) -> PResult<()> {
@@ -1001,11 +1009,7 @@ mod tests {
     }
 
     fn geom() -> ConvGeom {
-        ConvGeom {
-            stride: vec![1, 2],
-            padding: vec![0, 3],
-            dilation: vec![2, 1],
-        }
+        ConvGeom::new(vec![1, 2], vec![0, 3], vec![2, 1])
     }
 
     /// Every variant's sample, then more attribute values: odd floats, every unary, binary,
@@ -1177,11 +1181,7 @@ mod tests {
                     count_include_pad: true,
                 },
                 kernel: vec![3],
-                geom: ConvGeom {
-                    stride: vec![1],
-                    padding: vec![1],
-                    dilation: vec![1],
-                },
+                geom: ConvGeom::new(vec![1], vec![1], vec![1]),
             },
             Op::PoolGrad {
                 kind: PoolKind::Avg {

@@ -2,7 +2,9 @@
 //! ops against direct float64 loops, their errors, and gradchecks of the rules.
 
 use rustytorch_ops::testing::{assert_close, gradcheck, rand_tensor, tolerance};
-use rustytorch_ops::{eval_cpu, infer, ConvGeom, DType, HostTensor, Op, OpError, TensorType};
+use rustytorch_ops::{
+    eval_cpu, infer, ConvGeom, DType, HostTensor, Layout, Op, OpError, Shape, TensorType,
+};
 
 const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 
@@ -27,11 +29,7 @@ struct Case {
 
 impl Case {
     fn geom(&self) -> ConvGeom {
-        ConvGeom {
-            stride: self.stride.clone(),
-            padding: self.pad.clone(),
-            dilation: self.dil.clone(),
-        }
+        ConvGeom::new(self.stride.clone(), self.pad.clone(), self.dil.clone())
     }
     fn op(&self) -> Op {
         Op::Conv {
@@ -487,11 +485,7 @@ fn conv_grad_ops_gradcheck() {
 }
 
 fn geom(stride: &[usize], padding: &[usize], dilation: &[usize]) -> ConvGeom {
-    ConvGeom {
-        stride: stride.to_vec(),
-        padding: padding.to_vec(),
-        dilation: dilation.to_vec(),
-    }
+    ConvGeom::new(stride.to_vec(), padding.to_vec(), dilation.to_vec())
 }
 
 fn conv2d(groups: usize, bias: bool) -> Op {
@@ -668,4 +662,171 @@ fn conv_attribute_and_arity_errors() {
     let is_arity = |e: &OpError| matches!(e, OpError::Arity { .. });
     err_text(&conv2d(1, true), &ins, is_arity);
     err_text(&conv2d(1, false), &ins[..1], is_arity);
+}
+
+// ---------------------------------------------------------------- channels-last
+
+/// `t` (channels-first) with its channels moved last.
+fn to_last(t: &HostTensor) -> HostTensor {
+    let perm = Layout::ChannelsLast.from_first(t.dims().len());
+    eval_cpu(&Op::Permute { perm }, &[t]).unwrap()
+}
+
+/// A channels-first float64 reference `v` of shape `dims`, channels moved last.
+fn reference_last(v: Vec<f64>, dims: &[usize]) -> Vec<f64> {
+    to_last(&HostTensor::from_vec(v, dims.to_vec()).unwrap()).to_f64_vec()
+}
+
+fn last_dims(dims: &[usize]) -> Shape {
+    Shape::new(Layout::ChannelsLast.dims_from_first(dims))
+}
+
+/// The channels-last ops (activations `[N, *spatial, C]`, weights `[O, *kernel, C/groups]`)
+/// against the float64 loops, their results reordered channels-last.
+#[test]
+fn channels_last_conv_ops_match_reference() {
+    for (i, c) in cases().iter().enumerate() {
+        let geom = c.geom().with_layout(Layout::ChannelsLast);
+        for dtype in FLOATS {
+            let seed = 1100 + i as u64;
+            let ins = c.inputs(dtype, seed);
+            let f: Vec<Vec<f64>> = ins.iter().map(|t| t.to_f64_vec()).collect();
+            let (x, w) = (to_last(&ins[0]), to_last(&ins[1]));
+            let mut args = vec![&x, &w];
+            args.extend(ins.get(2));
+            let op = Op::Conv {
+                geom: geom.clone(),
+                groups: c.groups,
+                bias: c.bias,
+            };
+            let got = eval_cpu(&op, &args).unwrap();
+            assert_eq!(got.shape(), &last_dims(&c.out_dims()), "{c:?}");
+            let want = c.reference(&f[0], &f[1], f.get(2).map(|v| &v[..]));
+            let what = format!("channels-last conv {dtype} {c:?}");
+            assert_close(
+                &got.to_f64_vec(),
+                &reference_last(want, &c.out_dims()),
+                tolerance(dtype),
+                &what,
+            );
+            let g = rand_tensor(&ty(dtype, &c.out_dims()), seed + 7, -1.0, 1.0);
+            let gv = g.to_f64_vec();
+            let g = to_last(&g);
+            let dx_op = Op::ConvGradInput {
+                geom: geom.clone(),
+                groups: c.groups,
+                input_shape: last_dims(&c.x_dims()),
+            };
+            let dx = eval_cpu(&dx_op, &[&g, &w]).unwrap();
+            assert_close(
+                &dx.to_f64_vec(),
+                &reference_last(c.reference_dx(&gv, &f[1]), &c.x_dims()),
+                tolerance(dtype),
+                &format!("{what} grad input"),
+            );
+            let dw_op = Op::ConvGradWeight {
+                geom: geom.clone(),
+                groups: c.groups,
+                weight_shape: last_dims(&c.w_dims()),
+            };
+            let dw = eval_cpu(&dw_op, &[&x, &g]).unwrap();
+            assert_close(
+                &dw.to_f64_vec(),
+                &reference_last(c.reference_dw(&f[0], &gv), &c.w_dims()),
+                tolerance(dtype),
+                &format!("{what} grad weight"),
+            );
+        }
+    }
+}
+
+/// The gradient rules of channels-last convolutions (channels-last gradient ops, the bias
+/// summed over every dim but the last) against finite differences.
+#[test]
+fn channels_last_conv_gradcheck() {
+    let checks = [
+        case(2, 4, 2, 2, &[9], &[3], &[2], &[1], &[2], true),
+        case(
+            1,
+            2,
+            4,
+            2,
+            &[6, 5],
+            &[3, 2],
+            &[2, 1],
+            &[1, 1],
+            &[1, 2],
+            true,
+        ),
+        case(
+            1,
+            2,
+            2,
+            1,
+            &[4, 5, 3],
+            &[2, 3, 2],
+            &[2, 1, 1],
+            &[1, 1, 0],
+            &[1, 2, 1],
+            true,
+        ),
+    ];
+    for (i, c) in checks.iter().enumerate() {
+        let geom = c.geom().with_layout(Layout::ChannelsLast);
+        let ins = c.inputs(DType::F64, 1200 + i as u64);
+        let (x, w, b) = (to_last(&ins[0]), to_last(&ins[1]), ins[2].clone());
+        let op = Op::Conv {
+            geom: geom.clone(),
+            groups: c.groups,
+            bias: true,
+        };
+        gradcheck(&op, &[x.clone(), w.clone(), b], &[0, 1, 2], 1300 + i as u64)
+            .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+        let g = to_last(&rand_tensor(
+            &ty(DType::F64, &c.out_dims()),
+            1400 + i as u64,
+            -1.0,
+            1.0,
+        ));
+        let dx_op = Op::ConvGradInput {
+            geom: geom.clone(),
+            groups: c.groups,
+            input_shape: x.shape().clone(),
+        };
+        gradcheck(&dx_op, &[g.clone(), w.clone()], &[0, 1], 1500 + i as u64)
+            .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+        let dw_op = Op::ConvGradWeight {
+            geom,
+            groups: c.groups,
+            weight_shape: w.shape().clone(),
+        };
+        gradcheck(&dw_op, &[x, g], &[0, 1], 1600 + i as u64)
+            .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    }
+}
+
+/// A channels-first operand given to a channels-last op is refused with both shapes named.
+#[test]
+fn channels_last_shape_errors() {
+    let op = Op::Conv {
+        geom: geom(&[1, 1], &[0, 0], &[1, 1]).with_layout(Layout::ChannelsLast),
+        groups: 1,
+        bias: false,
+    };
+    // x [1, 5, 5, 4] (NHWC, C = 4), w as OIHW [8, 4, 3, 3]: read as OHWI, C/groups = 3.
+    let e = err_text(
+        &op,
+        &[ty(DType::F32, &[1, 5, 5, 4]), ty(DType::F32, &[8, 4, 3, 3])],
+        |e| matches!(e, OpError::Shape { .. }),
+    );
+    assert!(e.contains("[8,4,3,3]") || e.contains("[8, 4, 3, 3]"), "{e}");
+    let ok = infer(
+        &op,
+        &[
+            &ty(DType::F32, &[1, 5, 5, 4]),
+            &ty(DType::F32, &[8, 3, 3, 4]),
+        ],
+    )
+    .unwrap();
+    assert_eq!(ok.shape.dims(), &[1, 3, 3, 8]);
 }

@@ -23,11 +23,7 @@ fn ty(dtype: DType, dims: &[usize]) -> TensorType {
 }
 
 fn geom(stride: &[usize], padding: &[usize]) -> ConvGeom {
-    ConvGeom {
-        stride: stride.to_vec(),
-        padding: padding.to_vec(),
-        dilation: vec![1; stride.len()],
-    }
+    ConvGeom::new(stride.to_vec(), padding.to_vec(), vec![1; stride.len()])
 }
 
 /// A pooling case over x [n, c, *ins].
@@ -309,11 +305,7 @@ fn pool_errors_name_op_shapes_and_dtypes() {
     let max2 = |k: &[usize], s: &[usize], p: &[usize], d: &[usize]| Op::Pool {
         kind: PoolKind::Max,
         kernel: k.to_vec(),
-        geom: ConvGeom {
-            stride: s.to_vec(),
-            padding: p.to_vec(),
-            dilation: d.to_vec(),
-        },
+        geom: ConvGeom::new(s.to_vec(), p.to_vec(), d.to_vec()),
     };
     let x = ty(DType::F32, &[1, 2, 4, 4]);
     // Attributes: dilation, lengths, zero stride or kernel, padding over half the kernel.
@@ -362,4 +354,65 @@ fn pool_errors_name_op_shapes_and_dtypes() {
     // Arity.
     let e = err(&op, &[x.clone(), x.clone()]);
     assert!(matches!(e, OpError::Arity { .. }), "{e:?}");
+}
+
+/// `t` (channels-first) with its channels moved last.
+fn to_last(t: &HostTensor) -> HostTensor {
+    let perm = rustytorch_ops::Layout::ChannelsLast.from_first(t.dims().len());
+    eval_cpu(&Op::Permute { perm }, &[t]).unwrap()
+}
+
+/// `op` with its geometry channels-last.
+fn last(op: Op) -> Op {
+    let l = rustytorch_ops::Layout::ChannelsLast;
+    match op {
+        Op::Pool { kind, kernel, geom } => Op::Pool {
+            kind,
+            kernel,
+            geom: geom.with_layout(l),
+        },
+        Op::PoolGrad { kind, kernel, geom } => Op::PoolGrad {
+            kind,
+            kernel,
+            geom: geom.with_layout(l),
+        },
+        other => other,
+    }
+}
+
+/// Channels-last pooling (`[N, *spatial, C]`) and its gradient against the float64 loops, and
+/// the gradient rule against finite differences.
+#[test]
+fn channels_last_pool_matches_reference() {
+    for (i, c) in cases().iter().enumerate() {
+        for kind in KINDS {
+            for dtype in FLOATS {
+                let x = rand_tensor(&ty(dtype, &c.x_dims()), 80 + i as u64, -1.0, 1.0);
+                let g = rand_tensor(&ty(dtype, &c.out_dims()), 90 + i as u64, -1.0, 1.0);
+                let (xv, gv) = (x.to_f64_vec(), g.to_f64_vec());
+                let want = HostTensor::from_vec(c.reference(kind, &xv), c.out_dims()).unwrap();
+                let (xl, gl) = (to_last(&x), to_last(&g));
+                let got = eval_cpu(&last(c.op(kind)), &[&xl]).unwrap();
+                assert_eq!(got.shape(), to_last(&want).shape());
+                assert_close(
+                    &got.to_f64_vec(),
+                    &to_last(&want).to_f64_vec(),
+                    tolerance(dtype),
+                    &format!("channels-last pool {kind:?} {dtype} {c:?}"),
+                );
+                let want_dx =
+                    HostTensor::from_vec(c.reference_grad(kind, &xv, &gv), c.x_dims()).unwrap();
+                let dx = eval_cpu(&last(c.grad_op(kind)), &[&xl, &gl]).unwrap();
+                assert_close(
+                    &dx.to_f64_vec(),
+                    &to_last(&want_dx).to_f64_vec(),
+                    tolerance(dtype),
+                    &format!("channels-last pool_grad {kind:?} {dtype} {c:?}"),
+                );
+            }
+            let x = rand_tensor(&ty(DType::F64, &c.x_dims()), 95 + i as u64, -1.0, 1.0);
+            gradcheck(&last(c.op(kind)), &[to_last(&x)], &[0], 97 + i as u64)
+                .unwrap_or_else(|e| panic!("channels-last {kind:?} {c:?}: {e}"));
+        }
+    }
 }

@@ -486,11 +486,7 @@ mod tests {
     }
 
     fn geom(n: usize, s: usize, p: usize, d: usize) -> ConvGeom {
-        ConvGeom {
-            stride: vec![s; n],
-            padding: vec![p; n],
-            dilation: vec![d; n],
-        }
+        ConvGeom::new(vec![s; n], vec![p; n], vec![d; n])
     }
 
     #[test]
