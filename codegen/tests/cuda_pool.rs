@@ -5,7 +5,7 @@
 
 use rustytorch_codegen::cuda::{self, interp, CudaStep};
 use rustytorch_ops::testing::rand_tensor;
-use rustytorch_ops::{eval_cpu, infer, ConvGeom, DType, HostTensor, Op, PoolKind};
+use rustytorch_ops::{eval_cpu, infer, ConvGeom, DType, HostTensor, Layout, Op, PoolKind};
 
 mod common;
 use common::{check, ty};
@@ -21,8 +21,12 @@ const KINDS: [PoolKind; 3] = [
 ];
 
 fn ops(kind: PoolKind, window: &[usize], stride: usize, pad: usize) -> (Op, Op) {
+    ops_in(kind, window, stride, pad, Layout::ChannelsFirst)
+}
+
+fn ops_in(kind: PoolKind, window: &[usize], stride: usize, pad: usize, l: Layout) -> (Op, Op) {
     let n = window.len();
-    let geom = ConvGeom::new(vec![stride; n], vec![pad; n], vec![1; n]);
+    let geom = ConvGeom::new(vec![stride; n], vec![pad; n], vec![1; n]).with_layout(l);
     (
         Op::Pool {
             kind,
@@ -68,6 +72,39 @@ fn pooling_matches_the_cpu() {
                 check(&bwd, &[&x, &g], &format!("{what} grad"));
             }
         }
+    }
+}
+
+#[test]
+fn channels_last_pooling_matches_the_cpu() {
+    // ([N, *spatial, C], window, stride, padding): channel counts that fill 16-byte vectors in
+    // every dtype (a thread per vector of channels) and odd ones (a thread per element).
+    let cases: [(&[usize], &[usize], usize, usize); 5] = [
+        (&[2, 9, 7, 16], &[3, 3], 2, 1),
+        (&[1, 8, 8, 3], &[2, 2], 2, 0),
+        (&[2, 11, 8], &[3], 2, 1),
+        (&[1, 5, 6, 7, 8], &[3, 2, 3], 2, 1),
+        (&[1, 6, 5, 5], &[3, 3], 1, 1),
+    ];
+    for (c, &(xd, window, stride, pad)) in cases.iter().enumerate() {
+        for kind in KINDS {
+            for dt in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+                let (fwd, bwd) = ops_in(kind, window, stride, pad, Layout::ChannelsLast);
+                let x = rand_tensor(&ty(dt, xd), 11 * c as u64, -2.0, 2.0);
+                let what = format!("channels-last {kind:?} {xd:?} window {window:?} {dt:?}");
+                check(&fwd, &[&x], &what);
+                let y = infer(&fwd, &[&x.ty()]).unwrap();
+                let g = rand_tensor(&y, 11 * c as u64 + 1, -1.0, 1.0);
+                check(&bwd, &[&x, &g], &format!("{what} grad"));
+            }
+        }
+    }
+    let (fwd, _) = ops_in(PoolKind::Max, &[3, 3], 2, 1, Layout::ChannelsLast);
+    let xt = ty(DType::F16, &[2, 9, 7, 16]);
+    let y = infer(&fwd, &[&xt]).unwrap();
+    match cuda::lower_step(&fwd, &[&xt], &y).unwrap() {
+        CudaStep::Kernels(k) => assert!(k.launches[0].kernel.name.starts_with("pool_channels")),
+        other => panic!("{other:?}"),
     }
 }
 

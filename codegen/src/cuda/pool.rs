@@ -1,4 +1,5 @@
-//! Pooling kernels, forward and backward, 1-D to 3-D, over contiguous NC + spatial tensors.
+//! Pooling kernels, forward and backward, 1-D to 3-D, over contiguous channels-first
+//! (`[N, C, *spatial]`) or channels-last (`[N, *spatial, C]`) tensors.
 //!
 //! Generated rather than cuDNN's: measured on the H200 (docs/performance.md), cuDNN's pooling
 //! moves well under half the copy bandwidth and its backward needs the forward result, which the
@@ -12,11 +13,18 @@ use super::elementwise::{grid, grid_kernel, linear, param, Body, Coords};
 use super::ir::*;
 use super::{ArgRef, Launch, StepKernels};
 use crate::{CodegenError, Result};
-use rustytorch_ops::{ConvGeom, Op, PoolKind, Shape, TensorType};
+use rustytorch_ops::{ConvGeom, Layout, Op, PoolKind, Shape, TensorType};
 
 /// The geometry of one pooling op, per spatial dim.
+///
+/// Every kernel addresses an element as its plane's base plus its spatial index times
+/// [`Geo::mult`]: channels-first, a plane is one `(n, c)` pair's contiguous spatial block (base
+/// `plane·spatial`); channels-last, the thread's coordinates are `[n, *spatial, c]` and the base
+/// is `n·spatial·C + c` with spatial positions `C` elements apart.
 struct Geo {
     planes: usize,
+    /// Channels-last: the channel count (the innermost dim).
+    last_c: Option<usize>,
     ins: Vec<usize>,
     outs: Vec<usize>,
     ks: Vec<usize>,
@@ -27,10 +35,16 @@ struct Geo {
 impl Geo {
     fn new(x: &Shape, y: &Shape, kernel: &[usize], g: &ConvGeom) -> Geo {
         let (xd, yd) = (x.dims(), y.dims());
+        let r = xd.len();
+        let (planes, last_c, ins, outs) = match g.layout {
+            Layout::ChannelsFirst => (xd[0] * xd[1], None, &xd[2..], &yd[2..]),
+            Layout::ChannelsLast => (xd[0], Some(xd[r - 1]), &xd[1..r - 1], &yd[1..r - 1]),
+        };
         Geo {
-            planes: xd[0] * xd[1],
-            ins: xd[2..].to_vec(),
-            outs: yd[2..].to_vec(),
+            planes,
+            last_c,
+            ins: ins.to_vec(),
+            outs: outs.to_vec(),
             ks: kernel.to_vec(),
             stride: g.stride.clone(),
             pad: g.padding.clone(),
@@ -47,6 +61,30 @@ impl Geo {
     }
     fn out_strides(&self) -> Vec<usize> {
         Shape::new(self.outs.clone()).strides()
+    }
+    /// Elements between neighbouring spatial positions.
+    fn mult(&self) -> i64 {
+        self.last_c.unwrap_or(1) as i64
+    }
+    /// The dims of a thread's coordinates over `spatial` (the input's or the output's).
+    fn coord_dims(&self, spatial: &[usize]) -> Vec<usize> {
+        let mut dims = vec![self.planes];
+        dims.extend(spatial);
+        dims.extend(self.last_c);
+        dims
+    }
+    /// The base offset of the plane of coordinates `co` (from [`Geo::coord_dims`] over
+    /// `spatial`) in a tensor of `sp` positions.
+    fn plane_base(&self, b: &mut Body, co: &mut Coords, sp: usize, name: &str) -> Expr {
+        let plane = co.get(b, 0);
+        let e = match self.last_c {
+            None => mul(plane, i64c(sp as i64)),
+            Some(c) => {
+                let ch = co.get(b, self.ins.len() + 1);
+                add(mul(plane, i64c((sp * c) as i64)), ch)
+            }
+        };
+        b.named(name, CTy::I64, e)
     }
 }
 
@@ -104,10 +142,7 @@ fn nest(ranges: &[(Expr, Expr)], steps: &[(Expr, i64)], tag: &str, body: Vec<Stm
 /// For the output at flat index `i`: binds its plane's input offset `base` and its window's
 /// in-bounds ranges (see [`window`]) and returns them.
 fn output_window(b: &mut Body, geo: &Geo, i: Expr) -> (Expr, Vec<(Expr, Expr)>) {
-    let mut dims = vec![geo.planes];
-    dims.extend(&geo.outs);
-    let mut co = Coords::new(&dims, i);
-    let plane = co.get(b, 0);
+    let mut co = Coords::new(&geo.coord_dims(&geo.outs), i);
     let mut pre = vec![];
     let ranges = (0..geo.outs.len())
         .map(|j| {
@@ -118,8 +153,13 @@ fn output_window(b: &mut Body, geo: &Geo, i: Expr) -> (Expr, Vec<(Expr, Expr)>) 
     for s in pre {
         b.push(s);
     }
-    let base = b.named("base", CTy::I64, mul(plane, i64c(geo.in_sp() as i64)));
+    let base = geo.plane_base(b, &mut co, geo.in_sp(), "base");
     (base, ranges)
+}
+
+/// The element offset of the window position `{tag}w{j}` in the plane starting at `base`.
+fn at_window(geo: &Geo, base: Expr, tag: &str) -> Expr {
+    add(base, mul(in_plane(geo, tag), i64c(geo.mult())))
 }
 
 /// The loop steps of an output's window: from its start `{tag}s{j}`, the window's size.
@@ -129,7 +169,7 @@ fn window_steps(geo: &Geo, tag: &str) -> Vec<(Expr, i64)> {
         .collect()
 }
 
-/// The in-plane index of the window position `{tag}w{j}`.
+/// The in-plane (spatial) index of the window position `{tag}w{j}`.
 fn in_plane(geo: &Geo, tag: &str) -> Expr {
     let st = geo.in_strides();
     linear(
@@ -182,7 +222,7 @@ fn argmax(
         ),
     );
     let body = vec![
-        let_(&v, ty, load("x", el, add(base, idx.clone()))),
+        let_(&v, ty, load("x", el, at_window(geo, base, tag))),
         if_(take, vec![assign(&best, var(&v)), assign(&at, idx)]),
     ];
     let mut out = vec![
@@ -200,6 +240,9 @@ fn argmax(
 /// padding) and a window span of at most 64 inputs.
 fn vector_width(geo: &Geo, dt: rustytorch_ops::DType) -> Option<usize> {
     let vl = 16 / dt.size_bytes();
+    if geo.last_c.is_some() {
+        return None;
+    }
     let last = geo.ins.len().checked_sub(1)?;
     let (k, s) = (geo.ks[last], geo.stride[last]);
     let ok = vl >= 2
@@ -356,6 +399,86 @@ fn forward_rows(kind: PoolKind, geo: &Geo, dt: rustytorch_ops::DType, vl: usize)
     })
 }
 
+/// The channels-last forward kernel with a thread per 16 bytes of channels of one output: each
+/// window position is one aligned vector (neighbouring threads read neighbouring vectors, so a
+/// warp's loads are whole cache lines), reduced in registers and stored as one vector. Needs the
+/// channel count to be a multiple of the vector.
+fn forward_channels(
+    kind: PoolKind,
+    geo: &Geo,
+    dt: rustytorch_ops::DType,
+    vl: usize,
+) -> Result<Kernel> {
+    let (el, ty) = (CTy::storage(dt), CTy::compute(dt));
+    let c = geo.last_c.unwrap_or(1);
+    let d = geo.ins.len();
+    let n = geo.planes * geo.outs.iter().product::<usize>() * c / vl;
+    let acc = |v: usize| format!("acc{v}");
+    let params = vec![param("x", dt, false), param("out", dt, true)];
+    grid_kernel("pool_channels", params, n, |b: &mut Body, i| {
+        let mut dims = vec![geo.planes];
+        dims.extend(&geo.outs);
+        dims.push(c / vl);
+        let mut co = Coords::new(&dims, i.clone());
+        let plane = co.get(b, 0);
+        let mut pre = vec![];
+        let ranges: Vec<(Expr, Expr)> = (0..d)
+            .map(|j| {
+                let oj = co.get(b, j + 1);
+                window(&mut pre, geo, j, oj, "")
+            })
+            .collect();
+        for st in pre {
+            b.push(st);
+        }
+        let cg = co.get(b, d + 1);
+        let base = b.named(
+            "base",
+            CTy::I64,
+            add(
+                mul(plane, i64c((geo.in_sp() * c) as i64)),
+                mul(cg, i64c(vl as i64)),
+            ),
+        );
+        let init = match kind {
+            PoolKind::Max => fc(f64::NEG_INFINITY, ty),
+            PoolKind::Avg { .. } => fc(0.0, ty),
+        };
+        let names: Vec<String> = (0..vl).map(|e| format!("v{e}")).collect();
+        for v in 0..vl {
+            b.push(let_(&acc(v), ty, init.clone()));
+        }
+        let mut body = vec![load_vec("x", el, at_window(geo, base, ""), names.clone())];
+        for (v, name) in names.iter().enumerate() {
+            let (x, a) = (var(name), var(&acc(v)));
+            body.push(match kind {
+                PoolKind::Max => {
+                    let take = bin(
+                        BinFn::Or,
+                        bin(BinFn::Gt, x.clone(), a.clone()),
+                        un(UnFn::IsNan, x.clone()),
+                    );
+                    assign(&acc(v), select(take, x, a))
+                }
+                PoolKind::Avg { .. } => assign(&acc(v), add(a, x)),
+            });
+        }
+        for st in nest(&ranges, &window_steps(geo, ""), "", body) {
+            b.push(st);
+        }
+        let results: Vec<Expr> = (0..vl)
+            .map(|v| match kind {
+                PoolKind::Max => var(&acc(v)),
+                PoolKind::Avg { count_include_pad } => {
+                    div(var(&acc(v)), divisor(geo, count_include_pad, &ranges, ty))
+                }
+            })
+            .collect();
+        b.push(store_vec("out", el, mul(i, i64c(vl as i64)), results));
+        Ok(())
+    })
+}
+
 fn launch(k: Kernel, n_inputs: usize, n: usize) -> StepKernels {
     StepKernels {
         launches: vec![Launch::simple(k, n_inputs, grid(n))],
@@ -402,10 +525,15 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
             let k = forward_rows(kind, &geo, dt, vl)?;
             return Ok(launch(k, 1, n / vl));
         }
+        let vl = 16 / dt.size_bytes();
+        if geo.last_c.is_some_and(|c| c % vl == 0) {
+            let k = forward_channels(kind, &geo, dt, vl)?;
+            return Ok(launch(k, 1, n / vl));
+        }
         let params = vec![param("x", dt, false), param("out", dt, true)];
         let k = grid_kernel("pool", params, n, |b: &mut Body, i| {
             let (base, ranges) = output_window(b, &geo, i.clone());
-            let v = load("x", el, add(base, in_plane(&geo, "")));
+            let v = load("x", el, at_window(&geo, base, ""));
             let (init, update, result) = match kind {
                 PoolKind::Max => {
                     let take = bin(
@@ -485,12 +613,9 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
         param("out", dt, true),
     ];
     let k = grid_kernel("pool_grad", params, n, |b: &mut Body, i| {
-        let mut dims = vec![geo.planes];
-        dims.extend(&geo.ins);
-        let mut co = Coords::new(&dims, i.clone());
-        let plane = co.get(b, 0);
+        let mut co = Coords::new(&geo.coord_dims(&geo.ins), i.clone());
         let xs: Vec<Expr> = (0..geo.ins.len()).map(|j| co.get(b, j + 1)).collect();
-        let ybase = b.named("ybase", CTy::I64, mul(plane, i64c(geo.out_sp() as i64)));
+        let ybase = geo.plane_base(b, &mut co, geo.out_sp(), "ybase");
         let me = b.named(
             "me",
             CTy::I64,
@@ -530,7 +655,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
         let ost = geo.out_strides();
         let o_index = linear(
             (0..geo.outs.len())
-                .map(|j| (var(&format!("ow{j}")), ost[j] as i64))
+                .map(|j| (var(&format!("ow{j}")), ost[j] as i64 * geo.mult()))
                 .collect(),
             0,
         );
