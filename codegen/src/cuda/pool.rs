@@ -246,8 +246,8 @@ fn vector_width(geo: &Geo, dt: rustytorch_ops::DType) -> Option<usize> {
     let last = geo.ins.len().checked_sub(1)?;
     let (k, s) = (geo.ks[last], geo.stride[last]);
     let ok = vl >= 2
-        && geo.ins[last] % vl == 0
-        && geo.outs[last] % vl == 0
+        && geo.ins[last].is_multiple_of(vl)
+        && geo.outs[last].is_multiple_of(vl)
         && geo.pad.iter().zip(&geo.ks).all(|(p, k)| p < k)
         && (vl - 1) * s + k <= 64;
     ok.then_some(vl)
@@ -526,7 +526,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
             return Ok(launch(k, 1, n / vl));
         }
         let vl = 16 / dt.size_bytes();
-        if geo.last_c.is_some_and(|c| c % vl == 0) {
+        if geo.last_c.is_some_and(|c| c.is_multiple_of(vl)) {
             let k = forward_channels(kind, &geo, dt, vl)?;
             return Ok(launch(k, 1, n / vl));
         }
