@@ -5,6 +5,11 @@
 //!
 //! `cargo bench --bench sparse` (set `RUSTYTORCH_SPARSE_BENCH=small` to skip the n = 8192,
 //! density 1e-2 case, whose product has about 37 M nonzeros, or `large` to run it alone).
+//!
+//! A second table gives, per case, what the load of a shared machine disturbs less than wall
+//! time (`getrusage` of the process, Linux): the user CPU time of one product on one thread (best
+//! of the runs) and the minor page faults per product on one and on all threads.
+//! `RUSTYTORCH_SPARSE_BENCH_PROFILE=only` prints that table alone (no criterion, no SciPy).
 
 #![allow(missing_docs)] // criterion_group! generates undocumented public functions
 
@@ -87,7 +92,67 @@ fn median_ms(a: &CsrMatrix, b: &CsrMatrix, reps: usize) -> f64 {
     ts[reps / 2]
 }
 
+/// The process's user CPU time (ms) and minor page faults so far.
+fn usage() -> (f64, u64) {
+    // SAFETY: getrusage writes one plain struct, zero-initialized here.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
+        ru
+    };
+    let user = ru.ru_utime.tv_sec as f64 * 1e3 + ru.ru_utime.tv_usec as f64 * 1e-3;
+    (user, ru.ru_minflt as u64)
+}
+
+/// Over `reps` products on a pool of `threads` threads: the best user CPU time (ms), the median
+/// wall time (ms) and the median minor page faults of one product.
+fn profile(a: &CsrMatrix, b: &CsrMatrix, threads: usize, reps: usize) -> (f64, f64, u64) {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    pool.install(|| {
+        std::hint::black_box(spgemm(a, b).unwrap());
+        let mut user = f64::INFINITY;
+        let (mut wall, mut faults) = (vec![], vec![]);
+        for _ in 0..reps {
+            let (u0, f0) = usage();
+            let t = Instant::now();
+            let c = std::hint::black_box(spgemm(a, b).unwrap());
+            let w = t.elapsed().as_secs_f64() * 1e3;
+            let (u1, f1) = usage();
+            drop(c);
+            user = user.min(u1 - u0);
+            wall.push(w);
+            faults.push(f1 - f0);
+        }
+        wall.sort_by(f64::total_cmp);
+        faults.sort();
+        (user, wall[reps / 2], faults[reps / 2])
+    })
+}
+
+fn profile_table() {
+    let all = rayon::current_num_threads();
+    println!(
+        "\n| n | density | 1-thread user ms (best) | 1-thread wall ms | faults/product (1 thread) \
+         | {all}-thread wall ms | faults/product ({all} threads) |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    for (n, density) in cases() {
+        let a = random_csr(n, n, density, DType::F32, DType::I32, 1).unwrap();
+        let b = random_csr(n, n, density, DType::F32, DType::I32, 2).unwrap();
+        let (u1, w1, f1) = profile(&a, &b, 1, 10);
+        let (_, wn, fnn) = profile(&a, &b, all, 10);
+        println!("| {n} | {density:e} | {u1:.2} | {w1:.2} | {f1} | {wn:.2} | {fnn} |");
+    }
+}
+
 fn spgemm_vs_scipy(c: &mut Criterion) {
+    if std::env::var("RUSTYTORCH_SPARSE_BENCH_PROFILE").as_deref() == Ok("only") {
+        profile_table();
+        return;
+    }
     let mut group = c.benchmark_group("spgemm_f32");
     group.sample_size(10);
     let mut rows = vec![];
@@ -124,6 +189,7 @@ fn spgemm_vs_scipy(c: &mut Criterion) {
             None => println!("| {n} | {d:e} | {annz} | {cnnz} | {ours:.2} | – | – | – | – |"),
         }
     }
+    profile_table();
 }
 
 criterion_group!(benches, spgemm_vs_scipy);
