@@ -6,6 +6,10 @@
 //! constructors do, so a damaged or hostile file is an error naming the component.
 //!
 //! numpy has no bf16: bf16 values are written to `.npy` as f32 (exactly) and read back as f32.
+//!
+//! On CUDA, [`DeviceCsr`] and [`DeviceCoo`] hold matrices in device memory: upload from and
+//! download to the host types, conversions between the two forms (repeated COO entries summed as
+//! on the host) and to dense, SpGEMM and transposition of CSR matrices.
 
 use crate::npy::{load_safetensors, read_npy, save_safetensors, write_npy};
 use crate::{Error, Result};
@@ -13,6 +17,7 @@ pub use rustytorch_compiler::CsrPattern;
 pub use rustytorch_ops::sparse::{random_csr, SpIndex};
 pub use rustytorch_ops::{spgemm, CooMatrix, CsrMatrix};
 use rustytorch_ops::{DType, HostTensor, OpError};
+pub use rustytorch_runtime::cuda::sparse::{DeviceCoo, DeviceCsr};
 use std::path::Path;
 
 /// A sparse matrix stored as three 1-D component tensors and its shape.

@@ -2,7 +2,9 @@
 //! float64 products in `ops/tests/sparse.rs`): SpMM (`A·x`, `Aᵀ·x`) and SDDMM in graphs with the
 //! pattern as an input or a constant, every value and index dtype, unsorted and repeated columns,
 //! empty rows and empty matrices, gradients of a training graph, and a bad pattern (a clear error,
-//! nothing run); on CUDA also SpGEMM and transposition of device CSR matrices against the CPU's.
+//! nothing run); on CUDA also SpGEMM and transposition of device CSR matrices against the CPU's,
+//! and device COO matrices (round trips, COO → CSR with unsorted and repeated entries, CSR → COO,
+//! dense) against the host conversions.
 //! CUDA where `RUSTYTORCH_TEST_CUDA=1` (the GPU machine); elsewhere the CPU executable, and the
 //! device-matrix tests return early.
 
@@ -10,7 +12,7 @@ use rustytorch::compiler::{CsrPattern, Graph};
 use rustytorch::ops::testing::{assert_close, rand_tensor};
 use rustytorch::ops::{eval_cpu, Op};
 use rustytorch::prelude::*;
-use rustytorch::sparse::{random_csr, spgemm, CsrMatrix};
+use rustytorch::sparse::{random_csr, spgemm, CooMatrix, CsrMatrix, DeviceCoo, DeviceCsr};
 
 fn cuda() -> bool {
     std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
@@ -227,7 +229,6 @@ fn device_spgemm_and_transpose_match_the_cpu() {
     if !cuda() {
         return;
     }
-    use rustytorch::runtime::cuda::DeviceCsr;
     let mut seed = 100;
     let shapes = [
         (50, 40, 30, 0.1),
@@ -275,4 +276,158 @@ fn device_spgemm_and_transpose_match_the_cpu() {
     let e = a.matmul(&a).unwrap_err().to_string();
     assert!(e.contains("3×4"), "{e}");
     let _: CsrMatrix = a.to_host().unwrap();
+}
+
+/// A COO matrix from i64 triples, in the given order.
+fn coo(rows: usize, cols: usize, e: &[(i64, i64, f64)], index: DType, dtype: DType) -> CooMatrix {
+    let r: Vec<i64> = e.iter().map(|x| x.0).collect();
+    let c: Vec<i64> = e.iter().map(|x| x.1).collect();
+    let v: Vec<f64> = e.iter().map(|x| x.2).collect();
+    let vals = HostTensor::from_f64_slice(&TensorType::new(dtype, [v.len()]), &v).unwrap();
+    CooMatrix::new(rows, cols, idx(index, &r), idx(index, &c), vals).unwrap()
+}
+
+/// COO matrices to test conversions on: unsorted entries with repeats (also runs of a repeat
+/// longer than two) and empty rows, random matrices shuffled with a tenth of their entries
+/// repeated, no entries, 1×N, N×1, and one large enough for several blocks of the merge kernels.
+fn coo_cases(index: DType, dtype: DType) -> Vec<(String, CooMatrix)> {
+    let mut out = vec![];
+    let messy = [
+        (3, 6, 0.5),
+        (0, 2, -1.25),
+        (3, 1, 2.0),
+        (0, 2, 0.75),
+        (4, 0, 1.5),
+        (3, 6, -0.25),
+        (0, 0, 3.0),
+        (3, 6, 1.0),
+        (4, 6, -2.0),
+    ];
+    out.push(("messy 5x7".to_string(), coo(5, 7, &messy, index, dtype)));
+    out.push(("no entries 4x3".to_string(), coo(4, 3, &[], index, dtype)));
+    out.push(("0x5".to_string(), coo(0, 5, &[], index, dtype)));
+    let mut seed = 500;
+    for &(m, n, density) in &[
+        (1, 300, 0.2),
+        (300, 1, 0.2),
+        (60, 50, 0.1),
+        (2000, 1500, 0.03),
+    ] {
+        seed += 1;
+        let a = random_csr(m, n, density, DType::F64, DType::I64, seed)
+            .unwrap()
+            .to_coo();
+        let r = a.row_idx().to_f64_vec();
+        let c = a.col_idx().to_f64_vec();
+        let v = a.values().to_f64_vec();
+        let mut e: Vec<(i64, i64, f64)> = (0..v.len())
+            .map(|k| (r[k] as i64, c[k] as i64, v[k]))
+            .collect();
+        // Repeat every tenth entry with another value, then shuffle (a fixed permutation).
+        let extra: Vec<_> = e
+            .iter()
+            .step_by(10)
+            .map(|x| (x.0, x.1, x.2 * 0.5 - 0.125))
+            .collect();
+        e.extend(extra);
+        let len = e.len();
+        for k in 0..len {
+            let j = (k * 7919 + 13) % len;
+            e.swap(k, j);
+        }
+        out.push((
+            format!("random {m}x{n} shuffled"),
+            coo(m, n, &e, index, dtype),
+        ));
+    }
+    out
+}
+
+/// The COO cases are valid and the host's conversions agree with each other on them (the
+/// reference of the device test below, checked on every machine).
+#[test]
+fn coo_cases_convert_consistently_on_the_host() {
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        for index in [DType::I32, DType::I64] {
+            for (name, a) in coo_cases(index, dtype) {
+                let csr = a.to_csr().unwrap();
+                assert_close(
+                    &csr.to_dense().to_f64_vec(),
+                    &a.to_dense().to_f64_vec(),
+                    tol(dtype),
+                    &format!("{name} {dtype}/{index}"),
+                );
+                assert_eq!(csr.to_coo().to_csr().unwrap(), csr, "{name}");
+            }
+        }
+    }
+}
+
+/// COO matrices on the device against the host: round trips, COO → CSR (sorted, repeats summed),
+/// CSR → COO, transposition and dense forms, for every index and value type.
+#[test]
+fn device_coo_matches_the_host() {
+    if !cuda() {
+        return;
+    }
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        for index in [DType::I32, DType::I64] {
+            for (name, a) in coo_cases(index, dtype) {
+                let what = format!("{name} {dtype}/{index}");
+                let d = DeviceCoo::upload(0, &a).unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert_eq!(d.nnz(), a.nnz(), "{what}");
+                assert_eq!(d.to_host().unwrap(), a, "{what}: round trip");
+                // COO → CSR: the same pattern as the host's, the sums within rounding.
+                let want = a.to_csr().unwrap();
+                let got = d
+                    .to_csr()
+                    .unwrap_or_else(|e| panic!("{what}: to_csr: {e}"))
+                    .to_host()
+                    .unwrap();
+                assert_eq!((got.index_dtype(), got.dtype()), (index, dtype), "{what}");
+                assert_eq!(got.row_ptr(), want.row_ptr(), "{what}: row offsets");
+                assert_eq!(got.col_idx(), want.col_idx(), "{what}: columns");
+                assert_close(
+                    &got.values().to_f64_vec(),
+                    &want.values().to_f64_vec(),
+                    tol(dtype),
+                    &format!("{what}: values"),
+                );
+                // CSR → COO: exactly the host's expansion.
+                let dc = DeviceCsr::upload(0, &want).unwrap();
+                let back = dc.to_coo().unwrap().to_host().unwrap();
+                assert_eq!(back, want.to_coo(), "{what}: CSR → COO");
+                // Transposition and dense forms.
+                assert_eq!(
+                    d.transpose().unwrap().to_host().unwrap(),
+                    a.transpose(),
+                    "{what}: transpose"
+                );
+                let dense = d
+                    .to_dense()
+                    .unwrap_or_else(|e| panic!("{what}: dense: {e}"));
+                assert_eq!(dense.ty(), a.to_dense().ty(), "{what}: dense type");
+                assert_close(
+                    &dense.to_f64_vec(),
+                    &a.to_dense().to_f64_vec(),
+                    tol(dtype),
+                    &format!("{what}: dense"),
+                );
+                assert_eq!(dc.to_dense().unwrap(), want.to_dense(), "{what}: CSR dense");
+            }
+        }
+    }
+    // Sizes beyond cuSPARSE's 32-bit conversions are a clear error, not a crash.
+    let huge = 3_000_000_000usize;
+    let a = coo(
+        huge,
+        huge,
+        &[(5, 7, 1.0), (2_999_999_999, 0, 2.0)],
+        DType::I64,
+        DType::F32,
+    );
+    let d = DeviceCoo::upload(0, &a).unwrap();
+    let e = d.to_csr().unwrap_err().to_string();
+    assert!(e.contains("32-bit"), "{e}");
+    assert_eq!(d.to_host().unwrap(), a);
 }
