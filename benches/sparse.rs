@@ -8,7 +8,8 @@
 //!
 //! A second table gives, per case, what the load of a shared machine disturbs less than wall
 //! time (`getrusage` of the process, Linux): the user CPU time of one product on one thread (best
-//! of the runs) and the minor page faults per product on one and on all threads.
+//! of the runs; user and system apart, since page faults are system time) and the minor page
+//! faults per product on one and on all threads.
 //! `RUSTYTORCH_SPARSE_BENCH_PROFILE=only` prints that table alone (no criterion, no SciPy).
 
 #![allow(missing_docs)] // criterion_group! generates undocumented public functions
@@ -92,59 +93,63 @@ fn median_ms(a: &CsrMatrix, b: &CsrMatrix, reps: usize) -> f64 {
     ts[reps / 2]
 }
 
-/// The process's user CPU time (ms) and minor page faults so far.
-fn usage() -> (f64, u64) {
+/// The process's user and system CPU time (ms) and minor page faults so far.
+fn usage() -> (f64, f64, u64) {
     // SAFETY: getrusage writes one plain struct, zero-initialized here.
     let ru = unsafe {
         let mut ru: libc::rusage = std::mem::zeroed();
         libc::getrusage(libc::RUSAGE_SELF, &mut ru);
         ru
     };
-    let user = ru.ru_utime.tv_sec as f64 * 1e3 + ru.ru_utime.tv_usec as f64 * 1e-3;
-    (user, ru.ru_minflt as u64)
+    let ms = |t: libc::timeval| t.tv_sec as f64 * 1e3 + t.tv_usec as f64 * 1e-3;
+    (ms(ru.ru_utime), ms(ru.ru_stime), ru.ru_minflt as u64)
 }
 
-/// Over `reps` products on a pool of `threads` threads: the best user CPU time (ms), the median
-/// wall time (ms) and the median minor page faults of one product.
-fn profile(a: &CsrMatrix, b: &CsrMatrix, threads: usize, reps: usize) -> (f64, f64, u64) {
+/// One product's costs: user and system CPU time (ms), wall time (ms), minor page faults.
+type Costs = (f64, f64, f64, u64);
+
+/// Over `reps` products on a pool of `threads` threads: the best user and system CPU times, and
+/// the median wall time and page faults of one product.
+fn profile(a: &CsrMatrix, b: &CsrMatrix, threads: usize, reps: usize) -> Costs {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
         .unwrap();
     pool.install(|| {
         std::hint::black_box(spgemm(a, b).unwrap());
-        let mut user = f64::INFINITY;
+        let (mut user, mut sys) = (f64::INFINITY, f64::INFINITY);
         let (mut wall, mut faults) = (vec![], vec![]);
         for _ in 0..reps {
-            let (u0, f0) = usage();
+            let (u0, s0, f0) = usage();
             let t = Instant::now();
             let c = std::hint::black_box(spgemm(a, b).unwrap());
             let w = t.elapsed().as_secs_f64() * 1e3;
-            let (u1, f1) = usage();
+            let (u1, s1, f1) = usage();
             drop(c);
             user = user.min(u1 - u0);
+            sys = sys.min(s1 - s0);
             wall.push(w);
             faults.push(f1 - f0);
         }
         wall.sort_by(f64::total_cmp);
         faults.sort();
-        (user, wall[reps / 2], faults[reps / 2])
+        (user, sys, wall[reps / 2], faults[reps / 2])
     })
 }
 
 fn profile_table() {
     let all = rayon::current_num_threads();
     println!(
-        "\n| n | density | 1-thread user ms (best) | 1-thread wall ms | faults/product (1 thread) \
-         | {all}-thread wall ms | faults/product ({all} threads) |"
+        "\n| n | density | 1 thread: user ms | sys ms | wall ms | page faults | {all} threads: \
+         wall ms | page faults |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
     for (n, density) in cases() {
         let a = random_csr(n, n, density, DType::F32, DType::I32, 1).unwrap();
         let b = random_csr(n, n, density, DType::F32, DType::I32, 2).unwrap();
-        let (u1, w1, f1) = profile(&a, &b, 1, 10);
-        let (_, wn, fnn) = profile(&a, &b, all, 10);
-        println!("| {n} | {density:e} | {u1:.2} | {w1:.2} | {f1} | {wn:.2} | {fnn} |");
+        let (u1, s1, w1, f1) = profile(&a, &b, 1, 10);
+        let (_, _, wn, fnn) = profile(&a, &b, all, 10);
+        println!("| {n} | {density:e} | {u1:.2} | {s1:.2} | {w1:.2} | {f1} | {wn:.2} | {fnn} |");
     }
 }
 
