@@ -1507,7 +1507,7 @@ mod tests {
         body.push(0); // no name
         body.extend([0u8; 8 * 6]); // six empty tables
         body.push(0); // no sidecar
-        body.extend([0u8; 8 * 2]); // no named dims, no symbolic shapes
+        body.extend([0u8; 8 * 3]); // no named dims, no symbolic shapes, no layouts
         body
     }
 

@@ -21,6 +21,7 @@ pub use sparse::CsrPattern;
 pub mod format;
 pub mod fuse;
 pub mod inspect;
+pub mod layout;
 pub mod optimize;
 pub mod plan;
 pub use plan::MemoryPlan;

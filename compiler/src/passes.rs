@@ -2,10 +2,12 @@
 //! function over the graph, timed in a `tracing` span, verified after it runs, and dumpable as IR
 //! text (`RUSTYTORCH_DUMP=optimize,fuse` or `all` prints the graph after those passes to stderr).
 //!
-//! verify → optimize (e-graph) → fuse → plan memory
+//! verify → layout (channels-last convolution stacks, when the target asks) → optimize (e-graph)
+//! → fuse → plan memory
 
 use crate::fuse::{fuse, FuseReport};
 use crate::graph::Graph;
+use crate::layout::{channels_last, ChannelsLast, LayoutReport};
 use crate::optimize::{optimize, OptimizeConfig, OptimizeReport};
 use crate::plan::{plan, MemoryPlan};
 use crate::Result;
@@ -20,6 +22,9 @@ pub struct Options {
     pub fuse: bool,
     /// Limits of the e-graph run.
     pub optimize_config: OptimizeConfig,
+    /// Run convolution stacks channels-last where this accepts them (decided by the target:
+    /// `None`, the default, on the CPU). Runs only with `optimize`.
+    pub channels_last: Option<ChannelsLast>,
     /// Passes whose output to keep as text (`all` for every pass); defaults to `RUSTYTORCH_DUMP`.
     pub dump: Vec<String>,
 }
@@ -30,6 +35,7 @@ impl Default for Options {
             optimize: true,
             fuse: true,
             optimize_config: OptimizeConfig::default(),
+            channels_last: None,
             dump: std::env::var("RUSTYTORCH_DUMP")
                 .map(|s| s.split(',').map(|p| p.trim().to_string()).collect())
                 .unwrap_or_default(),
@@ -53,6 +59,8 @@ pub struct PassTiming {
 pub struct Report {
     /// Each pass, in order.
     pub passes: Vec<PassTiming>,
+    /// The channels-last pass.
+    pub layout: Option<LayoutReport>,
     /// The e-graph run.
     pub optimize: Option<OptimizeReport>,
     /// Fusion.
@@ -110,6 +118,15 @@ pub fn run(graph: &Graph, opts: &Options) -> Result<Compiled> {
         g.remove_dead();
         Ok(g)
     })?;
+    if let (true, Some(target)) = (opts.optimize, &opts.channels_last) {
+        let mut rep = None;
+        g = step(&mut report, opts, "layout", g, |g| {
+            let (out, r) = channels_last(g, target)?;
+            rep = Some(r);
+            Ok(out)
+        })?;
+        report.layout = rep;
+    }
     if opts.optimize {
         let mut rep = None;
         g = step(&mut report, opts, "optimize", g, |g| {
