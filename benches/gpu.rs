@@ -35,7 +35,17 @@ fn time(g: &GraphBuilder, outs: &[&Tensor], iters: usize, replay: bool) -> (f64,
 
 /// [`time`] for a graph whose outputs are set.
 fn time_graph(graph: &Graph, iters: usize, replay: bool) -> (f64, usize) {
-    let compiled = passes::run(graph, &passes::Options::default()).expect("compile");
+    time_graph_with(graph, iters, replay, passes::Options::default())
+}
+
+/// [`time_graph`] compiled with `opts` (the conv rows turn the CUDA channels-last pass on).
+fn time_graph_with(
+    graph: &Graph,
+    iters: usize,
+    replay: bool,
+    opts: passes::Options,
+) -> (f64, usize) {
+    let compiled = passes::run(graph, &opts).expect("compile");
     let memory = compiled.report.memory.expect("memory plan");
     let plan = Arc::new(lower(&compiled.graph, &memory).expect("lower"));
     let params: Vec<Arc<HostTensor>> = graph
@@ -105,6 +115,58 @@ fn conv_graph(x: &[usize], w: &[usize], pad: usize, d: DType, backward: bool) ->
         };
         let dx = g.add(gi, &[dy, wi]).expect("dx");
         let dw = g.add(gw, &[xi, dy]).expect("dw");
+        g.add_output("dx", dx).expect("dx");
+        g.add_output("dw", dw).expect("dw");
+    }
+    g
+}
+
+/// [`conv_graph`] as a channels-last user writes it: x and dy NHWC (NDHWC), w OHWI (ODHWI), each
+/// permuted channels-first before the convolution and the results permuted back, so that
+/// compiled for CUDA (the channels-last pass) no transpose is left. `x` and `w` are given
+/// channels-first.
+fn conv_graph_nhwc(x: &[usize], w: &[usize], pad: usize, d: DType, backward: bool) -> Graph {
+    let r = x.len();
+    let to_first: Vec<usize> = [0, r - 1].into_iter().chain(1..r - 1).collect();
+    let to_last: Vec<usize> = std::iter::once(0).chain(2..r).chain([1]).collect();
+    let last = |dims: &[usize]| to_last.iter().map(|&a| dims[a]).collect::<Vec<_>>();
+    let n = r - 2;
+    let geom = ConvGeom::new(vec![1; n], vec![pad; n], vec![1; n]);
+    let mut g = Graph::new();
+    let perm = |g: &mut Graph, v, p: &[usize]| {
+        g.add(Op::Permute { perm: p.to_vec() }, &[v])
+            .expect("permute")
+    };
+    let xl = g.add_input("x", tt(d, &last(x))).expect("x");
+    let wl = g.add_input("w", tt(d, &last(w))).expect("w");
+    let (xi, wi) = (perm(&mut g, xl, &to_first), perm(&mut g, wl, &to_first));
+    let fwd = Op::Conv {
+        geom: geom.clone(),
+        groups: 1,
+        bias: false,
+    };
+    let y = g.add(fwd, &[xi, wi]).expect("conv");
+    let y_out = perm(&mut g, y, &to_last);
+    g.add_output("y", y_out).expect("y");
+    if backward {
+        let yt = g.node(y).expect("node").ty.clone();
+        let dyl = g
+            .add_input("dy", tt(d, &last(yt.shape.dims())))
+            .expect("dy");
+        let dy = perm(&mut g, dyl, &to_first);
+        let gi = Op::ConvGradInput {
+            geom: geom.clone(),
+            groups: 1,
+            input_shape: Shape::new(x.to_vec()),
+        };
+        let gw = Op::ConvGradWeight {
+            geom,
+            groups: 1,
+            weight_shape: Shape::new(w.to_vec()),
+        };
+        let dx = g.add(gi, &[dy, wi]).expect("dx");
+        let dw = g.add(gw, &[xi, dy]).expect("dw");
+        let (dx, dw) = (perm(&mut g, dx, &to_last), perm(&mut g, dw, &to_last));
         g.add_output("dx", dx).expect("dx");
         g.add_output("dw", dw).expect("dw");
     }
@@ -189,6 +251,11 @@ fn conv_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
             5,
         ),
     ];
+    // The channels-last pass, as a CUDA compile turns it on.
+    let cl_opts = || passes::Options {
+        channels_last: Some(rustytorch::codegen::cuda::dnn::channels_last()),
+        ..Default::default()
+    };
     for (label, x, w, d, with_bwd, iters) in rows {
         // Same-size output: 2·N·K·(C·window)·spatial multiply-adds.
         let fwd = 2.0
@@ -204,6 +271,13 @@ fn conv_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
                 ("fwd", fwd)
             };
             push(&format!("{label} {name}"), t, "TFLOP/s", tflops(fl, t.0));
+            // The same workload on channels-last graph tensors (PyTorch's NHWC/NDHWC rows).
+            if d != DType::F32 && x.len() >= 4 {
+                let g = conv_graph_nhwc(x, w, 1, d, bwd);
+                let t = time_graph_with(&g, iters, true, cl_opts());
+                let label = label.replacen(" f16", " f16 channels-last", 1);
+                push(&format!("{label} {name}"), t, "TFLOP/s", tflops(fl, t.0));
+            }
         }
     }
     // Pooling: bytes of the input plus the output over the time.

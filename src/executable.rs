@@ -430,6 +430,9 @@ fn build(
     let popts = rustytorch_compiler::passes::Options {
         optimize: opts.optimize,
         fuse: opts.optimize,
+        // The target decides the layout of convolution stacks (channels-first on the CPU).
+        channels_last: matches!(device, Device::Cuda(_))
+            .then(rustytorch_codegen::cuda::dnn::channels_last),
         ..Default::default()
     };
     crate::trace::epoch();

@@ -8,13 +8,38 @@
 //!
 //! Half-precision 2-D and 3-D convolutions run channels-last, where cuDNN's tensor-core kernels
 //! are fastest (measured on the H200: 339 against 156 TFLOP/s for a 3×3 64-channel layer in
-//! PyTorch): the step transposes its operands into NHWC staging buffers in its scratch with tiled
+//! PyTorch). An op whose tensors are already channels-last (`ConvGeom::layout`, chosen for whole
+//! stacks by the compiler's layout pass when [`channels_last`] says so) is described on NHWC
+//! (NDHWC) descriptors over its operands directly, with no copies. A channels-first one is
+//! staged: the step transposes its operands into NHWC buffers in its scratch with tiled
 //! shared-memory transposes, calls cuDNN on those, and transposes the result back.
 
 use super::ir::*;
 use super::{finish, grid_for, ArgRef, Launch, MAX_GRID};
 use crate::{CodegenError, Result};
-use rustytorch_ops::{ConvGeom, DType, Op, PoolKind, TensorType};
+use rustytorch_compiler::layout::ChannelsLast;
+use rustytorch_ops::{ConvGeom, DType, Layout, Op, PoolKind, TensorType};
+
+/// When the compiler should make convolution stacks channels-last for CUDA: f16/bf16 with
+/// channel counts that tensor-core kernels take (multiples of 8), 2-D and 3-D (1-D convolutions
+/// are as fast channels-first). Pooling stays channels-first: the generated pooling kernels are
+/// channels-first (a channels-last pool runs through cuDNN's NHWC pooling, correct but not yet
+/// measured against them).
+pub fn channels_last() -> ChannelsLast {
+    ChannelsLast {
+        dtypes: vec![DType::F16, DType::BF16],
+        channel_multiple: 8,
+        min_spatial: 2,
+        pool: false,
+    }
+}
+
+/// Whether `op` is a convolution or pooling op with channels-last tensors.
+pub fn is_channels_last(op: &Op) -> bool {
+    matches!(op, Op::Conv { geom, .. } | Op::ConvGradInput { geom, .. }
+        | Op::ConvGradWeight { geom, .. } | Op::Pool { geom, .. } | Op::PoolGrad { geom, .. }
+        if geom.layout == Layout::ChannelsLast)
+}
 
 /// What a [`DnnDesc`] computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -69,7 +94,8 @@ pub struct DnnDesc {
     pub bias: bool,
     /// Pooling mode and window (pooling only).
     pub pool: Option<(DnnPoolMode, Vec<i32>)>,
-    /// Channels-last: x, w and y are NHWC (NDHWC) copies in the scratch at [`DnnDesc::x_at`],
+    /// Channels-last: x, w and y are NHWC (NDHWC; filters KRSC): the op's own operands when its
+    /// layout is channels-last, else copies in the scratch at [`DnnDesc::x_at`],
     /// [`DnnDesc::w_at`] and [`DnnDesc::y_at`], made and read back by the step's transposes.
     pub nhwc: bool,
     /// Where a convolution finds x: an operand, the output, or a scratch offset in bytes
@@ -262,7 +288,8 @@ fn wants_nhwc(d: &DnnDesc, spatial_in: usize) -> bool {
 pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<DnnStep> {
     let mut d = lower(op, inputs, out)?;
     let spatial_in = inputs[0].shape.rank().saturating_sub(2);
-    if !wants_nhwc(&d, spatial_in) {
+    // Channels-last ops are described on their own operands: nothing to stage.
+    if d.nhwc || !wants_nhwc(&d, spatial_in) {
         return Ok(DnnStep {
             desc: d,
             before: vec![],
@@ -402,9 +429,10 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<DnnDes
                 Op::ConvGradInput { .. } => (DnnKind::ConvBackwardData, Output, Input(1), Input(0)),
                 _ => (DnnKind::ConvBackwardFilter, Input(0), Output, Input(1)),
             };
+            // cuDNN's dims are N, C, spatial whatever the memory order (the strides say it).
             let shape = |a: ArgRef| match a {
-                Input(k) => lift(op, &dims(inputs[k])),
-                _ => lift(op, &dims(out)),
+                Input(k) => lift(op, &geom.layout.dims_to_first(&dims(inputs[k]))),
+                _ => lift(op, &geom.layout.dims_to_first(&dims(out))),
             };
             Ok(DnnDesc {
                 kind,
@@ -418,7 +446,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<DnnDes
                 groups: *groups as i32,
                 bias: matches!(op, Op::Conv { bias: true, .. }),
                 pool: None,
-                nhwc: false,
+                nhwc: geom.layout == Layout::ChannelsLast,
                 x_at,
                 w_at,
                 y_at,
@@ -445,6 +473,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<DnnDes
             }
             let grad = matches!(op, Op::PoolGrad { .. });
             let y = if grad { inputs[1] } else { out };
+            let first = |t: &TensorType| geom.layout.dims_to_first(&dims(t));
             Ok(DnnDesc {
                 kind: if grad {
                     DnnKind::PoolBackward
@@ -452,17 +481,18 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<DnnDes
                     DnnKind::PoolForward
                 },
                 dtype,
-                x: lift(op, &dims(inputs[0]))?,
+                x: lift(op, &first(inputs[0]))?,
                 w: vec![],
-                y: lift(op, &dims(y))?,
+                y: lift(op, &first(y))?,
                 pad,
                 stride,
                 dilation,
                 groups: 1,
                 bias: false,
                 pool: Some((mode, lift_spatial(op, kernel, 1)?)),
-                // Pooling reads its operands and writes its output directly.
-                nhwc: false,
+                // Pooling reads its operands and writes its output directly (NHWC descriptors
+                // when its layout is channels-last).
+                nhwc: geom.layout == Layout::ChannelsLast,
                 x_at: ArgRef::Input(0),
                 w_at: ArgRef::Input(1),
                 y_at: ArgRef::Output,
@@ -701,6 +731,63 @@ mod tests {
                 (ArgRef::Input(0), ArgRef::Output)
             );
         }
+    }
+
+    #[test]
+    fn channels_last_ops_use_their_operands_directly() {
+        let g = geom(2, 1, 1, 1).with_layout(Layout::ChannelsLast);
+        let fwd = Op::Conv {
+            geom: g.clone(),
+            groups: 1,
+            bias: true,
+        };
+        // NHWC x [2, 9, 7, 16], KRSC w [8, 3, 3, 16].
+        let (x, w, b) = (
+            t(DType::F16, &[2, 9, 7, 16]),
+            t(DType::F16, &[8, 3, 3, 16]),
+            t(DType::F16, &[8]),
+        );
+        let y = rustytorch_ops::infer(&fwd, &[&x, &w, &b]).unwrap();
+        assert_eq!(y.shape.dims(), &[2, 9, 7, 8]);
+        let s = lower_step(&fwd, &[&x, &w, &b], &y).unwrap();
+        assert!(s.desc.nhwc && s.before.is_empty() && s.after.is_empty());
+        assert_eq!(s.desc.staging_bytes, 0);
+        // cuDNN's dims stay N, C, spatial; the strides make them NHWC.
+        assert_eq!(
+            (&s.desc.x, &s.desc.w, &s.desc.y),
+            (&vec![2, 16, 9, 7], &vec![8, 16, 3, 3], &vec![2, 8, 9, 7])
+        );
+        assert_eq!(
+            (s.desc.x_at, s.desc.w_at, s.desc.y_at),
+            (ArgRef::Input(0), ArgRef::Input(1), ArgRef::Output)
+        );
+        assert!(s.desc.bias, "cuDNN adds the bias itself");
+        // f32 too (channels-last is the graph's choice, not the step's).
+        let gi = Op::ConvGradWeight {
+            geom: g.clone(),
+            groups: 1,
+            weight_shape: w.shape.clone(),
+        };
+        let (x32, y32) = (t(DType::F32, &[2, 9, 7, 16]), t(DType::F32, &[2, 9, 7, 8]));
+        let w32 = t(DType::F32, &[8, 3, 3, 16]);
+        let s = lower_step(&gi, &[&x32, &y32], &w32).unwrap();
+        assert!(s.desc.nhwc && s.before.is_empty());
+        assert_eq!(s.desc.kind, DnnKind::ConvBackwardFilter);
+        assert_eq!(s.desc.w, vec![8, 16, 3, 3]);
+        // Pooling: NHWC descriptors on its operands.
+        let pool = Op::Pool {
+            kind: PoolKind::Max,
+            kernel: vec![2, 2],
+            geom: geom(2, 2, 0, 1).with_layout(Layout::ChannelsLast),
+        };
+        let py = rustytorch_ops::infer(&pool, &[&x]).unwrap();
+        let p = lower_step(&pool, &[&x], &py).unwrap();
+        assert!(p.desc.nhwc);
+        assert_eq!(
+            (&p.desc.x, &p.desc.y),
+            (&vec![2, 16, 9, 7], &vec![2, 16, 4, 3])
+        );
+        assert!(is_channels_last(&pool) && !is_channels_last(&Op::Where));
     }
 
     #[test]
