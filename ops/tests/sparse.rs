@@ -93,6 +93,53 @@ fn spgemm_matches_the_dense_product() {
     }
 }
 
+/// The blocks' buffers are kept between products: products of other sizes and types in between
+/// (on several threads at once) leave a repeated product's result unchanged, and each result
+/// still matches the dense product.
+#[test]
+fn spgemm_results_do_not_depend_on_earlier_products() {
+    let big = |dtype, index, seed| {
+        let a = random_csr(300, 200, 0.05, dtype, index, seed).unwrap();
+        let b = random_csr(200, 400, 0.05, dtype, index, seed + 1).unwrap();
+        (a, b)
+    };
+    let (a, b) = big(DType::F32, DType::I32, 1);
+    let first = spgemm(&a, &b).unwrap();
+    let want = dense_mm(
+        &a.to_dense().to_f64_vec(),
+        &b.to_dense().to_f64_vec(),
+        300,
+        200,
+        400,
+    );
+    assert_close(&first.to_dense().to_f64_vec(), &want, 1e-5, "first product");
+    for round in 0..3u64 {
+        std::thread::scope(|s| {
+            for (t, (dtype, index)) in [
+                (DType::F64, DType::I64),
+                (DType::F32, DType::I32),
+                (DType::BF16, DType::I32),
+                (DType::F16, DType::I64),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                s.spawn(move || {
+                    let (x, y) = big(dtype, index, 10 + round * 4 + t as u64);
+                    let c = spgemm(&x, &y).unwrap();
+                    let (rp, ci, v) = c.into_parts();
+                    CsrMatrix::new(300, 400, rp, ci, v).unwrap();
+                });
+            }
+        });
+        // Smaller and larger products of the first one's types.
+        let small = random_csr(20, 200, 0.1, DType::F32, DType::I32, 7 + round).unwrap();
+        spgemm(&small, &b).unwrap();
+        let again = spgemm(&a, &b).unwrap();
+        assert_eq!(again, first, "round {round}");
+    }
+}
+
 #[test]
 fn spgemm_keeps_rows_with_one_nonzero_and_empty_rows() {
     // A: row 0 has one entry, row 1 none, row 2 two entries hitting one column of B twice.
