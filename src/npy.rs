@@ -60,18 +60,18 @@ pub fn read_npy(path: &Path) -> Result<HostTensor> {
         .ok_or_else(|| file_err(path, "header shape is larger than the file"))?;
     let bad = |e: std::io::Error| file_err(path, e);
     let data = match dtype {
-        DType::F32 => Data::F32(f.into_vec().map_err(bad)?),
-        DType::F64 => Data::F64(f.into_vec().map_err(bad)?),
-        DType::F16 => Data::F16(f.into_vec::<f16>().map_err(bad)?),
-        DType::I32 => Data::I32(f.into_vec().map_err(bad)?),
-        DType::I64 => Data::I64(f.into_vec().map_err(bad)?),
-        DType::U8 => Data::U8(f.into_vec().map_err(bad)?),
-        DType::Bool => Data::Bool(f.into_vec().map_err(bad)?),
-        DType::I8 => Data::I8(f.into_vec().map_err(bad)?),
-        DType::I16 => Data::I16(f.into_vec().map_err(bad)?),
-        DType::U16 => Data::U16(f.into_vec().map_err(bad)?),
-        DType::U32 => Data::U32(f.into_vec().map_err(bad)?),
-        DType::U64 => Data::U64(f.into_vec().map_err(bad)?),
+        DType::F32 => Data::F32(f.into_vec().map_err(bad)?.into()),
+        DType::F64 => Data::F64(f.into_vec().map_err(bad)?.into()),
+        DType::F16 => Data::F16(f.into_vec::<f16>().map_err(bad)?.into()),
+        DType::I32 => Data::I32(f.into_vec().map_err(bad)?.into()),
+        DType::I64 => Data::I64(f.into_vec().map_err(bad)?.into()),
+        DType::U8 => Data::U8(f.into_vec().map_err(bad)?.into()),
+        DType::Bool => Data::Bool(f.into_vec().map_err(bad)?.into()),
+        DType::I8 => Data::I8(f.into_vec().map_err(bad)?.into()),
+        DType::I16 => Data::I16(f.into_vec().map_err(bad)?.into()),
+        DType::U16 => Data::U16(f.into_vec().map_err(bad)?.into()),
+        DType::U32 => Data::U32(f.into_vec().map_err(bad)?.into()),
+        DType::U64 => Data::U64(f.into_vec().map_err(bad)?.into()),
         DType::BF16 => unreachable!("numpy has no bf16"),
     };
     debug_assert_eq!(data.len(), numel);

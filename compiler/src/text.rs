@@ -895,27 +895,30 @@ impl<'a> Lexer<'a> {
         }
         let fl = |t: &str| parse_f64(t).map(F64Bits::get);
         let data = match ty.dtype {
-            DType::F32 => Data::F32(all(&toks, "an f32", |t| fl(t).map(|x| x as f32))?),
-            DType::F64 => Data::F64(all(&toks, "an f64", fl)?),
-            DType::F16 => Data::F16(all(&toks, "an f16", |t| {
-                fl(t).map(|x| f16::from_f32(x as f32))
-            })?),
-            DType::BF16 => Data::BF16(all(&toks, "a bf16", |t| {
-                fl(t).map(|x| bf16::from_f32(x as f32))
-            })?),
-            DType::I32 => Data::I32(all(&toks, "an i32", |t| t.parse().ok())?),
-            DType::I64 => Data::I64(all(&toks, "an i64", |t| t.parse().ok())?),
-            DType::U8 => Data::U8(all(&toks, "a u8", |t| t.parse().ok())?),
-            DType::I8 => Data::I8(all(&toks, "an i8", |t| t.parse().ok())?),
-            DType::I16 => Data::I16(all(&toks, "an i16", |t| t.parse().ok())?),
-            DType::U16 => Data::U16(all(&toks, "a u16", |t| t.parse().ok())?),
-            DType::U32 => Data::U32(all(&toks, "a u32", |t| t.parse().ok())?),
-            DType::U64 => Data::U64(all(&toks, "a u64", |t| t.parse().ok())?),
-            DType::Bool => Data::Bool(all(&toks, "true or false", |t| match t {
-                "true" => Some(true),
-                "false" => Some(false),
-                _ => None,
-            })?),
+            DType::F32 => Data::F32(all(&toks, "an f32", |t| fl(t).map(|x| x as f32))?.into()),
+            DType::F64 => Data::F64(all(&toks, "an f64", fl)?.into()),
+            DType::F16 => {
+                Data::F16(all(&toks, "an f16", |t| fl(t).map(|x| f16::from_f32(x as f32)))?.into())
+            }
+            DType::BF16 => Data::BF16(
+                all(&toks, "a bf16", |t| fl(t).map(|x| bf16::from_f32(x as f32)))?.into(),
+            ),
+            DType::I32 => Data::I32(all(&toks, "an i32", |t| t.parse().ok())?.into()),
+            DType::I64 => Data::I64(all(&toks, "an i64", |t| t.parse().ok())?.into()),
+            DType::U8 => Data::U8(all(&toks, "a u8", |t| t.parse().ok())?.into()),
+            DType::I8 => Data::I8(all(&toks, "an i8", |t| t.parse().ok())?.into()),
+            DType::I16 => Data::I16(all(&toks, "an i16", |t| t.parse().ok())?.into()),
+            DType::U16 => Data::U16(all(&toks, "a u16", |t| t.parse().ok())?.into()),
+            DType::U32 => Data::U32(all(&toks, "a u32", |t| t.parse().ok())?.into()),
+            DType::U64 => Data::U64(all(&toks, "a u64", |t| t.parse().ok())?.into()),
+            DType::Bool => Data::Bool(
+                all(&toks, "true or false", |t| match t {
+                    "true" => Some(true),
+                    "false" => Some(false),
+                    _ => None,
+                })?
+                .into(),
+            ),
         };
         HostTensor::from_data(data, ty.shape.clone()).map_err(|e| e.to_string())
     }

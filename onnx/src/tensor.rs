@@ -158,19 +158,23 @@ pub fn tensor_from_proto(t: &TensorProto, base_dir: Option<&Path>) -> Result<Hos
             ));
         }
         match dtype {
-            DType::F32 => Data::F32(from_le(&raw, f32::from_le_bytes)),
-            DType::F64 => Data::F64(from_le(&raw, f64::from_le_bytes)),
-            DType::F16 => Data::F16(from_le(&raw, |b| f16::from_bits(u16::from_le_bytes(b)))),
-            DType::BF16 => Data::BF16(from_le(&raw, |b| bf16::from_bits(u16::from_le_bytes(b)))),
-            DType::I32 => Data::I32(from_le(&raw, i32::from_le_bytes)),
-            DType::I64 => Data::I64(from_le(&raw, i64::from_le_bytes)),
-            DType::U8 => Data::U8(raw),
+            DType::F32 => Data::F32(from_le(&raw, f32::from_le_bytes).into()),
+            DType::F64 => Data::F64(from_le(&raw, f64::from_le_bytes).into()),
+            DType::F16 => {
+                Data::F16(from_le(&raw, |b| f16::from_bits(u16::from_le_bytes(b))).into())
+            }
+            DType::BF16 => {
+                Data::BF16(from_le(&raw, |b| bf16::from_bits(u16::from_le_bytes(b))).into())
+            }
+            DType::I32 => Data::I32(from_le(&raw, i32::from_le_bytes).into()),
+            DType::I64 => Data::I64(from_le(&raw, i64::from_le_bytes).into()),
+            DType::U8 => Data::U8(raw.into()),
             DType::Bool => Data::Bool(raw.iter().map(|&b| b != 0).collect()),
-            DType::I8 => Data::I8(from_le(&raw, i8::from_le_bytes)),
-            DType::I16 => Data::I16(from_le(&raw, i16::from_le_bytes)),
-            DType::U16 => Data::U16(from_le(&raw, u16::from_le_bytes)),
-            DType::U32 => Data::U32(from_le(&raw, u32::from_le_bytes)),
-            DType::U64 => Data::U64(from_le(&raw, u64::from_le_bytes)),
+            DType::I8 => Data::I8(from_le(&raw, i8::from_le_bytes).into()),
+            DType::I16 => Data::I16(from_le(&raw, i16::from_le_bytes).into()),
+            DType::U16 => Data::U16(from_le(&raw, u16::from_le_bytes).into()),
+            DType::U32 => Data::U32(from_le(&raw, u32::from_le_bytes).into()),
+            DType::U64 => Data::U64(from_le(&raw, u64::from_le_bytes).into()),
         }
     } else {
         let got = match dtype {
@@ -185,10 +189,10 @@ pub fn tensor_from_proto(t: &TensorProto, base_dir: Option<&Path>) -> Result<Hos
         }
         let i32s = &t.int32_data;
         match dtype {
-            DType::F32 => Data::F32(t.float_data.clone()),
-            DType::F64 => Data::F64(t.double_data.clone()),
-            DType::I64 => Data::I64(t.int64_data.clone()),
-            DType::I32 => Data::I32(i32s.clone()),
+            DType::F32 => Data::F32(t.float_data.clone().into()),
+            DType::F64 => Data::F64(t.double_data.clone().into()),
+            DType::I64 => Data::I64(t.int64_data.clone().into()),
+            DType::I32 => Data::I32(i32s.clone().into()),
             DType::U8 => Data::U8(i32s.iter().map(|&v| v as u8).collect()),
             DType::Bool => Data::Bool(i32s.iter().map(|&v| v != 0).collect()),
             DType::F16 => Data::F16(i32s.iter().map(|&v| f16::from_bits(v as u16)).collect()),
@@ -197,7 +201,7 @@ pub fn tensor_from_proto(t: &TensorProto, base_dir: Option<&Path>) -> Result<Hos
             DType::I16 => Data::I16(i32s.iter().map(|&v| v as i16).collect()),
             DType::U16 => Data::U16(i32s.iter().map(|&v| v as u16).collect()),
             DType::U32 => Data::U32(t.uint64_data.iter().map(|&v| v as u32).collect()),
-            DType::U64 => Data::U64(t.uint64_data.clone()),
+            DType::U64 => Data::U64(t.uint64_data.clone().into()),
         }
     };
     Ok(HostTensor::from_data(data, shape)?)

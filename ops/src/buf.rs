@@ -134,6 +134,12 @@ impl<T> FromIterator<T> for Buf<T> {
     }
 }
 
+impl<T: Send> rayon::iter::FromParallelIterator<T> for Buf<T> {
+    fn from_par_iter<I: rayon::iter::IntoParallelIterator<Item = T>>(iter: I) -> Buf<T> {
+        Buf::from(Vec::from_par_iter(iter))
+    }
+}
+
 impl<T: Clone> IntoIterator for Buf<T> {
     type Item = T;
     type IntoIter = std::vec::IntoIter<T>;

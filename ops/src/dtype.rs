@@ -224,6 +224,8 @@ element_half!(bf16, DType::BF16);
 pub trait HostElement: Element {
     /// Wraps a vector as typed storage.
     fn wrap(v: Vec<Self>) -> crate::Data;
+    /// Wraps storage (owned or foreign) as typed storage.
+    fn wrap_buf(b: crate::Buf<Self>) -> crate::Data;
     /// Views storage as this type, if it is this type.
     fn view(d: &crate::Data) -> Option<&[Self]>;
     /// Unwraps storage of this type.
@@ -234,17 +236,20 @@ macro_rules! host_element {
     ($t:ty, $v:ident) => {
         impl HostElement for $t {
             fn wrap(v: Vec<Self>) -> crate::Data {
-                crate::Data::$v(v)
+                crate::Data::$v(v.into())
+            }
+            fn wrap_buf(b: crate::Buf<Self>) -> crate::Data {
+                crate::Data::$v(b)
             }
             fn view(d: &crate::Data) -> Option<&[Self]> {
                 match d {
-                    crate::Data::$v(v) => Some(v),
+                    crate::Data::$v(v) => Some(v.as_slice()),
                     _ => None,
                 }
             }
             fn unwrap(d: crate::Data) -> Option<Vec<Self>> {
                 match d {
-                    crate::Data::$v(v) => Some(v),
+                    crate::Data::$v(v) => Some(v.into_vec()),
                     _ => None,
                 }
             }

@@ -1303,28 +1303,28 @@ fn unary_cpu(op: &Op, u: UnaryOp, x: &HostTensor) -> Result<Data> {
     }
     if matches!(u, UnaryOp::IsNan | UnaryOp::IsInf | UnaryOp::IsFinite) {
         return Ok(Data::Bool(
-            with_data!(x.data(), v => predicate_tensor(u, &v[..])),
+            with_data!(x.data(), v => predicate_tensor(u, &v[..]).into()),
         ));
     }
     let kf32 = |a: Operand<'_, f32>, d: &mut [f32]| unary_real(u, a, d);
     Ok(match x.data() {
-        Data::F32(v) => Data::F32(unary_tensor::<f32, f32, f32, f32>(v, kf32)),
-        Data::F64(v) => Data::F64(unary_tensor::<f64, f64, f64, f64>(v, |a, d| {
-            unary_real(u, a, d)
-        })),
-        Data::F16(v) => Data::F16(unary_tensor::<f16, f32, f16, f32>(v, kf32)),
-        Data::BF16(v) => Data::BF16(unary_tensor::<bf16, f32, bf16, f32>(v, kf32)),
-        Data::I32(v) => Data::I32(int_unary(u, v)),
-        Data::I64(v) => Data::I64(int_unary(u, v)),
-        Data::U8(v) => Data::U8(int_unary(u, v)),
-        Data::I8(v) => Data::I8(int_unary(u, v)),
-        Data::I16(v) => Data::I16(int_unary(u, v)),
-        Data::U16(v) => Data::U16(int_unary(u, v)),
-        Data::U32(v) => Data::U32(int_unary(u, v)),
-        Data::U64(v) => Data::U64(int_unary(u, v)),
-        Data::Bool(v) => Data::Bool(unary_tensor::<bool, bool, bool, bool>(v, |a, d| {
-            map1(a, d, |b: bool| !b)
-        })),
+        Data::F32(v) => Data::F32(unary_tensor::<f32, f32, f32, f32>(v, kf32).into()),
+        Data::F64(v) => {
+            Data::F64(unary_tensor::<f64, f64, f64, f64>(v, |a, d| unary_real(u, a, d)).into())
+        }
+        Data::F16(v) => Data::F16(unary_tensor::<f16, f32, f16, f32>(v, kf32).into()),
+        Data::BF16(v) => Data::BF16(unary_tensor::<bf16, f32, bf16, f32>(v, kf32).into()),
+        Data::I32(v) => Data::I32(int_unary(u, v).into()),
+        Data::I64(v) => Data::I64(int_unary(u, v).into()),
+        Data::U8(v) => Data::U8(int_unary(u, v).into()),
+        Data::I8(v) => Data::I8(int_unary(u, v).into()),
+        Data::I16(v) => Data::I16(int_unary(u, v).into()),
+        Data::U16(v) => Data::U16(int_unary(u, v).into()),
+        Data::U32(v) => Data::U32(int_unary(u, v).into()),
+        Data::U64(v) => Data::U64(int_unary(u, v).into()),
+        Data::Bool(v) => Data::Bool(
+            unary_tensor::<bool, bool, bool, bool>(v, |a, d| map1(a, d, |b: bool| !b)).into(),
+        ),
     })
 }
 
@@ -1372,89 +1372,125 @@ fn binary_cpu(op: &Op, b: BinaryOp, x: &HostTensor, y: &HostTensor, out: &Shape)
                     }
                 },
             );
-            return Ok(Data::Bool(v));
+            return Ok(Data::Bool(v.into()));
         }
         _ if b.is_predicate() => {
             return Ok(Data::Bool(
-                with_data!(x.data(), v => compare_tensor(b, &v[..], xs, y, out)?),
+                with_data!(x.data(), v => compare_tensor(b, &v[..], xs, y, out)?.into()),
             ));
         }
         _ => {}
     }
     let kf32 = |p: Operand<'_, f32>, q: Operand<'_, f32>, d: &mut [f32]| binary_real(b, p, q, d);
     Ok(match x.data() {
-        Data::F32(v) => Data::F32(binary_tensor::<f32, f32, f32, f32>(
-            Src::new(v, xs, out),
-            Src::new(y.as_slice()?, ys, out),
-            out,
-            kf32,
-        )),
-        Data::F64(v) => Data::F64(binary_tensor::<f64, f64, f64, f64>(
-            Src::new(v, xs, out),
-            Src::new(y.as_slice()?, ys, out),
-            out,
-            |p, q, d| binary_real(b, p, q, d),
-        )),
-        Data::F16(v) => Data::F16(binary_tensor::<f16, f32, f16, f32>(
-            Src::new(v, xs, out),
-            Src::new(y.as_slice()?, ys, out),
-            out,
-            kf32,
-        )),
-        Data::BF16(v) => Data::BF16(binary_tensor::<bf16, f32, bf16, f32>(
-            Src::new(v, xs, out),
-            Src::new(y.as_slice()?, ys, out),
-            out,
-            kf32,
-        )),
-        Data::I32(v) => Data::I32(int_binary(
-            b,
-            Src::new(v, xs, out),
-            Src::new(y.as_slice()?, ys, out),
-            out,
-        )),
-        Data::I64(v) => Data::I64(int_binary(
-            b,
-            Src::new(v, xs, out),
-            Src::new(y.as_slice()?, ys, out),
-            out,
-        )),
-        Data::U8(v) => Data::U8(int_binary(
-            b,
-            Src::new(v, xs, out),
-            Src::new(y.as_slice()?, ys, out),
-            out,
-        )),
-        Data::I8(v) => Data::I8(int_binary(
-            b,
-            Src::new(v, xs, out),
-            Src::new(y.as_slice()?, ys, out),
-            out,
-        )),
-        Data::I16(v) => Data::I16(int_binary(
-            b,
-            Src::new(v, xs, out),
-            Src::new(y.as_slice()?, ys, out),
-            out,
-        )),
-        Data::U16(v) => Data::U16(int_binary(
-            b,
-            Src::new(v, xs, out),
-            Src::new(y.as_slice()?, ys, out),
-            out,
-        )),
-        Data::U32(v) => Data::U32(int_binary(
-            b,
-            Src::new(v, xs, out),
-            Src::new(y.as_slice()?, ys, out),
-            out,
-        )),
-        Data::U64(v) => Data::U64(int_binary(
-            b,
-            Src::new(v, xs, out),
-            Src::new(y.as_slice()?, ys, out),
-            out,
-        )),
+        Data::F32(v) => Data::F32(
+            (binary_tensor::<f32, f32, f32, f32>(
+                Src::new(v, xs, out),
+                Src::new(y.as_slice()?, ys, out),
+                out,
+                kf32,
+            ))
+            .into(),
+        ),
+        Data::F64(v) => Data::F64(
+            (binary_tensor::<f64, f64, f64, f64>(
+                Src::new(v, xs, out),
+                Src::new(y.as_slice()?, ys, out),
+                out,
+                |p, q, d| binary_real(b, p, q, d),
+            ))
+            .into(),
+        ),
+        Data::F16(v) => Data::F16(
+            (binary_tensor::<f16, f32, f16, f32>(
+                Src::new(v, xs, out),
+                Src::new(y.as_slice()?, ys, out),
+                out,
+                kf32,
+            ))
+            .into(),
+        ),
+        Data::BF16(v) => Data::BF16(
+            (binary_tensor::<bf16, f32, bf16, f32>(
+                Src::new(v, xs, out),
+                Src::new(y.as_slice()?, ys, out),
+                out,
+                kf32,
+            ))
+            .into(),
+        ),
+        Data::I32(v) => Data::I32(
+            int_binary(
+                b,
+                Src::new(v, xs, out),
+                Src::new(y.as_slice()?, ys, out),
+                out,
+            )
+            .into(),
+        ),
+        Data::I64(v) => Data::I64(
+            int_binary(
+                b,
+                Src::new(v, xs, out),
+                Src::new(y.as_slice()?, ys, out),
+                out,
+            )
+            .into(),
+        ),
+        Data::U8(v) => Data::U8(
+            int_binary(
+                b,
+                Src::new(v, xs, out),
+                Src::new(y.as_slice()?, ys, out),
+                out,
+            )
+            .into(),
+        ),
+        Data::I8(v) => Data::I8(
+            int_binary(
+                b,
+                Src::new(v, xs, out),
+                Src::new(y.as_slice()?, ys, out),
+                out,
+            )
+            .into(),
+        ),
+        Data::I16(v) => Data::I16(
+            int_binary(
+                b,
+                Src::new(v, xs, out),
+                Src::new(y.as_slice()?, ys, out),
+                out,
+            )
+            .into(),
+        ),
+        Data::U16(v) => Data::U16(
+            int_binary(
+                b,
+                Src::new(v, xs, out),
+                Src::new(y.as_slice()?, ys, out),
+                out,
+            )
+            .into(),
+        ),
+        Data::U32(v) => Data::U32(
+            int_binary(
+                b,
+                Src::new(v, xs, out),
+                Src::new(y.as_slice()?, ys, out),
+                out,
+            )
+            .into(),
+        ),
+        Data::U64(v) => Data::U64(
+            int_binary(
+                b,
+                Src::new(v, xs, out),
+                Src::new(y.as_slice()?, ys, out),
+                out,
+            )
+            .into(),
+        ),
         Data::Bool(_) => return Err(unsupported(op, &[x, y])),
     })
 }

@@ -63,7 +63,7 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
 /// The targets as i64, with every non-ignored one checked against `0..c`.
 fn targets(op: &Op, t: &HostTensor, c: usize, ignore: i64) -> Result<Vec<i64>> {
     let v: Vec<i64> = match t.data() {
-        crate::Data::I64(v) => v.clone(),
+        crate::Data::I64(v) => v.to_vec(),
         crate::Data::I32(v) => v.iter().map(|&i| i as i64).collect(),
         _ => t.to_f64_vec().iter().map(|&v| v as i64).collect(),
     };

@@ -376,13 +376,13 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
     let data = match (a.data(), b.data()) {
         (Data::F32(x), Data::F32(w)) => {
             let bias = bias.map(|t| t.to_vec::<f32>()).transpose()?;
-            Data::F32(run32(x, w, bias))
+            Data::F32(run32(x, w, bias).into())
         }
         (Data::F64(x), Data::F64(w)) => {
             let bias = bias.map(|t| t.to_vec::<f64>()).transpose()?;
             let mut y = gemm_batched(x, w, &a_offs, &b_offs, &g, ta, tb);
             epilogue(&mut y, bias.as_deref(), act, g.n);
-            Data::F64(y)
+            Data::F64(y.into())
         }
         (Data::F16(x), Data::F16(w)) => {
             let up = |v: &[f16]| v.par_iter().map(|h| h.to_f32()).collect::<Vec<f32>>();

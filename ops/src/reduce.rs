@@ -589,7 +589,7 @@ fn reduce_bool(src: &[bool], dims: &[usize], axes: &[usize], kind: ReduceKind) -
         ReduceKind::All => reduce_lanes::<_, _, _, AllR>(s, outer, red, inner, id, id),
         _ => reduce_lanes::<_, _, _, AnyR>(s, outer, red, inner, id, id),
     };
-    Data::Bool(out)
+    Data::Bool(out.into())
 }
 
 /// First index of the max (or min) along the middle axis of `[outer, red, inner]`; NaN wins.
@@ -708,7 +708,7 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
                     return Err(dtype_err(op, &[&x.ty()], "needs a numeric dtype"));
                 }
             };
-            Data::I64(v)
+            Data::I64(v.into())
         }
         _ => {
             return Err(OpError::Runtime {

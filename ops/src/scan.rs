@@ -104,7 +104,7 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
                     DType::U16 => Data::U16(o.iter().map(|&a| a as u16).collect()),
                     DType::U32 => Data::U32(o.iter().map(|&a| a as u32).collect()),
                     DType::U64 => Data::U64(o.iter().map(|&a| a as u64).collect()),
-                    _ => Data::I64(o),
+                    _ => Data::I64(o.into()),
                 };
                 HostTensor::from_data(data, out.shape.clone())
             }

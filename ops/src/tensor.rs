@@ -1,37 +1,37 @@
-//! Host tensors: contiguous row-major storage plus a shape.
+//! Host tensors: contiguous row-major storage (owned, or a view of foreign memory) plus a shape.
 
-use crate::{DType, HostElement, OpError, Result, Shape, TensorType};
+use crate::{Buf, DType, HostElement, OpError, Result, Shape, TensorType};
 use half::{bf16, f16};
 
-/// Typed contiguous storage.
+/// Typed contiguous storage: one [`Buf`] (an owned `Vec` or a view of foreign memory) per dtype.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Data {
     /// f32 elements.
-    F32(Vec<f32>),
+    F32(Buf<f32>),
     /// f64 elements.
-    F64(Vec<f64>),
+    F64(Buf<f64>),
     /// f16 elements.
-    F16(Vec<f16>),
+    F16(Buf<f16>),
     /// bf16 elements.
-    BF16(Vec<bf16>),
+    BF16(Buf<bf16>),
     /// i32 elements.
-    I32(Vec<i32>),
+    I32(Buf<i32>),
     /// i64 elements.
-    I64(Vec<i64>),
+    I64(Buf<i64>),
     /// u8 elements.
-    U8(Vec<u8>),
+    U8(Buf<u8>),
     /// bool elements.
-    Bool(Vec<bool>),
+    Bool(Buf<bool>),
     /// i8 elements.
-    I8(Vec<i8>),
+    I8(Buf<i8>),
     /// i16 elements.
-    I16(Vec<i16>),
+    I16(Buf<i16>),
     /// u16 elements.
-    U16(Vec<u16>),
+    U16(Buf<u16>),
     /// u32 elements.
-    U32(Vec<u32>),
+    U32(Buf<u32>),
     /// u64 elements.
-    U64(Vec<u64>),
+    U64(Buf<u64>),
 }
 
 /// Runs `$body` with `$v` bound to the typed vector inside a [`Data`] (one dispatch per tensor,
@@ -236,6 +236,20 @@ impl HostTensor {
     /// The storage.
     pub fn data(&self) -> &Data {
         &self.data
+    }
+
+    /// Whether the elements are a view of another library's memory ([`Buf::is_foreign`]).
+    pub fn is_foreign(&self) -> bool {
+        with_data!(&self.data, v => v.is_foreign())
+    }
+
+    /// The tensor with storage of its own: a view of foreign memory is copied (and the foreign
+    /// memory released when nothing else shares it); owned storage is kept as it is.
+    pub fn into_owned(mut self) -> HostTensor {
+        with_data!(&mut self.data, v => {
+            v.make_owned();
+        });
+        self
     }
 
     /// Consumes the tensor into its storage.

@@ -297,7 +297,8 @@ impl Session for CpuSession {
 
     fn write_param(&mut self, i: usize, value: &HostTensor) -> Result<()> {
         check_param_type(&self.plan, i, value)?;
-        self.params[i] = Arc::new(value.clone());
+        // The session keeps storage of its own, never a view of another library's memory.
+        self.params[i] = Arc::new(value.clone().into_owned());
         Ok(())
     }
 

@@ -11,11 +11,12 @@
 //! [`DlpackTensor`] owns one managed tensor, versioned or legacy, ours or another library's, and
 //! calls its deleter exactly once: when it is dropped, unless [`DlpackTensor::into_raw`] handed
 //! it on. Exports ([`DlpackTensor::from_host`], [`DlpackTensor::from_device`]) share the memory
-//! they describe; imports ([`DlpackTensor::into_host`]) reuse a tensor this crate exported and
-//! copy anything else into a new host tensor, saying why.
+//! they describe; imports ([`DlpackTensor::into_host`]) reuse a tensor this crate exported, view
+//! compact, aligned host memory of other libraries in place (a host tensor's [`Buf`] keeps the
+//! producer's tensor alive) and copy anything else into a new host tensor, saying why.
 
 use crate::{Error, Executable, Result};
-use rustytorch_ops::{DType, Data, HostElement, HostTensor, TensorType};
+use rustytorch_ops::{with_dtype, Buf, DType, Data, HostElement, HostTensor, TensorType};
 use rustytorch_runtime::Device;
 use std::ffi::c_void;
 use std::ptr::NonNull;
@@ -639,10 +640,72 @@ impl DlpackTensor {
         unsafe { gather(self.data_ptr() as usize as *const u8, &ty, &strides) }
     }
 
-    /// A host tensor with these elements for running an executable: the very tensor when this
-    /// crate exported it from the host and the view covers it exactly (no copy), else a copy
-    /// ([`DlpackTensor::to_host`] for host-accessible memory, [`cuda::to_host`] for CUDA memory),
-    /// with the reason in [`Imported::copied`].
+    /// Why the elements cannot be viewed in place as a host tensor of `ty` (None: they can):
+    /// only compact row-major memory (strides null or the compact ones) at an address aligned
+    /// for the element type is viewed, and bool only when every byte is 0 or 1.
+    fn view_obstacle(&self, ty: &TensorType) -> Option<String> {
+        if ty.shape.numel() == 0 {
+            return None;
+        }
+        if !self.is_contiguous() {
+            return Some(format!(
+                "strided memory (strides {:?}; compact row-major is {:?}) is copied into a \
+                 compact host tensor",
+                self.strides().unwrap_or(&[]),
+                contiguous_strides(ty.shape.dims())
+            ));
+        }
+        let align = ty.dtype.size_bytes() as u64;
+        if self.data_ptr() % align != 0 {
+            return Some(format!(
+                "address {:#x} is not aligned for {} ({align} bytes): copied",
+                self.data_ptr(),
+                ty.dtype
+            ));
+        }
+        if ty.dtype == DType::Bool {
+            // SAFETY: host-accessible, compact memory of `numel` bytes, live while `self` is.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(self.data_ptr() as usize as *const u8, ty.shape.numel())
+            };
+            if bytes.iter().any(|&b| b > 1) {
+                return Some(
+                    "bool bytes other than 0 and 1 are read as nonzero = true: copied".into(),
+                );
+            }
+        }
+        None
+    }
+
+    /// Views host-accessible memory as a host tensor without a copy (`view_obstacle` must have
+    /// found nothing in the way); the tensor keeps `self` alive, so the producer's deleter runs
+    /// once, when the last host tensor sharing the memory drops, on whatever thread that is.
+    fn view_host(self, ty: TensorType) -> Result<HostTensor> {
+        let n = ty.shape.numel();
+        if n == 0 {
+            return Ok(HostTensor::zeros(&ty));
+        }
+        let ptr = self.data_ptr() as usize;
+        if ptr == 0 {
+            return Err(dl_err("null data pointer for a non-empty tensor"));
+        }
+        let owner: Arc<dyn Send + Sync> = Arc::new(self);
+        // SAFETY: the producer guarantees `n` compact elements at `ptr` (checked aligned, bool
+        // bytes checked 0 or 1) that stay valid until its deleter runs, which `owner` delays
+        // until the last view drops; the view is read-only (`Buf` copies before writing).
+        let data = with_dtype!(ty.dtype, T => <T as HostElement>::wrap_buf(unsafe {
+            Buf::from_foreign(ptr as *const T, n, owner)
+        }));
+        Ok(HostTensor::from_data(data, ty.shape)?)
+    }
+
+    /// A host tensor with these elements for running an executable, without a copy where the
+    /// memory allows: the very tensor when this crate exported it from the host, a view of
+    /// host-accessible memory of another library (NumPy, PyTorch on the CPU, pinned or managed
+    /// CUDA memory) when it is compact row-major and aligned (the producer's tensor stays alive
+    /// until the last view drops), else a copy ([`DlpackTensor::to_host`] for strided or
+    /// misaligned host memory, [`cuda::to_host`] for CUDA memory) with the reason in
+    /// [`Imported::copied`].
     pub fn into_host(self) -> Result<Imported> {
         if let Some(t) = self.own_host() {
             return Ok(Imported {
@@ -652,14 +715,20 @@ impl DlpackTensor {
         }
         let dev = self.device();
         let (t, why) = if dev.host_accessible() {
-            (
-                self.to_host()?,
-                "host tensors own their storage: memory from another library is copied once",
-            )
+            let ty = self.ty()?;
+            match self.view_obstacle(&ty) {
+                None => {
+                    return Ok(Imported {
+                        tensor: Arc::new(self.view_host(ty)?),
+                        copied: None,
+                    })
+                }
+                Some(why) => (self.to_host()?, why),
+            }
         } else if dev.device_type == DLDeviceType::CUDA {
             (
                 cuda::to_host(&self)?,
-                "sessions take host tensors: CUDA memory is copied through the host",
+                "sessions take host tensors: CUDA memory is copied through the host".to_string(),
             )
         } else {
             return Err(dl_err(format!(
@@ -669,7 +738,7 @@ impl DlpackTensor {
         };
         Ok(Imported {
             tensor: Arc::new(t),
-            copied: Some(why.into()),
+            copied: Some(why),
         })
     }
 }
@@ -748,10 +817,10 @@ impl Executable {
     }
 
     /// Replaces a parameter or state tensor with a DLPack tensor's elements (its type must
-    /// match; the session keeps a copy).
+    /// match; the session keeps a copy of its own, never a view of the producer's memory).
     pub fn set_param_dlpack(&mut self, name: &str, value: DlpackTensor) -> Result<()> {
         let t = value.into_host()?.tensor;
-        self.set_param(name, Arc::unwrap_or_clone(t))
+        self.set_param(name, Arc::unwrap_or_clone(t).into_owned())
     }
 }
 

@@ -229,7 +229,7 @@ fn to_bytes(d: &Data) -> Vec<u8> {
         Data::BF16(v) => flat(v, |x| x.to_bits().to_le_bytes()),
         Data::I32(v) => flat(v, |x| x.to_le_bytes()),
         Data::I64(v) => flat(v, |x| x.to_le_bytes()),
-        Data::U8(v) => v.clone(),
+        Data::U8(v) => v.to_vec(),
         Data::Bool(v) => v.iter().map(|&b| b as u8).collect(),
         Data::I8(v) => flat(v, |x| x.to_le_bytes()),
         Data::I16(v) => flat(v, |x| x.to_le_bytes()),
@@ -245,24 +245,24 @@ fn from_bytes(b: &[u8], dtype: DType) -> Result<Data, usize> {
         b.chunks_exact(N).map(|c| f(le(c, 0))).collect()
     }
     Ok(match dtype {
-        DType::F32 => Data::F32(chunks(b, f32::from_le_bytes)),
-        DType::F64 => Data::F64(chunks(b, f64::from_le_bytes)),
-        DType::F16 => Data::F16(chunks(b, |c| f16::from_bits(u16::from_le_bytes(c)))),
-        DType::BF16 => Data::BF16(chunks(b, |c| bf16::from_bits(u16::from_le_bytes(c)))),
-        DType::I32 => Data::I32(chunks(b, i32::from_le_bytes)),
-        DType::I64 => Data::I64(chunks(b, i64::from_le_bytes)),
-        DType::U8 => Data::U8(b.to_vec()),
+        DType::F32 => Data::F32(chunks(b, f32::from_le_bytes).into()),
+        DType::F64 => Data::F64(chunks(b, f64::from_le_bytes).into()),
+        DType::F16 => Data::F16(chunks(b, |c| f16::from_bits(u16::from_le_bytes(c))).into()),
+        DType::BF16 => Data::BF16(chunks(b, |c| bf16::from_bits(u16::from_le_bytes(c))).into()),
+        DType::I32 => Data::I32(chunks(b, i32::from_le_bytes).into()),
+        DType::I64 => Data::I64(chunks(b, i64::from_le_bytes).into()),
+        DType::U8 => Data::U8(b.to_vec().into()),
         DType::Bool => {
             if let Some(i) = b.iter().position(|&x| x > 1) {
                 return Err(i);
             }
             Data::Bool(b.iter().map(|&x| x == 1).collect())
         }
-        DType::I8 => Data::I8(chunks(b, i8::from_le_bytes)),
-        DType::I16 => Data::I16(chunks(b, i16::from_le_bytes)),
-        DType::U16 => Data::U16(chunks(b, u16::from_le_bytes)),
-        DType::U32 => Data::U32(chunks(b, u32::from_le_bytes)),
-        DType::U64 => Data::U64(chunks(b, u64::from_le_bytes)),
+        DType::I8 => Data::I8(chunks(b, i8::from_le_bytes).into()),
+        DType::I16 => Data::I16(chunks(b, i16::from_le_bytes).into()),
+        DType::U16 => Data::U16(chunks(b, u16::from_le_bytes).into()),
+        DType::U32 => Data::U32(chunks(b, u32::from_le_bytes).into()),
+        DType::U64 => Data::U64(chunks(b, u64::from_le_bytes).into()),
     })
 }
 

@@ -246,18 +246,18 @@ pub(crate) fn dtoh(
     }
     let n = ty.shape.numel();
     let data = match ty.dtype {
-        DType::F32 => Data::F32(copy(src, n, stream)?),
-        DType::F64 => Data::F64(copy(src, n, stream)?),
-        DType::F16 => Data::F16(copy(src, n, stream)?),
-        DType::BF16 => Data::BF16(copy(src, n, stream)?),
-        DType::I32 => Data::I32(copy(src, n, stream)?),
-        DType::I64 => Data::I64(copy(src, n, stream)?),
-        DType::U8 => Data::U8(copy(src, n, stream)?),
-        DType::I8 => Data::I8(copy(src, n, stream)?),
-        DType::I16 => Data::I16(copy(src, n, stream)?),
-        DType::U16 => Data::U16(copy(src, n, stream)?),
-        DType::U32 => Data::U32(copy(src, n, stream)?),
-        DType::U64 => Data::U64(copy(src, n, stream)?),
+        DType::F32 => Data::F32(copy(src, n, stream)?.into()),
+        DType::F64 => Data::F64(copy(src, n, stream)?.into()),
+        DType::F16 => Data::F16(copy(src, n, stream)?.into()),
+        DType::BF16 => Data::BF16(copy(src, n, stream)?.into()),
+        DType::I32 => Data::I32(copy(src, n, stream)?.into()),
+        DType::I64 => Data::I64(copy(src, n, stream)?.into()),
+        DType::U8 => Data::U8(copy(src, n, stream)?.into()),
+        DType::I8 => Data::I8(copy(src, n, stream)?.into()),
+        DType::I16 => Data::I16(copy(src, n, stream)?.into()),
+        DType::U16 => Data::U16(copy(src, n, stream)?.into()),
+        DType::U32 => Data::U32(copy(src, n, stream)?.into()),
+        DType::U64 => Data::U64(copy(src, n, stream)?.into()),
         DType::Bool => Data::Bool(
             copy::<u8>(src, n, stream)?
                 .into_iter()
