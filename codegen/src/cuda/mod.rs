@@ -225,8 +225,7 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         }
         // Generated kernels by default (faster than cuDNN's pooling on the H200, see
         // docs/performance.md); `RUSTYTORCH_CUDNN_POOLING=1` selects cuDNN's for comparison.
-        // The generated kernels are channels-first; channels-last pooling is cuDNN's NHWC one.
-        Op::Pool { .. } | Op::PoolGrad { .. } if cudnn_pooling() || dnn::is_channels_last(op) => {
+        Op::Pool { .. } | Op::PoolGrad { .. } if cudnn_pooling() => {
             dnn::lower_step(op, inputs, out).map(CudaStep::Dnn)
         }
         Op::Pool { .. } | Op::PoolGrad { .. } => {
