@@ -262,6 +262,8 @@ pub struct Executable {
     observe: Observe,
     /// The other compiled shapes of a graph with named dims.
     shapes: ShapeCache,
+    /// The data-parallel group this executable's sessions joined.
+    group: Option<Arc<dyn rustytorch_runtime::Communicator>>,
 }
 
 /// The shapes an executable of a graph with named dims has compiled: the current one's plan and
@@ -411,6 +413,7 @@ pub fn compile_graph(graph: &Graph, device: Device, opts: &CompileOptions) -> Re
             version: 0,
             initial: params,
         },
+        group: None,
     };
     if let Some(path) = std::env::var_os("RUSTYTORCH_TRACE").filter(|p| !p.is_empty()) {
         exe.trace_to(Path::new(&path))?;
@@ -695,6 +698,9 @@ impl Executable {
                 };
                 let (mut spec, _) =
                     build(&graph, sizes, self.session.device(), &self.opts, params)?;
+                if let Some(group) = &self.group {
+                    spec.session.join(group.clone())?;
+                }
                 spec.version = self.shapes.version;
                 self.shapes.stats.compiled += 1;
                 tracing::info!(
@@ -823,6 +829,17 @@ impl Executable {
     /// `run` first).
     pub fn time_steps(&mut self, iters: usize) -> Result<f64> {
         Ok(self.session.time_steps(iters)?)
+    }
+
+    /// Joins a data-parallel group: the `all_reduce` steps of every compiled shape, now and
+    /// later, exchange with the group's other ranks (see [`crate::parallel::DataParallel`]).
+    pub fn join_group(&mut self, group: Arc<dyn rustytorch_runtime::Communicator>) -> Result<()> {
+        self.session.join(group.clone())?;
+        for s in &mut self.shapes.others {
+            s.session.join(group.clone())?;
+        }
+        self.group = Some(group);
+        Ok(())
     }
 
     /// The graph's inputs: name and type, in order (named dims at their default sizes; see

@@ -23,6 +23,7 @@ pub mod dlpack;
 pub mod executable;
 pub mod models;
 pub mod npy;
+pub mod parallel;
 pub mod profile;
 pub mod sparse;
 pub mod stats;

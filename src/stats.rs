@@ -64,6 +64,8 @@ pub fn node_flops(graph: &Graph, id: rustytorch_compiler::NodeId) -> u64 {
         | Op::Gather { .. }
         | Op::IndexSelect { .. } => 0,
         Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } => n_out,
+        // One addition per element per replica: counted as one, the share of this replica.
+        Op::AllReduce { .. } => n_out,
         Op::Fused(k) => {
             let work = k
                 .instrs

@@ -26,6 +26,7 @@ fn mlp(device: Device) -> Executable {
         AdamW::new(3e-3).weight_decay(1e-4),
         &StepOptions {
             clip_norm: Some(5.0),
+            ..Default::default()
         },
     )
     .unwrap();

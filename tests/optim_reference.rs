@@ -91,7 +91,14 @@ fn model(opt: impl Into<rustytorch::Optimizer>, clip_norm: Option<f64>) -> Execu
     let r = x.matmul(&w).add(&b).sub(&y);
     let loss = r.mul(&r).sum_all().mul_scalar(0.5);
     let step = g
-        .train_step(&loss, opt, &StepOptions { clip_norm })
+        .train_step(
+            &loss,
+            opt,
+            &StepOptions {
+                clip_norm,
+                ..Default::default()
+            },
+        )
         .unwrap();
     assert_eq!(step.grads[0].0, "w");
     assert_eq!(step.grads[1].0, "b");

@@ -278,6 +278,7 @@ fn gradient_clipping_bounds_the_update() {
             Sgd::new(1.0),
             &StepOptions {
                 clip_norm: Some(1.0),
+                ..Default::default()
             },
         )
         .unwrap();

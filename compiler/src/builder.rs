@@ -828,6 +828,13 @@ impl Tensor {
         }
     }
 
+    /// The sum (`mean`: the mean) of this tensor over the replicas of a data-parallel run; the
+    /// tensor itself in a run of one replica.
+    #[track_caller]
+    pub fn all_reduce(&self, mean: bool) -> Tensor {
+        self.b.apply(Op::AllReduce { mean }, &[self])
+    }
+
     /// The `k` largest (or smallest) elements along an axis, in order, and their indices (i64):
     /// `(values, indices)`, the values a `gather` of the indices (so they carry a gradient).
     #[track_caller]

@@ -370,7 +370,8 @@ fn instantiate_op(
         | Op::SparseMatmul { .. }
         | Op::SampledMatmul
         | Op::CumSum { .. }
-        | Op::TopK { .. } => op.clone(),
+        | Op::TopK { .. }
+        | Op::AllReduce { .. } => op.clone(),
     }
 }
 

@@ -16,7 +16,7 @@ pub use builder::{ConvOpts, GraphBuilder, Tensor};
 pub use dims::{DimExpr, NamedDim};
 pub use error::{CompileError, Result};
 pub use graph::{Graph, Init, InputDef, Node, NodeId, ParamDef};
-pub use optim::{AdamW, Optimizer, Sgd, StepOptions, TrainStep};
+pub use optim::{grad_buckets, AdamW, GradSync, Optimizer, Sgd, StepOptions, TrainStep};
 pub use sparse::CsrPattern;
 pub mod format;
 pub mod fuse;

@@ -111,6 +111,50 @@ impl From<AdamW> for Optimizer {
 pub struct StepOptions {
     /// Clip gradients to this global L2 norm.
     pub clip_norm: Option<f64>,
+    /// Data parallelism: average the gradients over the replicas (`all_reduce` in buckets)
+    /// before anything else reads them.
+    pub grad_sync: Option<GradSync>,
+}
+
+/// How a data-parallel step averages its gradients: one `all_reduce` (mean) per bucket, a
+/// bucket being consecutive gradients of one dtype, taken from the last parameter to the first
+/// (the order in which the backward finishes them) and flattened into one vector of at most
+/// `bucket_bytes` (a larger gradient is a bucket of its own). Fewer, larger exchanges amortize
+/// each collective's fixed cost; smaller ones can start earlier in the backward.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GradSync {
+    /// The largest bucket, in bytes.
+    pub bucket_bytes: usize,
+}
+
+impl Default for GradSync {
+    /// 25 MiB buckets (what PyTorch's DistributedDataParallel uses by default).
+    fn default() -> GradSync {
+        GradSync {
+            bucket_bytes: 25 << 20,
+        }
+    }
+}
+
+/// The buckets of [`GradSync`] over gradients of these dtypes and byte sizes (in parameter
+/// order): lists of gradient indices, the first bucket holding the last gradients.
+pub fn grad_buckets(grads: &[(DType, usize)], bucket_bytes: usize) -> Vec<Vec<usize>> {
+    let mut buckets: Vec<Vec<usize>> = vec![];
+    let mut open: Option<(DType, usize)> = None;
+    for i in (0..grads.len()).rev() {
+        let (dt, bytes) = grads[i];
+        match (&mut open, buckets.last_mut()) {
+            (Some((odt, used)), Some(b)) if *odt == dt && *used + bytes <= bucket_bytes => {
+                *used += bytes;
+                b.push(i);
+            }
+            _ => {
+                buckets.push(vec![i]);
+                open = Some((dt, bytes));
+            }
+        }
+    }
+    buckets
 }
 
 /// Handles to what a training step computes.
@@ -142,6 +186,47 @@ fn compute_dtype(dt: DType) -> DType {
 }
 
 impl GraphBuilder {
+    /// The gradients averaged over the replicas in the buckets of `sync` (see [`GradSync`]).
+    /// Everything after this reads averaged gradients, so the finiteness guards, the norm and
+    /// the updates agree on every replica: a NaN on one replica is a NaN in every average, and
+    /// every replica skips the step.
+    fn average_over_replicas(&self, grads: Vec<Tensor>, sync: &GradSync) -> Result<Vec<Tensor>> {
+        let mut sizes = Vec::with_capacity(grads.len());
+        for g in &grads {
+            let ty = g
+                .ty()
+                .ok_or_else(|| CompileError::Grad("a gradient has no type".into()))?;
+            sizes.push((ty.dtype, ty.size_bytes()));
+        }
+        let mut out: Vec<Option<Tensor>> = vec![None; grads.len()];
+        for bucket in grad_buckets(&sizes, sync.bucket_bytes) {
+            if let [i] = bucket[..] {
+                out[i] = Some(grads[i].all_reduce(true));
+                continue;
+            }
+            let flat: Vec<Tensor> = bucket
+                .iter()
+                .map(|&i| {
+                    let n = grads[i].shape().map(|s| s.numel()).unwrap_or(0);
+                    grads[i].reshape([n])
+                })
+                .collect();
+            let parts: Vec<&Tensor> = flat.iter().collect();
+            let averaged = self.concat(&parts, 0).all_reduce(true);
+            let mut at = 0;
+            for &i in &bucket {
+                let shape = grads[i].shape().unwrap_or_else(Shape::scalar);
+                let n = shape.numel();
+                out[i] = Some(averaged.slice(0, at, at + n, 1).reshape(shape));
+                at += n;
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|g| g.expect("every gradient is in a bucket"))
+            .collect())
+    }
+
     /// Adds to the graph the gradients of `loss` for every trainable parameter, a finiteness guard
     /// per gradient (named `grad:<param>`; a run whose gradients are not finite applies no update
     /// and reports the parameter), optional global-norm clipping, and the optimizer's updates.
@@ -168,7 +253,10 @@ impl GraphBuilder {
         }
         let wrt: Vec<crate::NodeId> = params.iter().map(|p| p.1).collect();
         let gids = self.with_graph(|g| autodiff::grad(g, loss_id, &wrt))?;
-        let grads: Vec<Tensor> = gids.iter().map(|&id| self.tensor(id)).collect();
+        let mut grads: Vec<Tensor> = gids.iter().map(|&id| self.tensor(id)).collect();
+        if let Some(sync) = &opts.grad_sync {
+            grads = self.average_over_replicas(grads, sync)?;
+        }
 
         // The dtype of the shared scalars (global norm, clipping scale, bias corrections): f64
         // when a parameter is f64, so that f64 training is not rounded to f32 anywhere but in

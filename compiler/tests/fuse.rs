@@ -449,6 +449,7 @@ fn adamw_training_step_fuses_to_the_same_updates() {
     b.output("loss", &loss);
     let opts = StepOptions {
         clip_norm: Some(0.5),
+        ..Default::default()
     };
     b.train_step(&loss, AdamW::new(1e-2).weight_decay(0.1), &opts)
         .unwrap();

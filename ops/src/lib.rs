@@ -17,6 +17,7 @@ pub mod text;
 pub mod util;
 
 pub mod attention;
+pub mod collective;
 pub mod conv;
 pub mod elementwise;
 pub mod index;
@@ -79,6 +80,7 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
         Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => loss::infer(op, inputs),
         Op::SparseMatmul { .. } | Op::SampledMatmul => sparse::infer(op, inputs),
         Op::CumSum { .. } | Op::TopK { .. } => scan::infer(op, inputs),
+        Op::AllReduce { .. } => collective::infer(op, inputs),
     }?;
     shape::check_result_limits(op, inputs, &ty)?;
     Ok(ty)
@@ -124,6 +126,7 @@ pub fn eval_cpu(op: &Op, inputs: &[&HostTensor]) -> Result<HostTensor> {
         Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => loss::cpu(op, inputs, &out),
         Op::SparseMatmul { .. } | Op::SampledMatmul => sparse::cpu(op, inputs, &out),
         Op::CumSum { .. } | Op::TopK { .. } => scan::cpu(op, inputs, &out),
+        Op::AllReduce { .. } => collective::cpu(op, inputs, &out),
     }
 }
 
@@ -162,5 +165,6 @@ pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
         Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => loss::vjp(cx),
         Op::SparseMatmul { .. } | Op::SampledMatmul => sparse::vjp(cx),
         Op::CumSum { .. } | Op::TopK { .. } => scan::vjp(cx),
+        Op::AllReduce { .. } => collective::vjp(cx),
     }
 }

@@ -672,6 +672,14 @@ pub enum Op {
         /// The largest (else the smallest).
         largest: bool,
     },
+
+    // ---- collectives ----
+    /// The sum (or mean) of the input over the replicas of a data-parallel run (identity in a
+    /// run of one replica); see [`crate::collective`].
+    AllReduce {
+        /// Divide the sum by the number of replicas.
+        mean: bool,
+    },
 }
 
 /// How deeply fused kernels may nest inside each other's programs when deserialized.
@@ -705,7 +713,7 @@ impl Op {
 
     /// Number of [`Op`] variants (a test checks it against the enum; [`Op::samples`] has one
     /// entry per variant).
-    pub const VARIANT_COUNT: usize = 43;
+    pub const VARIANT_COUNT: usize = 44;
 
     /// The position of this op's variant in the enum (0..[`Op::VARIANT_COUNT`]); the exhaustive
     /// match makes a new variant a compile error here, which the tests that cover every variant
@@ -755,6 +763,7 @@ impl Op {
             Op::SampledMatmul => 40,
             Op::CumSum { .. } => 41,
             Op::TopK { .. } => 42,
+            Op::AllReduce { .. } => 43,
         }
     }
 
@@ -1088,6 +1097,7 @@ impl Op {
                 },
                 vec![f32t(&[2, 3])],
             ),
+            (Op::AllReduce { mean: true }, vec![f32t(&[2, 3])]),
         ];
         all.into()
     }

@@ -95,6 +95,7 @@ pub fn op_name(op: &Op) -> &'static str {
         Op::SampledMatmul => "sampled_matmul",
         Op::CumSum { .. } => "cumsum",
         Op::TopK { .. } => "topk",
+        Op::AllReduce { .. } => "all_reduce",
     }
 }
 
@@ -526,6 +527,7 @@ fn attrs_of(op: &Op) -> AttrOut {
             a.kv("k", k);
             a.flag("largest", *largest);
         }
+        Op::AllReduce { mean } => a.flag("mean", *mean),
     }
     a
 }
@@ -980,6 +982,9 @@ fn parse_nested(text: &str, depth: usize) -> PResult<Op> {
                 axis: a.usize("axis")?,
                 k: a.usize("k")?,
                 largest: a.flag("largest")?,
+            },
+            "all_reduce" => Op::AllReduce {
+                mean: a.flag("mean")?,
             },
             _ => return Err(format!("unknown op `{name}`")),
         }

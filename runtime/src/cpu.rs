@@ -9,8 +9,8 @@
 //! one by one to find the first whose value at that element is not finite.
 
 use crate::{
-    check_param_type, Backend, Device, MemoryStats, Result, RunOutput, RuntimeError, Session,
-    StepClock, StepTime, StepTimes, TransferStats,
+    check_param_type, Backend, Communicator, Device, MemoryStats, Result, RunOutput, RuntimeError,
+    Session, StepClock, StepTime, StepTimes, TransferStats,
 };
 use rustytorch_codegen::{Plan, Source};
 use rustytorch_ops::{eval_cpu, Data, FusedKernel, HostTensor, Op, TensorType};
@@ -58,6 +58,7 @@ impl CpuBackend {
             anomaly,
             timing: false,
             times: None,
+            group: None,
         })
     }
 }
@@ -157,6 +158,8 @@ pub struct CpuSession {
     timing: bool,
     /// The step times of the last timed run, until taken.
     times: Option<StepTimes>,
+    /// The data-parallel group whose ranks the `all_reduce` steps exchange with.
+    group: Option<Arc<dyn Communicator>>,
 }
 
 impl CpuSession {
@@ -205,11 +208,14 @@ impl CpuSession {
                     .map(|&v| vals[v].as_deref().expect("operand computed before use"))
                     .collect();
                 let _span = tracing::trace_span!("kernel", step = s, op = step.op.name()).entered();
-                let out = eval_cpu(&step.op, &ins).map_err(|source| RuntimeError::Kernel {
-                    step: s,
-                    op: step.op.name(),
-                    source,
-                })?;
+                let out = match (&step.op, &self.group) {
+                    (Op::AllReduce { mean }, Some(group)) => group.all_reduce(ins[0], *mean)?,
+                    _ => eval_cpu(&step.op, &ins).map_err(|source| RuntimeError::Kernel {
+                        step: s,
+                        op: step.op.name(),
+                        source,
+                    })?,
+                };
                 if self.anomaly {
                     if let Some((index, value)) = first_non_finite(&out) {
                         let instr = match &step.op {
@@ -320,5 +326,10 @@ impl Session for CpuSession {
 
     fn take_step_times(&mut self) -> Option<StepTimes> {
         self.times.take()
+    }
+
+    fn join(&mut self, group: Arc<dyn Communicator>) -> Result<()> {
+        self.group = Some(group);
+        Ok(())
     }
 }

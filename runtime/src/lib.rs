@@ -7,12 +7,14 @@
 //! and commits the step's updates inside the session when every guard passed; parameters cross to
 //! the host only when asked for ([`Session::read_param`], [`Session::write_param`]).
 
+pub mod collective;
 pub mod cpu;
 pub mod cuda;
 pub mod device;
 pub mod pool;
 pub mod timing;
 
+pub use collective::{Communicator, HostGroup, HostRank};
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;
 pub use device::{cuda_device_count, Device};
@@ -140,6 +142,16 @@ pub trait Session: Send {
     /// None until the next timed run).
     fn take_step_times(&mut self) -> Option<StepTimes> {
         None
+    }
+    /// Joins a data-parallel group: from now on the plan's `all_reduce` steps exchange their
+    /// tensors with the group's other ranks. Sessions that cannot take part refuse.
+    fn join(&mut self, group: Arc<dyn Communicator>) -> Result<()> {
+        Err(RuntimeError::Invalid(format!(
+            "a {} session cannot join a data-parallel group (rank {} of {})",
+            self.device(),
+            group.rank(),
+            group.world()
+        )))
     }
 }
 

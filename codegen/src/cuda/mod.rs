@@ -242,5 +242,12 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         Op::Attention { .. } => attention::lower(op, inputs, out).map(CudaStep::Kernels),
         Op::SparseMatmul { .. } => sparse::lower_spmm(op, inputs, out).map(CudaStep::Spmm),
         Op::SampledMatmul => sparse::lower_sddmm(op, inputs, out).map(CudaStep::Kernels),
+        Op::AllReduce { .. } => Err(CodegenError::Unsupported {
+            op: op.name(),
+            device: "cuda",
+            reason: "data-parallel groups run on the CPU only; CUDA sessions do not join a \
+                     collective yet"
+                .into(),
+        }),
     }
 }

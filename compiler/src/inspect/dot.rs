@@ -136,6 +136,7 @@ fn kind(op: &Op) -> Kind {
         Op::SparseMatmul { .. } | Op::SampledMatmul => Kind::Library("sparse"),
         Op::CumSum { .. } | Op::TopK { .. } => Kind::Index,
         Op::Fused(_) => Kind::Fused,
+        Op::AllReduce { .. } => Kind::Library("collective"),
     }
 }
 

@@ -128,6 +128,7 @@ impl CostModel {
             | Op::ArgReduce { .. }
             | Op::CumSum { .. }
             | Op::TopK { .. }
+            | Op::AllReduce { .. }
             | Op::Permute { .. }
             | Op::Slice { .. }
             | Op::Concat { .. }
