@@ -1120,8 +1120,9 @@ impl DeviceCoo {
             blocks: vec![],
         };
         let i32b = DType::I32.size_bytes();
-        // 32-bit copies of the indices (sorted in place), and the permutation.
-        let (r32, c32, perm) = (
+        // 32-bit copies of the indices (sorted in place), and the permutations of both sorts.
+        let (r32, c32, by_row, in_row) = (
+            s.alloc(nnz * i32b)?,
             s.alloc(nnz * i32b)?,
             s.alloc(nnz * i32b)?,
             s.alloc(nnz * i32b)?,
@@ -1146,7 +1147,15 @@ impl DeviceCoo {
         )?;
         let rp_sorted = s.alloc((m + 1) * i32b)?;
         dev.with_sparse(|sparse| {
-            sort_coo(dev, sparse, m, n, nnz, (r32, c32, perm, rp_sorted), stream)
+            sort_coo(
+                dev,
+                sparse,
+                m,
+                n,
+                nnz,
+                (r32, c32, by_row, in_row, rp_sorted),
+                stream,
+            )
         })?;
         // Merge the repeats.
         let plan = merge_plan(nnz, self.dtype, MERGE_BLOCKS)?;
@@ -1177,7 +1186,7 @@ impl DeviceCoo {
             (
                 &plan.sum,
                 plan.sum_grid,
-                vec![start, perm, vals, partial, out_v],
+                vec![start, by_row, in_row, vals, partial, out_v],
             ),
         ];
         let sources = launches
@@ -1262,31 +1271,35 @@ impl DeviceCoo {
     }
 }
 
-/// Sorts the 32-bit COO indices `(rows, cols)` of `nnz` entries by row, then column, in place,
-/// and makes `perm` the sorted order's source positions; `rp` (m + 1 entries) receives the
-/// row offsets of the sorted entries.
+/// Sorts the 32-bit COO indices `(rows, cols)` of `nnz` entries by row, then column, in place:
+/// entry e of the result was entry `in_row[e]` after the sort by rows, which was entry
+/// `by_row[in_row[e]]` of the input (the two permutations are kept apart rather than relying on
+/// `csrsort` to compose a permutation it is given); `rp` (m + 1 entries) receives the row
+/// offsets of the sorted entries.
 fn sort_coo(
     dev: &GpuDevice,
     s: &mut Sparse,
     m: usize,
     n: usize,
     nnz: usize,
-    (rows, cols, perm, rp): (u64, u64, u64, u64),
+    (rows, cols, by_row, in_row, rp): (u64, u64, u64, u64, u64),
     stream: CUstream,
 ) -> Result<()> {
     let h = s.on(stream)?;
     let (mi, ni, nz) = (m as i32, n as i32, nnz as i32);
-    let (r, c, p) = (rows as *mut i32, cols as *mut i32, perm as *mut i32);
+    let (r, c) = (rows as *mut i32, cols as *mut i32);
+    let (p1, p2) = (by_row as *mut i32, in_row as *mut i32);
     let mut bufs = Scratch {
         dev,
         blocks: vec![],
     };
-    // Every call below: live handle; `rows`, `cols` and `perm` hold nnz i32 each, `rp` m + 1;
+    // Every call below: live handle; `rows`, `cols`, `by_row` and `in_row` hold nnz i32 each,
+    // `rp` m + 1;
     // each workspace holds the bytes its size query returned and returns to the pool
     // stream-ordered, after the calls.
     // SAFETY: see above.
     check("identity permutation", unsafe {
-        sp::cusparseCreateIdentityPermutation(h, nz, p)
+        sp::cusparseCreateIdentityPermutation(h, nz, p1)
     })?;
     let mut bytes = 0usize;
     // SAFETY: see above.
@@ -1296,7 +1309,7 @@ fn sort_coo(
     let b = bufs.alloc(bytes.max(1))? as *mut c_void;
     // SAFETY: see above.
     check("coosortByRow", unsafe {
-        sp::cusparseXcoosortByRow(h, mi, ni, nz, r, c, p, b)
+        sp::cusparseXcoosortByRow(h, mi, ni, nz, r, c, p1, b)
     })?;
     // SAFETY: see above.
     check("coo2csr", unsafe {
@@ -1316,9 +1329,13 @@ fn sort_coo(
     })?;
     let b = bufs.alloc(bytes.max(1))? as *mut c_void;
     let descr = MatDescr::new()?;
+    // SAFETY: see above.
+    check("identity permutation", unsafe {
+        sp::cusparseCreateIdentityPermutation(h, nz, p2)
+    })?;
     // SAFETY: see above; the descriptor is a general zero-based matrix.
     check("csrsort", unsafe {
-        sp::cusparseXcsrsort(h, mi, ni, nz, descr.0, rp as *const i32, c, p, b)
+        sp::cusparseXcsrsort(h, mi, ni, nz, descr.0, rp as *const i32, c, p2, b)
     })
 }
 
@@ -1485,7 +1502,8 @@ const MERGE_BLOCKS: usize = 1024;
 /// The kernels that merge the repeats of `n` COO entries sorted by row, then column: `heads`
 /// counts the run heads of each block's chunk, `offsets` scans those counts (exclusive, the
 /// total after them), `merge` writes each head's row, column and position in the sorted order
-/// at its place, `sum` adds up each place's run of values in f64 and rounds once.
+/// at its place, `sum` adds up each place's run of values in f64 (found through the two sorts'
+/// permutations, see [`sort_coo`]) and rounds once.
 struct MergePlan {
     /// Blocks of `heads` and `merge`.
     blocks: u32,
@@ -1724,13 +1742,12 @@ fn merge_plan(n: usize, dtype: DType, max_blocks: usize) -> Result<MergePlan> {
     )?;
 
     // sum: place i adds the values of sorted entries start[i] .. start[i + 1] (n after the
-    // last place) in f64, read through the permutation, and rounds once.
+    // last place) in f64, read through both sorts' permutations, and rounds once.
     let el = CTy::storage(dtype);
     let value = |e: Expr| {
-        ir::cast(
-            CTy::F64,
-            load("vals", el, ir::cast(CTy::I64, load("perm", CTy::I32, e))),
-        )
+        let j = ir::cast(CTy::I64, load("in_row", CTy::I32, e));
+        let src = ir::cast(CTy::I64, load("by_row", CTy::I32, j));
+        ir::cast(CTy::F64, load("vals", el, src))
     };
     let rounded = if el == CTy::BF16 {
         ir::cast(CTy::BF16, var("acc"))
@@ -1774,7 +1791,8 @@ fn merge_plan(n: usize, dtype: DType, max_blocks: usize) -> Result<MergePlan> {
             name: String::new(),
             params: vec![
                 p("start", CTy::I64, false),
-                p("perm", CTy::I32, false),
+                p("by_row", CTy::I32, false),
+                p("in_row", CTy::I32, false),
                 p("vals", el, false),
                 p("partial", CTy::I64, false),
                 p("out_v", el, true),
@@ -1892,6 +1910,16 @@ mod tests {
                 let r: Vec<i32> = e.iter().map(|x| x.0).collect();
                 let c: Vec<i32> = e.iter().map(|x| x.1).collect();
                 let perm: Vec<i32> = e.iter().map(|x| x.2).collect();
+                // Split it in two as the device's two sorts do: by_row[in_row[e]] = perm[e],
+                // in_row a shuffle.
+                let mut in_row: Vec<i32> = (0..n as i32).collect();
+                for k in (1..n).rev() {
+                    in_row.swap(k, next(k as u64 + 1) as usize);
+                }
+                let mut by_row = vec![0i32; n];
+                for k in 0..n {
+                    by_row[in_row[k] as usize] = perm[k];
+                }
                 // The host's merge: runs summed in f64 in sorted order, rounded once.
                 let mut want: Vec<(i32, i32, f64)> = vec![];
                 for &(rr, cc, p) in &e {
@@ -1906,7 +1934,8 @@ mod tests {
                 let mut bufs = vec![
                     ("r", le(&r, i32::to_le_bytes)),
                     ("c", le(&c, i32::to_le_bytes)),
-                    ("perm", le(&perm, i32::to_le_bytes)),
+                    ("by_row", le(&by_row, i32::to_le_bytes)),
+                    ("in_row", le(&in_row, i32::to_le_bytes)),
                     ("vals", encode(dtype, &vals)),
                     ("partial", poison((plan.blocks as usize + 1) * 8)),
                     ("start", poison(n * 8)),
