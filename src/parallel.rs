@@ -108,7 +108,7 @@ impl DataParallel {
                     .into(),
             ));
         }
-        let ranks: Vec<Arc<dyn Communicator>> = HostGroup::new(devices.len())?
+        let ranks: Vec<Arc<dyn Communicator>> = HostGroup::ranks(devices.len())?
             .into_iter()
             .map(|r| r as Arc<dyn Communicator>)
             .collect();

@@ -59,7 +59,7 @@ enum Kind {
 
 impl HostGroup {
     /// A group of `world` ranks; returns one [`HostRank`] per rank.
-    pub fn new(world: usize) -> Result<Vec<Arc<HostRank>>> {
+    pub fn ranks(world: usize) -> Result<Vec<Arc<HostRank>>> {
         if world == 0 {
             return Err(RuntimeError::Invalid(
                 "a group needs at least one rank".into(),
@@ -214,7 +214,7 @@ mod tests {
 
     #[test]
     fn ranks_get_the_same_sum_and_mean() {
-        let ranks = HostGroup::new(3).unwrap();
+        let ranks = HostGroup::ranks(3).unwrap();
         let ty = TensorType::new(DType::F32, vec![4, 5]);
         let xs: Vec<HostTensor> = (0..3).map(|r| rand_tensor(&ty, r, -1.0, 1.0)).collect();
         let want: Vec<f64> = (0..20)
@@ -260,7 +260,7 @@ mod tests {
 
     #[test]
     fn broadcast_takes_the_roots_tensor() {
-        let ranks = HostGroup::new(2).unwrap();
+        let ranks = HostGroup::ranks(2).unwrap();
         let got: Vec<Vec<f64>> = std::thread::scope(|s| {
             let hs: Vec<_> = ranks
                 .iter()
@@ -278,7 +278,7 @@ mod tests {
 
     #[test]
     fn an_aborted_group_fails_instead_of_waiting() {
-        let ranks = HostGroup::new(2).unwrap();
+        let ranks = HostGroup::ranks(2).unwrap();
         let t = HostTensor::from_vec(vec![1.0f32], [1]).unwrap();
         std::thread::scope(|s| {
             let waiting = s.spawn(|| ranks[0].all_reduce(&t, false));
@@ -292,7 +292,7 @@ mod tests {
 
     #[test]
     fn mismatched_tensors_are_an_error_on_every_rank() {
-        let ranks = HostGroup::new(2).unwrap();
+        let ranks = HostGroup::ranks(2).unwrap();
         let errs: Vec<String> = std::thread::scope(|s| {
             let hs: Vec<_> = ranks
                 .iter()

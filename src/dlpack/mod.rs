@@ -656,7 +656,7 @@ impl DlpackTensor {
             ));
         }
         let align = ty.dtype.size_bytes() as u64;
-        if self.data_ptr() % align != 0 {
+        if !self.data_ptr().is_multiple_of(align) {
             return Some(format!(
                 "address {:#x} is not aligned for {} ({align} bytes): copied",
                 self.data_ptr(),
