@@ -169,7 +169,7 @@ fn a_nan_on_one_replica_skips_the_step_on_both() {
     .unwrap();
     let before = PARAMS.map(|n| dp.param(n).unwrap().to_f64_vec());
     let (x, y) = batch(0);
-    let mut xs = vec![shard("x", &x, 0, 2).unwrap(), shard("x", &x, 1, 2).unwrap()];
+    let mut xs = [shard("x", &x, 0, 2).unwrap(), shard("x", &x, 1, 2).unwrap()];
     let mut v = xs[1].to_vec::<f32>().unwrap();
     v[5] = f32::NAN;
     xs[1] = HostTensor::from_vec(v, [4, 12]).unwrap();
