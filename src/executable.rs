@@ -200,6 +200,18 @@ impl CompileOptions {
     }
 }
 
+/// What [`Executable::run_device`] returns.
+#[derive(Debug)]
+pub struct DeviceOutputs {
+    /// `(name, output)` in output order, each in a device memory block of its own.
+    pub outputs: Vec<(String, rustytorch_runtime::device::DeviceOutput)>,
+    /// Inputs and outputs copied device-to-device instead of used in place: `(slot, name,
+    /// reason)`.
+    pub copies: Vec<(rustytorch_runtime::device::IoSlot, String, String)>,
+    /// As [`Outputs::skipped`].
+    pub skipped: Option<String>,
+}
+
 /// The outputs of one run, by position or name.
 #[derive(Clone, Debug)]
 pub struct Outputs {
@@ -656,6 +668,86 @@ impl Executable {
         Ok(Outputs {
             names: self.plan.outputs.iter().map(|(n, _)| n.clone()).collect(),
             values: r.outputs,
+            skipped,
+        })
+    }
+
+    /// Runs on inputs in device memory by name, read in place by the kernels where the session
+    /// can (a replayed CUDA graph or a cuSPARSE call copies device-to-device into its bound
+    /// buffer, which the result reports); outputs come back in device memory blocks of their own
+    /// that stay reserved until dropped. The session waits for each input's producer stream with
+    /// an event. Only a CUDA executable takes device inputs.
+    pub fn run_device(
+        &mut self,
+        inputs: &[(&str, rustytorch_runtime::device::DeviceInput)],
+    ) -> Result<DeviceOutputs> {
+        let mut vals = vec![None; self.source.inputs.len()];
+        for (name, d) in inputs {
+            let Some(i) = self.source.inputs.iter().position(|x| x.name == *name) else {
+                return Err(Error::Input {
+                    name: name.to_string(),
+                    reason: "the graph has no such input".into(),
+                });
+            };
+            vals[i] = Some(d.clone());
+        }
+        let mut ins = Vec::with_capacity(vals.len());
+        for (i, v) in vals.into_iter().enumerate() {
+            let d = &self.source.inputs[i];
+            ins.push(v.ok_or_else(|| Error::Input {
+                name: d.name.clone(),
+                reason: format!("missing (expected {})", self.source.sym_type_text(d.node)),
+            })?);
+        }
+        if self.source.has_named_dims() {
+            let given: Vec<(usize, &rustytorch_ops::Shape)> = ins
+                .iter()
+                .enumerate()
+                .map(|(i, d)| (i, &d.ty.shape))
+                .collect();
+            let sizes = self.source.bind_dims(&given).map_err(|e| match e {
+                CompileError::Bind { input, reason } => Error::Input {
+                    name: input,
+                    reason,
+                },
+                e => e.into(),
+            })?;
+            self.specialize_to(sizes)?;
+        }
+        let r = self.session.run_device(&ins)?;
+        let failed = r
+            .guards
+            .iter()
+            .find(|(_, ok)| !ok)
+            .map(|(n, _)| n.strip_prefix("grad:").unwrap_or(n).to_string());
+        let skipped = match (failed, self.opts.nonfinite) {
+            (Some(p), NonFinitePolicy::Error) => return Err(Error::NonFinite { param: p }),
+            (Some(p), NonFinitePolicy::SkipStep) => Some(p),
+            (None, _) => None,
+        };
+        if skipped.is_none() && !self.source.updates.is_empty() {
+            self.shapes.version += 1;
+        }
+        let copies = r
+            .copies
+            .into_iter()
+            .map(|(slot, why)| {
+                let name = match slot {
+                    rustytorch_runtime::device::IoSlot::Input(i) => self.plan.inputs[i].0.clone(),
+                    rustytorch_runtime::device::IoSlot::Output(i) => self.plan.outputs[i].0.clone(),
+                };
+                (slot, name, why)
+            })
+            .collect();
+        Ok(DeviceOutputs {
+            outputs: self
+                .plan
+                .outputs
+                .iter()
+                .map(|(n, _)| n.clone())
+                .zip(r.outputs)
+                .collect(),
+            copies,
             skipped,
         })
     }

@@ -559,12 +559,16 @@ fn contiguity_and_strides() {
 
 /// x·w + b, relu: a small graph with a parameter.
 fn mlp(device: Device) -> Executable {
+    mlp_with(device, &CompileOptions::default())
+}
+
+fn mlp_with(device: Device, opts: &CompileOptions) -> Executable {
     let g = GraphBuilder::new();
     let x = g.input("x", DType::F32, [4, 6]);
     let w = g.param("w", [6, 3], Init::kaiming_uniform(6, 3));
     let b = g.param("b", [3], Init::zeros());
     let y = x.matmul(&w).add(&b).relu();
-    rustytorch::compile(&g, &[&y], device).unwrap()
+    rustytorch::compile_with(&g, &[&y], device, opts).unwrap()
 }
 
 /// x·w + b, relu, computed in f64 on the host.
@@ -745,31 +749,110 @@ fn cuda_tensors_round_trip_through_the_device() {
 }
 
 #[test]
-fn cuda_executables_run_on_device_tensors() {
+fn cuda_executables_run_on_device_tensors_in_place() {
     if !cuda() {
         return;
     }
     use rustytorch::dlpack::cuda;
     let mut exe = mlp(Device::Cuda(0));
-    let x = sample(DType::F32, &[4, 6], 91);
     let w = exe.param("w").unwrap().to_vec::<f32>().unwrap();
     let b = exe.param("b").unwrap().to_vec::<f32>().unwrap();
-    let d = cuda::export_to_device(&x, 0, false).unwrap();
-    let r = exe.run_dlpack(vec![("x", d.tensor)]).unwrap();
-    assert_eq!(r.copied.len(), 1, "device inputs go through the host");
-    let y = &r.outputs[0].1;
-    assert_eq!(y.device().device_type, DLDeviceType::CUDA);
-    let got = cuda::to_host(y).unwrap().to_vec::<f32>().unwrap();
     let p = exe.param_dlpack("w").unwrap();
     assert_eq!(p.device().device_type, DLDeviceType::CUDA);
     assert_eq!(cuda::to_host(&p).unwrap().to_vec::<f32>().unwrap(), w);
-    let want = mlp_reference(&x.to_vec::<f32>().unwrap(), &w, &b);
-    for (g, w) in got.iter().zip(&want) {
+    let check = |x: &HostTensor, y: &DlpackTensor| {
+        let got = cuda::to_host(y).unwrap().to_vec::<f32>().unwrap();
+        let want = mlp_reference(&x.to_vec::<f32>().unwrap(), &w, &b);
+        assert!(want.iter().any(|&v| v > 0.0), "a test that can fail");
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                "{got:?} vs {want:?}"
+            );
+        }
+    };
+    // Run 1 (eager): the input is read where it is, the output is a block of its own.
+    let x1 = sample(DType::F32, &[4, 6], 91);
+    let d1 = cuda::export_to_device(&x1, 0, false).unwrap();
+    let r1 = exe.run_dlpack_cuda(&[("x", &d1.tensor)]).unwrap();
+    assert!(r1.copied.is_empty(), "{:?}", r1.copied);
+    let y1 = &r1.outputs[0].1;
+    assert_eq!(y1.tensor.device().device_type, DLDeviceType::CUDA);
+    assert_eq!(y1.memory.as_ref().unwrap().addr(), y1.tensor.data_ptr());
+    check(&x1, &y1.tensor);
+    // Run 2 (captures the CUDA graph, then replays it): the input is copied into the captured
+    // buffer, which the result reports; run 1's output is neither moved nor overwritten.
+    let x2 = sample(DType::F32, &[4, 6], 92);
+    let d2 = cuda::export_to_device(&x2, 0, false).unwrap();
+    let r2 = exe.run_dlpack_cuda(&[("x", &d2.tensor)]).unwrap();
+    let y2 = &r2.outputs[0].1;
+    assert_ne!(y1.tensor.data_ptr(), y2.tensor.data_ptr());
+    check(&x2, &y2.tensor);
+    check(&x1, &y1.tensor);
+    if exe.graph_replays() > 0 {
         assert!(
-            (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
-            "{got:?} vs {want:?}"
+            r2.copied
+                .iter()
+                .any(|(n, why)| n == "x" && why.contains("graph")),
+            "{:?}",
+            r2.copied
         );
     }
+    // With replay off every run is in place; outputs dropped on other threads give their blocks
+    // back (the pool's allocated bytes return to where they were).
+    let mut exe = mlp_with(
+        Device::Cuda(0),
+        &CompileOptions {
+            graph_replay: false,
+            ..CompileOptions::default()
+        },
+    );
+    exe.set_param("w", HostTensor::from_vec(w.clone(), vec![6, 3]).unwrap())
+        .unwrap();
+    let before = exe.memory_stats().unwrap();
+    let handles: Vec<_> = (0..4)
+        .map(|k| {
+            let x = sample(DType::F32, &[4, 6], 100 + k);
+            let d = cuda::export_to_device(&x, 0, false).unwrap();
+            let r = exe.run_dlpack(vec![("x", d.tensor)]).unwrap();
+            assert!(r.copied.is_empty(), "{:?}", r.copied);
+            check(&x, &r.outputs[0].1);
+            let y = r.outputs.into_iter().next().unwrap().1;
+            std::thread::spawn(move || drop(y))
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let after = exe.memory_stats().unwrap();
+    assert_eq!(
+        before.allocated_bytes.current,
+        after.allocated_bytes.current
+    );
+}
+
+#[test]
+fn device_inputs_are_refused_where_they_cannot_run() {
+    use rustytorch::dlpack::cuda;
+    // A CPU executable takes no device inputs; host memory is not a device input.
+    let mut exe = mlp(Device::Cpu);
+    let x = Arc::new(sample(DType::F32, &[4, 6], 93));
+    let e = DlpackTensor::from_host(x.clone());
+    let why = cuda::device_input(&e, 0).unwrap().unwrap_err();
+    assert!(why.contains("not CUDA memory"), "{why}");
+    let err = exe.run_dlpack_cuda(&[("x", &e)]).unwrap_err().to_string();
+    assert!(err.contains("CUDA executable"), "{err}");
+    let d = rustytorch::runtime::device::DeviceInput {
+        ptr: 0x1000,
+        ty: TensorType::new(DType::F32, vec![4, 6]),
+        ordinal: 0,
+        stream: None,
+    };
+    let err = exe.run_device(&[("x", d)]).unwrap_err().to_string();
+    assert!(err.contains("need a CUDA session"), "{err}");
+    // The host path still runs the host export without a copy.
+    let r = exe.run_dlpack(vec![("x", e)]).unwrap();
+    assert!(r.copied.is_empty());
 }
 
 #[test]

@@ -4,11 +4,16 @@
 //! `rustytorch.Error` with the Rust message.
 //!
 //! Copies, stated once: a result on the host is handed out without a copy (every `from_dlpack`
-//! of it shares its memory); an input that is a `rustytorch.Tensor` on the host is read in place;
-//! an array of another library is copied once into a host tensor (the session owns its inputs'
-//! storage), which [`Executable::copied_inputs`] reports. On CUDA the session takes host tensors,
-//! so device arrays go through the host and results are copied into device memory that the
-//! consumer's deleter frees; the consumer's stream waits for that copy with an event.
+//! of it shares its memory); an input that is a `rustytorch.Tensor` on the host is read in place,
+//! and so is a compact, aligned host array of another library (NumPy, PyTorch on the CPU): the
+//! host tensor views its memory and holds the producer's capsule until the last view is gone.
+//! Strided or misaligned arrays are copied once, which [`Executable::copied_inputs`] reports with
+//! the reason. On CUDA, when every input is a compact CUDA array of the executable's device
+//! (PyTorch CUDA tensors, results of another run), the kernels read the inputs where they are
+//! (the producer hands its stream over to ours with an event) and the results are pool blocks
+//! of their own, handed out without a copy and reserved until the consumer's deleter runs; any
+//! other input makes the run go through the host. A consumer's stream waits for a result with an
+//! event, never a device-wide synchronize.
 
 use pyo3::exceptions::{PyBufferError, PyException, PyKeyError, PyTypeError};
 use pyo3::ffi;
@@ -298,7 +303,7 @@ impl Tensor {
         let t = match (&self.storage, target.device_type) {
             (Storage::Host(t), DLDeviceType::CPU) => {
                 let t = if copy == Some(true) {
-                    Arc::new((**t).clone())
+                    Arc::new((**t).clone().into_owned())
                 } else {
                     t.clone()
                 };
@@ -321,9 +326,11 @@ impl Tensor {
                 let consumer = cuda::ConsumerStream::from_arg(stream).map_err(err)?;
                 // Binds the device's context to this thread.
                 cuda::stream_handle(ordinal).map_err(err)?;
-                // SAFETY: the export's stream lives as long as the process's DLPack streams; the
-                // consumer vouches for the stream it names.
+                // SAFETY: the export's stream lives as long as the process's DLPack streams (or
+                // its session's device); the consumer vouches for the stream it names.
                 unsafe { cuda::hand_over(e.stream, consumer) }.map_err(err)?;
+                // A run's output block is reused only after the consumer's queued work.
+                e.used_on(consumer);
                 // SAFETY: the export owns `ty.size_bytes()` bytes at its address and the new
                 // tensor keeps the export alive.
                 unsafe {
@@ -402,12 +409,94 @@ impl Executable {
         })
     }
 
+    /// Runs a CUDA executable on CUDA inputs in place, when every input is a compact CUDA
+    /// array of its device; None when some input is not (the caller goes through the host).
+    fn run_on_device(
+        &self,
+        py: Python<'_>,
+        inputs: &[(String, Bound<'_, PyAny>)],
+    ) -> PyResult<Option<Vec<(String, Tensor)>>> {
+        let Device::Cuda(ordinal) = self.exe()?.device() else {
+            return Ok(None);
+        };
+        let mut tensors = Vec::with_capacity(inputs.len());
+        for (name, obj) in inputs {
+            let d = match obj.cast::<Tensor>() {
+                Ok(t) => match &t.get().storage {
+                    Storage::Cuda(e) => {
+                        // Our stream waits for the stream that wrote the result.
+                        cuda::stream_handle(ordinal).map_err(err)?;
+                        let ours = cuda::ConsumerStream::Handle(
+                            cuda::stream_handle(ordinal).map_err(err)?,
+                        );
+                        // SAFETY: both streams are live in the bound context.
+                        unsafe { cuda::hand_over(e.stream, ours) }.map_err(err)?;
+                        // SAFETY: the export's memory holds the tensor and the new tensor keeps
+                        // the export alive.
+                        unsafe {
+                            DlpackTensor::from_device(
+                                e.tensor.data_ptr(),
+                                &t.get().ty,
+                                e.tensor.device(),
+                                Box::new(e.clone()),
+                                0,
+                                false,
+                            )
+                        }
+                    }
+                    Storage::Host(_) => return Ok(None),
+                },
+                Err(_) => {
+                    let dev = obj.call_method0(pyo3::intern!(py, "__dlpack_device__"));
+                    let Ok((kind, id)) = dev.and_then(|d| d.extract::<(i32, i32)>()) else {
+                        return Ok(None);
+                    };
+                    if kind != DLDeviceType::CUDA.0 || usize::try_from(id).ok() != Some(ordinal) {
+                        return Ok(None);
+                    }
+                    import(obj)?
+                }
+            };
+            if cuda::device_input(&d, ordinal).map_err(err)?.is_err() {
+                return Ok(None);
+            }
+            tensors.push((name.clone(), d));
+        }
+        let r = py.detach(|| {
+            let refs: Vec<(&str, &DlpackTensor)> =
+                tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            let mut exe = self.exe()?;
+            let r = exe.run_dlpack_cuda(&refs).map_err(err)?;
+            *self.copied.lock().map_err(poisoned)? = r.copied;
+            Ok::<_, PyErr>(r.outputs)
+        })?;
+        Ok(Some(
+            r.into_iter()
+                .map(|(n, e)| {
+                    let ty = e.tensor.ty().map_err(err)?;
+                    Ok((
+                        n,
+                        Tensor {
+                            ty,
+                            storage: Storage::Cuda(Arc::new(e)),
+                        },
+                    ))
+                })
+                .collect::<PyResult<Vec<_>>>()?,
+        ))
+    }
+
     /// Runs with `(name, object)` inputs; results in output order.
     fn run_named(
         &self,
         py: Python<'_>,
         inputs: Vec<(String, Bound<'_, PyAny>)>,
     ) -> PyResult<Vec<(String, Tensor)>> {
+        if !inputs.is_empty() {
+            if let Some(out) = self.run_on_device(py, &inputs)? {
+                return Ok(out);
+            }
+        }
         let mut copied = Vec::new();
         let mut shared = Vec::with_capacity(inputs.len());
         for (name, obj) in &inputs {
@@ -615,8 +704,9 @@ fn compile_ir(text: &str, device: &str, optimize: bool, updates: bool) -> PyResu
     Executable::compile(graph, device, optimize, updates)
 }
 
-/// A host tensor with the elements of any DLPack array: shared when it is RustyTorch's own,
-/// else copied once (staging an input this way makes later runs copy nothing).
+/// A host tensor with the elements of any DLPack array: shared when it is RustyTorch's own or
+/// compact, aligned host memory of another library (a view that keeps the array alive), else
+/// copied once (staging a strided or device array this way makes later runs copy nothing).
 #[pyfunction]
 fn from_dlpack(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let (t, _) = host_input(obj)?;

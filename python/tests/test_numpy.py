@@ -1,5 +1,6 @@
-"""The Python package with NumPy: results against NumPy, zero copies shown by equal data pointers,
-every dtype through DLPack (versioned and legacy capsules), parameters, errors."""
+"""The Python package with NumPy: results against NumPy, zero copies shown by equal data pointers
+(results out, and compact NumPy inputs read in place), every dtype through DLPack (versioned and
+legacy capsules), parameters, errors."""
 
 import gc
 
@@ -105,10 +106,60 @@ def test_results_are_shared_not_copied(mlp):
     assert b[0, 0] == 42.0
 
 
-def test_numpy_inputs_are_copied_once_and_reported(mlp):
-    mlp(x=sample(np.float32, (4, 6), 5))
+IDENTITY = """
+graph {
+  %0 = input x : f32[4,6]
+  %1 = reshape[shape=24](%0) : f32[24]
+  output x = %0
+  output flat = %1
+}
+"""
+
+
+def test_numpy_inputs_are_read_in_place(mlp):
+    w = np.from_dlpack(mlp.param("w"))
+    b = np.from_dlpack(mlp.param("b"))
+    x = sample(np.float32, (4, 6), 5)
+    want = mlp_reference(x, w, b)
+    y = mlp(x=x)
+    assert mlp.copied_inputs == []
+    np.testing.assert_allclose(np.from_dlpack(y), want, rtol=1e-5, atol=1e-6)
+    # A tensor made from the array views the array's own memory.
+    t = rt.from_dlpack(x)
+    assert t.data_ptr == x.ctypes.data
+    # A graph that hands its input back shows the session read it where NumPy put it.
+    exe = rt.compile_ir(IDENTITY, optimize=False)
+    same, flat = exe(x)
+    assert exe.copied_inputs == []
+    assert same.data_ptr == x.ctypes.data and flat.data_ptr == x.ctypes.data
+    np.testing.assert_array_equal(np.from_dlpack(flat), x.reshape(24))
+    # Exported back, a view of NumPy's memory is read-only: nothing writes into it through us.
+    back = np.from_dlpack(t)
+    assert back.ctypes.data == x.ctypes.data and not back.flags.writeable
+    # The view keeps NumPy's memory alive after the array is gone.
+    keep = x.copy()
+    del x, back, same, flat
+    gc.collect()
+    np.testing.assert_array_equal(np.from_dlpack(t), keep)
+    np.testing.assert_allclose(np.from_dlpack(mlp(x=t)), want, rtol=1e-5, atol=1e-6)
+
+
+def test_strided_and_misaligned_inputs_are_copied_and_reported(mlp):
+    w = np.from_dlpack(mlp.param("w"))
+    b = np.from_dlpack(mlp.param("b"))
+    x = sample(np.float32, (8, 6), 20)[::2]
+    y = mlp(x=x)
     assert [name for name, _ in mlp.copied_inputs] == ["x"]
-    assert "copied" in mlp.copied_inputs[0][1]
+    assert "strided" in mlp.copied_inputs[0][1]
+    np.testing.assert_allclose(np.from_dlpack(y), mlp_reference(x, w, b), rtol=1e-5, atol=1e-6)
+    # float32 elements one byte into a buffer: not aligned for f32.
+    raw = np.zeros(4 * 24 + 1, np.uint8)
+    x = raw[1:].view(np.float32).reshape(4, 6)
+    x[...] = sample(np.float32, (4, 6), 21)
+    assert not x.flags.aligned
+    y = mlp(x=x)
+    assert "not aligned" in mlp.copied_inputs[0][1]
+    np.testing.assert_allclose(np.from_dlpack(y), mlp_reference(x, w, b), rtol=1e-5, atol=1e-6)
 
 
 def test_staged_inputs_are_not_copied(mlp):
@@ -137,6 +188,8 @@ def test_every_dtype_round_trips(name):
         x = sample(dtype, shape, 9)
         t = rt.from_dlpack(x)
         assert t.dtype == name and t.shape == shape and t.device == "cpu"
+        if x.size:
+            assert t.data_ptr == x.ctypes.data  # viewed, not copied
         back = np.from_dlpack(t)
         assert back.dtype == dtype and back.shape == shape
         np.testing.assert_array_equal(back, x)

@@ -3,6 +3,8 @@
 //! error, never a crash.
 
 use crate::{Backend, CpuBackend, CudaBackend, Result, RuntimeError};
+use rustytorch_ops::TensorType;
+use std::sync::Arc;
 
 /// Where a graph runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -67,6 +69,80 @@ impl std::fmt::Display for Device {
             Device::Auto => f.write_str("auto"),
         }
     }
+}
+
+/// A tensor in device memory given to a run without a copy ([`crate::Session::run_device`]):
+/// compact row-major elements of `ty` at `ptr` on CUDA device `ordinal`, written by work on the
+/// producer's stream `stream`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceInput {
+    /// Device address of the first element.
+    pub ptr: u64,
+    /// The elements' type and shape.
+    pub ty: TensorType,
+    /// The device the memory is on.
+    pub ordinal: usize,
+    /// The producer's stream (`CUstream` as an integer; 1 the legacy default stream, 2 the
+    /// per-thread default stream): the run waits for an event recorded on it, never for the
+    /// whole device. None: already ordered before the session's stream.
+    pub stream: Option<u64>,
+}
+
+/// Memory that stays reserved until dropped (a pool block returned to its pool on drop, on any
+/// thread).
+pub trait DeviceMemory: Send + Sync {
+    /// Device address of the first byte.
+    fn addr(&self) -> u64;
+    /// Orders the memory's reuse after the work queued so far on `stream` (a consumer's stream,
+    /// as a `CUstream` integer), before it is given back.
+    fn used_on(&self, stream: u64);
+}
+
+/// A result left in device memory: a block of its own that the next run does not overwrite.
+pub struct DeviceOutput {
+    /// The elements' type and shape.
+    pub ty: TensorType,
+    /// The device.
+    pub ordinal: usize,
+    /// The stream that wrote it (`CUstream` as an integer): a consumer waits on it.
+    pub stream: u64,
+    /// The memory; dropping the last reference gives it back.
+    pub memory: Arc<dyn DeviceMemory>,
+}
+
+impl std::fmt::Debug for DeviceOutput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "DeviceOutput({} at {:#x} on cuda:{})",
+            self.ty,
+            self.memory.addr(),
+            self.ordinal
+        )
+    }
+}
+
+/// What a run on device inputs returns.
+#[derive(Debug)]
+pub struct DeviceRunOutput {
+    /// Outputs in plan order, in device memory.
+    pub outputs: Vec<DeviceOutput>,
+    /// `(name, passed)` per guard, as in [`crate::RunOutput`].
+    pub guards: Vec<(String, bool)>,
+    /// Whether the updates were committed.
+    pub committed: bool,
+    /// Inputs and outputs that were copied device-to-device rather than read or written in
+    /// place, with the reason.
+    pub copies: Vec<(IoSlot, String)>,
+}
+
+/// An input or output of a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoSlot {
+    /// Input `i` of the plan.
+    Input(usize),
+    /// Output `i` of the plan.
+    Output(usize),
 }
 
 /// The number of CUDA devices the driver reports; an error when the driver library is absent or

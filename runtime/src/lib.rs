@@ -103,6 +103,16 @@ pub trait Session: Send {
     /// Runs the plan with its inputs (by input index). Commits the updates inside the session
     /// when every guard passed; never otherwise.
     fn run(&mut self, inputs: &[Arc<HostTensor>]) -> Result<RunOutput>;
+    /// Runs the plan on inputs in device memory, read in place where the session can, and
+    /// returns the outputs in device memory blocks of their own (reserved until dropped);
+    /// commits the updates as [`Session::run`] does. Sessions without device memory refuse.
+    fn run_device(&mut self, inputs: &[device::DeviceInput]) -> Result<device::DeviceRunOutput> {
+        let _ = inputs;
+        Err(RuntimeError::Invalid(format!(
+            "device inputs need a CUDA session; this one runs on {}",
+            self.device()
+        )))
+    }
     /// A copy of parameter/state tensor `i` on the host.
     fn read_param(&self, i: usize) -> Result<HostTensor>;
     /// Replaces parameter/state tensor `i` (its type must match).

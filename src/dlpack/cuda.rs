@@ -7,11 +7,19 @@
 //! "do not synchronize", and 0 is disallowed. The producer makes that stream wait for the work
 //! that wrote the tensor ([`hand_over`]). This module keeps one stream per device for its own
 //! copies; it names that stream when it imports ([`stream_handle`]).
+//!
+//! Device I/O: [`Executable::run_dlpack_cuda`] runs a CUDA executable on CUDA tensors read in
+//! place (the session waits for [`stream_handle`]'s stream, which the producer handed over to)
+//! and returns its outputs as exports of pool blocks of their own, reserved until the
+//! consumer's deleter runs on whatever thread; [`DeviceExport::used_on`] orders a block's reuse
+//! after a consumer's stream.
 
 use super::{dl_err, DLDevice, DLDeviceType, DlpackTensor};
-use crate::Result;
+pub use crate::executable::DeviceOutputs;
+use crate::{Executable, Result};
 use cudarc::driver::{result as dr, sys as ds, CudaContext, CudaSlice, CudaStream};
 use rustytorch_ops::{HostTensor, TensorType};
+pub use rustytorch_runtime::device::{DeviceInput, DeviceMemory, DeviceOutput, IoSlot};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -221,16 +229,156 @@ pub fn export_to_device(t: &HostTensor, ordinal: usize, legacy: bool) -> Result<
             legacy,
         )
     };
-    Ok(DeviceExport { tensor, stream })
+    Ok(DeviceExport {
+        tensor,
+        stream,
+        memory: None,
+    })
 }
 
 /// A tensor exported into device memory and the stream its data was written on.
-#[derive(Debug)]
 pub struct DeviceExport {
     /// The export.
     pub tensor: DlpackTensor,
     /// The stream (`CUstream` as an integer) that wrote it: hand it over to the consumer's.
     pub stream: u64,
+    /// The pool block of a run's output (None for a copy made by [`export_to_device`]).
+    pub memory: Option<Arc<dyn DeviceMemory>>,
+}
+
+impl std::fmt::Debug for DeviceExport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceExport")
+            .field("tensor", &self.tensor)
+            .field("stream", &self.stream)
+            .finish()
+    }
+}
+
+impl DeviceExport {
+    /// A run's output, exported without a copy: the export keeps the pool block reserved until
+    /// the consumer's deleter runs (on any thread). `legacy` makes the pre-1.0 struct.
+    pub fn of_output(out: &DeviceOutput, legacy: bool) -> Result<DeviceExport> {
+        let device = DLDevice::of(rustytorch_runtime::Device::Cuda(out.ordinal))?;
+        let memory = out.memory.clone();
+        // SAFETY: the block holds `out.ty.size_bytes()` bytes at its address, reserved while
+        // `memory` (a clone moves into the export) lives.
+        let tensor = unsafe {
+            DlpackTensor::from_device(
+                memory.addr(),
+                &out.ty,
+                device,
+                Box::new(KeepBlock(memory.clone())),
+                0,
+                legacy,
+            )
+        };
+        Ok(DeviceExport {
+            tensor,
+            stream: out.stream,
+            memory: Some(memory),
+        })
+    }
+
+    /// Orders the memory's reuse after the work queued so far on a consumer's stream (called
+    /// when a consumer names its stream in `__dlpack__`; nothing for a copy this module owns).
+    pub fn used_on(&self, consumer: ConsumerStream) {
+        if let (Some(m), Some(s)) = (&self.memory, consumer.raw()) {
+            m.used_on(s as usize as u64);
+        }
+    }
+}
+
+/// Keeps a run's output block reserved inside an export.
+struct KeepBlock(#[allow(dead_code)] Arc<dyn DeviceMemory>);
+
+/// How a DLPack tensor can be given to a CUDA run in place: a compact CUDA tensor on device
+/// `ordinal` (its producer handed over to [`stream_handle`]'s stream), or why not.
+pub fn device_input(
+    t: &DlpackTensor,
+    ordinal: usize,
+) -> Result<std::result::Result<DeviceInput, String>> {
+    let dev = t.device();
+    if dev.device_type != DLDeviceType::CUDA {
+        return Ok(Err(format!(
+            "DLPack device type {} is not CUDA memory",
+            dev.device_type.0
+        )));
+    }
+    if usize::try_from(dev.device_id).ok() != Some(ordinal) {
+        return Ok(Err(format!(
+            "on cuda:{}, the executable on cuda:{ordinal}",
+            dev.device_id
+        )));
+    }
+    let ty = t.ty()?;
+    if !t.is_contiguous() {
+        return Ok(Err("strided CUDA memory is copied through the host".into()));
+    }
+    if !t.data_ptr().is_multiple_of(ty.dtype.size_bytes() as u64) {
+        return Ok(Err(format!(
+            "device address {:#x} is not aligned for {}",
+            t.data_ptr(),
+            ty.dtype
+        )));
+    }
+    Ok(Ok(DeviceInput {
+        ptr: t.data_ptr(),
+        ty,
+        ordinal,
+        stream: Some(stream_handle(ordinal)?),
+    }))
+}
+
+/// What [`Executable::run_dlpack_cuda`] returns.
+#[derive(Debug)]
+pub struct CudaRun {
+    /// `(name, export)` in output order: pool blocks of their own, handed over.
+    pub outputs: Vec<(String, DeviceExport)>,
+    /// Inputs and outputs copied device-to-device instead of used in place: `(name, reason)`.
+    pub copied: Vec<(String, String)>,
+    /// As [`crate::Outputs::skipped`].
+    pub skipped: Option<String>,
+}
+
+impl Executable {
+    /// Runs a CUDA executable on compact CUDA DLPack tensors of its device, read in place by
+    /// the kernels (the producers must have handed over to [`stream_handle`]'s stream, as
+    /// `__dlpack__(stream=stream_handle(..))` does), and exports the outputs without a copy:
+    /// each run's outputs are pool blocks of their own, reserved until the consumer's deleter
+    /// runs. An input that cannot be read in place is an error naming it and the reason
+    /// ([`Executable::run_dlpack`] copies such inputs through the host instead).
+    pub fn run_dlpack_cuda(&mut self, inputs: &[(&str, &DlpackTensor)]) -> Result<CudaRun> {
+        let crate::Device::Cuda(ordinal) = self.device() else {
+            return Err(dl_err(format!(
+                "device inputs need a CUDA executable; this one runs on {}",
+                self.device_name()
+            )));
+        };
+        let mut ins = Vec::with_capacity(inputs.len());
+        for (name, t) in inputs {
+            match device_input(t, ordinal)? {
+                Ok(d) => ins.push((*name, d)),
+                Err(why) => {
+                    return Err(crate::Error::Input {
+                        name: name.to_string(),
+                        reason: format!("cannot be read in place on cuda:{ordinal}: {why}"),
+                    })
+                }
+            }
+        }
+        let r = self.run_device(&ins)?;
+        let outputs = r
+            .outputs
+            .iter()
+            .map(|(n, o)| Ok((n.clone(), DeviceExport::of_output(o, false)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(CudaRun {
+            outputs,
+            copied: r.copies.into_iter().map(|(_, n, why)| (n, why)).collect(),
+            skipped: r.skipped,
+        })
+    }
 }
 
 #[cfg(test)]

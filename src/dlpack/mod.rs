@@ -396,10 +396,24 @@ impl DlpackTensor {
 
     /// Exports a host tensor as a DLPack ≥ 1.0 tensor without a copy: the export points into the
     /// tensor's storage and keeps it alive until the consumer's deleter runs. Consumers may
-    /// write through it (it is not marked read-only); every holder of the `Arc` sees the change.
+    /// write through it when the storage is the tensor's own; every holder of the `Arc` sees the
+    /// change. A view of another library's memory ([`HostTensor::is_foreign`]) is exported
+    /// read-only (`DLPACK_FLAG_BITMASK_READ_ONLY`): that memory is never written from here.
     pub fn from_host(t: Arc<HostTensor>) -> DlpackTensor {
         let ty = t.ty();
-        DlpackTensor::export(host_ptr(&t), DLDevice::CPU, &ty, 0, Keep::Host(t), false)
+        let flags = if t.is_foreign() {
+            DLPACK_FLAG_BITMASK_READ_ONLY
+        } else {
+            0
+        };
+        DlpackTensor::export(
+            host_ptr(&t),
+            DLDevice::CPU,
+            &ty,
+            flags,
+            Keep::Host(t),
+            false,
+        )
     }
 
     /// [`DlpackTensor::from_host`] as the legacy `DLManagedTensor`, for consumers older than
@@ -771,10 +785,29 @@ pub struct DlpackOutputs {
 }
 
 impl Executable {
-    /// Runs on DLPack inputs by name ([`DlpackTensor::into_host`]: this crate's own host exports
-    /// without a copy, anything else copied, which the result reports) and exports the results
-    /// as DLPack ≥ 1.0 tensors for the executable's device.
+    /// Runs on DLPack inputs by name and exports the results as DLPack ≥ 1.0 tensors for the
+    /// executable's device. A CUDA executable whose inputs are all compact CUDA tensors of its
+    /// device reads them in place and hands its outputs over in pool blocks of their own
+    /// ([`Executable::run_dlpack_cuda`]); otherwise inputs become host tensors
+    /// ([`DlpackTensor::into_host`]: host memory viewed in place where its layout allows, the
+    /// rest copied) and results on CUDA are copied into device memory. Copies are reported.
     pub fn run_dlpack(&mut self, inputs: Vec<(&str, DlpackTensor)>) -> Result<DlpackOutputs> {
+        if let Device::Cuda(ordinal) = self.device() {
+            let mut in_place = true;
+            for (_, t) in &inputs {
+                in_place &= cuda::device_input(t, ordinal)?.is_ok();
+            }
+            if in_place && !inputs.is_empty() {
+                let refs: Vec<(&str, &DlpackTensor)> =
+                    inputs.iter().map(|(n, t)| (*n, t)).collect();
+                let r = self.run_dlpack_cuda(&refs)?;
+                return Ok(DlpackOutputs {
+                    outputs: r.outputs.into_iter().map(|(n, e)| (n, e.tensor)).collect(),
+                    copied: r.copied,
+                    skipped: r.skipped,
+                });
+            }
+        }
         let mut copied = Vec::new();
         let mut shared = Vec::with_capacity(inputs.len());
         for (name, t) in inputs {

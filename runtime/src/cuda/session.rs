@@ -5,6 +5,7 @@
 use super::dnn::DnnPtrs;
 use super::sparse::SpmmCall;
 use super::GpuDevice;
+use crate::device::{DeviceInput, DeviceMemory, DeviceOutput, DeviceRunOutput, IoSlot};
 use crate::pool::Block;
 use crate::timing::{StepClock, StepTime, StepTimes};
 use crate::{
@@ -22,8 +23,20 @@ use std::sync::Arc;
 struct Resolved {
     func: CudaFunction,
     args: Vec<u64>,
+    /// The value each argument addresses (None: scratch), so that a run on device inputs can
+    /// point the arguments elsewhere.
+    vals: Vec<Option<usize>>,
     grid: u32,
     block: u32,
+}
+
+/// The address of value `v` for this run: `io`'s when the run re-points values (device I/O),
+/// else the one resolved at prepare.
+fn pick(addr: u64, v: Option<usize>, io: Option<&[u64]>) -> u64 {
+    match (io, v) {
+        (Some(t), Some(v)) => t[v],
+        _ => addr,
+    }
 }
 
 enum Exec {
@@ -34,6 +47,8 @@ enum Exec {
         b: u64,
         d: u64,
         bias: Option<u64>,
+        /// The values of a, b, d and the bias.
+        vals: [Option<usize>; 4],
         after: Vec<Resolved>,
     },
     Dnn {
@@ -42,6 +57,8 @@ enum Exec {
         /// Device addresses of x, w, y (convolutions) or of operands 0, 1 and the output
         /// (pooling), and of the bias.
         ptrs: DnnPtrs,
+        /// The values of `ptrs`' x, w, y and bias (None: scratch or absent).
+        vals: [Option<usize>; 4],
         after: Vec<Resolved>,
     },
     Spmm(SpmmCall),
@@ -52,8 +69,8 @@ enum Exec {
 
 /// A resolved part of a composite step.
 enum ExecPart {
-    /// cuBLASLt's A, B and D addresses.
-    Gemm(MatmulDesc, u64, u64, u64),
+    /// cuBLASLt's A, B and D addresses and their values.
+    Gemm(MatmulDesc, [(u64, Option<usize>); 3]),
     Launch(Resolved),
 }
 
@@ -273,6 +290,78 @@ fn drv(what: &'static str) -> impl Fn(dr::DriverError) -> RuntimeError {
     move |e| RuntimeError::Device(format!("{what}: {e}"))
 }
 
+/// Makes `consumer` wait for the work queued on `producer` so far (an event recorded on
+/// `producer`, waited for on `consumer`; nothing when they are the same stream). Never a
+/// device-wide synchronize.
+///
+/// # Safety
+///
+/// Both must be live streams of the context bound to this thread (1 and 2 name the legacy and
+/// per-thread default streams).
+pub(crate) unsafe fn stream_wait(consumer: CUstream, producer: CUstream) -> Result<()> {
+    if consumer == producer {
+        return Ok(());
+    }
+    let ev = dr::event::create(ds::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+        .map_err(drv("creating an event"))?;
+    // SAFETY: the event was just created; the streams are live (the caller's contract). An
+    // event may be destroyed with a wait pending: the driver releases it after the wait.
+    let r = unsafe {
+        dr::event::record(ev, producer).and_then(|_| {
+            dr::stream::wait_event(consumer, ev, ds::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+        })
+    };
+    // SAFETY: destroyed once, as above.
+    let _ = unsafe { dr::event::destroy(ev) };
+    r.map_err(drv("ordering the streams"))
+}
+
+/// A pool block handed out as a run's output: reserved until the last reference drops (on any
+/// thread), then given back ordered after the work its consumers queued on their streams.
+struct OutputBlock {
+    dev: Arc<GpuDevice>,
+    addr: u64,
+    block: Option<crate::pool::Block>,
+    /// Consumers' streams (`CUstream` integers) to wait for before reuse.
+    users: std::sync::Mutex<Vec<u64>>,
+}
+
+impl DeviceMemory for OutputBlock {
+    fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    fn used_on(&self, stream: u64) {
+        if let Ok(mut u) = self.users.lock() {
+            if !u.contains(&stream) {
+                u.push(stream);
+            }
+        }
+    }
+}
+
+impl Drop for OutputBlock {
+    fn drop(&mut self) {
+        let Some(b) = self.block.take() else {
+            return;
+        };
+        if self.dev.bind().is_err() {
+            // The context is gone: nothing can use the block any more.
+            return;
+        }
+        let ours = self.dev.stream.cu_stream();
+        let users = self.users.get_mut().map(std::mem::take).unwrap_or_default();
+        for u in users {
+            // SAFETY: the context is bound; a consumer's stream named at hand-over is live
+            // while it reads the tensor (a failure, e.g. a stream destroyed since, leaves the
+            // order as it was).
+            let _ = unsafe { stream_wait(ours, u as usize as CUstream) };
+        }
+        // Stream-ordered: the block's next user is queued on our stream after those waits.
+        self.dev.free(b);
+    }
+}
+
 impl CudaSession {
     /// Prepares `plan` on `dev` with the initial parameter values.
     pub fn new(
@@ -409,21 +498,20 @@ impl CudaSession {
         for (i, ((step, st), call)) in plan.steps.iter().zip(steps).zip(spmm_calls).enumerate() {
             let out = s.ptrs[step.output];
             let ins: Vec<u64> = step.inputs.iter().map(|&v| s.ptrs[v]).collect();
+            // An argument's address and the value it addresses.
+            let at_val = |a: ArgRef| match a {
+                ArgRef::Input(j) => (ins[j], Some(step.inputs[j])),
+                ArgRef::Output => (out, Some(step.output)),
+                ArgRef::Scratch => (scratch, None),
+                ArgRef::ScratchAt(off) => (scratch + off as u64, None),
+            };
             let mut resolve = |k: &StepKernels| -> Vec<Resolved> {
                 k.launches
                     .iter()
                     .map(|l| Resolved {
                         func: funcs.next().expect("one function per launch"),
-                        args: l
-                            .args
-                            .iter()
-                            .map(|a| match a {
-                                ArgRef::Input(j) => ins[*j],
-                                ArgRef::Output => out,
-                                ArgRef::Scratch => scratch,
-                                ArgRef::ScratchAt(off) => scratch + *off as u64,
-                            })
-                            .collect(),
+                        args: l.args.iter().map(|a| at_val(*a).0).collect(),
+                        vals: l.args.iter().map(|a| at_val(*a).1).collect(),
                         grid: l.grid,
                         block: l.kernel.block,
                     })
@@ -436,17 +524,33 @@ impl CudaSession {
                     b: ins[0],
                     d: out,
                     bias: desc.bias.then(|| ins[2]),
+                    vals: [
+                        Some(step.inputs[1]),
+                        Some(step.inputs[0]),
+                        Some(step.output),
+                        desc.bias.then(|| step.inputs[2]),
+                    ],
                     after: resolve(&after),
                     desc,
                 },
                 CudaStep::Dnn(d) => {
-                    let at = |a: ArgRef| match a {
-                        ArgRef::Input(j) => ins[j],
-                        ArgRef::Output => out,
-                        ArgRef::Scratch => scratch,
-                        ArgRef::ScratchAt(off) => scratch + off as u64,
-                    };
+                    let at = |a: ArgRef| at_val(a).0;
                     let desc = d.desc;
+                    let vals = if desc.pool.is_some() {
+                        [
+                            Some(step.inputs[0]),
+                            step.inputs.get(1).copied(),
+                            Some(step.output),
+                            None,
+                        ]
+                    } else {
+                        [
+                            at_val(desc.x_at).1,
+                            at_val(desc.w_at).1,
+                            at_val(desc.y_at).1,
+                            desc.bias.then(|| step.inputs[2]),
+                        ]
+                    };
                     let ptrs = if desc.pool.is_some() {
                         DnnPtrs {
                             x: ins[0],
@@ -474,22 +578,17 @@ impl CudaSession {
                             scratch_bytes: 0,
                         }),
                         ptrs,
+                        vals,
                         desc,
                     }
                 }
                 CudaStep::Spmm(_) => Exec::Spmm(call.expect("prepared above")),
                 CudaStep::Composite(c) => {
-                    let at = |a: ArgRef| match a {
-                        ArgRef::Input(j) => ins[j],
-                        ArgRef::Output => out,
-                        ArgRef::Scratch => scratch,
-                        ArgRef::ScratchAt(off) => scratch + off as u64,
-                    };
                     let mut parts = vec![];
                     for part in c.parts {
                         parts.push(match part {
                             Part::Gemm { desc, a, b, d } => {
-                                ExecPart::Gemm(desc, at(a), at(b), at(d))
+                                ExecPart::Gemm(desc, [at_val(a), at_val(b), at_val(d)])
                             }
                             Part::Launch(l) => ExecPart::Launch(
                                 resolve(&StepKernels {
@@ -536,26 +635,33 @@ impl CudaSession {
         Ok(t)
     }
 
-    /// Enqueues every step of the plan on `stream`.
-    fn enqueue(&self, stream: CUstream) -> Result<()> {
+    /// Enqueues every step of the plan on `stream` (with `io`, the addresses of this run's
+    /// values: device inputs and outputs that live elsewhere than the session's buffers).
+    fn enqueue(&self, stream: CUstream, io: Option<&[u64]>) -> Result<()> {
         for (i, e) in &self.exec {
-            self.enqueue_step(*i, e, stream)?;
+            self.enqueue_step(*i, e, stream, io)?;
         }
         Ok(())
     }
 
-    /// Enqueues every step with an event recorded before the first and after each one.
-    fn enqueue_timed(&mut self, stream: CUstream) -> Result<()> {
+    /// Creates the timing events (one before the first step and one after each).
+    fn ensure_events(&mut self) -> Result<()> {
         while self.events.0.len() < self.exec.len() + 1 {
             let e = dr::event::create(ds::CUevent_flags::CU_EVENT_DEFAULT)
                 .map_err(drv("creating an event"))?;
             self.events.0.push(e);
         }
+        Ok(())
+    }
+
+    /// Enqueues every step with an event recorded before the first and after each one
+    /// ([`CudaSession::ensure_events`] first).
+    fn enqueue_timed(&self, stream: CUstream, io: Option<&[u64]>) -> Result<()> {
         // SAFETY: the event is live and recorded on this session's stream.
         unsafe { dr::event::record(self.events.0[0], stream) }
             .map_err(drv("recording an event"))?;
         for (k, (i, e)) in self.exec.iter().enumerate() {
-            self.enqueue_step(*i, e, stream)?;
+            self.enqueue_step(*i, e, stream, io)?;
             // SAFETY: as above.
             unsafe { dr::event::record(self.events.0[k + 1], stream) }
                 .map_err(drv("recording an event"))?;
@@ -589,12 +695,12 @@ impl CudaSession {
     }
 
     /// Enqueues one step's library calls and kernels.
-    fn enqueue_step(&self, i: usize, e: &Exec, stream: CUstream) -> Result<()> {
+    fn enqueue_step(&self, i: usize, e: &Exec, stream: CUstream, io: Option<&[u64]>) -> Result<()> {
         {
             match e {
                 Exec::Kernels(ls) => {
                     for l in ls {
-                        self.launch(l, i, stream)?;
+                        self.launch(l, i, stream, io)?;
                     }
                 }
                 Exec::Matmul {
@@ -603,46 +709,70 @@ impl CudaSession {
                     b,
                     d,
                     bias,
+                    vals,
                     after,
                 } => {
+                    let (a, b, d) = (
+                        pick(*a, vals[0], io),
+                        pick(*b, vals[1], io),
+                        pick(*d, vals[2], io),
+                    );
+                    let bias = bias.map(|x| pick(x, vals[3], io));
                     self.dev
-                        .with_blas(|bl| bl.run(desc, *a, *b, *d, *bias, stream as _))
+                        .with_blas(|bl| bl.run(desc, a, b, d, bias, stream as _))
                         .map_err(|e| RuntimeError::Device(format!("step {i} (matmul): {e}")))?;
                     for l in after {
-                        self.launch(l, i, stream)?;
+                        self.launch(l, i, stream, io)?;
                     }
                 }
                 Exec::Dnn {
                     desc,
                     before,
                     ptrs,
+                    vals,
                     after,
                 } => {
                     for l in before {
-                        self.launch(l, i, stream)?;
+                        self.launch(l, i, stream, io)?;
                     }
+                    let ptrs = DnnPtrs {
+                        x: pick(ptrs.x, vals[0], io),
+                        w: pick(ptrs.w, vals[1], io),
+                        y: pick(ptrs.y, vals[2], io),
+                        bias: pick(ptrs.bias, vals[3], io),
+                        workspace: ptrs.workspace,
+                    };
                     self.dev
-                        .with_dnn(|dn| dn.run(desc, ptrs, stream as _))
+                        .with_dnn(|dn| dn.run(desc, &ptrs, stream as _))
                         .map_err(|e| {
                             RuntimeError::Device(format!("step {i} ({:?}): {e}", desc.kind))
                         })?;
                     for l in after {
-                        self.launch(l, i, stream)?;
+                        self.launch(l, i, stream, io)?;
                     }
                 }
                 Exec::Composite(parts) => {
                     for part in parts {
                         match part {
-                            ExecPart::Gemm(desc, a, b, d) => self
+                            ExecPart::Gemm(desc, [a, b, d]) => self
                                 .dev
-                                .with_blas(|bl| bl.run(desc, *a, *b, *d, None, stream as _))
+                                .with_blas(|bl| {
+                                    bl.run(
+                                        desc,
+                                        pick(a.0, a.1, io),
+                                        pick(b.0, b.1, io),
+                                        pick(d.0, d.1, io),
+                                        None,
+                                        stream as _,
+                                    )
+                                })
                                 .map_err(|e| {
                                     RuntimeError::Device(format!(
                                         "step {i} ({}): {e}",
                                         self.plan.steps[i].op.name()
                                     ))
                                 })?,
-                            ExecPart::Launch(l) => self.launch(l, i, stream)?,
+                            ExecPart::Launch(l) => self.launch(l, i, stream, io)?,
                         }
                     }
                 }
@@ -676,7 +806,7 @@ impl CudaSession {
             };
             let enq = begun
                 .map_err(drv("beginning capture"))
-                .and_then(|_| self.enqueue(cs));
+                .and_then(|_| self.enqueue(cs, None));
             // SAFETY: ends the capture begun above (if it began) on the same stream.
             let ended = unsafe { dr::stream::end_capture(cs) };
             // SAFETY: the stream is idle (capture runs nothing) and destroyed once.
@@ -715,11 +845,31 @@ impl CudaSession {
         }
     }
 
-    fn launch(&self, r: &Resolved, step: usize, stream: CUstream) -> Result<()> {
+    fn launch(
+        &self,
+        r: &Resolved,
+        step: usize,
+        stream: CUstream,
+        io: Option<&[u64]>,
+    ) -> Result<()> {
+        let repointed: Vec<u64>;
+        let args = match io {
+            None => &r.args,
+            Some(_) => {
+                repointed = r
+                    .args
+                    .iter()
+                    .zip(&r.vals)
+                    .map(|(&a, &v)| pick(a, v, io))
+                    .collect();
+                &repointed
+            }
+        };
         // SAFETY: the function was compiled from a kernel whose parameters are exactly these
         // device pointers, in this order, each addressing a live buffer of the size its type
-        // needs (resolved from the memory plan at prepare time).
-        unsafe { super::launch_pointers(&r.func, r.grid, r.block, &r.args, stream) }.map_err(|e| {
+        // needs (resolved from the memory plan at prepare time, or for device I/O a caller's
+        // buffer or an output block of the value's type).
+        unsafe { super::launch_pointers(&r.func, r.grid, r.block, args, stream) }.map_err(|e| {
             RuntimeError::Device(format!(
                 "step {step} ({}): kernel launch failed: {e}",
                 self.plan.steps[step].op.name()
@@ -769,14 +919,17 @@ impl Session for CudaSession {
         }
         let timed_from = self.step_timing.then(std::time::Instant::now);
         match &self.graph {
-            _ if timed_from.is_some() => self.enqueue_timed(stream)?,
+            _ if timed_from.is_some() => {
+                self.ensure_events()?;
+                self.enqueue_timed(stream, None)?
+            }
             Some(g) => {
                 // SAFETY: the executable graph was instantiated from this session's launches,
                 // whose buffers stay allocated until the graph is destroyed in Drop.
                 unsafe { dr::graph::launch(g.exec, stream) }.map_err(drv("replaying the plan"))?;
                 self.replays += 1;
             }
-            None => self.enqueue(stream)?,
+            None => self.enqueue(stream, None)?,
         }
         let plan = self.plan.clone();
         let mut outputs = Vec::with_capacity(plan.outputs.len());
@@ -809,6 +962,231 @@ impl Session for CudaSession {
             outputs,
             guards,
             committed,
+        })
+    }
+
+    fn run_device(&mut self, inputs: &[DeviceInput]) -> Result<DeviceRunOutput> {
+        let _span = tracing::debug_span!("cuda_run_device").entered();
+        self.dev.bind()?;
+        let plan = self.plan.clone();
+        if inputs.len() != plan.inputs.len() {
+            return Err(RuntimeError::Invalid(format!(
+                "{} inputs given, the plan has {}",
+                inputs.len(),
+                plan.inputs.len()
+            )));
+        }
+        for (i, d) in inputs.iter().enumerate() {
+            let (name, want) = &plan.inputs[i];
+            if &d.ty != want {
+                return Err(RuntimeError::Invalid(format!(
+                    "input `{name}`: expected {want}, got {}",
+                    d.ty
+                )));
+            }
+            if d.ordinal != self.dev.ordinal {
+                return Err(RuntimeError::Invalid(format!(
+                    "input `{name}` is on cuda:{}, the session on cuda:{}",
+                    d.ordinal, self.dev.ordinal
+                )));
+            }
+            if d.ptr == 0 && want.size_bytes() > 0 {
+                return Err(RuntimeError::Invalid(format!(
+                    "input `{name}`: null device address"
+                )));
+            }
+        }
+        if !self.pattern_checks.is_empty() {
+            return Err(RuntimeError::Invalid(
+                "this plan takes a sparse pattern as an input, which is checked on the host \
+                 before it reaches the device: run it with host inputs"
+                    .into(),
+            ));
+        }
+        let stream = self.dev.stream.cu_stream();
+        // The producers' streams hand over to ours: an event each, never a device-wide sync.
+        for d in inputs {
+            if let Some(p) = d.stream {
+                // SAFETY: the context is bound; the caller vouches for its producer stream.
+                unsafe { stream_wait(stream, p as usize as CUstream) }?;
+            }
+        }
+        self.runs += 1;
+        if self.replay && self.graph.is_none() && self.runs >= 2 && !self.step_timing {
+            self.capture();
+        }
+        let timed_from = self.step_timing.then(std::time::Instant::now);
+        if timed_from.is_some() {
+            self.ensure_events()?;
+        }
+        // A replayed graph has the session's buffers baked in: inputs are copied into them and
+        // outputs out of the arena. Eager runs point the launches at the caller's memory.
+        let replaying = timed_from.is_none() && self.graph.is_some();
+        let root = |mut v: usize| {
+            while let Storage::Alias(of) = plan.storage[v] {
+                v = of;
+            }
+            v
+        };
+        // cuSPARSE calls were prepared over fixed buffers: values they touch stay put.
+        let mut fixed = std::collections::HashSet::new();
+        for (i, e) in &self.exec {
+            if matches!(e, Exec::Spmm(_)) {
+                let st = &plan.steps[*i];
+                for &v in st.inputs.iter().chain([&st.output]) {
+                    fixed.insert(root(v));
+                }
+            }
+        }
+        let mut table = self.ptrs.clone();
+        let mut copies = Vec::new();
+        let mut copy_in = Vec::new();
+        for (v, src) in plan.sources.iter().enumerate() {
+            let Source::Input(i) = src else { continue };
+            let d = &inputs[*i];
+            if replaying || fixed.contains(&v) {
+                copy_in.push((*i, d.ptr));
+                copies.push((
+                    IoSlot::Input(*i),
+                    if replaying {
+                        "a replayed CUDA graph reads the buffer it was captured with: copied \
+                         device-to-device into it"
+                    } else {
+                        "a cuSPARSE call prepared over the input buffer reads it: copied \
+                         device-to-device into it"
+                    }
+                    .to_string(),
+                ));
+            } else {
+                table[v] = d.ptr;
+            }
+        }
+        let realias = |table: &mut Vec<u64>| {
+            for v in 0..table.len() {
+                if let Storage::Alias(of) = plan.storage[v] {
+                    table[v] = table[of];
+                }
+            }
+        };
+        realias(&mut table);
+        // Outputs: each in a block of its own, written there directly when the output is a
+        // computed value in the arena; else copied into it after the run.
+        let mut blocks = Vec::with_capacity(plan.outputs.len());
+        let mut copy_out = Vec::new();
+        let mut taken = std::collections::HashSet::new();
+        for (k, (_, v)) in plan.outputs.iter().enumerate() {
+            let b = self.dev.alloc(plan.types[*v].size_bytes())?;
+            let r = root(*v);
+            let computed = matches!(plan.sources[r], Source::Step(_))
+                && matches!(plan.storage[r], Storage::Arena { .. });
+            if !replaying && computed && !fixed.contains(&r) && taken.insert(r) {
+                table[r] = b.addr;
+            } else {
+                copy_out.push((k, *v, b.addr));
+                let why = if replaying {
+                    "a replayed CUDA graph writes the arena it was captured with"
+                } else if !computed {
+                    "the output is an input, a parameter or a constant: copied into a block of \
+                     its own"
+                } else if fixed.contains(&r) {
+                    "a cuSPARSE call prepared over the arena writes it"
+                } else {
+                    "the same value is an earlier output too"
+                };
+                copies.push((IoSlot::Output(k), why.to_string()));
+            }
+            blocks.push(b);
+        }
+        realias(&mut table);
+        let give_back = |s: &Self, blocks: Vec<crate::pool::Block>| {
+            for b in blocks {
+                s.dev.free(b);
+            }
+        };
+        let run = (|| -> Result<(Vec<(String, bool)>, bool)> {
+            for (i, src) in &copy_in {
+                let n = plan.inputs[*i].1.size_bytes();
+                if n > 0 {
+                    // SAFETY: both addresses hold `n` bytes of the input's type (the caller's
+                    // and the session's buffer); ordered on our stream after the hand-over.
+                    unsafe { dr::memcpy_dtod_async(self.inputs[*i], *src, n, stream) }
+                        .map_err(drv("copying an input on the device"))?;
+                }
+            }
+            match &self.graph {
+                _ if timed_from.is_some() => self.enqueue_timed(stream, Some(&table))?,
+                Some(g) if replaying => {
+                    // SAFETY: as in `run`.
+                    unsafe { dr::graph::launch(g.exec, stream) }
+                        .map_err(drv("replaying the plan"))?;
+                }
+                _ => self.enqueue(stream, Some(&table))?,
+            }
+            for (_, v, dst) in &copy_out {
+                let n = plan.types[*v].size_bytes();
+                if n > 0 {
+                    // SAFETY: the value and the new block both hold `n` bytes; ordered after
+                    // the run's launches on the one stream.
+                    unsafe { dr::memcpy_dtod_async(*dst, table[*v], n, stream) }
+                        .map_err(drv("copying an output on the device"))?;
+                }
+            }
+            let mut guards = Vec::with_capacity(plan.guards.len());
+            for (name, v) in &plan.guards {
+                let t = dtoh(table[*v], &plan.types[*v], stream)?;
+                guards.push((name.clone(), t.to_f64_vec().iter().all(|&x| x != 0.0)));
+            }
+            let committed = guards.iter().all(|(_, ok)| *ok);
+            if committed {
+                for (p, v) in &plan.updates {
+                    let (dst, src) = (self.params[*p], table[*v]);
+                    let n = plan.param_types[*p].size_bytes();
+                    if dst != src && n > 0 {
+                        // SAFETY: as in `run`.
+                        unsafe { dr::memcpy_dtod_async(dst, src, n, stream) }
+                            .map_err(drv("committing an update"))?;
+                    }
+                }
+            }
+            // The caller's input memory must outlive the kernels that read it.
+            self.dev.sync()?;
+            Ok((guards, committed))
+        })();
+        let (guards, committed) = match run {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = self.dev.sync();
+                give_back(self, blocks);
+                return Err(e);
+            }
+        };
+        if replaying {
+            self.replays += 1;
+        }
+        if let Some(origin) = timed_from {
+            self.last_times = Some(self.read_step_times(origin)?);
+        }
+        let outputs = plan
+            .outputs
+            .iter()
+            .zip(blocks)
+            .map(|((_, v), b)| DeviceOutput {
+                ty: plan.types[*v].clone(),
+                ordinal: self.dev.ordinal,
+                stream: stream as usize as u64,
+                memory: Arc::new(OutputBlock {
+                    dev: self.dev.clone(),
+                    addr: b.addr,
+                    block: Some(b),
+                    users: std::sync::Mutex::new(Vec::new()),
+                }),
+            })
+            .collect();
+        Ok(DeviceRunOutput {
+            outputs,
+            guards,
+            committed,
+            copies,
         })
     }
 
@@ -875,7 +1253,7 @@ impl Session for CudaSession {
                     // SAFETY: as in `run`.
                     Some(g) => unsafe { dr::graph::launch(g.exec, stream) }
                         .map_err(drv("replaying the plan"))?,
-                    None => self.enqueue(stream)?,
+                    None => self.enqueue(stream, None)?,
                 }
             }
             // SAFETY: as above.
