@@ -1,7 +1,8 @@
 //! Channels-last convolutions on CUDA against the CPU kernels: the ops themselves (cuDNN on NHWC
-//! descriptors over the operands, no staging), channels-last pooling (cuDNN's NHWC pooling), and
-//! whole NHWC conv → bias → ReLU stacks with their gradients compiled for CUDA, where the layout
-//! pass makes them channels-last, in f32, f16 and bf16. On CUDA where `RUSTYTORCH_TEST_CUDA=1`
+//! descriptors over the operands, no staging), channels-last pooling (the generated kernels;
+//! cuDNN's NHWC pooling with `RUSTYTORCH_CUDNN_POOLING=1`), and whole NHWC conv → bias → ReLU →
+//! pool stacks with their gradients compiled for CUDA, where the layout pass makes them
+//! channels-last, in f32, f16 and bf16. On CUDA where `RUSTYTORCH_TEST_CUDA=1`
 //! (the GPU machine; there a missing GPU fails); elsewhere through the CPU executable, which keeps
 //! every case valid.
 

@@ -22,15 +22,15 @@ use rustytorch_ops::{ConvGeom, DType, Layout, Op, PoolKind, TensorType};
 
 /// When the compiler should make convolution stacks channels-last for CUDA: f16/bf16 with
 /// channel counts that tensor-core kernels take (multiples of 8), 2-D and 3-D (1-D convolutions
-/// are as fast channels-first). Pooling stays channels-first until the generated pooling kernels
-/// (`pool.rs`) take channels-last tensors; with `RUSTYTORCH_CUDNN_POOLING=1` a channels-last
-/// pool runs through cuDNN's NHWC pooling.
+/// are as fast channels-first). Pooling joins the stack: the generated pooling kernels
+/// (`pool.rs`) take channels-last tensors (a 16-byte vector of channels per thread); with
+/// `RUSTYTORCH_CUDNN_POOLING=1` a channels-last pool runs through cuDNN's NHWC pooling.
 pub fn channels_last() -> ChannelsLast {
     ChannelsLast {
         dtypes: vec![DType::F16, DType::BF16],
         channel_multiple: 8,
         min_spatial: 2,
-        pool: false,
+        pool: true,
     }
 }
 
