@@ -56,7 +56,8 @@ class Executable:
     def device(self) -> str: ...
     @property
     def copied_inputs(self) -> list[tuple[str, str]]:
-        """Inputs of the last run that were copied, with the reason."""
+        """What the last run copied instead of using in place, with the reason: inputs, and on
+        CUDA also outputs (a replayed CUDA graph copies into and out of its own buffers)."""
     def param(self, name: str) -> Tensor:
         """A copy of a parameter's current value, on the executable's device."""
     def params(self) -> dict[str, Tensor]: ...

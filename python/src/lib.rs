@@ -615,7 +615,8 @@ impl Executable {
         Ok(self.exe()?.device_name())
     }
 
-    /// Inputs of the last run that were copied: `(name, reason)`.
+    /// What the last run copied instead of using in place: `(name, reason)` for inputs, and on
+    /// CUDA also for outputs (a replayed CUDA graph copies into and out of its own buffers).
     #[getter]
     fn copied_inputs(&self) -> PyResult<Vec<(String, String)>> {
         Ok(self.copied.lock().map_err(poisoned)?.clone())
