@@ -272,10 +272,7 @@ fn forward_rows(kind: PoolKind, geo: &Geo, dt: rustytorch_ops::DType, vl: usize)
     // The span's offset inside its first aligned vector: (−p) mod vl.
     let lead = (-(p as i64)).rem_euclid(vl as i64) as usize;
     let chunks = (lead + span).div_ceil(vl);
-    let fill = match kind {
-        PoolKind::Max => fc(f64::NEG_INFINITY, ty),
-        PoolKind::Avg { .. } => fc(0.0, ty),
-    };
+    let fill = identity(kind, ty);
     let xv = |j: usize| format!("x{j}");
     let acc = |v: usize| format!("acc{v}");
     let n = geo.planes * geo.outs.iter().product::<usize>() / vl;
@@ -355,19 +352,7 @@ fn forward_rows(kind: PoolKind, geo: &Geo, dt: rustytorch_ops::DType, vl: usize)
         }
         for v in 0..vl {
             for t in 0..k {
-                let xj = var(&xv(v * s + t));
-                let a = var(&acc(v));
-                body.push(match kind {
-                    PoolKind::Max => {
-                        let take = bin(
-                            BinFn::Or,
-                            bin(BinFn::Gt, xj.clone(), a.clone()),
-                            un(UnFn::IsNan, xj.clone()),
-                        );
-                        assign(&acc(v), select(take, xj, a))
-                    }
-                    PoolKind::Avg { .. } => assign(&acc(v), add(a, xj)),
-                });
+                body.push(fold(kind, &acc(v), var(&xv(v * s + t))));
             }
         }
         for st in nest(&ranges, &window_steps(geo, ""), "", body) {
@@ -440,28 +425,14 @@ fn forward_channels(
                 mul(cg, i64c(vl as i64)),
             ),
         );
-        let init = match kind {
-            PoolKind::Max => fc(f64::NEG_INFINITY, ty),
-            PoolKind::Avg { .. } => fc(0.0, ty),
-        };
+        let init = identity(kind, ty);
         let names: Vec<String> = (0..vl).map(|e| format!("v{e}")).collect();
         for v in 0..vl {
             b.push(let_(&acc(v), ty, init.clone()));
         }
         let mut body = vec![load_vec("x", el, at_window(geo, base, ""), names.clone())];
         for (v, name) in names.iter().enumerate() {
-            let (x, a) = (var(name), var(&acc(v)));
-            body.push(match kind {
-                PoolKind::Max => {
-                    let take = bin(
-                        BinFn::Or,
-                        bin(BinFn::Gt, x.clone(), a.clone()),
-                        un(UnFn::IsNan, x.clone()),
-                    );
-                    assign(&acc(v), select(take, x, a))
-                }
-                PoolKind::Avg { .. } => assign(&acc(v), add(a, x)),
-            });
+            body.push(fold(kind, &acc(v), var(name)));
         }
         for st in nest(&ranges, &window_steps(geo, ""), "", body) {
             b.push(st);
@@ -477,6 +448,30 @@ fn forward_channels(
         b.push(store_vec("out", el, mul(i, i64c(vl as i64)), results));
         Ok(())
     })
+}
+
+/// The value a window's reduction starts from (and padding reads as): −∞ for max, 0 for average.
+fn identity(kind: PoolKind, ty: CTy) -> Expr {
+    match kind {
+        PoolKind::Max => fc(f64::NEG_INFINITY, ty),
+        PoolKind::Avg { .. } => fc(0.0, ty),
+    }
+}
+
+/// `acc ← acc ⊕ x`: the larger (a NaN wins) for max, the sum for average.
+fn fold(kind: PoolKind, acc: &str, x: Expr) -> Stmt {
+    let a = var(acc);
+    match kind {
+        PoolKind::Max => {
+            let take = bin(
+                BinFn::Or,
+                bin(BinFn::Gt, x.clone(), a.clone()),
+                un(UnFn::IsNan, x.clone()),
+            );
+            assign(acc, select(take, x, a))
+        }
+        PoolKind::Avg { .. } => assign(acc, add(a, x)),
+    }
 }
 
 fn launch(k: Kernel, n_inputs: usize, n: usize) -> StepKernels {
@@ -534,29 +529,15 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
         let k = grid_kernel("pool", params, n, |b: &mut Body, i| {
             let (base, ranges) = output_window(b, &geo, i.clone());
             let v = load("x", el, at_window(&geo, base, ""));
-            let (init, update, result) = match kind {
-                PoolKind::Max => {
-                    let take = bin(
-                        BinFn::Or,
-                        bin(BinFn::Gt, var("v"), var("acc")),
-                        un(UnFn::IsNan, var("v")),
-                    );
-                    (
-                        fc(f64::NEG_INFINITY, ty),
-                        vec![
-                            let_("v", ty, v),
-                            assign("acc", select(take, var("v"), var("acc"))),
-                        ],
-                        var("acc"),
-                    )
+            // The loaded value is bound first: max reads it twice.
+            let update = vec![let_("v", ty, v), fold(kind, "acc", var("v"))];
+            let result = match kind {
+                PoolKind::Max => var("acc"),
+                PoolKind::Avg { count_include_pad } => {
+                    div(var("acc"), divisor(&geo, count_include_pad, &ranges, ty))
                 }
-                PoolKind::Avg { count_include_pad } => (
-                    fc(0.0, ty),
-                    vec![assign("acc", add(var("acc"), v))],
-                    div(var("acc"), divisor(&geo, count_include_pad, &ranges, ty)),
-                ),
             };
-            b.push(let_("acc", ty, init));
+            b.push(let_("acc", ty, identity(kind, ty)));
             for s in nest(&ranges, &window_steps(&geo, ""), "", update) {
                 b.push(s);
             }
