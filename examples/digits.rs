@@ -3,11 +3,12 @@
 //! classifies images with it.
 //!
 //! cargo run --release --example digits -- [EPOCHS] [OUT_DIR] [--device cpu|cuda|cuda:N|auto]
+//!     [--devices cpu,cpu]   (data-parallel: one replica per listed device, host replicas for now)
 
 #[path = "common/digits_cnn.rs"]
 mod digits_cnn;
 
-use digits_cnn::{accuracy, batch_tensors, digits_cnn, train_digits_on};
+use digits_cnn::{accuracy, batch_tensors, digits_cnn, train_digits_on, train_digits_parallel};
 use indicatif::{ProgressBar, ProgressStyle};
 use rustytorch::compiler::format::{save, ParamStorage};
 use rustytorch::prelude::*;
@@ -15,11 +16,21 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    // Positional EPOCHS and OUT_DIR, and `--device D` (or `--device=D`) anywhere.
+    // Positional EPOCHS and OUT_DIR, and `--device D` / `--devices LIST` (or `=`) anywhere.
     let mut args: Vec<String> = Vec::new();
     let mut device = Device::Cpu;
+    let mut devices: Option<Vec<Device>> = None;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
+        if let Some(rest) = a.strip_prefix("--devices") {
+            let list = match rest.strip_prefix('=') {
+                Some(v) => v.to_string(),
+                None if rest.is_empty() => it.next().ok_or("--devices needs a list")?,
+                None => return Err(format!("unknown option `{a}`").into()),
+            };
+            devices = Some(rustytorch::parallel::parse_devices(&list)?);
+            continue;
+        }
         let value = match a.strip_prefix("--device") {
             Some("") => it.next().ok_or("--device needs a value")?,
             Some(v) if v.starts_with('=') => v[1..].to_string(),
@@ -59,12 +70,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let t0 = Instant::now();
     let mut ema = None::<f32>;
-    let (exe, last_loss) = train_digits_on(device, &train, batch, epochs, |epoch, _, loss| {
+    let progress = |epoch: usize, _: usize, loss: f32| {
         let e = ema.map_or(loss, |m| 0.95 * m + 0.05 * loss);
         ema = Some(e);
         bar.set_message(format!("epoch {} loss {e:.4}", epoch + 1));
         bar.inc(1);
-    })?;
+    };
+    let (exe, last_loss) = match &devices {
+        Some(list) => {
+            println!("data-parallel over {} replicas", list.len());
+            train_digits_parallel(list, &train, batch, epochs, progress)?
+        }
+        None => train_digits_on(device, &train, batch, epochs, progress)?,
+    };
     bar.finish();
     if device == Device::Auto {
         println!("placement: {}", exe.placement());

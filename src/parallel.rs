@@ -207,6 +207,19 @@ impl DataParallel {
         }
     }
 
+    /// Replica `rank`'s executable on its own: it leaves the group for a group of one, so its
+    /// `all_reduce` steps are the identity again and it runs alone (to evaluate or save the
+    /// trained model).
+    pub fn into_replica(mut self, rank: usize) -> Result<Executable> {
+        if rank >= self.world() {
+            return Err(invalid(format!("no replica {rank} among {}", self.world())));
+        }
+        let mut exe = self.replicas.swap_remove(rank);
+        let alone: Arc<dyn Communicator> = HostGroup::ranks(1)?.remove(0);
+        exe.join_group(alone)?;
+        Ok(exe)
+    }
+
     /// Rank 0's value of a parameter or state tensor (every replica holds the same).
     pub fn param(&self, name: &str) -> Option<HostTensor> {
         self.replicas[0].param(name)

@@ -2,7 +2,7 @@
 //! gradients are detected and named (error and skip-step policies), optimizer state persists
 //! across runs and through safetensors, the step counter counts exactly past 2²⁴, bf16 and f16
 //! parameters train through f32 masters like an f64 reference of AdamW, and a short digits
-//! training learns.
+//! training learns, alone and on two host replicas.
 
 #[path = "../examples/common/digits_cnn.rs"]
 mod digits_cnn;
@@ -301,4 +301,30 @@ fn digits_cnn_learns() {
     let (exe, _) = digits_cnn::train_digits(&train, 32, 2, |_, _, _| {}).unwrap();
     let acc = digits_cnn::accuracy(&exe, &test, 120).unwrap();
     assert!(acc > 0.85, "test accuracy after 2 epochs: {acc}");
+}
+
+#[test]
+fn digits_cnn_trains_the_same_on_two_host_replicas() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/digits.csv.gz");
+    let data = rustytorch::data::load_digits(&path).unwrap();
+    let (train, test) = data.split(360, 42);
+    let (one, l1) = digits_cnn::train_digits_on(Device::Cpu, &train, 32, 2, |_, _, _| {}).unwrap();
+    let (two, l2) =
+        digits_cnn::train_digits_parallel(&[Device::Cpu, Device::Cpu], &train, 32, 2, |_, _, _| {})
+            .unwrap();
+    assert!(
+        (l1 - l2).abs() <= 1e-4 * l1.abs(),
+        "epoch loss {l1} vs {l2}"
+    );
+    for (name, _) in one.param_types() {
+        let (a, b) = (one.param(name).unwrap(), two.param(name).unwrap());
+        for (x, y) in a.to_f64_vec().iter().zip(b.to_f64_vec()) {
+            assert!((x - y).abs() <= 1e-3, "{name}: {x} vs {y}");
+        }
+    }
+    // The replica taken out of the group runs alone, to the single device's accuracy.
+    let acc = digits_cnn::accuracy(&two, &test, 120).unwrap();
+    let alone = digits_cnn::accuracy(&one, &test, 120).unwrap();
+    assert!(acc > 0.85, "test accuracy after 2 epochs: {acc}");
+    assert!((acc - alone).abs() <= 0.02, "{acc} vs {alone}");
 }

@@ -112,6 +112,54 @@ pub fn train_digits_on(
     Ok((exe, last))
 }
 
+/// [`train_digits_on`] data-parallel: one replica per device, each on an equal share of every
+/// batch of `batch` images, gradients averaged over the replicas before the update (the same
+/// training as one device on the whole batch). Returns the first replica on its own.
+#[allow(dead_code)]
+pub fn train_digits_parallel(
+    devices: &[Device],
+    train: &rustytorch::data::Dataset,
+    batch: usize,
+    epochs: usize,
+    mut progress: impl FnMut(usize, usize, f32),
+) -> rustytorch::Result<(Executable, f32)> {
+    use rustytorch::compiler::GradSync;
+    use rustytorch::parallel::DataParallel;
+    let world = devices.len().max(1);
+    let g = GraphBuilder::new();
+    let (_, logits) = digits_cnn(&g, batch / world);
+    let y = g.input("y", DType::I64, [batch / world]);
+    let loss = logits.cross_entropy(&y);
+    g.output("loss", &loss);
+    let opts = StepOptions {
+        grad_sync: Some(GradSync::default()),
+        ..Default::default()
+    };
+    g.train_step(&loss, AdamW::new(2e-3).weight_decay(1e-4), &opts)?;
+    let mut dp = DataParallel::new(&g.graph()?, devices, &CompileOptions::default())?;
+    let steps = train.len() / batch;
+    let mut last = 0.0;
+    for epoch in 0..epochs {
+        let (shuffled, _) = train.split(0, 1000 + epoch as u64);
+        let mut sum = 0.0;
+        for s in 0..steps {
+            let idx: Vec<usize> = (s * batch..(s + 1) * batch).collect();
+            let (xb, yb) = batch_tensors(&shuffled, &idx);
+            let xb = shift_augment(&xb, (epoch * steps + s) as u64)?;
+            let outs = dp.run(&[("x", xb), ("y", yb)])?;
+            // The whole batch's mean loss: the mean of the equal shards' means.
+            let mut l = 0.0;
+            for o in &outs {
+                l += o[0].to_vec::<f32>()?[0] / outs.len() as f32;
+            }
+            sum += l;
+            progress(epoch, s, l);
+        }
+        last = sum / steps as f32;
+    }
+    Ok((dp.into_replica(0)?, last))
+}
+
 /// Accuracy of the trained parameters of `trained` on `test` (evaluated on the device `trained`
 /// runs on, in batches of `batch`, the last partial batch padded).
 #[allow(dead_code)]
