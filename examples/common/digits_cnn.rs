@@ -73,25 +73,33 @@ pub fn train_digits(
     train_digits_on(Device::Cpu, train, batch, epochs, progress)
 }
 
-/// [`train_digits`] on `device`.
+/// The training graph of the classifier for `rows` images a step (cross entropy, AdamW), its
+/// gradients averaged over data-parallel replicas when `sync` is set; returns the loss.
 #[allow(dead_code)]
-pub fn train_digits_on(
-    device: Device,
+fn train_graph(g: &GraphBuilder, rows: usize, sync: bool) -> rustytorch::Result<Tensor> {
+    let (_, logits) = digits_cnn(g, rows);
+    let y = g.input("y", DType::I64, [rows]);
+    let loss = logits.cross_entropy(&y);
+    g.output("loss", &loss);
+    let opts = StepOptions {
+        grad_sync: sync.then(rustytorch::compiler::GradSync::default),
+        ..Default::default()
+    };
+    g.train_step(&loss, AdamW::new(2e-3).weight_decay(1e-4), &opts)?;
+    Ok(loss)
+}
+
+/// The epochs of training: each a fresh seeded order of `train` in batches of `batch` images
+/// (shift-augmented), `step` running one batch and returning its mean loss. Returns the last
+/// epoch's mean loss.
+#[allow(dead_code)]
+fn train_epochs(
     train: &rustytorch::data::Dataset,
     batch: usize,
     epochs: usize,
     mut progress: impl FnMut(usize, usize, f32),
-) -> rustytorch::Result<(Executable, f32)> {
-    let g = GraphBuilder::new();
-    let (_, logits) = digits_cnn(&g, batch);
-    let y = g.input("y", DType::I64, [batch]);
-    let loss = logits.cross_entropy(&y);
-    g.train_step(
-        &loss,
-        AdamW::new(2e-3).weight_decay(1e-4),
-        &StepOptions::default(),
-    )?;
-    let mut exe = compile(&g, &[&loss], device)?;
+    mut step: impl FnMut(HostTensor, HostTensor) -> rustytorch::Result<f32>,
+) -> rustytorch::Result<f32> {
     let steps = train.len() / batch;
     let mut last = 0.0;
     for epoch in 0..epochs {
@@ -102,13 +110,31 @@ pub fn train_digits_on(
             let idx: Vec<usize> = (s * batch..(s + 1) * batch).collect();
             let (xb, yb) = batch_tensors(&shuffled, &idx);
             let xb = shift_augment(&xb, (epoch * steps + s) as u64)?;
-            let out = exe.run(&[("x", xb), ("y", yb)])?;
-            let l = out[0].to_vec::<f32>()?[0];
+            let l = step(xb, yb)?;
             sum += l;
             progress(epoch, s, l);
         }
         last = sum / steps as f32;
     }
+    Ok(last)
+}
+
+/// [`train_digits`] on `device`.
+#[allow(dead_code)]
+pub fn train_digits_on(
+    device: Device,
+    train: &rustytorch::data::Dataset,
+    batch: usize,
+    epochs: usize,
+    progress: impl FnMut(usize, usize, f32),
+) -> rustytorch::Result<(Executable, f32)> {
+    let g = GraphBuilder::new();
+    let loss = train_graph(&g, batch, false)?;
+    let mut exe = compile(&g, &[&loss], device)?;
+    let last = train_epochs(train, batch, epochs, progress, |xb, yb| {
+        let out = exe.run(&[("x", xb), ("y", yb)])?;
+        Ok(out[0].to_vec::<f32>()?[0])
+    })?;
     Ok((exe, last))
 }
 
@@ -121,42 +147,22 @@ pub fn train_digits_parallel(
     train: &rustytorch::data::Dataset,
     batch: usize,
     epochs: usize,
-    mut progress: impl FnMut(usize, usize, f32),
+    progress: impl FnMut(usize, usize, f32),
 ) -> rustytorch::Result<(Executable, f32)> {
-    use rustytorch::compiler::GradSync;
-    use rustytorch::parallel::DataParallel;
     let world = devices.len().max(1);
     let g = GraphBuilder::new();
-    let (_, logits) = digits_cnn(&g, batch / world);
-    let y = g.input("y", DType::I64, [batch / world]);
-    let loss = logits.cross_entropy(&y);
-    g.output("loss", &loss);
-    let opts = StepOptions {
-        grad_sync: Some(GradSync::default()),
-        ..Default::default()
-    };
-    g.train_step(&loss, AdamW::new(2e-3).weight_decay(1e-4), &opts)?;
-    let mut dp = DataParallel::new(&g.graph()?, devices, &CompileOptions::default())?;
-    let steps = train.len() / batch;
-    let mut last = 0.0;
-    for epoch in 0..epochs {
-        let (shuffled, _) = train.split(0, 1000 + epoch as u64);
-        let mut sum = 0.0;
-        for s in 0..steps {
-            let idx: Vec<usize> = (s * batch..(s + 1) * batch).collect();
-            let (xb, yb) = batch_tensors(&shuffled, &idx);
-            let xb = shift_augment(&xb, (epoch * steps + s) as u64)?;
-            let outs = dp.run(&[("x", xb), ("y", yb)])?;
-            // The whole batch's mean loss: the mean of the equal shards' means.
-            let mut l = 0.0;
-            for o in &outs {
-                l += o[0].to_vec::<f32>()?[0] / outs.len() as f32;
-            }
-            sum += l;
-            progress(epoch, s, l);
+    train_graph(&g, batch / world, true)?;
+    let mut dp =
+        rustytorch::parallel::DataParallel::new(&g.graph()?, devices, &CompileOptions::default())?;
+    let last = train_epochs(train, batch, epochs, progress, |xb, yb| {
+        let outs = dp.run(&[("x", xb), ("y", yb)])?;
+        // The whole batch's mean loss: the mean of the equal shards' means.
+        let mut l = 0.0;
+        for o in &outs {
+            l += o[0].to_vec::<f32>()?[0] / outs.len() as f32;
         }
-        last = sum / steps as f32;
-    }
+        Ok(l)
+    })?;
     Ok((dp.into_replica(0)?, last))
 }
 
