@@ -139,12 +139,11 @@ fn nest(ranges: &[(Expr, Expr)], steps: &[(Expr, i64)], tag: &str, body: Vec<Stm
     inner
 }
 
-/// For the output at flat index `i`: binds its plane's input offset `base` and its window's
-/// in-bounds ranges (see [`window`]) and returns them.
-fn output_window(b: &mut Body, geo: &Geo, i: Expr) -> (Expr, Vec<(Expr, Expr)>) {
-    let mut co = Coords::new(&geo.coord_dims(&geo.outs), i);
+/// Binds the in-bounds window ranges (see [`window`]) of spatial dims `0..dims` for the output
+/// whose spatial coordinate `j` is coordinate `j + 1` of `co`.
+fn windows(b: &mut Body, geo: &Geo, co: &mut Coords, dims: usize) -> Vec<(Expr, Expr)> {
     let mut pre = vec![];
-    let ranges = (0..geo.outs.len())
+    let ranges = (0..dims)
         .map(|j| {
             let oj = co.get(b, j + 1);
             window(&mut pre, geo, j, oj, "")
@@ -153,6 +152,14 @@ fn output_window(b: &mut Body, geo: &Geo, i: Expr) -> (Expr, Vec<(Expr, Expr)>) 
     for s in pre {
         b.push(s);
     }
+    ranges
+}
+
+/// For the output at flat index `i`: binds its plane's input offset `base` and its window's
+/// in-bounds ranges (see [`window`]) and returns them.
+fn output_window(b: &mut Body, geo: &Geo, i: Expr) -> (Expr, Vec<(Expr, Expr)>) {
+    let mut co = Coords::new(&geo.coord_dims(&geo.outs), i);
+    let ranges = windows(b, geo, &mut co, geo.outs.len());
     let base = geo.plane_base(b, &mut co, geo.in_sp(), "base");
     (base, ranges)
 }
@@ -283,16 +290,7 @@ fn forward_rows(kind: PoolKind, geo: &Geo, dt: rustytorch_ops::DType, vl: usize)
         dims[d] /= vl;
         let mut co = Coords::new(&dims, i.clone());
         let plane = co.get(b, 0);
-        let mut pre = vec![];
-        let ranges: Vec<(Expr, Expr)> = (0..last)
-            .map(|j| {
-                let oj = co.get(b, j + 1);
-                window(&mut pre, geo, j, oj, "")
-            })
-            .collect();
-        for st in pre {
-            b.push(st);
-        }
+        let ranges = windows(b, geo, &mut co, last);
         let ot = co.get(b, d);
         // The first input column of the span, and the aligned vector holding it.
         let c0 = b.named(
@@ -406,16 +404,7 @@ fn forward_channels(
         dims.push(c / vl);
         let mut co = Coords::new(&dims, i.clone());
         let plane = co.get(b, 0);
-        let mut pre = vec![];
-        let ranges: Vec<(Expr, Expr)> = (0..d)
-            .map(|j| {
-                let oj = co.get(b, j + 1);
-                window(&mut pre, geo, j, oj, "")
-            })
-            .collect();
-        for st in pre {
-            b.push(st);
-        }
+        let ranges = windows(b, geo, &mut co, d);
         let cg = co.get(b, d + 1);
         let base = b.named(
             "base",
