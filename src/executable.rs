@@ -578,13 +578,7 @@ impl Executable {
     pub fn run_shared(&mut self, inputs: &[(&str, Arc<HostTensor>)]) -> Result<Outputs> {
         let mut vals: Vec<Option<Arc<HostTensor>>> = vec![None; self.source.inputs.len()];
         for (name, t) in inputs {
-            let Some(i) = self.source.inputs.iter().position(|d| d.name == *name) else {
-                let known: Vec<&str> = self.source.inputs.iter().map(|d| d.name.as_str()).collect();
-                return Err(Error::Input {
-                    name: name.to_string(),
-                    reason: format!("the graph has no such input (inputs: {})", known.join(", ")),
-                });
-            };
+            let i = self.input_index(name)?;
             let want = &self.source.inputs[i].ty;
             let fits = if self.source.has_named_dims() {
                 t.dtype() == want.dtype
@@ -603,29 +597,9 @@ impl Executable {
             }
             vals[i] = Some(t.clone());
         }
-        let mut ins = Vec::with_capacity(vals.len());
-        for (i, v) in vals.into_iter().enumerate() {
-            let d = &self.source.inputs[i];
-            ins.push(v.ok_or_else(|| Error::Input {
-                name: d.name.clone(),
-                reason: format!("missing (expected {})", self.source.sym_type_text(d.node)),
-            })?);
-        }
-        if self.source.has_named_dims() {
-            let given: Vec<(usize, &rustytorch_ops::Shape)> = ins
-                .iter()
-                .enumerate()
-                .map(|(i, t)| (i, t.shape()))
-                .collect();
-            let sizes = self.source.bind_dims(&given).map_err(|e| match e {
-                CompileError::Bind { input, reason } => Error::Input {
-                    name: input,
-                    reason,
-                },
-                e => e.into(),
-            })?;
-            self.specialize_to(sizes)?;
-        }
+        let ins = self.require_inputs(vals)?;
+        let shapes: Vec<&rustytorch_ops::Shape> = ins.iter().map(|t| t.shape()).collect();
+        self.bind_shapes(&shapes)?;
         let start = Instant::now();
         let r = self.session.run(&ins);
         self.observe.last = None;
@@ -651,20 +625,7 @@ impl Executable {
             }
             Err(e) => return Err(e.into()),
         };
-        let failed = r
-            .guards
-            .iter()
-            .find(|(_, ok)| !ok)
-            .map(|(n, _)| n.strip_prefix("grad:").unwrap_or(n).to_string());
-        // The session has already refused to commit when a guard failed.
-        let skipped = match (failed, self.opts.nonfinite) {
-            (Some(p), NonFinitePolicy::Error) => return Err(Error::NonFinite { param: p }),
-            (Some(p), NonFinitePolicy::SkipStep) => Some(p),
-            (None, _) => None,
-        };
-        if skipped.is_none() && !self.source.updates.is_empty() {
-            self.shapes.version += 1;
-        }
+        let skipped = self.settle_guards(&r.guards)?;
         Ok(Outputs {
             names: self.plan.outputs.iter().map(|(n, _)| n.clone()).collect(),
             values: r.outputs,
@@ -683,51 +644,13 @@ impl Executable {
     ) -> Result<DeviceOutputs> {
         let mut vals = vec![None; self.source.inputs.len()];
         for (name, d) in inputs {
-            let Some(i) = self.source.inputs.iter().position(|x| x.name == *name) else {
-                return Err(Error::Input {
-                    name: name.to_string(),
-                    reason: "the graph has no such input".into(),
-                });
-            };
-            vals[i] = Some(d.clone());
+            vals[self.input_index(name)?] = Some(d.clone());
         }
-        let mut ins = Vec::with_capacity(vals.len());
-        for (i, v) in vals.into_iter().enumerate() {
-            let d = &self.source.inputs[i];
-            ins.push(v.ok_or_else(|| Error::Input {
-                name: d.name.clone(),
-                reason: format!("missing (expected {})", self.source.sym_type_text(d.node)),
-            })?);
-        }
-        if self.source.has_named_dims() {
-            let given: Vec<(usize, &rustytorch_ops::Shape)> = ins
-                .iter()
-                .enumerate()
-                .map(|(i, d)| (i, &d.ty.shape))
-                .collect();
-            let sizes = self.source.bind_dims(&given).map_err(|e| match e {
-                CompileError::Bind { input, reason } => Error::Input {
-                    name: input,
-                    reason,
-                },
-                e => e.into(),
-            })?;
-            self.specialize_to(sizes)?;
-        }
+        let ins = self.require_inputs(vals)?;
+        let shapes: Vec<&rustytorch_ops::Shape> = ins.iter().map(|d| &d.ty.shape).collect();
+        self.bind_shapes(&shapes)?;
         let r = self.session.run_device(&ins)?;
-        let failed = r
-            .guards
-            .iter()
-            .find(|(_, ok)| !ok)
-            .map(|(n, _)| n.strip_prefix("grad:").unwrap_or(n).to_string());
-        let skipped = match (failed, self.opts.nonfinite) {
-            (Some(p), NonFinitePolicy::Error) => return Err(Error::NonFinite { param: p }),
-            (Some(p), NonFinitePolicy::SkipStep) => Some(p),
-            (None, _) => None,
-        };
-        if skipped.is_none() && !self.source.updates.is_empty() {
-            self.shapes.version += 1;
-        }
+        let skipped = self.settle_guards(&r.guards)?;
         let copies = r
             .copies
             .into_iter()
@@ -750,6 +673,71 @@ impl Executable {
             copies,
             skipped,
         })
+    }
+
+    /// The position of the graph input called `name`.
+    fn input_index(&self, name: &str) -> Result<usize> {
+        self.source
+            .inputs
+            .iter()
+            .position(|d| d.name == name)
+            .ok_or_else(|| {
+                let known: Vec<&str> = self.source.inputs.iter().map(|d| d.name.as_str()).collect();
+                Error::Input {
+                    name: name.to_string(),
+                    reason: format!("the graph has no such input (inputs: {})", known.join(", ")),
+                }
+            })
+    }
+
+    /// The inputs in graph order from one slot per graph input, each of them required.
+    fn require_inputs<T>(&self, vals: Vec<Option<T>>) -> Result<Vec<T>> {
+        let mut ins = Vec::with_capacity(vals.len());
+        for (i, v) in vals.into_iter().enumerate() {
+            let d = &self.source.inputs[i];
+            ins.push(v.ok_or_else(|| Error::Input {
+                name: d.name.clone(),
+                reason: format!("missing (expected {})", self.source.sym_type_text(d.node)),
+            })?);
+        }
+        Ok(ins)
+    }
+
+    /// For a graph with named dims: binds their sizes from the inputs' shapes (in graph order)
+    /// and makes the plan of those sizes current.
+    fn bind_shapes(&mut self, shapes: &[&rustytorch_ops::Shape]) -> Result<()> {
+        if !self.source.has_named_dims() {
+            return Ok(());
+        }
+        let given: Vec<(usize, &rustytorch_ops::Shape)> =
+            shapes.iter().copied().enumerate().collect();
+        let sizes = self.source.bind_dims(&given).map_err(|e| match e {
+            CompileError::Bind { input, reason } => Error::Input {
+                name: input,
+                reason,
+            },
+            e => e.into(),
+        })?;
+        self.specialize_to(sizes)
+    }
+
+    /// A run's guards under the non-finite policy: the parameter whose step was skipped, or the
+    /// error; a committed update makes the session's parameters the newest version. (The
+    /// session has already refused to commit when a guard failed.)
+    fn settle_guards(&mut self, guards: &[(String, bool)]) -> Result<Option<String>> {
+        let failed = guards
+            .iter()
+            .find(|(_, ok)| !ok)
+            .map(|(n, _)| n.strip_prefix("grad:").unwrap_or(n).to_string());
+        let skipped = match (failed, self.opts.nonfinite) {
+            (Some(p), NonFinitePolicy::Error) => return Err(Error::NonFinite { param: p }),
+            (Some(p), NonFinitePolicy::SkipStep) => Some(p),
+            (None, _) => None,
+        };
+        if skipped.is_none() && !self.source.updates.is_empty() {
+            self.shapes.version += 1;
+        }
+        Ok(skipped)
     }
 
     /// Makes the plan compiled for these sizes of the named dims current: a cached one, or a new
