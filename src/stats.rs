@@ -75,6 +75,27 @@ pub fn node_flops(graph: &Graph, id: rustytorch_compiler::NodeId) -> u64 {
             n_out.saturating_mul(work)
         }
         Op::Reduce { .. } | Op::ArgReduce { .. } => numel(in_dims(0)),
+        // The prologue per input element, the row op as unfused, the epilogue per output element.
+        Op::FusedRow(r) => {
+            let work = |k: &Option<rustytorch_ops::FusedKernel>| {
+                k.as_ref().map_or(0, |k| {
+                    k.instrs
+                        .iter()
+                        .filter(|i| !matches!(i.op, Op::Full { .. }))
+                        .count() as u64
+                })
+            };
+            let n_in = r
+                .prologue
+                .as_ref()
+                .map_or_else(|| numel(in_dims(0)), |k| k.out.shape.numel() as u64);
+            let per = match &r.core {
+                Op::LayerNorm { .. } => 7,
+                Op::Softmax { .. } | Op::LogSoftmax { .. } | Op::RmsNorm { .. } => 4,
+                _ => 1,
+            };
+            mul(&[n_in, work(&r.prologue) + per]).saturating_add(mul(&[n_out, work(&r.epilogue)]))
+        }
         Op::Matmul { trans_a, .. } | Op::MatmulEpilogue { trans_a, .. } => {
             let a = in_dims(0);
             let r = a.len();

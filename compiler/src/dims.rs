@@ -371,7 +371,8 @@ fn instantiate_op(
         | Op::SampledMatmul
         | Op::CumSum { .. }
         | Op::TopK { .. }
-        | Op::AllReduce { .. } => op.clone(),
+        | Op::AllReduce { .. }
+        | Op::FusedRow(_) => op.clone(),
     }
 }
 

@@ -48,7 +48,9 @@
 
 use crate::graph::{Graph, NodeId};
 use crate::{CompileError, Result};
-use rustytorch_ops::{DType, FusedInstr, FusedKernel, Op, Shape, TensorType};
+use rustytorch_ops::{
+    DType, FusedInstr, FusedKernel, Op, ReduceKind, RowFusion, Shape, TensorType,
+};
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::fmt::Write as _;
@@ -64,6 +66,13 @@ pub struct FuseReport {
     pub expands_absorbed: usize,
     /// `Full` operands copied into kernels as immediates.
     pub immediates: usize,
+    /// Row kernels formed ([`Op::FusedRow`]: a norm, softmax or reduction with a prologue, an
+    /// epilogue or both).
+    pub rows: usize,
+    /// Elementwise kernels fused into a row op's input.
+    pub prologues: usize,
+    /// Elementwise kernels fused into a row op's output.
+    pub epilogues: usize,
     /// Kernels (live non-leaf nodes) before fusion.
     pub kernels_before: usize,
     /// Kernels (live non-leaf nodes) after fusion.
@@ -75,11 +84,14 @@ impl fmt::Display for FuseReport {
         write!(
             f,
             "fuse: {} groups absorbing {} elementwise ops, {} expands and {} immediates; \
-             kernels {} -> {}",
+             {} row kernels with {} prologues and {} epilogues; kernels {} -> {}",
             self.groups,
             self.ops_absorbed,
             self.expands_absorbed,
             self.immediates,
+            self.rows,
+            self.prologues,
+            self.epilogues,
             self.kernels_before,
             self.kernels_after
         )
@@ -155,9 +167,12 @@ pub fn fuse(graph: &Graph) -> Result<(Graph, FuseReport)> {
             expand_order.push(e);
         }
     }
-    // A group of one is kept only when it absorbs an expand.
+    // A group of one is kept only when it absorbs an expand, or when it will join a row op as
+    // its prologue or epilogue.
     groups.retain(|g| {
-        g.members.len() > 1 || out.g[g.root].inputs.iter().any(|i| expands.contains(i))
+        g.members.len() > 1
+            || out.g[g.root].inputs.iter().any(|i| expands.contains(i))
+            || joins_row(&out, g.root, &roots)
     });
 
     let mut immediates: HashSet<NodeId> = HashSet::new();
@@ -195,10 +210,147 @@ pub fn fuse(graph: &Graph) -> Result<(Graph, FuseReport)> {
             out.remove_node(f);
         }
     }
+    fuse_rows(&mut out, &roots, &mut report)?;
     report.kernels_after = count_kernels(&out);
     out.verify()?;
     tracing::debug!("{report}");
     Ok((out, report))
+}
+
+/// Whether `c` can be the core of a row kernel: a softmax, log-softmax, norm, or a float
+/// reduction (sum, mean, max, min, product) of a float input.
+fn row_core(graph: &Graph, c: NodeId) -> bool {
+    let node = &graph.g[c];
+    let float_in = node
+        .inputs
+        .first()
+        .is_some_and(|&x| graph.g[x].ty.dtype.is_float());
+    let kind_ok = match &node.op {
+        Op::Reduce { kind, .. } => !matches!(kind, ReduceKind::Any | ReduceKind::All),
+        op => RowFusion::is_core(op),
+    };
+    kind_ok && float_in && node.ty.dtype.is_float()
+}
+
+/// Whether the elementwise kernel `x` may become the prologue of the row op `c`: `x` is `c`'s
+/// input (and none of its other operands), `c` is its only user, and it is not a result.
+fn takes_prologue(graph: &Graph, c: NodeId, x: NodeId, roots: &HashSet<NodeId>) -> bool {
+    row_core(graph, c)
+        && graph.g[c].inputs.first() == Some(&x)
+        && graph.g[c].inputs.iter().filter(|&&i| i == x).count() == 1
+        && graph.users(x) == [c]
+        && !roots.contains(&x)
+}
+
+/// Whether the elementwise kernel `u` may become the epilogue of the row op `c`: `u` is `c`'s
+/// only user, has `c`'s shape (it runs per output element of the row op), and `c` is not a
+/// result.
+fn takes_epilogue(graph: &Graph, c: NodeId, u: NodeId, roots: &HashSet<NodeId>) -> bool {
+    row_core(graph, c)
+        && graph.users(c) == [u]
+        && !roots.contains(&c)
+        && graph.g[u].ty.shape == graph.g[c].ty.shape
+}
+
+/// Whether the elementwise node `r` will join a row op as its prologue or epilogue (so that a
+/// group of one is worth a fused kernel).
+fn joins_row(graph: &Graph, r: NodeId, roots: &HashSet<NodeId>) -> bool {
+    let users = graph.users(r);
+    (users.len() == 1 && takes_prologue(graph, users[0], r, roots))
+        || graph.g[r]
+            .inputs
+            .iter()
+            .any(|&c| takes_epilogue(graph, c, r, roots))
+}
+
+/// `k` with its input `pos` moved to position 0 (the others keep their order).
+fn input_first(k: &FusedKernel, pos: u32) -> FusedKernel {
+    let mut k = k.clone();
+    let n = k.n_inputs;
+    for ins in &mut k.instrs {
+        for a in &mut ins.args {
+            if *a < n {
+                *a = match (*a).cmp(&pos) {
+                    std::cmp::Ordering::Less => *a + 1,
+                    std::cmp::Ordering::Equal => 0,
+                    std::cmp::Ordering::Greater => *a,
+                };
+            }
+        }
+    }
+    k
+}
+
+/// Fuses elementwise kernels into the inputs and outputs of norms, softmaxes and reductions
+/// (see the module docs): each row op, in topological order, takes the fused kernel that
+/// computes its input as its prologue and the fused kernel that consumes its result as its
+/// epilogue, when [`takes_prologue`] and [`takes_epilogue`] allow.
+fn fuse_rows(out: &mut Graph, roots: &HashSet<NodeId>, report: &mut FuseReport) -> Result<()> {
+    for c in out.live_order() {
+        if out.node(c).is_err() || !row_core(out, c) {
+            continue;
+        }
+        let x = out.g[c].inputs[0];
+        let prologue = match &out.g[x].op {
+            Op::Fused(k) if takes_prologue(out, c, x, roots) => {
+                Some(((**k).clone(), out.g[x].inputs.clone()))
+            }
+            _ => None,
+        };
+        let epilogue = match out.users(c)[..] {
+            [u] if takes_epilogue(out, c, u, roots) => match &out.g[u].op {
+                Op::Fused(k) => {
+                    let ins = &out.g[u].inputs;
+                    match ins.iter().position(|&i| i == c) {
+                        Some(pos) if ins.iter().filter(|&&i| i == c).count() == 1 => {
+                            let rest: Vec<NodeId> =
+                                ins.iter().copied().filter(|&i| i != c).collect();
+                            Some((u, input_first(k, pos as u32), rest))
+                        }
+                        _ => None,
+                    }
+                }
+                _ => None,
+            },
+            _ => None,
+        };
+        if prologue.is_none() && epilogue.is_none() {
+            continue;
+        }
+        let mut inputs = match &prologue {
+            Some((_, ins)) => ins.clone(),
+            None => vec![x],
+        };
+        inputs.extend_from_slice(&out.g[c].inputs[1..]);
+        let target = match &epilogue {
+            Some((u, _, rest)) => {
+                inputs.extend_from_slice(rest);
+                *u
+            }
+            None => c,
+        };
+        let row = RowFusion {
+            core: out.g[c].op.clone(),
+            prologue: prologue.as_ref().map(|(k, _)| k.clone()),
+            epilogue: epilogue.as_ref().map(|(_, k, _)| k.clone()),
+        };
+        report.rows += 1;
+        report.prologues += prologue.is_some() as usize;
+        report.epilogues += epilogue.is_some() as usize;
+        out.set_inputs(target, inputs);
+        out.provenance.fused.remove(&target);
+        let node = out
+            .node_mut(target)
+            .ok_or_else(|| CompileError::Invalid("fused row root vanished".into()))?;
+        node.op = Op::FusedRow(Box::new(row));
+        if target != c {
+            out.remove_node(c);
+        }
+        if prologue.is_some() {
+            out.remove_node(x);
+        }
+    }
+    Ok(())
 }
 
 /// Grows the group rooted at `root` (see the module docs).
@@ -358,13 +510,19 @@ fn build_kernel(
     Ok((kernel, inputs, imms, origins))
 }
 
-/// One instruction in readable form (`mul(in0, t1)`, `cast<f16>(t0)`, `0.5`).
-fn instr_text(k: &FusedKernel, ins: &FusedInstr) -> String {
+/// One instruction in readable form (`mul(in0, t1)`, `cast<f16>(t0)`, `0.5`): kernel input `a`
+/// named by `input(a)`, instruction `j` by `{tag}{j}`.
+fn instr_text(
+    k: &FusedKernel,
+    ins: &FusedInstr,
+    tag: char,
+    input: &dyn Fn(u32) -> String,
+) -> String {
     let arg = |a: u32| {
         if a < k.n_inputs {
-            format!("in{a}")
+            input(a)
         } else {
-            format!("t{}", a - k.n_inputs)
+            format!("{tag}{}", a - k.n_inputs)
         }
     };
     let args: Vec<String> = ins.args.iter().map(|&a| arg(a)).collect();
@@ -375,37 +533,81 @@ fn instr_text(k: &FusedKernel, ins: &FusedInstr) -> String {
     }
 }
 
+/// A node's name as ` "name"`, or nothing.
+fn name_text(graph: &Graph, n: NodeId) -> String {
+    graph.g[n]
+        .name
+        .as_deref()
+        .map(|x| format!(" \"{x}\""))
+        .unwrap_or_default()
+}
+
 /// Lists each fused kernel of `graph` (in schedule order) with its inputs and program, one
-/// instruction a line, so that a reader (or a snapshot) sees which ops were fused.
+/// instruction a line, so that a reader (or a snapshot) sees which ops were fused. A row kernel
+/// ([`Op::FusedRow`]) lists its prologue (`p*`, over the kernel inputs), its core (reading `x`,
+/// the prologue's result) and its epilogue (`e*`, reading `row`, the core's result).
 pub fn describe_groups(graph: &Graph) -> String {
     let mut s = String::new();
     for n in graph.live_order() {
         let node = &graph.g[n];
-        let Op::Fused(k) = &node.op else { continue };
-        let name = node
-            .name
-            .as_deref()
-            .map(|x| format!(" \"{x}\""))
-            .unwrap_or_default();
-        let _ = writeln!(s, "%{}{name} = fused -> {}", n.index(), k.out);
+        let (kind, out) = match &node.op {
+            Op::Fused(k) => ("fused", &k.out),
+            Op::FusedRow(_) => ("fused_row", &node.ty),
+            _ => continue,
+        };
+        let _ = writeln!(s, "%{}{} = {kind} -> {out}", n.index(), name_text(graph, n));
         for (i, &p) in node.inputs.iter().enumerate() {
             let pn = &graph.g[p];
-            let pname = pn
-                .name
-                .as_deref()
-                .map(|x| format!(" \"{x}\""))
-                .unwrap_or_default();
             let _ = writeln!(
                 s,
-                "  in{i} = %{}{pname} ({}) : {}",
+                "  in{i} = %{}{} ({}) : {}",
                 p.index(),
+                name_text(graph, p),
                 pn.op.name(),
                 pn.ty
             );
         }
-        for (j, ins) in k.instrs.iter().enumerate() {
-            let _ = writeln!(s, "  t{j} = {} : {}", instr_text(k, ins), ins.dtype);
+        match &node.op {
+            Op::Fused(k) => {
+                for (j, ins) in k.instrs.iter().enumerate() {
+                    let t = instr_text(k, ins, 't', &|a| format!("in{a}"));
+                    let _ = writeln!(s, "  t{j} = {t} : {}", ins.dtype);
+                }
+            }
+            Op::FusedRow(r) => describe_row(&mut s, r),
+            _ => {}
         }
     }
     s
+}
+
+/// The prologue, core and epilogue lines of a row kernel.
+fn describe_row(s: &mut String, r: &RowFusion) {
+    let program = |s: &mut String, k: &FusedKernel, tag: char, input: &dyn Fn(u32) -> String| {
+        for (j, ins) in k.instrs.iter().enumerate() {
+            let t = instr_text(k, ins, tag, input);
+            let _ = writeln!(s, "  {tag}{j} = {t} : {}", ins.dtype);
+        }
+    };
+    let x = match &r.prologue {
+        Some(k) => {
+            program(s, k, 'p', &|a| format!("in{a}"));
+            format!("p{}", k.instrs.len() - 1)
+        }
+        None => "in0".to_string(),
+    };
+    let p = r.prologue_inputs();
+    let mut args = vec![x];
+    args.extend((1..r.core_arity()).map(|i| format!("in{}", p + i - 1)));
+    let _ = writeln!(s, "  row = {}({})", r.core, args.join(", "));
+    if let Some(k) = &r.epilogue {
+        let base = p + r.core_arity() - 1;
+        program(s, k, 'e', &|a| {
+            if a == 0 {
+                "row".to_string()
+            } else {
+                format!("in{}", base + a as usize - 1)
+            }
+        });
+    }
 }

@@ -20,6 +20,7 @@ pub mod attention;
 pub mod collective;
 pub mod conv;
 pub mod elementwise;
+pub mod fused_row;
 pub mod index;
 pub mod init;
 pub mod loss;
@@ -81,6 +82,7 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
         Op::SparseMatmul { .. } | Op::SampledMatmul => sparse::infer(op, inputs),
         Op::CumSum { .. } | Op::TopK { .. } => scan::infer(op, inputs),
         Op::AllReduce { .. } => collective::infer(op, inputs),
+        Op::FusedRow(_) => fused_row::infer(op, inputs),
     }?;
     shape::check_result_limits(op, inputs, &ty)?;
     Ok(ty)
@@ -127,6 +129,7 @@ pub fn eval_cpu(op: &Op, inputs: &[&HostTensor]) -> Result<HostTensor> {
         Op::SparseMatmul { .. } | Op::SampledMatmul => sparse::cpu(op, inputs, &out),
         Op::CumSum { .. } | Op::TopK { .. } => scan::cpu(op, inputs, &out),
         Op::AllReduce { .. } => collective::cpu(op, inputs, &out),
+        Op::FusedRow(_) => fused_row::cpu(op, inputs, &out),
     }
 }
 
@@ -166,5 +169,6 @@ pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
         Op::SparseMatmul { .. } | Op::SampledMatmul => sparse::vjp(cx),
         Op::CumSum { .. } | Op::TopK { .. } => scan::vjp(cx),
         Op::AllReduce { .. } => collective::vjp(cx),
+        Op::FusedRow(_) => fused_row::vjp(cx),
     }
 }

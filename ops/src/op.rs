@@ -336,6 +336,20 @@ pub struct FusedKernel {
     pub out: TensorType,
 }
 
+/// A fused row kernel ([`Op::FusedRow`]): a normalization, softmax or reduction with elementwise
+/// programs fused into its input and its output (see [`crate::fused_row`]).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RowFusion {
+    /// The row op: `Softmax`, `LogSoftmax`, `LayerNorm`, `RmsNorm` or `Reduce`.
+    pub core: Op,
+    /// Computes the core's input from the kernel's first `n_inputs` operands, per input element;
+    /// `None` when operand 0 is the core's input.
+    pub prologue: Option<FusedKernel>,
+    /// Computes the result from the core's result (its input 0) and the kernel's last
+    /// `n_inputs - 1` operands, per output element; `None` when the core's result is the result.
+    pub epilogue: Option<FusedKernel>,
+}
+
 /// The closed set of tensor operations. Attributes are part of the op (floats as bits, axes
 /// normalized to non-negative and sorted), so equal ops compare equal.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -680,6 +694,11 @@ pub enum Op {
         /// Divide the sum by the number of replicas.
         mean: bool,
     },
+
+    // ---- fused (appended after the collectives: variants keep their file tags) ----
+    /// A normalization, softmax or reduction with elementwise producers fused into its input and
+    /// elementwise consumers into its output (made by the fusion pass).
+    FusedRow(#[serde(deserialize_with = "deserialize_fused_row")] Box<RowFusion>),
 }
 
 /// How deeply fused kernels may nest inside each other's programs when deserialized.
@@ -688,6 +707,11 @@ const MAX_FUSED_NESTING: u32 = 8;
 /// Deserializes a fused kernel, refusing kernels nested more than [`MAX_FUSED_NESTING`] deep:
 /// a hostile file could otherwise recurse until the stack overflows.
 fn deserialize_fused<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Box<FusedKernel>, D::Error> {
+    nested(|| FusedKernel::deserialize(d).map(Box::new))
+}
+
+/// Runs `f` one fused level deeper, or fails past [`MAX_FUSED_NESTING`] levels.
+fn nested<T, E: serde::de::Error>(f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
     use std::cell::Cell;
     thread_local!(static DEPTH: Cell<u32> = const { Cell::new(0) });
     struct Guard(u32);
@@ -698,11 +722,19 @@ fn deserialize_fused<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Box<Fused
     }
     let depth = DEPTH.with(|c| c.get());
     if depth >= MAX_FUSED_NESTING {
-        return Err(serde::de::Error::custom("fused kernels nested too deeply"));
+        return Err(E::custom("fused kernels nested too deeply"));
     }
     let _restore = Guard(depth);
     DEPTH.with(|c| c.set(depth + 1));
-    FusedKernel::deserialize(d).map(Box::new)
+    f()
+}
+
+/// Deserializes a fused row kernel under the same nesting limit as [`deserialize_fused`] (its
+/// core and programs hold ops, which could hold fused kernels in turn).
+fn deserialize_fused_row<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Box<RowFusion>, D::Error> {
+    nested(|| RowFusion::deserialize(d).map(Box::new))
 }
 
 impl Op {
@@ -713,7 +745,7 @@ impl Op {
 
     /// Number of [`Op`] variants (a test checks it against the enum; [`Op::samples`] has one
     /// entry per variant).
-    pub const VARIANT_COUNT: usize = 44;
+    pub const VARIANT_COUNT: usize = 45;
 
     /// The position of this op's variant in the enum (0..[`Op::VARIANT_COUNT`]); the exhaustive
     /// match makes a new variant a compile error here, which the tests that cover every variant
@@ -764,6 +796,7 @@ impl Op {
             Op::CumSum { .. } => 41,
             Op::TopK { .. } => 42,
             Op::AllReduce { .. } => 43,
+            Op::FusedRow(_) => 44,
         }
     }
 
@@ -1057,7 +1090,7 @@ impl Op {
                     ],
                     out: x.clone(),
                 })),
-                vec![x, f32t(&[3])],
+                vec![x.clone(), f32t(&[3])],
             ),
             (
                 Op::SparseMatmul {
@@ -1098,6 +1131,50 @@ impl Op {
                 vec![f32t(&[2, 3])],
             ),
             (Op::AllReduce { mean: true }, vec![f32t(&[2, 3])]),
+            (
+                // layer_norm(x + y) · 0.5 + z
+                Op::FusedRow(Box::new(RowFusion {
+                    core: Op::LayerNorm {
+                        eps: f(1e-5),
+                        weight: true,
+                        bias: false,
+                    },
+                    prologue: Some(FusedKernel {
+                        n_inputs: 2,
+                        instrs: vec![FusedInstr {
+                            op: Op::Binary(BinaryOp::Add),
+                            args: vec![0, 1],
+                            dtype: DType::F32,
+                        }],
+                        out: x.clone(),
+                    }),
+                    epilogue: Some(FusedKernel {
+                        n_inputs: 2,
+                        instrs: vec![
+                            FusedInstr {
+                                op: Op::Full {
+                                    value: f(0.5),
+                                    ty: f32t(&[]),
+                                },
+                                args: vec![],
+                                dtype: DType::F32,
+                            },
+                            FusedInstr {
+                                op: Op::Binary(BinaryOp::Mul),
+                                args: vec![0, 2],
+                                dtype: DType::F32,
+                            },
+                            FusedInstr {
+                                op: Op::Binary(BinaryOp::Add),
+                                args: vec![3, 1],
+                                dtype: DType::F32,
+                            },
+                        ],
+                        out: x.clone(),
+                    }),
+                })),
+                vec![x.clone(), f32t(&[3]), f32t(&[3]), x.clone()],
+            ),
         ];
         all.into()
     }

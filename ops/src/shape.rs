@@ -382,6 +382,16 @@ fn check_op_at(top: &Op, op: &Op, depth: usize) -> Result<()> {
             }
             Ok(())
         }
+        Op::FusedRow(r) => {
+            if depth >= MAX_FUSED_DEPTH {
+                return Err(err("fused kernels nested too deeply".into()));
+            }
+            check_op_at(top, &r.core, depth + 1)?;
+            for k in r.prologue.iter().chain(&r.epilogue) {
+                check_op_at(top, &Op::Fused(Box::new(k.clone())), depth + 1)?;
+            }
+            Ok(())
+        }
     }
 }
 

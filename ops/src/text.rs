@@ -32,8 +32,8 @@
 
 use crate::{
     Activation, ArgKind, AttnMask, BinaryOp, Causal, ConvGeom, DType, F64Bits, FusedInstr,
-    FusedKernel, Layout, Op, OpError, PoolKind, ReduceKind, Reduction, Result, Shape, TensorType,
-    UnaryOp,
+    FusedKernel, Layout, Op, OpError, PoolKind, ReduceKind, Reduction, Result, RowFusion, Shape,
+    TensorType, UnaryOp,
 };
 use std::fmt;
 use std::str::FromStr;
@@ -96,6 +96,7 @@ pub fn op_name(op: &Op) -> &'static str {
         Op::CumSum { .. } => "cumsum",
         Op::TopK { .. } => "topk",
         Op::AllReduce { .. } => "all_reduce",
+        Op::FusedRow(_) => "fused_row",
     }
 }
 
@@ -528,6 +529,15 @@ fn attrs_of(op: &Op) -> AttrOut {
             a.flag("largest", *largest);
         }
         Op::AllReduce { mean } => a.flag("mean", *mean),
+        Op::FusedRow(r) => {
+            a.kv("core", &r.core);
+            if let Some(k) = &r.prologue {
+                a.kv("prologue", Op::Fused(Box::new(k.clone())));
+            }
+            if let Some(k) = &r.epilogue {
+                a.kv("epilogue", Op::Fused(Box::new(k.clone())));
+            }
+        }
     }
     a
 }
@@ -986,6 +996,26 @@ fn parse_nested(text: &str, depth: usize) -> PResult<Op> {
             "all_reduce" => Op::AllReduce {
                 mean: a.flag("mean")?,
             },
+            "fused_row" => {
+                let core = parse_nested(a.raw("core")?, depth + 1)?;
+                let mut part = |key: &str| -> PResult<Option<FusedKernel>> {
+                    match a.take(key) {
+                        None => Ok(None),
+                        Some(None) => Err(format!("attribute `{key}` needs a value")),
+                        Some(Some(v)) => match parse_nested(v, depth + 1)? {
+                            Op::Fused(k) => Ok(Some(*k)),
+                            other => Err(format!("`{key}` must be a fused kernel, got `{other}`")),
+                        },
+                    }
+                };
+                let prologue = part("prologue")?;
+                let epilogue = part("epilogue")?;
+                Op::FusedRow(Box::new(RowFusion {
+                    core,
+                    prologue,
+                    epilogue,
+                }))
+            }
             _ => return Err(format!("unknown op `{name}`")),
         }
     };
@@ -1260,6 +1290,23 @@ mod tests {
                 },
             ],
             out: ty(DType::BF16, &[8, 64]),
+        })));
+        ops.push(Op::FusedRow(Box::new(RowFusion {
+            core: Op::Reduce {
+                kind: ReduceKind::Mean,
+                axes: vec![1],
+                keep_dims: true,
+            },
+            prologue: None,
+            epilogue: Some(FusedKernel {
+                n_inputs: 1,
+                instrs: vec![FusedInstr {
+                    op: Op::Unary(UnaryOp::Sqrt),
+                    args: vec![0],
+                    dtype: DType::F32,
+                }],
+                out: ty(DType::F32, &[8, 1]),
+            }),
         })));
         for trans_a in [false, true] {
             ops.push(Op::SparseMatmul {

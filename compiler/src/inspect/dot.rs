@@ -135,7 +135,7 @@ fn kind(op: &Op) -> Kind {
         Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => Kind::Library("loss"),
         Op::SparseMatmul { .. } | Op::SampledMatmul => Kind::Library("sparse"),
         Op::CumSum { .. } | Op::TopK { .. } => Kind::Index,
-        Op::Fused(_) => Kind::Fused,
+        Op::Fused(_) | Op::FusedRow(_) => Kind::Fused,
         Op::AllReduce { .. } => Kind::Library("collective"),
     }
 }

@@ -129,6 +129,7 @@ impl CostModel {
             | Op::CumSum { .. }
             | Op::TopK { .. }
             | Op::AllReduce { .. }
+            | Op::FusedRow(_)
             | Op::Permute { .. }
             | Op::Slice { .. }
             | Op::Concat { .. }
