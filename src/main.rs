@@ -5,6 +5,7 @@
 //! ```text
 //! rustytorch run model.rtg --input x=x.npy --out results/ --device auto --memory-stats
 //! rustytorch run model.rtg --input x=x.npy --anomaly
+//! rustytorch run model.rtg --input x=x.npy --devices cuda:0,cuda:1
 //! rustytorch inspect model.rtg --passes --device cuda
 //! rustytorch inspect model.rtg --svg -o model.svg
 //! rustytorch profile model.rtg --input x=x.npy --runs 20
@@ -52,6 +53,11 @@ enum Command {
         /// win, else `cuda:0` when one is usable).
         #[arg(short, long, default_value = "cpu")]
         device: String,
+        /// Data-parallel: one replica per listed device (`cpu,cpu` or `cuda:0,cuda:1`, all of one
+        /// kind), each running an equal share of the batch (every input split along its first
+        /// dim); the outputs are the replicas' outputs concatenated along their first dim.
+        #[arg(long, value_name = "LIST", conflicts_with = "device")]
+        devices: Option<String>,
         /// Also print the optimized IR.
         #[arg(short, long)]
         print: bool,
@@ -139,20 +145,24 @@ fn main() -> ExitCode {
             inputs,
             out,
             device,
+            devices,
             print,
             memory_stats,
             anomaly,
             trace,
-        } => run(
-            &graph,
-            &inputs,
-            &out,
-            &device,
-            print,
-            memory_stats,
-            anomaly,
-            trace.as_deref(),
-        ),
+        } => match devices {
+            Some(list) => run_parallel(&graph, &inputs, &out, &list, anomaly),
+            None => run(
+                &graph,
+                &inputs,
+                &out,
+                &device,
+                print,
+                memory_stats,
+                anomaly,
+                trace.as_deref(),
+            ),
+        },
         Command::Inspect {
             graph,
             passes,
@@ -437,13 +447,7 @@ fn run(
     if graph.has_named_dims() {
         println!("named dims: {}", exe.current_dims());
     }
-    std::fs::create_dir_all(out).map_err(|e| Failure(format!("{}: {e}", out.display())))?;
-    let stems = file_stems(outs.names().iter().map(|n| n.as_str()));
-    for ((name, t), stem) in outs.iter().zip(stems) {
-        let path = out.join(format!("{stem}.npy"));
-        npy::write_npy(&path, t)?;
-        println!("{}  -> {}", summary(name, t), path.display());
-    }
+    write_outputs(out, outs.iter())?;
     if memory_stats {
         cli_observe::print_memory_report(&exe);
         match exe.memory_stats() {
@@ -460,6 +464,72 @@ fn run(
         );
     }
     Ok(())
+}
+
+/// Writes each output as `<out>/<stem>.npy` and prints a summary line per output.
+fn write_outputs<'a>(out: &Path, outs: impl Iterator<Item = (&'a str, &'a HostTensor)>) -> Res<()> {
+    std::fs::create_dir_all(out).map_err(|e| Failure(format!("{}: {e}", out.display())))?;
+    let outs: Vec<(&str, &HostTensor)> = outs.collect();
+    let stems = file_stems(outs.iter().map(|(n, _)| *n));
+    for ((name, t), stem) in outs.into_iter().zip(stems) {
+        let path = out.join(format!("{stem}.npy"));
+        npy::write_npy(&path, t)?;
+        println!("{}  -> {}", summary(name, t), path.display());
+    }
+    Ok(())
+}
+
+/// `run --devices LIST`: the inference graph data-parallel, one replica per listed device, each
+/// on its shard of every input; each output the replicas' outputs concatenated along dim 0.
+fn run_parallel(
+    graph_path: &Path,
+    args: &[String],
+    out: &Path,
+    list: &str,
+    anomaly: bool,
+) -> Res<()> {
+    let devices = rustytorch::parallel::parse_devices(list)?;
+    let graph = if onnx_cli::is_onnx(graph_path) {
+        onnx_cli::import_for_run(graph_path, args)?
+    } else {
+        load_graph(graph_path)?
+    };
+    if graph.outputs.is_empty() {
+        return fail(format!(
+            "{}: the graph declares no outputs; nothing to run",
+            graph_path.display()
+        ));
+    }
+    if !graph.has_named_dims() {
+        return fail(format!(
+            "{}: --devices runs each replica on a shard of the batch, which needs a named batch \
+             dim (this graph's shapes are fixed); run it with --device",
+            graph_path.display()
+        ));
+    }
+    let inputs = read_inputs(&graph, args)?;
+    let mut opts = CompileOptions::inference();
+    opts.anomaly |= anomaly;
+    let mut dp = rustytorch::parallel::DataParallel::new(&graph, &devices, &opts)?;
+    println!("data-parallel over {list}: {} replicas", dp.world());
+    let named: Vec<(&str, HostTensor)> = inputs
+        .iter()
+        .map(|(n, t)| (n.as_str(), t.clone()))
+        .collect();
+    let outs = dp.run(&named)?;
+    let mut gathered = Vec::with_capacity(outs[0].len());
+    for (i, name) in outs[0].names().iter().enumerate() {
+        let parts: Vec<&HostTensor> = outs.iter().map(|o| &o[i]).collect();
+        if parts[0].shape().dims().is_empty() {
+            return fail(format!(
+                "output `{name}` is a scalar: --devices splits every input along its first dim \
+                 and concatenates the outputs along theirs; run this graph with --device"
+            ));
+        }
+        let op = rustytorch::ops::Op::Concat { axis: 0 };
+        gathered.push((name.as_str(), rustytorch::ops::eval_cpu(&op, &parts)?));
+    }
+    write_outputs(out, gathered.iter().map(|(n, t)| (*n, t)))
 }
 
 /// Tensors with more elements than this print as `[... N values]` in `inspect`.

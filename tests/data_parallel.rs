@@ -1,11 +1,12 @@
 //! Data parallelism on host replicas: two replicas on half batches train to the parameters of one
 //! replica on the whole batch, stay bitwise equal to each other, skip a step together when one
 //! of them sees a NaN, and bucket their gradients without changing the result; plus the
-//! bucketing plan, sharding and the device-list parsing.
+//! bucketing plan, sharding and the device-list parsing; the errors of CUDA lists on a machine
+//! without GPUs, and the multi-process environment and unique-id exchange (no GPU needed).
 
 use rustytorch::compiler::{grad_buckets, GradSync};
 use rustytorch::ops::testing::rand_tensor;
-use rustytorch::parallel::{parse_devices, shard, DataParallel};
+use rustytorch::parallel::{exchange_id, parse_devices, shard, DataParallel, DistEnv};
 use rustytorch::prelude::*;
 
 const STEPS: usize = 6;
@@ -285,17 +286,377 @@ fn device_lists_parse() {
         parse_devices("cuda:0, cuda:1").unwrap(),
         vec![Device::Cuda(0), Device::Cuda(1)]
     );
-    for bad in ["cuda:0,cuda:0", "cpu,tpu", "auto", ""] {
+    for bad in [
+        "cuda:0,cuda:0",
+        "cpu,tpu",
+        "auto",
+        "",
+        "cpu,cuda:0",
+        "cuda:1,cpu",
+    ] {
         assert!(parse_devices(bad).is_err(), "{bad}");
     }
-    // CUDA replicas are refused with a clear error (their sessions cannot exchange yet).
+    let e = parse_devices("cpu,cuda:1").unwrap_err().to_string();
+    assert!(e.contains("all on the cpu or all on CUDA"), "{e}");
+}
+
+fn cuda() -> bool {
+    std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
+}
+
+#[test]
+fn cuda_lists_without_gpus_are_clear_errors() {
+    let graph = mlp_step(4, Some(GradSync::default()));
+    // Mixed lists are refused before anything is opened.
     let e = DataParallel::new(
-        &mlp_step(4, Some(GradSync::default())),
+        &graph,
+        &[Device::Cpu, Device::Cuda(0)],
+        &CompileOptions::default(),
+    )
+    .err()
+    .expect("refused")
+    .to_string();
+    assert!(
+        e.contains("cpu, cuda:0") && e.contains("not a CUDA device"),
+        "{e}"
+    );
+    let e = DataParallel::new(
+        &graph,
+        &[Device::Cuda(1), Device::Cuda(1)],
+        &CompileOptions::default(),
+    )
+    .err()
+    .expect("refused")
+    .to_string();
+    assert!(e.contains("listed twice"), "{e}");
+    if cuda() {
+        return; // the GPU half lives in tests/device_data_parallel.rs
+    }
+    // Without a GPU (or without a driver): the error names the devices and says why.
+    let e = DataParallel::new(
+        &graph,
         &[Device::Cuda(0), Device::Cuda(1)],
         &CompileOptions::default(),
     )
     .err()
     .expect("refused")
     .to_string();
-    assert!(e.contains("cpu"), "{e}");
+    println!("{e}");
+    assert!(e.contains("cuda:0, cuda:1"), "{e}");
+    assert!(e.contains("CUDA"), "{e}");
+    // The same from the environment of a multi-process launch.
+    let e = DataParallel::from_env(&graph, &CompileOptions::default())
+        .err()
+        .expect("refused")
+        .to_string();
+    println!("{e}");
+    assert!(e.contains("RANK") || e.contains("CUDA"), "{e}");
+}
+
+/// The variables of `pairs` as the environment.
+fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    let map: std::collections::HashMap<String, String> = pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    move |k| map.get(k).cloned()
+}
+
+#[test]
+fn the_distributed_environment_parses_like_torchrun_sets_it() {
+    let env = DistEnv::parse(env_of(&[
+        ("RANK", "3"),
+        ("WORLD_SIZE", "4"),
+        ("LOCAL_RANK", "1"),
+        ("RUSTYTORCH_NCCL_ID_FILE", "/shared/job7/nccl.id"),
+    ]))
+    .unwrap();
+    assert_eq!((env.rank, env.world, env.local_rank), (3, 4, 1), "{env:?}");
+    assert_eq!(
+        env.id_file.as_deref(),
+        Some(std::path::Path::new("/shared/job7/nccl.id"))
+    );
+    assert_eq!(env.id, None);
+    assert_eq!(env.timeout, std::time::Duration::from_secs(300));
+    // The id given directly, and a timeout.
+    let hex: String = (0..128).map(|i| format!("{:02x}", (i * 5) % 256)).collect();
+    let env = DistEnv::parse(env_of(&[
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("LOCAL_RANK", "0"),
+        ("RUSTYTORCH_NCCL_ID", &hex),
+        ("RUSTYTORCH_NCCL_ID_TIMEOUT", "2.5"),
+    ]))
+    .unwrap();
+    assert_eq!(env.id.as_deref(), Some(hex.as_str()));
+    assert_eq!(env.timeout, std::time::Duration::from_millis(2500));
+    // A world of one needs no id.
+    assert!(DistEnv::parse(env_of(&[
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_RANK", "0")
+    ]))
+    .is_ok());
+    // Each mistake names the variable.
+    let cases: [(&[(&str, &str)], &str); 7] = [
+        (
+            &[("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")],
+            "RANK is not set",
+        ),
+        (
+            &[("RANK", "0"), ("LOCAL_RANK", "0")],
+            "WORLD_SIZE is not set",
+        ),
+        (
+            &[("RANK", "x"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")],
+            "RANK=x",
+        ),
+        (
+            &[("RANK", "2"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")],
+            "below the world size",
+        ),
+        (
+            &[("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")],
+            "RUSTYTORCH_NCCL_ID_FILE",
+        ),
+        (
+            &[
+                ("RANK", "1"),
+                ("WORLD_SIZE", "2"),
+                ("LOCAL_RANK", "0"),
+                ("RUSTYTORCH_NCCL_ID", "12ab"),
+            ],
+            "unique id",
+        ),
+        (
+            &[
+                ("RANK", "1"),
+                ("WORLD_SIZE", "2"),
+                ("LOCAL_RANK", "0"),
+                ("RUSTYTORCH_NCCL_ID_FILE", "f"),
+                ("RUSTYTORCH_NCCL_ID_TIMEOUT", "-1"),
+            ],
+            "RUSTYTORCH_NCCL_ID_TIMEOUT=-1",
+        ),
+    ];
+    for (vars, want) in cases {
+        let e = DistEnv::parse(env_of(vars)).unwrap_err().to_string();
+        assert!(e.contains(want), "{vars:?}: {e}");
+    }
+}
+
+/// A fresh empty folder for one test.
+fn scratch_dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("rt-dp-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn env_for(rank: usize, world: usize, file: &std::path::Path, timeout: &str) -> DistEnv {
+    DistEnv::parse(env_of(&[
+        ("RANK", &rank.to_string()),
+        ("WORLD_SIZE", &world.to_string()),
+        ("LOCAL_RANK", "0"),
+        ("RUSTYTORCH_NCCL_ID_FILE", file.to_str().unwrap()),
+        ("RUSTYTORCH_NCCL_ID_TIMEOUT", timeout),
+    ]))
+    .unwrap()
+}
+
+#[test]
+fn rank_zero_hands_the_id_to_the_others_through_a_file() {
+    let dir = scratch_dir("handoff");
+    let file = dir.join("nccl.id");
+    let hex: String = (0..128)
+        .map(|i| format!("{:02x}", (i * 3 + 1) % 256))
+        .collect();
+    // Ranks 1 and 2 start waiting before rank 0 writes.
+    let got: Vec<String> = std::thread::scope(|s| {
+        let waiters: Vec<_> = (1..3)
+            .map(|r| {
+                let env = env_for(r, 3, &file, "20");
+                s.spawn(move || exchange_id(&env, || panic!("only rank 0 makes the id")).unwrap())
+            })
+            .collect();
+        std::thread::sleep(std::time::Duration::from_millis(150));
+        let env = env_for(0, 3, &file, "20");
+        let made = exchange_id(&env, || Ok(hex.clone())).unwrap();
+        let mut got = vec![made];
+        got.extend(waiters.into_iter().map(|h| h.join().unwrap()));
+        got
+    });
+    assert_eq!(got, vec![hex.clone(); 3]);
+    // No temporary file is left behind.
+    let names: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+    assert_eq!(names.len(), 1, "{names:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_missing_or_stale_id_file_times_out_with_a_clear_error() {
+    let dir = scratch_dir("stale");
+    let file = dir.join("nccl.id");
+    let env = env_for(1, 2, &file, "0.3");
+    let e = exchange_id(&env, || unreachable!())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rank 1 of 2") && e.contains("nccl.id") && e.contains("rank 0"),
+        "{e}"
+    );
+    // A file left by an earlier run (written long ago) is not taken.
+    let hex: String = (0..128).map(|i| format!("{:02x}", i)).collect();
+    std::fs::write(&file, &hex).unwrap();
+    let old = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    std::fs::File::options()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_modified(old)
+        .unwrap();
+    assert!(exchange_id(&env, || unreachable!()).is_err());
+    // A file of garbage is waited past too.
+    std::fs::write(&file, "not an id").unwrap();
+    assert!(exchange_id(&env, || unreachable!()).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Runs the `rustytorch` binary with these arguments: (success, stdout, stderr).
+fn cli(args: &[&str]) -> (bool, String, String) {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_rustytorch"))
+        .args(args)
+        .output()
+        .expect("the rustytorch binary runs");
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn the_runner_splits_a_batch_over_devices() {
+    use rustytorch::compiler::format::{self, ParamStorage};
+    let dir = scratch_dir("runner");
+    // An MLP over a named batch (built at 6), with a scalar output in a second graph.
+    let g = GraphBuilder::new();
+    let x = g.input_dims("x", DType::F32, &[g.dim("batch", 6), 5.into()]);
+    let w = g.param(
+        "w",
+        [5, 4],
+        Init::Uniform {
+            low: -1.0,
+            high: 1.0,
+            seed: 3,
+        },
+    );
+    g.output("y", &x.matmul(&w).tanh());
+    let graph = g.graph().unwrap();
+    let path = dir.join("mlp.rtg");
+    format::save(&graph, &path, ParamStorage::Embedded).unwrap();
+    let xs = rand_tensor(&TensorType::new(DType::F32, [6, 5]), 8, -2.0, 2.0);
+    let x_path = dir.join("x.npy");
+    rustytorch::npy::write_npy(&x_path, &xs).unwrap();
+    let input = format!("x={}", x_path.display());
+    let (one_dir, two_dir) = (dir.join("one"), dir.join("two"));
+    let p = path.to_str().unwrap();
+    let (ok1, _, e1) = cli(&["run", p, "-i", &input, "--out", one_dir.to_str().unwrap()]);
+    assert!(ok1, "{e1}");
+    let (ok2, out2, e2) = cli(&[
+        "run",
+        p,
+        "-i",
+        &input,
+        "--out",
+        two_dir.to_str().unwrap(),
+        "--devices",
+        "cpu,cpu",
+    ]);
+    assert!(ok2, "{e2}");
+    assert!(out2.contains("2 replicas"), "{out2}");
+    let one = rustytorch::npy::read_npy(&one_dir.join("y.npy")).unwrap();
+    let two = rustytorch::npy::read_npy(&two_dir.join("y.npy")).unwrap();
+    assert_eq!(two.shape().dims(), &[6, 4]);
+    // Against a float64 reference of tanh(x·w).
+    let (xv, wv) = (
+        xs.to_f64_vec(),
+        compile_graph(&graph, Device::Cpu, &CompileOptions::inference())
+            .unwrap()
+            .param("w")
+            .unwrap()
+            .to_f64_vec(),
+    );
+    let want: Vec<f64> = (0..6)
+        .flat_map(|i| {
+            let (xv, wv) = (&xv, &wv);
+            (0..4).map(move |j| {
+                (0..5)
+                    .map(|k| xv[i * 5 + k] * wv[k * 4 + j])
+                    .sum::<f64>()
+                    .tanh()
+            })
+        })
+        .collect();
+    for (a, b) in two.to_f64_vec().iter().zip(&want) {
+        assert!((a - b).abs() <= 1e-5, "{a} vs {b}");
+    }
+    assert_eq!(one.to_f64_vec(), two.to_f64_vec());
+    // A batch that does not split, a mixed list, a scalar output and --device with --devices
+    // are clear errors.
+    let (ok, _, e) = cli(&["run", p, "-i", &input, "--devices", "cpu,cpu,cpu,cpu"]);
+    assert!(
+        !ok && e.contains("4 equal shards") && !e.contains("panicked"),
+        "{e}"
+    );
+    let (ok, _, e) = cli(&["run", p, "-i", &input, "--devices", "cpu,cuda:0"]);
+    assert!(!ok && e.contains("all on the cpu or all on CUDA"), "{e}");
+    let (ok, _, e) = cli(&[
+        "run",
+        p,
+        "-i",
+        &input,
+        "--devices",
+        "cpu,cpu",
+        "--device",
+        "cpu",
+    ]);
+    assert!(!ok && e.contains("--device"), "{e}");
+    let g = GraphBuilder::new();
+    let x = g.input_dims("x", DType::F32, &[g.dim("batch", 6), 5.into()]);
+    g.output("s", &x.mean_all());
+    let spath = dir.join("scalar.rtg");
+    format::save(&g.graph().unwrap(), &spath, ParamStorage::Embedded).unwrap();
+    let (ok, _, e) = cli(&[
+        "run",
+        spath.to_str().unwrap(),
+        "-i",
+        &input,
+        "--devices",
+        "cpu,cpu",
+    ]);
+    assert!(!ok && e.contains("`s` is a scalar"), "{e}");
+    // A graph of fixed shapes cannot run shards.
+    let g = GraphBuilder::new();
+    let x = g.input("x", DType::F32, [6, 5]);
+    g.output("y", &x.tanh());
+    let fpath = dir.join("fixed.rtg");
+    format::save(&g.graph().unwrap(), &fpath, ParamStorage::Embedded).unwrap();
+    let (ok, _, e) = cli(&[
+        "run",
+        fpath.to_str().unwrap(),
+        "-i",
+        &input,
+        "--devices",
+        "cpu,cpu",
+    ]);
+    assert!(!ok && e.contains("named batch dim"), "{e}");
+    if !cuda() {
+        let (ok, _, e) = cli(&["run", p, "-i", &input, "--devices", "cuda:0,cuda:1"]);
+        assert!(
+            !ok && e.contains("cuda:0, cuda:1") && !e.contains("panicked"),
+            "{e}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

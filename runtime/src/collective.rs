@@ -9,6 +9,10 @@
 //! dtype), and all take the same result, so replicas stay bitwise equal. A rank that fails
 //! aborts the group ([`Communicator::abort`]): the others' waits return an error instead of
 //! waiting forever.
+//!
+//! CUDA replicas use [`crate::cuda::nccl::NcclRank`] instead: the same trait (its host-tensor
+//! collectives stage through device memory), plus [`Communicator::nccl`], through which a CUDA
+//! session runs its `all_reduce` steps on device buffers without a host round trip.
 
 use crate::{Result, RuntimeError};
 use rustytorch_ops::HostTensor;
@@ -28,6 +32,11 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     fn broadcast(&self, t: &HostTensor, root: usize) -> Result<HostTensor>;
     /// Marks the group failed: pending and later collectives of every rank return an error.
     fn abort(&self, why: &str);
+    /// This rank's NCCL communicator, for a CUDA session to reduce its device buffers in place
+    /// (None for groups on the host).
+    fn nccl(&self) -> Option<&crate::cuda::nccl::NcclRank> {
+        None
+    }
 }
 
 /// A group of ranks in this process exchanging host tensors (see the module docs).

@@ -97,6 +97,13 @@ pub enum CudaStep {
     /// Nothing to run: the output aliases its operand's bytes (a reshape placed as an alias by
     /// the memory plan).
     Alias,
+    /// `all_reduce` of the operand into the output: an NCCL all-reduce over the group the
+    /// session joined (the mean through NCCL's average when `mean`), or a device copy when it
+    /// runs alone (a group of one).
+    AllReduce {
+        /// Divide the sum by the number of ranks.
+        mean: bool,
+    },
 }
 
 /// One part of a [`Composite`] step.
@@ -244,12 +251,13 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         Op::Attention { .. } => attention::lower(op, inputs, out).map(CudaStep::Kernels),
         Op::SparseMatmul { .. } => sparse::lower_spmm(op, inputs, out).map(CudaStep::Spmm),
         Op::SampledMatmul => sparse::lower_sddmm(op, inputs, out).map(CudaStep::Kernels),
-        Op::AllReduce { .. } => Err(CodegenError::Unsupported {
-            op: op.name(),
-            device: "cuda",
-            reason: "data-parallel groups run on the CPU only; CUDA sessions do not join a \
-                     collective yet"
-                .into(),
-        }),
+        // The runtime runs it through the session's communicator (shape and dtype were
+        // checked by the op's inference: a floating-point tensor, the output of its type).
+        Op::AllReduce { mean } if inputs.len() == 1 && inputs[0] == out => {
+            Ok(CudaStep::AllReduce { mean: *mean })
+        }
+        Op::AllReduce { .. } => Err(CodegenError::Invalid(format!(
+            "all_reduce: operands {inputs:?} for a result of type {out}"
+        ))),
     }
 }

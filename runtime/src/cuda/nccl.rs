@@ -6,16 +6,23 @@
 //! per local rank on that device's stream, inside one group (one thread drives every device), and
 //! returns: the operations are ordered with everything else on those streams (a later
 //! [`DeviceTensor::to_host`] sees the result); [`Collective::synchronize`] waits for them.
+//!
+//! [`NcclRank`] is one rank of such a group, driven by its own thread: the communicator a CUDA
+//! session joins ([`crate::Session::join`]) so that its plan's `all_reduce` steps reduce device
+//! buffers in place on the session's stream ([`NcclRank::group`] for the devices of one process,
+//! [`NcclRank::from_rank`] for one process of many). One thread per rank issuing its own calls is
+//! NCCL's "one device per thread" model: no NCCL group is needed, and each communicator is used
+//! by one thread at a time (a lock per communicator guards the enqueue).
 
 use super::session::{dtoh, htod};
 use super::GpuDevice;
 use crate::pool::Block;
-use crate::{Result, RuntimeError};
+use crate::{Communicator, Result, RuntimeError};
 use cudarc::nccl::result as nr;
 use cudarc::nccl::sys as ns;
 use rustytorch_ops::{DType, HostTensor, TensorType};
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// A dense tensor in one CUDA device's memory (a block of its memory pool).
 pub struct DeviceTensor {
@@ -185,10 +192,22 @@ impl UniqueId {
 pub struct Collective {
     comms: Vec<ns::ncclComm_t>,
     devs: Vec<Arc<GpuDevice>>,
+    /// One lock per communicator, held while a call is enqueued on it (NCCL allows a
+    /// communicator on any thread, one at a time).
+    locks: Vec<Mutex<()>>,
     /// The first local rank's number in the group (0 for a single-process group).
     first_rank: usize,
     world: usize,
+    /// Why the group was aborted ([`Communicator::abort`] on one of its [`NcclRank`]s).
+    aborted: Mutex<Option<String>>,
 }
+
+// SAFETY: the communicators are plain NCCL handles owned by this value and destroyed once, in
+// Drop; every call on one happens with its lock held, so no two threads use a communicator at
+// the same time (NCCL's rule), and the device handles are shared `GpuDevice`s.
+unsafe impl Send for Collective {}
+// SAFETY: as above: shared access goes through the per-communicator locks.
+unsafe impl Sync for Collective {}
 
 impl std::fmt::Debug for Collective {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -239,10 +258,12 @@ impl Collective {
         unsafe { nr::comm_init_all(comms.as_mut_ptr(), list.len() as i32, list.as_ptr()) }
             .map_err(nerr("init"))?;
         Ok(Collective {
+            locks: comms.iter().map(|_| Mutex::new(())).collect(),
             comms,
             devs,
             first_rank: 0,
             world: ordinals.len(),
+            aborted: Mutex::new(None),
         })
     }
 
@@ -270,8 +291,10 @@ impl Collective {
         Ok(Collective {
             comms: vec![comm],
             devs: vec![dev],
+            locks: vec![Mutex::new(())],
             first_rank: rank,
             world,
+            aborted: Mutex::new(None),
         })
     }
 
@@ -321,6 +344,8 @@ impl Collective {
             ns::cudaStream_t,
         ) -> std::result::Result<nr::NcclStatus, nr::NcclError>,
     ) -> Result<()> {
+        self.check_live()?;
+        let _held: Vec<_> = self.locks.iter().map(lock).collect();
         nr::group_start().map_err(nerr(what))?;
         let mut first_err = None;
         for (i, (c, d)) in self.comms.iter().zip(&self.devs).enumerate() {
@@ -338,6 +363,16 @@ impl Collective {
         }
         end?;
         Ok(())
+    }
+
+    /// An error once the group was aborted.
+    fn check_live(&self) -> Result<()> {
+        match &*lock(&self.aborted) {
+            Some(why) => Err(RuntimeError::Invalid(format!(
+                "the data-parallel group was aborted: {why}"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Waits until every operation enqueued on the local devices' streams has finished.
@@ -477,5 +512,212 @@ fn same_shapes(what: &str, ts: &[&DeviceTensor]) -> Result<()> {
             ts[0]
         ))),
         None => Ok(()),
+    }
+}
+
+/// Locks `m`, taking the value of a poisoned lock (the guarded values are plain flags).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One rank of an NCCL group, on one CUDA device, driven by one thread (see the module docs):
+/// the [`Communicator`] a CUDA session joins to run its `all_reduce` steps on device buffers.
+///
+/// Its host-tensor collectives ([`Communicator::all_reduce`], [`Communicator::broadcast`]) stage
+/// the tensor through device memory (for start-up work such as broadcasting the parameters);
+/// every rank must call them at the same time, each from its own thread.
+pub struct NcclRank {
+    group: Arc<Collective>,
+    /// This rank's index among the group's local communicators.
+    local: usize,
+}
+
+impl std::fmt::Debug for NcclRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "NcclRank({} of {} on cuda:{})",
+            self.rank(),
+            self.group.world,
+            self.ordinal()
+        )
+    }
+}
+
+impl NcclRank {
+    /// One rank per device of `ordinals`, all in this process (rank i on `ordinals[i]`), from one
+    /// `ncclCommInitAll`. Each rank is then driven by its own thread.
+    pub fn group(ordinals: &[usize]) -> Result<Vec<Arc<NcclRank>>> {
+        let group = Arc::new(Collective::new(ordinals)?);
+        Ok((0..ordinals.len())
+            .map(|local| {
+                Arc::new(NcclRank {
+                    group: group.clone(),
+                    local,
+                })
+            })
+            .collect())
+    }
+
+    /// Rank `rank` of a group of `world` processes, on device `ordinal`, joined through `id`
+    /// (every process passes the same; returns once all have joined).
+    pub fn from_rank(
+        ordinal: usize,
+        rank: usize,
+        world: usize,
+        id: &UniqueId,
+    ) -> Result<Arc<NcclRank>> {
+        Ok(Arc::new(NcclRank {
+            group: Arc::new(Collective::from_rank(ordinal, rank, world, id)?),
+            local: 0,
+        }))
+    }
+
+    /// The CUDA device ordinal of this rank.
+    pub fn ordinal(&self) -> usize {
+        self.group.devs[self.local].ordinal
+    }
+
+    /// Enqueues `call(communicator, stream)` on this rank's communicator and device stream.
+    fn enqueue(
+        &self,
+        what: &str,
+        stream: ns::cudaStream_t,
+        call: impl FnOnce(
+            ns::ncclComm_t,
+            ns::cudaStream_t,
+        ) -> std::result::Result<nr::NcclStatus, nr::NcclError>,
+    ) -> Result<()> {
+        self.group.check_live()?;
+        let _held = lock(&self.group.locks[self.local]);
+        call(self.group.comms[self.local], stream).map_err(nerr(what))?;
+        Ok(())
+    }
+
+    /// Enqueues the all-reduce of `ty.numel()` elements of type `ty` from device address `send`
+    /// into `recv` (the same address for in place) on `stream`, a stream of this rank's device
+    /// whose context is current. With `mean`, NCCL's average (`ncclAvg`: for floating-point
+    /// types the inputs are scaled by 1/world and summed, one pass, and every rank receives the
+    /// same bits); else the sum.
+    ///
+    /// # Safety
+    /// `send` and `recv` must address live device memory of `ty.size_bytes()` bytes on this
+    /// rank's device, left untouched by other work until the operation completes on `stream`.
+    pub unsafe fn all_reduce_raw(
+        &self,
+        send: u64,
+        recv: u64,
+        ty: &TensorType,
+        mean: bool,
+        stream: u64,
+    ) -> Result<()> {
+        let dt = nccl_type(ty.dtype)?;
+        let op = if mean { ReduceOp::Mean } else { ReduceOp::Sum };
+        let n = ty.shape.numel();
+        self.enqueue("all_reduce", stream as ns::cudaStream_t, |c, s| {
+            // SAFETY: the caller guarantees both buffers (see the function's contract).
+            unsafe {
+                nr::all_reduce(
+                    send as *const c_void,
+                    recv as *mut c_void,
+                    n,
+                    dt,
+                    op.nccl(),
+                    c,
+                    s,
+                )
+            }
+        })
+    }
+
+    /// `t` staged on this rank's device, `op` run over it in place, and the result read back.
+    fn staged(
+        &self,
+        t: &HostTensor,
+        what: &str,
+        op: impl FnOnce(ns::ncclComm_t, ns::cudaStream_t, u64, usize, ns::ncclDataType_t) -> NcclCall,
+    ) -> Result<HostTensor> {
+        self.group.check_live()?;
+        let dt = nccl_type(t.dtype())?;
+        let buf = DeviceTensor::upload(self.ordinal(), t)?;
+        let dev = &self.group.devs[self.local];
+        let (addr, n) = (buf.addr(), t.ty().shape.numel());
+        self.enqueue(what, dev.stream.cu_stream() as ns::cudaStream_t, |c, s| {
+            op(c, s, addr, n, dt)
+        })?;
+        buf.to_host()
+    }
+}
+
+/// The result of one raw NCCL call.
+type NcclCall = std::result::Result<nr::NcclStatus, nr::NcclError>;
+
+impl Communicator for NcclRank {
+    fn rank(&self) -> usize {
+        self.group.first_rank + self.local
+    }
+
+    fn world(&self) -> usize {
+        self.group.world
+    }
+
+    fn all_reduce(&self, t: &HostTensor, mean: bool) -> Result<HostTensor> {
+        if !t.dtype().is_float() {
+            return Err(RuntimeError::Invalid(format!(
+                "all_reduce takes floating-point tensors, got {}",
+                t.ty()
+            )));
+        }
+        let op = if mean { ReduceOp::Mean } else { ReduceOp::Sum };
+        self.staged(t, "all_reduce", |c, s, addr, n, dt| {
+            // SAFETY: in place over the staging buffer of `n` elements of `dt`, freed only
+            // after the stream synchronized (in `to_host`).
+            unsafe {
+                nr::all_reduce(
+                    addr as *const c_void,
+                    addr as *mut c_void,
+                    n,
+                    dt,
+                    op.nccl(),
+                    c,
+                    s,
+                )
+            }
+        })
+    }
+
+    fn broadcast(&self, t: &HostTensor, root: usize) -> Result<HostTensor> {
+        if root >= self.group.world {
+            return Err(RuntimeError::Invalid(format!(
+                "broadcast from rank {root} in a group of {}",
+                self.group.world
+            )));
+        }
+        self.staged(t, "broadcast", |c, s, addr, n, dt| {
+            // SAFETY: in place over the staging buffer of `n` elements of `dt`, freed only
+            // after the stream synchronized (in `to_host`).
+            unsafe {
+                nr::broadcast(
+                    addr as *const c_void,
+                    addr as *mut c_void,
+                    n,
+                    dt,
+                    root as i32,
+                    c,
+                    s,
+                )
+            }
+        })
+    }
+
+    /// Marks the group failed: later collectives of every local rank return an error without
+    /// calling NCCL. A collective a rank is already waiting in is not interrupted (NCCL ends
+    /// one only by destroying its communicator).
+    fn abort(&self, why: &str) {
+        lock(&self.group.aborted).get_or_insert_with(|| why.to_string());
+    }
+
+    fn nccl(&self) -> Option<&NcclRank> {
+        Some(self)
     }
 }

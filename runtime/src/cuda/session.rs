@@ -9,7 +9,8 @@ use crate::device::{DeviceInput, DeviceMemory, DeviceOutput, DeviceRunOutput, Io
 use crate::pool::Block;
 use crate::timing::{StepClock, StepTime, StepTimes};
 use crate::{
-    check_param_type, Device, MemoryStats, Result, RunOutput, RuntimeError, Session, TransferStats,
+    check_param_type, Communicator, Device, MemoryStats, Result, RunOutput, RuntimeError, Session,
+    TransferStats,
 };
 use cudarc::driver::sys::{self as ds, CUstream};
 use cudarc::driver::{result as dr, CudaFunction};
@@ -64,6 +65,14 @@ enum Exec {
     Spmm(SpmmCall),
     /// GEMMs and launches in order (see `Composite`).
     Composite(Vec<ExecPart>),
+    /// `all_reduce` from `src` into `dst` (addresses and values) over the joined group, or a
+    /// copy when the session runs alone.
+    AllReduce {
+        mean: bool,
+        src: (u64, Option<usize>),
+        dst: (u64, Option<usize>),
+        ty: TensorType,
+    },
     Nothing,
 }
 
@@ -187,6 +196,9 @@ pub struct CudaSession {
     events: Events,
     /// The step times of the last timed run.
     last_times: Option<StepTimes>,
+    /// The data-parallel group its `all_reduce` steps reduce over (an NCCL rank on this
+    /// device); None: a group of one, where they copy.
+    group: Option<Arc<dyn Communicator>>,
 }
 
 /// Timing events of a session.
@@ -398,6 +410,7 @@ impl CudaSession {
             step_timing: false,
             events: Events(Vec::new()),
             last_times: None,
+            group: None,
         };
         // Buffers: arena, inputs, parameters, constants, scratch. On error, Drop frees them.
         let arena = s.alloc(plan.arena_bytes)?;
@@ -465,7 +478,7 @@ impl CudaSession {
                         d.desc.staging_bytes
                     }
                 }
-                CudaStep::Alias => 0,
+                CudaStep::Alias | CudaStep::AllReduce { .. } => 0,
             });
         }
         let scratch = s.alloc(scratch_bytes)?;
@@ -486,7 +499,7 @@ impl CudaSession {
                         Part::Gemm { .. } => None,
                     })
                     .collect(),
-                CudaStep::Spmm(_) | CudaStep::Alias => vec![],
+                CudaStep::Spmm(_) | CudaStep::Alias | CudaStep::AllReduce { .. } => vec![],
             };
             for l in ks {
                 sources.push((l.kernel.name.clone(), source(&l.kernel)?));
@@ -602,6 +615,12 @@ impl CudaSession {
                     Exec::Composite(parts)
                 }
                 CudaStep::Alias => Exec::Nothing,
+                CudaStep::AllReduce { mean } => Exec::AllReduce {
+                    mean,
+                    src: at_val(ArgRef::Input(0)),
+                    dst: at_val(ArgRef::Output),
+                    ty: plan.types[step.output].clone(),
+                },
             };
             s.exec.push((i, e));
         }
@@ -782,6 +801,32 @@ impl CudaSession {
                         .map_err(|e| {
                             RuntimeError::Device(format!("step {i} (sparse_matmul): {e}"))
                         })?;
+                }
+                Exec::AllReduce { mean, src, dst, ty } => {
+                    let (src, dst) = (pick(src.0, src.1, io), pick(dst.0, dst.1, io));
+                    match self.group.as_ref().and_then(|g| g.nccl()) {
+                        Some(rank) => {
+                            // SAFETY: both addresses are live buffers of `ty` on this device (the
+                            // operand's and the result's, resolved like a kernel's arguments),
+                            // not written by anything else before the stream reaches the
+                            // reduction.
+                            let r =
+                                unsafe { rank.all_reduce_raw(src, dst, ty, *mean, stream as u64) };
+                            r.map_err(|e| {
+                                RuntimeError::Device(format!("step {i} (all_reduce): {e}"))
+                            })?
+                        }
+                        // A group of one: sum and mean are the operand itself.
+                        None => {
+                            let n = ty.size_bytes();
+                            if src != dst && n > 0 {
+                                // SAFETY: both buffers are live and hold `n` bytes of `ty`, and
+                                // are distinct slots of the plan (no overlap).
+                                unsafe { dr::memcpy_dtod_async(dst, src, n, stream) }
+                                    .map_err(drv("all_reduce of one replica"))?;
+                            }
+                        }
+                    }
                 }
                 Exec::Nothing => {}
             }
@@ -1230,7 +1275,49 @@ impl Session for CudaSession {
         self.replays
     }
 
+    /// Joins an NCCL group ([`crate::cuda::nccl::NcclRank`] on this session's device): its
+    /// `all_reduce` steps then reduce in place over the group. A group of one that is not an
+    /// NCCL rank (such as `HostGroup::ranks(1)`) leaves the group: the steps copy again. Runs in
+    /// an NCCL group are eager, never a replayed CUDA graph: a captured graph would bake one
+    /// communicator's operations into a graph that every rank must then replay in lockstep, and
+    /// NCCL advises against capture across devices of one process; the collectives dominate a
+    /// data-parallel step's launch overhead anyway.
+    fn join(&mut self, group: Arc<dyn Communicator>) -> Result<()> {
+        match group.nccl() {
+            Some(rank) if rank.ordinal() != self.dev.ordinal => {
+                Err(RuntimeError::Invalid(format!(
+                    "a session on cuda:{} cannot join NCCL rank {} of {}, which is on cuda:{}",
+                    self.dev.ordinal,
+                    group.rank(),
+                    group.world(),
+                    rank.ordinal()
+                )))
+            }
+            Some(_) => {
+                self.drop_graph();
+                self.replay = false;
+                self.group = Some(group);
+                Ok(())
+            }
+            None if group.world() == 1 => {
+                if self.group.take().is_some() {
+                    self.replay = std::env::var("RUSTYTORCH_CUDA_GRAPH").as_deref() != Ok("0");
+                }
+                Ok(())
+            }
+            None => Err(RuntimeError::Invalid(format!(
+                "a session on cuda:{} joins an NCCL group (NcclRank); rank {} of a group of {} \
+                 on the host cannot reduce device buffers",
+                self.dev.ordinal,
+                group.rank(),
+                group.world()
+            ))),
+        }
+    }
+
     fn set_graph_replay(&mut self, on: bool) {
+        // Runs of a session in an NCCL group stay eager (see `join`).
+        let on = on && self.group.is_none();
         self.replay = on && self.graph.is_none();
         if !on {
             self.drop_graph();

@@ -1,0 +1,397 @@
+//! Data-parallel training on CUDA devices through NCCL, where `RUSTYTORCH_TEST_CUDA=1` (elsewhere
+//! every test returns at once; the GPU-free half is in tests/data_parallel.rs):
+//!
+//! - one GPU: a group of one NCCL rank trains bitwise like the plain session of the same graph,
+//!   runs eagerly (no CUDA-graph replay in a group), and leaves the group to run alone;
+//! - two GPUs (skipped with a notice on a one-GPU machine): two replicas on half batches train
+//!   like one GPU on the whole batch and stay bitwise equal to each other; a NaN on one rank's
+//!   shard skips the step on both; small and large buckets average the same gradients; state
+//!   saved from rank 0 loads back into both; two processes (this binary, started twice with the
+//!   variables torchrun sets) train like two threads.
+
+use rustytorch::compiler::GradSync;
+use rustytorch::ops::testing::rand_tensor;
+use rustytorch::parallel::{shard, DataParallel};
+use rustytorch::prelude::*;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+const STEPS: usize = 6;
+const PARAMS: [&str; 4] = ["w1", "b1", "w2", "b2"];
+
+fn cuda() -> bool {
+    std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
+}
+
+/// The number of GPUs, or None (with a notice) when fewer than two.
+fn two_gpus(test: &str) -> bool {
+    let n = rustytorch::runtime::cuda_device_count().expect("RUSTYTORCH_TEST_CUDA=1 needs CUDA");
+    if n < 2 {
+        println!("notice: {test} needs two GPUs, this machine has {n}: skipped");
+    }
+    n >= 2
+}
+
+/// A two-layer MLP's training step at `batch` rows (the batch mean of the squared error), AdamW
+/// with clipping, its gradients averaged over replicas when `sync` is given (as in
+/// tests/data_parallel.rs).
+fn mlp_step(batch: usize, sync: Option<GradSync>) -> Graph {
+    let g = GraphBuilder::new();
+    let x = g.input("x", DType::F32, [batch, 12]);
+    let y = g.input("y", DType::F32, [batch, 3]);
+    let uni = |seed| Init::Uniform {
+        low: -0.4,
+        high: 0.4,
+        seed,
+    };
+    let w1 = g.param("w1", [12, 16], uni(1));
+    let b1 = g.param("b1", [16], uni(2));
+    let w2 = g.param("w2", [16, 3], uni(3));
+    let b2 = g.param("b2", [3], uni(4));
+    let h = x.matmul(&w1).add(&b1).tanh();
+    let r = h.matmul(&w2).add(&b2).sub(&y);
+    let loss = r.mul(&r).mean_all();
+    g.output("loss", &loss);
+    let opts = StepOptions {
+        clip_norm: Some(10.0),
+        grad_sync: sync,
+    };
+    g.train_step(&loss, AdamW::new(0.05).weight_decay(0.01), &opts)
+        .unwrap();
+    g.graph().unwrap()
+}
+
+fn batch(step: usize) -> (HostTensor, HostTensor) {
+    let s = step as u64;
+    (
+        rand_tensor(&TensorType::new(DType::F32, [8, 12]), 100 + s, -1.0, 1.0),
+        rand_tensor(&TensorType::new(DType::F32, [8, 3]), 200 + s, -1.0, 1.0),
+    )
+}
+
+fn bits(t: &HostTensor) -> Vec<u64> {
+    t.to_f64_vec().iter().map(|v| v.to_bits()).collect()
+}
+
+/// Small buckets: several all_reduce steps per training step.
+fn small_buckets() -> Option<GradSync> {
+    Some(GradSync { bucket_bytes: 256 })
+}
+
+#[test]
+fn one_gpu_group_trains_bitwise_like_the_plain_session() {
+    if !cuda() {
+        return;
+    }
+    let graph = mlp_step(8, small_buckets());
+    let opts = CompileOptions::default();
+    let mut plain = compile_graph(&graph, Device::Cuda(0), &opts).unwrap();
+    let mut dp = DataParallel::new(&graph, &[Device::Cuda(0)], &opts).unwrap();
+    assert_eq!((dp.world(), dp.local()), (1, 1));
+    for step in 0..STEPS {
+        let (x, y) = batch(step);
+        let a = plain.run(&[("x", x.clone()), ("y", y.clone())]).unwrap();
+        let b = dp.run(&[("x", x), ("y", y)]).unwrap();
+        assert_eq!(
+            bits(a.get("loss").unwrap()),
+            bits(b[0].get("loss").unwrap()),
+            "step {step}: the losses differ"
+        );
+    }
+    for name in PARAMS {
+        assert_eq!(
+            bits(&plain.param(name).unwrap()),
+            bits(&dp.param(name).unwrap()),
+            "{name}: a group of one differs from the plain session"
+        );
+    }
+    // The plain session replays a CUDA graph after its first runs; the group's stays eager.
+    assert!(
+        plain.graph_replays() > 0,
+        "the plain session never replayed"
+    );
+    assert_eq!(dp.replica(0).unwrap().graph_replays(), 0);
+    // Left alone, the replica runs its all_reduce steps as copies: the same next step again.
+    let mut alone = dp.into_replica(0).unwrap();
+    let (x, y) = batch(STEPS);
+    plain.run(&[("x", x.clone()), ("y", y.clone())]).unwrap();
+    alone.run(&[("x", x), ("y", y)]).unwrap();
+    for name in PARAMS {
+        assert_eq!(
+            bits(&plain.param(name).unwrap()),
+            bits(&alone.param(name).unwrap()),
+            "{name}: the replica alone differs"
+        );
+    }
+}
+
+/// After `steps` of 2-GPU training on half batches and 1-GPU training on whole ones: each
+/// replica's parameters (bitwise equal across GPUs, checked) and the 1-GPU ones.
+#[test]
+fn two_gpus_train_like_one_on_the_whole_batch() {
+    if !cuda() || !two_gpus("two_gpus_train_like_one_on_the_whole_batch") {
+        return;
+    }
+    let opts = CompileOptions::default();
+    let mut one = compile_graph(&mlp_step(8, None), Device::Cuda(0), &opts).unwrap();
+    let mut two = DataParallel::new(
+        &mlp_step(4, Some(GradSync::default())),
+        &[Device::Cuda(0), Device::Cuda(1)],
+        &opts,
+    )
+    .unwrap();
+    assert_eq!((two.world(), two.local()), (2, 2));
+    let init = PARAMS.map(|n| one.param(n).unwrap().to_f64_vec());
+    for step in 0..STEPS {
+        let (x, y) = batch(step);
+        let full = one.run(&[("x", x.clone()), ("y", y.clone())]).unwrap();
+        let parts = two.run(&[("x", x), ("y", y)]).unwrap();
+        let halves: f64 = parts
+            .iter()
+            .map(|o| o.get("loss").unwrap().to_f64_vec()[0])
+            .sum::<f64>()
+            / 2.0;
+        let whole = full.get("loss").unwrap().to_f64_vec()[0];
+        assert!(
+            (halves - whole).abs() <= 1e-5 * whole.abs().max(1.0),
+            "step {step}: {halves} vs {whole}"
+        );
+    }
+    for (name, init) in PARAMS.iter().zip(&init) {
+        let r0 = two.replica(0).unwrap().param(name).unwrap();
+        let r1 = two.replica(1).unwrap().param(name).unwrap();
+        assert_eq!(bits(&r0), bits(&r1), "{name}: the GPUs' replicas differ");
+        let want = one.param(name).unwrap().to_f64_vec();
+        // Tolerance: f32 sums in a different order (two half-batch gradients averaged vs one
+        // whole-batch gradient) through six AdamW steps of lr 0.05.
+        for (a, b) in r0.to_f64_vec().iter().zip(&want) {
+            assert!(
+                (a - b).abs() <= 5e-5,
+                "{name}: {a} vs {b} after {STEPS} steps"
+            );
+        }
+        assert!(
+            r0.to_f64_vec()
+                .iter()
+                .zip(init)
+                .any(|(a, b)| (a - b).abs() > 1e-3),
+            "{name}: training did not move it"
+        );
+    }
+}
+
+#[test]
+fn a_nan_on_one_gpu_skips_the_step_on_both() {
+    if !cuda() || !two_gpus("a_nan_on_one_gpu_skips_the_step_on_both") {
+        return;
+    }
+    let opts = CompileOptions {
+        nonfinite: NonFinitePolicy::SkipStep,
+        ..Default::default()
+    };
+    let mut dp = DataParallel::new(
+        &mlp_step(4, small_buckets()),
+        &[Device::Cuda(0), Device::Cuda(1)],
+        &opts,
+    )
+    .unwrap();
+    let before = PARAMS.map(|n| bits(&dp.param(n).unwrap()));
+    let (x, y) = batch(0);
+    let mut xs = [shard("x", &x, 0, 2).unwrap(), shard("x", &x, 1, 2).unwrap()];
+    let mut v = xs[1].to_vec::<f32>().unwrap();
+    v[5] = f32::NAN;
+    xs[1] = HostTensor::from_vec(v, [4, 12]).unwrap();
+    let ys = [shard("y", &y, 0, 2).unwrap(), shard("y", &y, 1, 2).unwrap()];
+    let outs = dp
+        .run_shards(vec![
+            vec![("x", xs[0].clone()), ("y", ys[0].clone())],
+            vec![("x", xs[1].clone()), ("y", ys[1].clone())],
+        ])
+        .unwrap();
+    for (rank, o) in outs.iter().enumerate() {
+        assert!(o.skipped.is_some(), "replica {rank} applied the step");
+    }
+    for rank in 0..2 {
+        for (n, b) in PARAMS.iter().zip(&before) {
+            assert_eq!(
+                &bits(&dp.replica(rank).unwrap().param(n).unwrap()),
+                b,
+                "{n}"
+            );
+        }
+    }
+    // A clean step afterwards trains both, alike.
+    let (x, y) = batch(1);
+    let outs = dp.run(&[("x", x), ("y", y)]).unwrap();
+    assert!(outs.iter().all(|o| o.skipped.is_none()));
+    for n in PARAMS {
+        let r0 = bits(&dp.replica(0).unwrap().param(n).unwrap());
+        assert_eq!(r0, bits(&dp.replica(1).unwrap().param(n).unwrap()), "{n}");
+    }
+    // Shards of different shapes are refused before either GPU starts.
+    let bad = rand_tensor(&TensorType::new(DType::F32, [5, 12]), 9, -1.0, 1.0);
+    let e = dp
+        .run_shards(vec![
+            vec![("x", xs[0].clone()), ("y", ys[0].clone())],
+            vec![("x", bad), ("y", ys[1].clone())],
+        ])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("replica 1") && e.contains("same types"), "{e}");
+}
+
+#[test]
+fn two_gpus_average_alike_in_small_and_large_buckets() {
+    if !cuda() || !two_gpus("two_gpus_average_alike_in_small_and_large_buckets") {
+        return;
+    }
+    let run = |sync| {
+        let mut dp = DataParallel::new(
+            &mlp_step(4, sync),
+            &[Device::Cuda(0), Device::Cuda(1)],
+            &CompileOptions::default(),
+        )
+        .unwrap();
+        for step in 0..3 {
+            let (x, y) = batch(step);
+            dp.run(&[("x", x), ("y", y)]).unwrap();
+        }
+        PARAMS.map(|n| dp.param(n).unwrap().to_f64_vec())
+    };
+    let (small, large) = (run(small_buckets()), run(Some(GradSync::default())));
+    for (a, b) in small.iter().zip(&large) {
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() <= 1e-6, "{x} vs {y}");
+        }
+    }
+}
+
+#[test]
+fn state_saved_from_rank_zero_loads_into_both_gpus() {
+    if !cuda() || !two_gpus("state_saved_from_rank_zero_loads_into_both_gpus") {
+        return;
+    }
+    let mut dp = DataParallel::new(
+        &mlp_step(4, Some(GradSync::default())),
+        &[Device::Cuda(0), Device::Cuda(1)],
+        &CompileOptions::default(),
+    )
+    .unwrap();
+    let (x, y) = batch(0);
+    dp.run(&[("x", x), ("y", y)]).unwrap();
+    let path = std::env::temp_dir().join(format!("rt-dp-state-{}.safetensors", std::process::id()));
+    dp.save_state(&path).unwrap();
+    let saved = PARAMS.map(|n| bits(&dp.param(n).unwrap()));
+    for step in 1..3 {
+        let (x, y) = batch(step);
+        dp.run(&[("x", x), ("y", y)]).unwrap();
+    }
+    assert_ne!(
+        bits(&dp.param("w1").unwrap()),
+        saved[0],
+        "training did not move w1"
+    );
+    assert!(dp.load_state(&path).unwrap() >= PARAMS.len());
+    for rank in 0..2 {
+        for (n, b) in PARAMS.iter().zip(&saved) {
+            assert_eq!(
+                &bits(&dp.replica(rank).unwrap().param(n).unwrap()),
+                b,
+                "{n}"
+            );
+        }
+    }
+    std::fs::remove_file(&path).unwrap();
+}
+
+/// Where a child process of [`two_processes_train_like_two_threads`] writes its parameters.
+fn child_file(dir: &Path, rank: usize, name: &str) -> PathBuf {
+    dir.join(format!("rank{rank}-{name}.npy"))
+}
+
+/// The body of one process of a two-process group: runs only when started by
+/// [`two_processes_train_like_two_threads`] (`RUSTYTORCH_DP_CHILD_DIR` set).
+#[test]
+fn multi_process_child() {
+    let Ok(dir) = std::env::var("RUSTYTORCH_DP_CHILD_DIR") else {
+        return;
+    };
+    let dir = PathBuf::from(dir);
+    let mut dp =
+        DataParallel::from_env(&mlp_step(4, Some(GradSync::default())), &Default::default())
+            .unwrap();
+    assert_eq!(dp.world(), 2);
+    for step in 0..STEPS {
+        let (x, y) = batch(step);
+        dp.run(&[("x", x), ("y", y)]).unwrap();
+    }
+    for n in PARAMS {
+        let path = child_file(&dir, dp.first_rank(), n);
+        rustytorch::npy::write_npy(&path, &dp.param(n).unwrap()).unwrap();
+    }
+}
+
+#[test]
+fn two_processes_train_like_two_threads() {
+    if !cuda() || !two_gpus("two_processes_train_like_two_threads") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("rt-dp-procs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let mut children: Vec<_> = (0..2)
+        .map(|rank| {
+            std::process::Command::new(&exe)
+                .args(["--exact", "multi_process_child", "--nocapture"])
+                .env("RUSTYTORCH_DP_CHILD_DIR", &dir)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_RANK", rank.to_string())
+                .env("RUSTYTORCH_NCCL_ID_FILE", dir.join("nccl.id"))
+                .env("RUSTYTORCH_NCCL_ID_TIMEOUT", "120")
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    for (rank, c) in children.iter_mut().enumerate() {
+        loop {
+            if let Some(status) = c.try_wait().unwrap() {
+                assert!(status.success(), "process {rank} failed: {status}");
+                break;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                panic!("process {rank} did not finish within 300 s");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    // The same training with two threads of this process.
+    let mut threads = DataParallel::new(
+        &mlp_step(4, Some(GradSync::default())),
+        &[Device::Cuda(0), Device::Cuda(1)],
+        &CompileOptions::default(),
+    )
+    .unwrap();
+    for step in 0..STEPS {
+        let (x, y) = batch(step);
+        threads.run(&[("x", x), ("y", y)]).unwrap();
+    }
+    for n in PARAMS {
+        let p0 = rustytorch::npy::read_npy(&child_file(&dir, 0, n)).unwrap();
+        let p1 = rustytorch::npy::read_npy(&child_file(&dir, 1, n)).unwrap();
+        assert_eq!(bits(&p0), bits(&p1), "{n}: the processes differ");
+        // NCCL may pick another transport between processes than between the threads of one,
+        // so the sums may round differently: a tolerance, not bits.
+        for (a, b) in p0
+            .to_f64_vec()
+            .iter()
+            .zip(threads.param(n).unwrap().to_f64_vec())
+        {
+            assert!((a - b).abs() <= 1e-6, "{n}: {a} vs {b}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
