@@ -3,12 +3,17 @@
 //! classifies images with it.
 //!
 //! cargo run --release --example digits -- [EPOCHS] [OUT_DIR] [--device cpu|cuda|cuda:N|auto]
-//!     [--devices cpu,cpu]   (data-parallel: one replica per listed device, host replicas for now)
+//!     [--devices cpu,cpu | --devices cuda:0,cuda:1]   (data-parallel: one replica per device)
+//!     [--from-env]   (one process of a multi-process group: RANK, WORLD_SIZE, LOCAL_RANK and
+//!                     RUSTYTORCH_NCCL_ID_FILE as in docs/distributed.md; rank 0 reports and saves)
 
 #[path = "common/digits_cnn.rs"]
 mod digits_cnn;
 
-use digits_cnn::{accuracy, batch_tensors, digits_cnn, train_digits_on, train_digits_parallel};
+use digits_cnn::{
+    accuracy, batch_tensors, digits_cnn, train_digits_from_env, train_digits_on,
+    train_digits_parallel,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 use rustytorch::compiler::format::{save, ParamStorage};
 use rustytorch::prelude::*;
@@ -20,8 +25,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args: Vec<String> = Vec::new();
     let mut device = Device::Cpu;
     let mut devices: Option<Vec<Device>> = None;
+    let mut from_env = false;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
+        if a == "--from-env" {
+            from_env = true;
+            continue;
+        }
         if let Some(rest) = a.strip_prefix("--devices") {
             let list = match rest.strip_prefix('=') {
                 Some(v) => v.to_string(),
@@ -77,6 +87,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         bar.inc(1);
     };
     let (exe, last_loss) = match &devices {
+        _ if from_env => {
+            let (exe, rank, last) = train_digits_from_env(&train, batch, epochs, progress)?;
+            if rank != 0 {
+                bar.finish();
+                println!("rank {rank}: last-epoch loss of its shards {last:.4}");
+                return Ok(());
+            }
+            (exe, last)
+        }
         Some(list) => {
             println!("data-parallel over {} replicas", list.len());
             train_digits_parallel(list, &train, batch, epochs, progress)?

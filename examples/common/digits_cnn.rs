@@ -166,6 +166,33 @@ pub fn train_digits_parallel(
     Ok((dp.into_replica(0)?, last))
 }
 
+/// [`train_digits_parallel`] as one process of a multi-process group described by the
+/// environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `RUSTYTORCH_NCCL_ID_FILE`: see
+/// `DataParallel::from_env`): every process reads the same batches and trains its rank's share
+/// on `cuda:LOCAL_RANK`. Returns this process's replica on its own, its rank, and the mean loss
+/// of its shards in the last epoch.
+#[allow(dead_code)]
+pub fn train_digits_from_env(
+    train: &rustytorch::data::Dataset,
+    batch: usize,
+    epochs: usize,
+    progress: impl FnMut(usize, usize, f32),
+) -> rustytorch::Result<(Executable, usize, f32)> {
+    let env = rustytorch::parallel::DistEnv::from_env()?;
+    let g = GraphBuilder::new();
+    train_graph(&g, batch / env.world, true)?;
+    let mut dp = rustytorch::parallel::DataParallel::from_dist_env(
+        &g.graph()?,
+        &env,
+        &CompileOptions::default(),
+    )?;
+    let last = train_epochs(train, batch, epochs, progress, |xb, yb| {
+        let outs = dp.run(&[("x", xb), ("y", yb)])?;
+        Ok(outs[0][0].to_vec::<f32>()?[0])
+    })?;
+    Ok((dp.into_replica(0)?, env.rank, last))
+}
+
 /// Accuracy of the trained parameters of `trained` on `test` (evaluated on the device `trained`
 /// runs on, in batches of `batch`, the last partial batch padded).
 #[allow(dead_code)]
