@@ -371,6 +371,56 @@ fn sparse_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
 /// A tiny MLP at batch 1 (4 × (linear 64→64 + bias + GELU), softmax): launch-bound. Its run time
 /// with and without CUDA graph replay, and the sum of its kernels' own times (CUDA events around
 /// each step of an eager run: the floor that replay approaches).
+/// Attention forward on the shapes PyTorch's SDPA is compared on (bf16; TFLOP/s counted as
+/// 4·B·H·Sq·Sk·D, halved for causal; the decoding row also in TB/s of K and V read).
+fn attention_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
+    use rustytorch::ops::{AttnMask, Causal, F64Bits};
+    let bf = DType::BF16;
+    let shapes: [(usize, usize, usize, usize, usize, bool); 8] = [
+        (4, 32, 4096, 4096, 128, false),
+        (4, 32, 4096, 4096, 128, true),
+        (16, 16, 1024, 1024, 64, false),
+        (16, 16, 1024, 1024, 64, true),
+        (4, 32, 4096, 4096, 64, true),
+        (2, 16, 8192, 8192, 128, true),
+        (8, 32, 512, 8192, 128, false),
+        (8, 32, 1, 8192, 128, false),
+    ];
+    for (b, h, sq, sk, d, causal) in shapes {
+        let mut graph = Graph::new();
+        let q = graph.add_input("q", tt(bf, &[b, h, sq, d])).expect("q");
+        let k = graph.add_input("k", tt(bf, &[b, h, sk, d])).expect("k");
+        let v = graph.add_input("v", tt(bf, &[b, h, sk, d])).expect("v");
+        let op = Op::Attention {
+            causal: if causal {
+                Causal::TopLeft
+            } else {
+                Causal::None
+            },
+            mask: AttnMask::None,
+            scale: F64Bits::new(1.0 / (d as f64).sqrt()),
+        };
+        let y = graph.add(op, &[q, k, v]).expect("attention");
+        graph.add_output("y", y).expect("y");
+        let t = time_graph(&graph, 10, true);
+        let flops = 4.0 * (b * h * sq * sk * d) as f64 * if causal { 0.5 } else { 1.0 };
+        let name = format!(
+            "flash attention bf16 B{b} H{h} Sq{sq} Sk{sk} D{d} {}",
+            if causal { "causal" } else { "full" }
+        );
+        push(&name, t, "TFLOP/s", flops / (t.0 * 1e-3) / 1e12);
+        if sq == 1 {
+            let kv = (2 * b * h * sk * d * 2) as f64;
+            push(
+                &format!("{name} K+V read"),
+                t,
+                "TB/s",
+                kv / (t.0 * 1e-3) / 1e12,
+            );
+        }
+    }
+}
+
 fn tiny_mlp_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     let build = || {
         let g = GraphBuilder::new();
@@ -536,9 +586,14 @@ fn main() {
     // `bench-gpu conv` measures the convolution rows only, `bench-gpu sparse` the sparse ones.
     let only = |w: &str| std::env::args().skip(1).any(|a| a == w);
     // `bench-gpu tiny` the launch-bound tiny MLP only, `bench-gpu bert` the MiniLM encoder only,
-    // `bench-gpu nccl` the collectives only (two or more GPUs).
+    // `bench-gpu nccl` the collectives only (two or more GPUs), `bench-gpu attention` the
+    // attention shapes compared with PyTorch's SDPA.
     if only("nccl") {
         nccl_rows(&mut push);
+        return;
+    }
+    if only("attention") {
+        attention_rows(&mut push);
         return;
     }
     let (only_conv, only_sparse, only_tiny, only_bert) =

@@ -713,3 +713,68 @@ fn attention() {
         }
     }
 }
+
+/// The tensor-core flash kernel (f16/bf16, head sizes that are multiples of 16 up to 128) against
+/// the CPU kernel: one query row (decoding), odd and long sequences, fewer or more keys than
+/// queries, both causal alignments, additive masks with fully masked rows, bool masks, value
+/// head sizes different from the query's.
+#[test]
+fn flash_attention_shapes() {
+    use rustytorch::codegen::cuda::flash;
+    use rustytorch::ops::{AttnMask, Causal};
+    let shapes: [(usize, usize, usize, usize, usize, usize); 6] = [
+        (2, 3, 1, 300, 64, 64),
+        (1, 2, 7, 7, 32, 32),
+        (1, 2, 1000, 1000, 128, 128),
+        (2, 1, 100, 37, 80, 80),
+        (1, 2, 130, 257, 64, 128),
+        (1, 1, 65, 64, 16, 48),
+    ];
+    for d in [DType::F16, DType::BF16] {
+        for (n, &(b, h, sq, sk, hd, hv)) in shapes.iter().enumerate() {
+            let seed = 300 + 10 * n as u64;
+            let q = rnd(d, &[b, h, sq, hd], seed, -1.0, 1.0);
+            let kk = rnd(d, &[b, h, sk, hd], seed + 1, -1.0, 1.0);
+            let v = rnd(d, &[b, h, sk, hv], seed + 2, -1.0, 1.0);
+            let tys = [q.ty(), kk.ty(), v.ty()];
+            let refs: Vec<&TensorType> = tys.iter().collect();
+            assert!(
+                flash::supported(&refs),
+                "flash runs [{b},{h},{sq},{sk},{hd},{hv}]"
+            );
+            let scale = F64Bits::new(1.0 / (hd as f64).sqrt());
+            for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+                let what = format!("flash {d:?} {causal:?} [{b},{h},{sq},{sk},{hd},{hv}]");
+                let op = |mask| Op::Attention {
+                    causal,
+                    mask,
+                    scale,
+                };
+                check(
+                    &what,
+                    op(AttnMask::None),
+                    vec![q.clone(), kk.clone(), v.clone()],
+                );
+                // Row 0 fully masked, every fifth key masked, the rest random.
+                let mut m = rnd(DType::F64, &[sq, sk], seed + 3, -2.0, 1.0).to_f64_vec();
+                for (x, mv) in m.iter_mut().enumerate() {
+                    if x < sk || x % 5 == 0 {
+                        *mv = f64::NEG_INFINITY;
+                    }
+                }
+                let add = HostTensor::from_f64_slice(&t(d, &[sq, sk]), &m).unwrap();
+                check(
+                    &format!("{what} additive"),
+                    op(AttnMask::Additive),
+                    vec![q.clone(), kk.clone(), v.clone(), add],
+                );
+                let keep = rnd(DType::Bool, &[b, 1, 1, sk], seed + 4, 0.0, 1.0);
+                check(
+                    &format!("{what} bool"),
+                    op(AttnMask::Bool),
+                    vec![q.clone(), kk.clone(), v.clone(), keep],
+                );
+            }
+        }
+    }
+}

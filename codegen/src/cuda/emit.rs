@@ -676,6 +676,11 @@ impl Printer<'_> {
                 }
                 Stmt::SyncThreads => self.line(depth, "__syncthreads();"),
                 Stmt::Return => self.line(depth, "return;"),
+                Stmt::Verbatim(text) => {
+                    for l in text.lines() {
+                        self.line(depth, l);
+                    }
+                }
             }
         }
         Ok(())

@@ -1092,6 +1092,9 @@ impl Compiler<'_> {
             }
             Stmt::SyncThreads => S::Sync,
             Stmt::Return => S::Return,
+            Stmt::Verbatim(_) => {
+                return self.err("verbatim CUDA C (tensor-core code) cannot be interpreted".into())
+            }
         })
     }
 }

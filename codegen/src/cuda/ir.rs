@@ -366,6 +366,11 @@ pub enum Stmt {
     SyncThreads,
     /// `return;`
     Return,
+    /// CUDA C copied into the body as written, for what the IR does not spell: tensor-core
+    /// fragments, `ldmatrix`/`cp.async`/`mma` inline PTX. The printer copies it; the interpreter
+    /// refuses it, so a kernel that uses it is checked on the GPU (and compiled by NVRTC in the
+    /// tests where NVRTC is present), not on the CPU.
+    Verbatim(String),
 }
 
 /// A kernel parameter: a pointer to a buffer of `elem` storage type.

@@ -9,6 +9,7 @@ pub mod attention;
 pub mod dnn;
 pub mod elementwise;
 pub mod emit;
+pub mod flash;
 pub mod fused_row;
 pub mod interp;
 pub mod ir;
@@ -245,6 +246,9 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         }
         Op::AttentionGrad { .. } => attention::lower_grad(op, inputs, out).map(CudaStep::Kernels),
         Op::CumSum { .. } | Op::TopK { .. } => unsupported(),
+        Op::Attention { .. } if flash::supported(inputs) => {
+            flash::lower(op, inputs, out).map(CudaStep::Kernels)
+        }
         Op::Attention { .. } if attention::gemm_path(inputs) => {
             attention::lower_gemm(op, inputs, out)
         }

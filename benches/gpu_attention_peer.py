@@ -1,0 +1,47 @@
+# PyTorch's scaled_dot_product_attention (default backend choice, and each backend it has) on the
+# attention rows of `bench-gpu attention`, bf16, timed with CUDA events:
+#   python3 benches/gpu_attention_peer.py
+# TFLOP/s counts 4·B·H·Sq·Sk·D (halved for causal); forward+backward counts 3.5× the forward.
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+dev = "cuda"
+SHAPES = [(4, 32, 4096, 4096, 128, False), (4, 32, 4096, 4096, 128, True),
+          (16, 16, 1024, 1024, 64, False), (16, 16, 1024, 1024, 64, True),
+          (4, 32, 4096, 4096, 64, True), (2, 16, 8192, 8192, 128, True),
+          (8, 32, 512, 8192, 128, False), (8, 32, 1, 8192, 128, False)]
+
+
+def bench(fn, iters=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters
+
+
+for (B, H, Sq, Sk, D, causal) in SHAPES:
+    q = torch.randn(B, H, Sq, D, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, H, Sk, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    fl = 4 * B * H * Sq * Sk * D * (0.5 if causal else 1.0)
+    tag = f"sdpa bf16 B{B} H{H} Sq{Sq} Sk{Sk} D{D} {'causal' if causal else 'full'}"
+    for name, backends in [("default", None), ("cudnn", [SDPBackend.CUDNN_ATTENTION]),
+                           ("flash", [SDPBackend.FLASH_ATTENTION])]:
+        try:
+            def f():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            if backends is None:
+                ms = bench(f)
+            else:
+                with sdpa_kernel(backends):
+                    ms = bench(f)
+            print(f"{tag} {name}: {ms * 1e3:.1f} us, {fl / ms / 1e9:.1f} TFLOP/s", flush=True)
+        except Exception as e:  # a backend that refuses the shape
+            print(f"{tag} {name}: unavailable ({str(e).splitlines()[0][:80]})", flush=True)
+    del q, k, v

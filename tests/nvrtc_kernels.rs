@@ -1,0 +1,101 @@
+//! Generated CUDA kernels compile with NVRTC for the architectures the runtime targets, on a
+//! machine without a GPU: NVRTC is a library that needs no device. The check runs where NVRTC
+//! can be loaded (CI installs it: `scripts/fetch_nvrtc.sh`); with `RUSTYTORCH_TEST_NVRTC=1` a
+//! missing NVRTC fails the test instead of skipping it.
+
+use rustytorch::codegen::cuda::{flash, lower_step, source, CudaStep, Launch, Part};
+use rustytorch::ops::{AttnMask, Causal, DType, F64Bits, Op, Shape, TensorType};
+use rustytorch::runtime::cuda::compile::KernelCompiler;
+
+/// The compilers for sm_80 (the portable tensor-core path) and sm_90 (the H200), or None (with a
+/// notice) where NVRTC is absent and not required.
+fn compilers() -> Option<Vec<KernelCompiler>> {
+    let required = std::env::var("RUSTYTORCH_TEST_NVRTC").as_deref() == Ok("1");
+    let made: Result<Vec<_>, _> = [(8, 0), (9, 0)]
+        .into_iter()
+        .map(|cc| KernelCompiler::with_dir(cc, None))
+        .collect();
+    match made {
+        Ok(c) => Some(c),
+        Err(e) if required => panic!("RUSTYTORCH_TEST_NVRTC=1 but NVRTC is unavailable: {e}"),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+/// Every generated kernel of a lowered step.
+fn launches(step: &CudaStep) -> Vec<&Launch> {
+    match step {
+        CudaStep::Kernels(k) => k.launches.iter().collect(),
+        CudaStep::Matmul { after, .. } => after.launches.iter().collect(),
+        CudaStep::Dnn(d) => d.before.iter().chain(&d.after).collect(),
+        CudaStep::Composite(c) => c
+            .parts
+            .iter()
+            .filter_map(|p| match p {
+                Part::Launch(l) => Some(l),
+                Part::Gemm { .. } => None,
+            })
+            .collect(),
+        _ => vec![],
+    }
+}
+
+fn t(d: DType, dims: &[usize]) -> TensorType {
+    TensorType::new(d, Shape::new(dims.to_vec()))
+}
+
+/// The flash kernel for every element type, causal kind and mask kind, and the head sizes that
+/// change its unrolling (16 to 128, value heads unlike the query's).
+#[test]
+fn flash_attention_compiles() {
+    let Some(compilers) = compilers() else { return };
+    let mut sources = vec![];
+    for d in [DType::F16, DType::BF16] {
+        for &(sq, sk, hd, hv) in &[
+            (1, 300, 64, 64),
+            (100, 37, 80, 80),
+            (65, 64, 16, 48),
+            (1000, 1000, 128, 128),
+            (7, 9, 32, 32),
+        ] {
+            for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+                for (mask, mt) in [
+                    (AttnMask::None, None),
+                    (AttnMask::Additive, Some(t(d, &[sq, sk]))),
+                    (AttnMask::Additive, Some(t(d, &[2, 1, 1, sk]))),
+                    (AttnMask::Bool, Some(t(DType::Bool, &[2, 1, 1, sk]))),
+                ] {
+                    let mut ins = vec![
+                        t(d, &[2, 3, sq, hd]),
+                        t(d, &[2, 3, sk, hd]),
+                        t(d, &[2, 3, sk, hv]),
+                    ];
+                    ins.extend(mt);
+                    let refs: Vec<&TensorType> = ins.iter().collect();
+                    assert!(flash::supported(&refs));
+                    let op = Op::Attention {
+                        causal,
+                        mask,
+                        scale: F64Bits::new(0.125),
+                    };
+                    let out = rustytorch::ops::infer(&op, &refs).expect("infer");
+                    let step = lower_step(&op, &refs, &out).expect("lower");
+                    let ls = launches(&step);
+                    assert_eq!(ls.len(), 1);
+                    assert!(ls[0].kernel.name.starts_with("flash_attention"));
+                    sources.push((
+                        ls[0].kernel.name.clone(),
+                        source(&ls[0].kernel).expect("source"),
+                    ));
+                }
+            }
+        }
+    }
+    for c in &compilers {
+        c.cubins(&sources)
+            .unwrap_or_else(|e| panic!("{}: {e}", c.arch()));
+    }
+}
