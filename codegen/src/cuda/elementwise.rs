@@ -154,6 +154,8 @@ pub(super) struct Body {
     /// Whether f32 `exp`, `tanh` and sigmoid's reciprocal take the hardware approximations
     /// (kernels whose result is f16/bf16; see [`approximate`]).
     fast: bool,
+    /// The prefix of fresh names.
+    tag: String,
 }
 
 impl Body {
@@ -162,6 +164,7 @@ impl Body {
             stmts: vec![],
             next: 0,
             fast: false,
+            tag: "v".into(),
         }
     }
 
@@ -178,7 +181,7 @@ impl Body {
         if matches!(e, Expr::Var(_) | Expr::Lit(_)) {
             return e;
         }
-        let name = format!("v{}", self.next);
+        let name = format!("{}{}", self.tag, self.next);
         self.next += 1;
         self.named(&name, ty, e)
     }
@@ -921,6 +924,58 @@ fn fused_instr(
             v
         },
     )
+}
+
+/// The compute type of fused program `k` over inputs of dtypes `inputs`: f64 when any value is
+/// f64, else f32.
+pub(super) fn program_compute(k: &FusedKernel, inputs: &[DType]) -> CTy {
+    let wide = k.out.dtype == DType::F64
+        || k.instrs.iter().any(|i| i.dtype == DType::F64)
+        || inputs.contains(&DType::F64);
+    if wide {
+        CTy::F64
+    } else {
+        CTy::F32
+    }
+}
+
+/// The value of fused program `k` at one element, as fused kernels compute it: `args` are its
+/// inputs' values (compute-type expressions of dtypes `dtypes`); the result is an expression of
+/// the compute type [`program_compute`], before rounding to `k.out`'s dtype. Statements binding
+/// intermediates (fresh names starting with `tag`) are appended to `stmts`.
+pub(super) fn program_value(
+    stmts: &mut Vec<Stmt>,
+    tag: &str,
+    k: &FusedKernel,
+    args: &[Expr],
+    dtypes: &[DType],
+) -> Result<Expr> {
+    let c = program_compute(k, dtypes);
+    let mut b = Body {
+        tag: tag.to_string(),
+        ..Body::with_fast(approximate(k.out.dtype))
+    };
+    let mut vals: Vec<Expr> = Vec::with_capacity(args.len() + k.instrs.len());
+    for (a, &d) in args.iter().zip(dtypes) {
+        let from = CTy::storage(d).compute_of();
+        vals.push(b.bind(c, conv(a.clone(), from, c)));
+    }
+    let mut all: Vec<DType> = dtypes.to_vec();
+    for ins in &k.instrs {
+        let v = fused_instr(&mut b, ins, &vals, &all, c)?;
+        vals.push(b.bind(c, v));
+        all.push(ins.dtype);
+    }
+    let last = vals
+        .pop()
+        .ok_or_else(|| ill_typed("a fused kernel without instructions".into()))?;
+    let last = if k.out.dtype == DType::BF16 && c == CTy::F64 {
+        bf16_of_f64(&mut b, last)
+    } else {
+        last
+    };
+    stmts.append(&mut b.stmts);
+    Ok(last)
 }
 
 /// The kernel of a fused elementwise chain.

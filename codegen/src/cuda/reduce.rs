@@ -83,10 +83,10 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
 // Index spaces
 
 /// One dim of an index space: (size, stride in elements).
-type Dim = (usize, usize);
+pub(super) type Dim = (usize, usize);
 
 /// Drops size-1 dims and merges neighbours that are contiguous with each other.
-fn coalesce(dims: impl IntoIterator<Item = Dim>) -> Vec<Dim> {
+pub(super) fn coalesce(dims: impl IntoIterator<Item = Dim>) -> Vec<Dim> {
     let mut out: Vec<Dim> = Vec::new();
     for (size, stride) in dims {
         if size == 1 {
@@ -101,7 +101,7 @@ fn coalesce(dims: impl IntoIterator<Item = Dim>) -> Vec<Dim> {
 }
 
 /// The offset of flat row-major index `idx` (a variable) of the space `dims`.
-fn offset(idx: &str, dims: &[Dim]) -> Expr {
+pub(super) fn offset(idx: &str, dims: &[Dim]) -> Expr {
     let mut inner = 1usize;
     let mut terms = Vec::new();
     for (j, &(size, stride)) in dims.iter().enumerate().rev() {

@@ -21,9 +21,10 @@ use super::ir::{
     rem, select, special, store, store_vec, sub, un, var, BinFn, CTy, Expr, Kernel, Param, Special,
     Stmt, UnFn,
 };
+use super::{elementwise, reduce};
 use super::{finish, grid_for, ArgRef, Launch, StepKernels};
 use crate::Result;
-use rustytorch_ops::{RowFusion, TensorType};
+use rustytorch_ops::{DType, FusedKernel, Op, RowFusion, Shape, TensorType};
 
 /// Vectors a thread holds at most (32 values of bf16/f16, 16 of f32, 8 of f64).
 pub const MAX_VECTORS: usize = 4;
@@ -195,6 +196,234 @@ impl Row {
 /// The one-pass kernel of `op` over the rows of `x` (last axis, contiguous), or `None` when the
 /// rows are not [`eligible`].
 pub fn lower(op: RowOp, x: &TensorType) -> Result<Option<StepKernels>> {
+    lower_with(op, x, None, None, x)
+}
+
+/// A fused program of a row kernel and the operands it loads.
+struct Io<'a> {
+    /// The program.
+    k: &'a FusedKernel,
+    /// Per program input: the operand loaded for it, or `None` for the epilogue's input 0 (the
+    /// row op's result, in registers).
+    ops: Vec<Option<Operand>>,
+    /// The dtype of each program input.
+    dtypes: Vec<DType>,
+}
+
+/// An operand of a fused program, broadcast to the rows.
+struct Operand {
+    /// Its parameter name.
+    name: String,
+    /// Its storage type.
+    elem: CTy,
+    /// Its offset at the start of a row (an expression of `row`).
+    base: Expr,
+    /// Whether it varies along the row (loaded in vectors), else one value per row.
+    along: bool,
+}
+
+impl Operand {
+    /// The operand `name` of type `t` broadcast to `rows` (the rows' shape), or `None` when it is
+    /// not a float tensor.
+    fn new(name: String, t: &TensorType, rows: &Shape) -> Option<Operand> {
+        if !t.dtype.is_float() {
+            return None;
+        }
+        let st = t.shape.broadcast_strides(rows);
+        let dims = rows.dims();
+        let r = dims.len() - 1;
+        let lead = reduce::coalesce((0..r).map(|i| (dims[i], st[i])));
+        Some(Operand {
+            name,
+            elem: CTy::storage(t.dtype),
+            base: reduce::offset("row", &lead),
+            along: st[r] == 1 && dims[r] > 1,
+        })
+    }
+
+    /// The variable holding element `k` of vector `j` (or the row's value).
+    fn value(&self, j: usize, k: usize) -> Expr {
+        if self.along {
+            var(&format!("{}{j}_{k}", self.name))
+        } else {
+            var(&format!("{}_r", self.name))
+        }
+    }
+
+    /// The statements at the start of a row: its base offset, and its value when constant along
+    /// the row.
+    fn row_stmts(&self) -> Vec<Stmt> {
+        let b = format!("{}_b", self.name);
+        let mut s = vec![let_(&b, CTy::I64, self.base.clone())];
+        if !self.along {
+            s.push(let_(
+                &format!("{}_r", self.name),
+                self.elem.compute_of(),
+                load(&self.name, self.elem, var(&b)),
+            ));
+        }
+        s
+    }
+
+    /// Loads vector `j` (`w` elements at element `at` of the row) in accesses of 16 bytes or less.
+    fn load(&self, j: usize, w: usize, at: &Expr) -> Vec<Stmt> {
+        if !self.along {
+            return vec![];
+        }
+        let names: Vec<String> = (0..w).map(|k| format!("{}{j}_{k}", self.name)).collect();
+        chunked(w, self.elem, |lo, n| {
+            load_vec(
+                &self.name,
+                self.elem,
+                add(var(&format!("{}_b", self.name)), plus(at.clone(), lo)),
+                names[lo..lo + n].to_vec(),
+            )
+        })
+    }
+}
+
+/// Accesses of `w` consecutive elements of storage type `elem` split into vectors of 16 bytes or
+/// less: `access(first, count)` for each.
+fn chunked(w: usize, elem: CTy, access: impl Fn(usize, usize) -> Stmt) -> Vec<Stmt> {
+    let per = (VECTOR_BYTES / elem_bytes(elem)).clamp(1, w);
+    (0..w)
+        .step_by(per)
+        .map(|lo| access(lo, per.min(w - lo)))
+        .collect()
+}
+
+/// `e + k` (`e` itself for 0).
+fn plus(e: Expr, k: usize) -> Expr {
+    if k == 0 {
+        e
+    } else {
+        add(e, i64c(k as i64))
+    }
+}
+
+/// `v`, held in compute type `from`, rounded to storage type `e` and held in `e`'s compute type
+/// (what storing and reloading it does).
+fn round_to(v: Expr, from: CTy, e: CTy) -> Expr {
+    let ct = e.compute_of();
+    let v = if from == ct {
+        v
+    } else {
+        super::ir::cast(ct, v)
+    };
+    if e == ct {
+        v
+    } else {
+        super::ir::cast(ct, super::ir::cast(e, v))
+    }
+}
+
+impl Io<'_> {
+    /// The program's value at element `k` of vector `j`, `first` standing for input 0 when it is
+    /// not loaded; statements go to `s`. The result is held in the program's compute type.
+    fn value(
+        &self,
+        s: &mut Vec<Stmt>,
+        tag: &str,
+        j: usize,
+        k: usize,
+        first: Option<Expr>,
+    ) -> Result<(Expr, CTy)> {
+        let args: Vec<Expr> = self
+            .ops
+            .iter()
+            .map(|o| match o {
+                Some(o) => o.value(j, k),
+                None => first.clone().unwrap_or_else(|| lit(0.0, CTy::F32)),
+            })
+            .collect();
+        let v =
+            elementwise::program_value(s, &format!("{tag}{j}_{k}_"), self.k, &args, &self.dtypes)?;
+        Ok((v, elementwise::program_compute(self.k, &self.dtypes)))
+    }
+
+    fn loaded(&self) -> impl Iterator<Item = &Operand> {
+        self.ops.iter().flatten()
+    }
+}
+
+/// The one-pass kernel of a fused row op (prologue, core and epilogue; `x` the core's input
+/// type), or `None` when its rows are not [`eligible`] or an operand or the result is not a
+/// float tensor.
+pub fn lower_fused(
+    r: &RowFusion,
+    inputs: &[&TensorType],
+    x: &TensorType,
+    out: &TensorType,
+) -> Result<Option<StepKernels>> {
+    let rank = x.shape.rank();
+    let op = match &r.core {
+        Op::Softmax { axis } if axis + 1 == rank => RowOp::Softmax,
+        Op::LogSoftmax { axis } if axis + 1 == rank => RowOp::LogSoftmax,
+        Op::LayerNorm { eps, weight, bias } => RowOp::LayerNorm {
+            eps: eps.get(),
+            weight: *weight,
+            bias: *bias,
+        },
+        Op::RmsNorm { eps, weight } => RowOp::RmsNorm {
+            eps: eps.get(),
+            weight: *weight,
+        },
+        _ => return Ok(None),
+    };
+    if rank == 0 || !out.dtype.is_float() || out.shape != x.shape {
+        return Ok(None);
+    }
+    let (pro, _, epi) = r.split(inputs);
+    let operands = |tys: &[&TensorType], tag: &str, skip: usize| -> Option<Vec<Option<Operand>>> {
+        let mut v: Vec<Option<Operand>> = (0..skip).map(|_| None).collect();
+        for (i, t) in tys.iter().enumerate() {
+            v.push(Some(Operand::new(
+                format!("{tag}{}", i + skip),
+                t,
+                &x.shape,
+            )?));
+        }
+        Some(v)
+    };
+    let pro_io = match &r.prologue {
+        Some(k) => {
+            super::ir::check_dtypes(&Op::Fused(Box::new(k.clone())), pro, x)?;
+            let Some(ops) = operands(pro, "p", 0) else {
+                return Ok(None);
+            };
+            Some(Io {
+                k,
+                ops,
+                dtypes: pro.iter().map(|t| t.dtype).collect(),
+            })
+        }
+        None => None,
+    };
+    let epi_io = match &r.epilogue {
+        Some(k) => {
+            super::ir::check_dtypes(&Op::Fused(Box::new(k.clone())), epi, out)?;
+            let Some(ops) = operands(epi, "q", 1) else {
+                return Ok(None);
+            };
+            let mut dtypes = vec![x.dtype];
+            dtypes.extend(epi.iter().map(|t| t.dtype));
+            Some(Io { k, ops, dtypes })
+        }
+        None => None,
+    };
+    lower_with(op, x, pro_io.as_ref(), epi_io.as_ref(), out)
+}
+
+/// The one-pass kernel of `op` over the rows of `x`, computed by the prologue `pro` when given
+/// (else loaded from `x`), its results mapped through the epilogue `epi` when given and stored as
+/// `out`.
+fn lower_with(
+    op: RowOp,
+    x: &TensorType,
+    pro: Option<&Io>,
+    epi: Option<&Io>,
+    out: &TensorType,
+) -> Result<Option<StepKernels>> {
     let d = *x
         .shape
         .dims()
@@ -216,11 +445,37 @@ pub fn lower(op: RowOp, x: &TensorType) -> Result<Option<StepKernels>> {
         uid: 0,
     };
     let row_elem = |j: usize| add(var("base"), mul(vector_index(j, t), i64c(w as i64)));
+    let in_row = |j: usize| mul(vector_index(j, t), i64c(w as i64));
     let mut body = vec![let_("base", CTy::I64, mul(var("row"), i64c(d as i64)))];
+    for o in pro.iter().chain(&epi).flat_map(|io| io.loaded()) {
+        body.extend(o.row_stmts());
+    }
     // The row into registers.
     for j in 0..v {
         let names: Vec<String> = (0..w).map(|k| r.x(j, k)).collect();
-        if r.always(j) {
+        if let Some(io) = pro {
+            // The prologue's value of each element, rounded to the row's dtype as the unfused
+            // graph stores it.
+            let mut s = Vec::new();
+            for o in io.loaded() {
+                s.extend(o.load(j, w, &in_row(j)));
+            }
+            let mut vals = Vec::with_capacity(w);
+            for k in 0..w {
+                let (val, c) = io.value(&mut s, "p", j, k, None)?;
+                vals.push(round_to(val, c, e));
+            }
+            if r.always(j) {
+                body.extend(s);
+                body.extend(names.iter().zip(vals).map(|(n, val)| let_(n, ct, val)));
+            } else {
+                for n in &names {
+                    body.push(let_(n, ct, lit(0.0, ct)));
+                }
+                s.extend(names.iter().zip(vals).map(|(n, val)| assign(n, val)));
+                body.push(if_(r.valid(j), s));
+            }
+        } else if r.always(j) {
             body.push(load_vec("x", e, row_elem(j), names));
         } else {
             let tmp: Vec<String> = names.iter().map(|n| format!("l{n}")).collect();
@@ -317,7 +572,9 @@ pub fn lower(op: RowOp, x: &TensorType) -> Result<Option<StepKernels>> {
             )
         }
     };
-    // The results, one vector store each (weights and biases loaded beside them).
+    // The results, one vector store each (weights and biases loaded beside them), through the
+    // epilogue when there is one.
+    let ye = CTy::storage(out.dtype);
     for j in 0..v {
         let mut s = Vec::new();
         for p in &params {
@@ -325,15 +582,46 @@ pub fn lower(op: RowOp, x: &TensorType) -> Result<Option<StepKernels>> {
             let at = mul(vector_index(j, t), i64c(w as i64));
             s.push(load_vec(&p.name, e, at, names));
         }
-        let values = (0..w).map(|k| value(var(&r.x(j, k)), j, k)).collect();
-        s.push(store_vec("y", e, row_elem(j), values));
+        let mut values: Vec<Expr> = (0..w).map(|k| value(var(&r.x(j, k)), j, k)).collect();
+        if let Some(io) = epi {
+            for o in io.loaded() {
+                s.extend(o.load(j, w, &in_row(j)));
+            }
+            let mut mapped = Vec::with_capacity(w);
+            for (k, y) in values.into_iter().enumerate() {
+                // The row op's result as the unfused graph stores it, then the epilogue.
+                let c = format!("c{j}_{k}");
+                s.push(let_(&c, ct, round_to(y, ct, e)));
+                let (val, cc) = io.value(&mut s, "e", j, k, Some(var(&c)))?;
+                let yc = ye.compute_of();
+                mapped.push(if cc == yc {
+                    val
+                } else {
+                    super::ir::cast(yc, val)
+                });
+            }
+            values = mapped;
+        }
+        s.extend(chunked(w, ye, |lo, n| {
+            store_vec("y", ye, plus(row_elem(j), lo), values[lo..lo + n].to_vec())
+        }));
         body.extend(r.guarded(j, s));
     }
-    let n_in = 1 + params.len();
-    params.insert(0, param("x", e));
+    // Parameters: the row's operands (x, or the prologue's), the weight and bias, the
+    // epilogue's operands, the result.
+    let lead: Vec<Param> = match pro {
+        Some(io) => io.loaded().map(|o| param(&o.name, o.elem)).collect(),
+        None => vec![param("x", e)],
+    };
+    let tail: Vec<Param> = epi
+        .map(|io| io.loaded().map(|o| param(&o.name, o.elem)).collect())
+        .unwrap_or_default();
+    let n_in = lead.len() + params.len() + tail.len();
+    params.splice(0..0, lead);
+    params.extend(tail);
     params.push(Param {
         name: "y".into(),
-        elem: e,
+        elem: ye,
         writes: true,
     });
     // Rows on threads: four rows of a warp each per block, or a block per row.
@@ -362,6 +650,13 @@ pub fn lower(op: RowOp, x: &TensorType) -> Result<Option<StepKernels>> {
         RowOp::LayerNorm { .. } => "layer_norm_rows",
         RowOp::RmsNorm { .. } => "rms_norm_rows",
     };
+    let fused_prefix;
+    let prefix = if pro.is_some() || epi.is_some() {
+        fused_prefix = format!("fused_{prefix}");
+        fused_prefix.as_str()
+    } else {
+        prefix
+    };
     let kernel = finish(
         prefix,
         Kernel {
@@ -380,18 +675,6 @@ pub fn lower(op: RowOp, x: &TensorType) -> Result<Option<StepKernels>> {
         launches: vec![Launch { kernel, args, grid }],
         scratch_bytes: 0,
     }))
-}
-
-/// The one-pass kernel of a fused row op (prologue, core and epilogue; `x` the core's input
-/// type), or `None` when its rows are not [`eligible`] or its operands not row-shaped.
-pub fn lower_fused(
-    r: &RowFusion,
-    inputs: &[&TensorType],
-    x: &TensorType,
-    out: &TensorType,
-) -> Result<Option<StepKernels>> {
-    let _ = (r, inputs, x, out);
-    Ok(None)
 }
 
 /// The vector index of a thread's vector `j` in its row, `t` threads per row.
