@@ -23,6 +23,13 @@ fn cuda() -> bool {
     std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
 }
 
+/// One test on the GPUs at a time: NCCL communicators of concurrent tests on the same devices
+/// could wait on each other's kernels.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static GPUS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    GPUS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The number of GPUs, or None (with a notice) when fewer than two.
 fn two_gpus(test: &str) -> bool {
     let n = rustytorch::runtime::cuda_device_count().expect("RUSTYTORCH_TEST_CUDA=1 needs CUDA");
@@ -83,6 +90,7 @@ fn one_gpu_group_trains_bitwise_like_the_plain_session() {
     if !cuda() {
         return;
     }
+    let _gpus = serial();
     let graph = mlp_step(8, small_buckets());
     let opts = CompileOptions::default();
     let mut plain = compile_graph(&graph, Device::Cuda(0), &opts).unwrap();
@@ -132,6 +140,7 @@ fn two_gpus_train_like_one_on_the_whole_batch() {
     if !cuda() || !two_gpus("two_gpus_train_like_one_on_the_whole_batch") {
         return;
     }
+    let _gpus = serial();
     let opts = CompileOptions::default();
     let mut one = compile_graph(&mlp_step(8, None), Device::Cuda(0), &opts).unwrap();
     let mut two = DataParallel::new(
@@ -185,6 +194,7 @@ fn a_nan_on_one_gpu_skips_the_step_on_both() {
     if !cuda() || !two_gpus("a_nan_on_one_gpu_skips_the_step_on_both") {
         return;
     }
+    let _gpus = serial();
     let opts = CompileOptions {
         nonfinite: NonFinitePolicy::SkipStep,
         ..Default::default()
@@ -245,6 +255,7 @@ fn two_gpus_average_alike_in_small_and_large_buckets() {
     if !cuda() || !two_gpus("two_gpus_average_alike_in_small_and_large_buckets") {
         return;
     }
+    let _gpus = serial();
     let run = |sync| {
         let mut dp = DataParallel::new(
             &mlp_step(4, sync),
@@ -271,6 +282,7 @@ fn state_saved_from_rank_zero_loads_into_both_gpus() {
     if !cuda() || !two_gpus("state_saved_from_rank_zero_loads_into_both_gpus") {
         return;
     }
+    let _gpus = serial();
     let mut dp = DataParallel::new(
         &mlp_step(4, Some(GradSync::default())),
         &[Device::Cuda(0), Device::Cuda(1)],
@@ -336,6 +348,7 @@ fn two_processes_train_like_two_threads() {
     if !cuda() || !two_gpus("two_processes_train_like_two_threads") {
         return;
     }
+    let _gpus = serial();
     let dir = std::env::temp_dir().join(format!("rt-dp-procs-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -394,4 +407,118 @@ fn two_processes_train_like_two_threads() {
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_device_list_longer_than_the_machine_is_a_clear_error() {
+    if !cuda() {
+        return;
+    }
+    let _gpus = serial();
+    let n = rustytorch::runtime::cuda_device_count().unwrap();
+    let devices: Vec<Device> = (0..=n).map(Device::Cuda).collect();
+    let e = DataParallel::new(
+        &mlp_step(4, Some(GradSync::default())),
+        &devices,
+        &CompileOptions::default(),
+    )
+    .err()
+    .expect("refused")
+    .to_string();
+    assert!(
+        e.contains(&format!("cuda:{n} does not exist")) && e.contains("cuda:0, "),
+        "{e}"
+    );
+}
+
+/// A training step of a wide MLP (`layers` square layers of `width`, f32) at `batch` rows.
+fn wide_mlp_step(batch: usize, width: usize, layers: usize, sync: Option<GradSync>) -> Graph {
+    let g = GraphBuilder::new();
+    let x = g.input("x", DType::F32, [batch, width]);
+    let y = g.input("y", DType::F32, [batch, width]);
+    let mut h = x;
+    for l in 0..layers {
+        let w = g.param(
+            &format!("w{l}"),
+            [width, width],
+            Init::Uniform {
+                low: -0.02,
+                high: 0.02,
+                seed: l as u64 + 1,
+            },
+        );
+        h = h.matmul(&w).tanh();
+    }
+    let r = h.sub(&y);
+    let loss = r.mul(&r).mean_all();
+    g.output("loss", &loss);
+    let opts = StepOptions {
+        grad_sync: sync,
+        ..Default::default()
+    };
+    g.train_step(&loss, AdamW::new(1e-3), &opts).unwrap();
+    g.graph().unwrap()
+}
+
+/// Step times of one GPU on the whole batch against two GPUs on half batches each, printed
+/// (never asserted): `cargo test --release --test device_data_parallel -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement: run it by name with --ignored --nocapture"]
+fn data_parallel_step_times() {
+    if !cuda() || !two_gpus("data_parallel_step_times") {
+        return;
+    }
+    let _gpus = serial();
+    let (batch, width, layers, steps) = (512, 4096, 4, 20);
+    let (x, y) = (
+        rand_tensor(&TensorType::new(DType::F32, [batch, width]), 1, -1.0, 1.0),
+        rand_tensor(&TensorType::new(DType::F32, [batch, width]), 2, -1.0, 1.0),
+    );
+    let grad_mb = (layers * width * width * 4) as f64 / (1 << 20) as f64;
+    println!(
+        "MLP {layers}×{width}² (f32 gradients {grad_mb:.0} MiB), batch {batch}, AdamW, {steps} steps"
+    );
+    let timed = |f: &mut dyn FnMut()| {
+        f(); // compile, warm up
+        f();
+        let t0 = Instant::now();
+        for _ in 0..steps {
+            f();
+        }
+        t0.elapsed().as_secs_f64() * 1e3 / steps as f64
+    };
+    let ins = [("x", x.clone()), ("y", y.clone())];
+    let mut one = compile_graph(
+        &wide_mlp_step(batch, width, layers, None),
+        Device::Cuda(0),
+        &CompileOptions::default(),
+    )
+    .unwrap();
+    let ms_one = timed(&mut || {
+        one.run(&ins).unwrap();
+    });
+    println!("| 1 GPU, batch {batch} | {ms_one:.2} ms/step |");
+    for bucket_mb in [1usize, 25, 1024] {
+        let mut two = DataParallel::new(
+            &wide_mlp_step(
+                batch / 2,
+                width,
+                layers,
+                Some(GradSync {
+                    bucket_bytes: bucket_mb << 20,
+                }),
+            ),
+            &[Device::Cuda(0), Device::Cuda(1)],
+            &CompileOptions::default(),
+        )
+        .unwrap();
+        let ms_two = timed(&mut || {
+            two.run(&ins).unwrap();
+        });
+        println!(
+            "| 2 GPUs, {} rows each, {bucket_mb} MiB buckets | {ms_two:.2} ms/step | {:.2}× |",
+            batch / 2,
+            ms_one / ms_two
+        );
+    }
 }
