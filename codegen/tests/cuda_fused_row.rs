@@ -293,25 +293,48 @@ fn odd_rows_and_reductions_run_their_parts_in_one_step() {
             let step = check(&op, &[&a, &b, &w, &z], &format!("{dt} d={d}"));
             assert_eq!(step.launches.len(), 3, "{dt} d={d}");
         }
-        // sum(x · y) over the last axis; mean(x · x) keeping dims, then its square root.
+    }
+}
+
+/// Whether every launch of the step is a fused reduction kernel (one, or two stages).
+fn fused_reduction(step: &StepKernels, launches: usize) -> bool {
+    step.launches.len() == launches
+        && step
+            .launches
+            .iter()
+            .all(|l| l.kernel.name.starts_with("fused_reduce_"))
+}
+
+#[test]
+fn reductions_load_through_the_prologue_and_store_through_the_epilogue() {
+    for dt in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+        // sum(x · y) over the last axis (a warp per row), over the first (columns), and over a
+        // long last axis (two stages); sqrt(mean(x · x)) keeping dims; max(x + bias) · 2.
+        for &(dims, axes, launches) in &[
+            (&[6usize, 33][..], &[1usize][..], 1),
+            (&[65, 40][..], &[0][..], 1),
+            (&[2, 3, 5][..], &[0, 2][..], 1),
+            (&[2, 40000][..], &[1][..], 2),
+        ] {
+            let x = ty(dt, dims);
+            let mul = FusedKernel {
+                n_inputs: 2,
+                instrs: vec![bin(BinaryOp::Mul, 0, 1, dt)],
+                out: x.clone(),
+            };
+            let sum = Op::Reduce {
+                kind: ReduceKind::Sum,
+                axes: axes.to_vec(),
+                keep_dims: false,
+            };
+            let a = rand(dt, dims, 20);
+            let b = rand(dt, dims, 21);
+            let what = format!("{dt} sum(x*y) {dims:?} over {axes:?}");
+            let step = check(&row(sum, Some(mul), None), &[&a, &b], &what);
+            assert!(fused_reduction(&step, launches), "{what}");
+        }
         let x = ty(dt, &[6, 33]);
-        let mul = FusedKernel {
-            n_inputs: 2,
-            instrs: vec![bin(BinaryOp::Mul, 0, 1, dt)],
-            out: x.clone(),
-        };
-        let sum = Op::Reduce {
-            kind: ReduceKind::Sum,
-            axes: vec![1],
-            keep_dims: false,
-        };
-        let a = rand(dt, &[6, 33], 20);
-        let b = rand(dt, &[6, 33], 21);
-        check(
-            &row(sum, Some(mul), None),
-            &[&a, &b],
-            &format!("{dt} sum(x*y)"),
-        );
+        let a = rand(dt, &[6, 33], 22);
         let square = FusedKernel {
             n_inputs: 1,
             instrs: vec![bin(BinaryOp::Mul, 0, 0, dt)],
@@ -327,11 +350,27 @@ fn odd_rows_and_reductions_run_their_parts_in_one_step() {
             axes: vec![1],
             keep_dims: true,
         };
-        check(
-            &row(mean, Some(square), Some(sqrt)),
-            &[&a],
-            &format!("{dt} sqrt(mean(x*x))"),
+        let what = format!("{dt} sqrt(mean(x*x))");
+        let step = check(&row(mean, Some(square), Some(sqrt)), &[&a], &what);
+        assert!(fused_reduction(&step, 1), "{what}");
+        // max(x + bias) over the last axis, then · 2 + a per-row value.
+        let bias = rand(dt, &[33], 23);
+        let per_row = rand(dt, &[6], 24);
+        let max = Op::Reduce {
+            kind: ReduceKind::Max,
+            axes: vec![1],
+            keep_dims: false,
+        };
+        let step = check(
+            &row(
+                max,
+                Some(add2(x.clone())),
+                Some(scale_add(ty(dt, &[6]), 2.0)),
+            ),
+            &[&a, &bias, &per_row],
+            &format!("{dt} max(x + b) * 2 + c"),
         );
+        assert!(fused_reduction(&step, 1));
     }
 }
 

@@ -9,6 +9,7 @@
 //! fused kernel, the row op's own kernels ([`super::reduce`]) and the epilogue's fused kernel —
 //! the unfused graph's kernels, in one step.
 
+use super::ir::CTy;
 use super::{elementwise, reduce, rows, ArgRef, Launch, StepKernels};
 use crate::{CodegenError, Result};
 use rustytorch_ops::{fused_row::part_types, FusedKernel, Op, RowFusion, TensorType};
@@ -37,7 +38,76 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
     if let Some(step) = rows::lower_fused(r, inputs, &x, out)? {
         return Ok(step);
     }
+    if let Some(step) = fused_reduction(r, inputs, &x, &c, out)? {
+        return Ok(step);
+    }
     composed(r, inputs, &x, &c, out)
+}
+
+/// The operand space of `t` broadcast over `space`: (size, stride) per dim, coalesced.
+fn space(t: &TensorType, space: &TensorType) -> Vec<reduce::Dim> {
+    let st = t.shape.broadcast_strides(&space.shape);
+    reduce::coalesce(space.shape.dims().iter().copied().zip(st))
+}
+
+/// A fused reduction as the reduction kernels with the prologue in their loads and the epilogue
+/// in their stores, or `None` when the core is not a reduction, an operand is not a float
+/// tensor, or the reduction has no reduced extent.
+fn fused_reduction(
+    r: &RowFusion,
+    inputs: &[&TensorType],
+    x: &TensorType,
+    c: &TensorType,
+    out: &TensorType,
+) -> Result<Option<StepKernels>> {
+    let Op::Reduce { kind, axes, .. } = &r.core else {
+        return Ok(None);
+    };
+    let (pro, _, epi) = r.split(inputs);
+    if !x.dtype.is_float()
+        || !out.dtype.is_float()
+        || !pro.iter().chain(epi).all(|t| t.dtype.is_float())
+    {
+        return Ok(None);
+    }
+    let pro_prog = match &r.prologue {
+        Some(k) => {
+            super::ir::check_dtypes(&Op::Fused(Box::new(k.clone())), pro, x)?;
+            Some(reduce::Prog {
+                k,
+                ops: pro
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| Some((format!("p{i}"), CTy::storage(t.dtype), space(t, x))))
+                    .collect(),
+                dtypes: pro.iter().map(|t| t.dtype).collect(),
+                round: CTy::storage(x.dtype),
+                first: CTy::storage(x.dtype),
+            })
+        }
+        None => None,
+    };
+    let epi_prog =
+        match &r.epilogue {
+            Some(k) => {
+                super::ir::check_dtypes(&Op::Fused(Box::new(k.clone())), epi, out)?;
+                let mut ops = vec![None];
+                ops.extend(epi.iter().enumerate().map(|(i, t)| {
+                    Some((format!("q{}", i + 1), CTy::storage(t.dtype), space(t, c)))
+                }));
+                let mut dtypes = vec![c.dtype];
+                dtypes.extend(epi.iter().map(|t| t.dtype));
+                Some(reduce::Prog {
+                    k,
+                    ops,
+                    dtypes,
+                    round: CTy::storage(out.dtype),
+                    first: CTy::storage(c.dtype),
+                })
+            }
+            None => None,
+        };
+    reduce::fused_reduce(*kind, axes, x, out, pro_prog.as_ref(), epi_prog.as_ref())
 }
 
 /// Rebinds a sub-step's arguments into the fused step: its inputs through `input`, its output to

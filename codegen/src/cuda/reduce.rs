@@ -33,7 +33,7 @@ use super::ir::{
 use super::rows::{self, RowOp};
 use super::{finish, grid_for, ArgRef, Launch, StepKernels};
 use crate::{CodegenError, Result};
-use rustytorch_ops::{ArgKind, DType, Op, OpError, ReduceKind, Reduction, TensorType};
+use rustytorch_ops::{ArgKind, DType, FusedKernel, Op, OpError, ReduceKind, Reduction, TensorType};
 
 /// Threads per block of every kernel here.
 const BLOCK: u32 = 256;
@@ -692,17 +692,133 @@ fn reduce_kernel(
     dst: (&str, CTy),
     fin: impl Fn(Expr) -> Expr,
 ) -> Result<(Kernel, u32)> {
+    fused_reduce_kernel(prefix, rows, strat, acc, src, dst, fin, None, None)
+}
+
+/// An elementwise program fused into a reduction's loads (a prologue, over the reduced tensor's
+/// elements) or its stores (an epilogue, over the outputs), with the operands it loads.
+pub(super) struct Prog<'a> {
+    /// The program.
+    pub k: &'a FusedKernel,
+    /// Per program input: its parameter name, storage type and offset space (the operand's
+    /// broadcast strides over the tensor the program runs over), or `None` for the epilogue's
+    /// input 0 (the reduction's result).
+    pub ops: Vec<Option<(String, CTy, Vec<Dim>)>>,
+    /// The dtype of each program input.
+    pub dtypes: Vec<DType>,
+    /// The storage type the program's value is rounded to (the reduced tensor's for a prologue,
+    /// the result's for an epilogue).
+    pub round: CTy,
+    /// The storage type input 0 is rounded to when it is not loaded (the reduction's result, as
+    /// the unfused graph stores it).
+    pub first: CTy,
+}
+
+/// `v` held in `from`, rounded to storage type `e`, held in `to`.
+fn rounded(v: Expr, from: CTy, e: CTy, to: CTy) -> Expr {
+    let ec = e.compute_of();
+    let v = if from == ec { v } else { cast(ec, v) };
+    let v = if e == ec { v } else { cast(ec, cast(e, v)) };
+    if ec == to {
+        v
+    } else {
+        cast(to, v)
+    }
+}
+
+impl Prog<'_> {
+    /// The parameters of the loaded operands.
+    fn params(&self) -> Vec<Param> {
+        self.ops
+            .iter()
+            .flatten()
+            .map(|(n, e, _)| param(n, *e, false))
+            .collect()
+    }
+
+    /// The program's value at flat index `idx` (a variable), `first` standing for input 0 when it
+    /// is not loaded, rounded to [`Prog::round`] and held in `ty`; statements go to `s`.
+    fn value(
+        &self,
+        s: &mut Vec<Stmt>,
+        tag: &str,
+        idx: &str,
+        first: Option<Expr>,
+        ty: CTy,
+    ) -> Result<Expr> {
+        let mut args = Vec::with_capacity(self.ops.len());
+        for (j, o) in self.ops.iter().enumerate() {
+            args.push(match o {
+                Some((name, elem, dims)) => {
+                    let v = format!("{tag}a{j}");
+                    s.push(let_(
+                        &v,
+                        elem.compute_of(),
+                        load(name, *elem, offset(idx, dims)),
+                    ));
+                    var(&v)
+                }
+                None => {
+                    let f = first.clone().unwrap_or_else(|| lit(0.0, ty));
+                    let fc = self.first.compute_of();
+                    let v = format!("{tag}a{j}");
+                    s.push(let_(&v, fc, rounded(f, ty, self.first, fc)));
+                    var(&v)
+                }
+            });
+        }
+        let v = super::elementwise::program_value(s, tag, self.k, &args, &self.dtypes)?;
+        let c = super::elementwise::program_compute(self.k, &self.dtypes);
+        Ok(rounded(v, c, self.round, ty))
+    }
+}
+
+/// [`reduce_kernel`] with the loads computed by the prologue `pro` (its operands replace `src`)
+/// and the stores mapped through the epilogue `epi` (its operands' parameters follow the
+/// sources').
+#[allow(clippy::too_many_arguments)]
+fn fused_reduce_kernel(
+    prefix: &str,
+    rows: &Rows,
+    strat: Strat,
+    acc: Acc,
+    src: (&str, CTy),
+    dst: (&str, CTy),
+    fin: impl Fn(Expr) -> Expr,
+    pro: Option<&Prog>,
+    epi: Option<&Prog>,
+) -> Result<(Kernel, u32)> {
     let mut t = Tpl::new(strat);
     let mut body = acc.init("a");
-    let x = load_as(src.0, src.1, rows.at(), acc.ty);
-    let step = t.step(&acc, "a", x);
-    body.push(t.kloop(step));
+    let mut each = Vec::new();
+    let x = match pro {
+        Some(p) => {
+            each.push(let_("xi", CTy::I64, rows.at()));
+            p.value(&mut each, "p", "xi", None, acc.ty)?
+        }
+        None => load_as(src.0, src.1, rows.at(), acc.ty),
+    };
+    each.extend(t.step(&acc, "a", x));
+    body.push(t.kloop(each));
     body.extend(t.reduce(&acc, "a"));
-    body.push(if_(
-        t.leader(),
-        vec![store(dst.0, dst.1, var("row"), fin(acc.result("a")))],
-    ));
-    let params = vec![param(src.0, src.1, false), param(dst.0, dst.1, true)];
+    let mut last = Vec::new();
+    let y = match epi {
+        Some(p) => {
+            last.push(let_("r0", acc.ty, fin(acc.result("a"))));
+            p.value(&mut last, "e", "row", Some(var("r0")), dst.1.compute_of())?
+        }
+        None => fin(acc.result("a")),
+    };
+    last.push(store(dst.0, dst.1, var("row"), y));
+    body.push(if_(t.leader(), last));
+    let mut params = match pro {
+        Some(p) => p.params(),
+        None => vec![param(src.0, src.1, false)],
+    };
+    if let Some(p) = epi {
+        params.extend(p.params());
+    }
+    params.push(param(dst.0, dst.1, true));
     t.kernel(prefix, params, rows, body)
 }
 
@@ -786,6 +902,27 @@ fn reduce(
     x: &TensorType,
     out: &TensorType,
 ) -> Result<StepKernels> {
+    fused_reduce(kind, axes, x, out, None, None).map(|s| s.expect("a plain reduction lowers"))
+}
+
+/// The kernels of a reduction of `x` (the reduced tensor's type) to `out` with the prologue `pro`
+/// computing `x`'s elements from its operands, the step's first inputs (else input 0 is `x`), and
+/// the epilogue `epi` mapping the results, its operands the step's next inputs. `None` when
+/// fused programs are given and the reduction is one without a reduced extent (a copy, or the
+/// identity fill of a max or min over an empty axis).
+pub(super) fn fused_reduce(
+    kind: ReduceKind,
+    axes: &[usize],
+    x: &TensorType,
+    out: &TensorType,
+    pro: Option<&Prog>,
+    epi: Option<&Prog>,
+) -> Result<Option<StepKernels>> {
+    let fused = pro.is_some() || epi.is_some();
+    let n_src = pro.map_or(1, |p| p.ops.iter().flatten().count());
+    let n_epi = epi.map_or(0, |p| p.ops.iter().flatten().count());
+    let src_args: Vec<ArgRef> = (0..n_src).map(ArgRef::Input).collect();
+    let epi_args: Vec<ArgRef> = (n_src..n_src + n_epi).map(ArgRef::Input).collect();
     let (name, comb) = match kind {
         ReduceKind::Sum => ("sum", Comb::Sum),
         ReduceKind::Mean => ("mean", Comb::Sum),
@@ -795,15 +932,17 @@ fn reduce(
         ReduceKind::Any => ("any", Comb::Any),
         ReduceKind::All => ("all", Comb::All),
     };
-    let prefix = format!("reduce_{name}");
+    let prefix = format!("{}reduce_{name}", if fused { "fused_" } else { "" });
     if axes.is_empty() {
-        return copy(&prefix, x);
+        return (!fused).then(|| copy(&prefix, x)).transpose();
     }
     let dims = x.shape.dims();
     let strides = x.shape.strides();
     let n: usize = axes.iter().map(|&a| dims[a]).product();
     if n == 0 && matches!(kind, ReduceKind::Max | ReduceKind::Min) {
-        return identity_fill(&prefix, kind == ReduceKind::Max, out);
+        return (!fused)
+            .then(|| identity_fill(&prefix, kind == ReduceKind::Max, out))
+            .transpose();
     }
     let outputs = out.shape.numel();
     let dim = |a: usize| (dims[a], strides[a]);
@@ -822,8 +961,21 @@ fn reduce(
     let strat = choose(&rows);
     let parts = parts_for(strat, outputs, n);
     if parts <= 1 {
-        let k = reduce_kernel(&prefix, &rows, strat, acc, ("x", xs), ("y", ys), fin)?;
-        return Ok(single(k, vec![ArgRef::Input(0), ArgRef::Output]));
+        let k = fused_reduce_kernel(
+            &prefix,
+            &rows,
+            strat,
+            acc,
+            ("x", xs),
+            ("y", ys),
+            fin,
+            pro,
+            epi,
+        )?;
+        let mut args = src_args;
+        args.extend(epi_args);
+        args.push(ArgRef::Output);
+        return Ok(Some(single(k, args)));
     }
     // Two stages: partials of chunks into scratch, laid out [parts, outputs] for columns (so
     // that both stages read and write neighbouring outputs together) and [outputs, parts] else.
@@ -838,7 +990,7 @@ fn reduce(
         outputs,
         parts_outer,
     });
-    let k1 = reduce_kernel(
+    let k1 = fused_reduce_kernel(
         &format!("{prefix}_partial"),
         &first,
         strat,
@@ -846,6 +998,8 @@ fn reduce(
         ("x", xs),
         ("part", acc.ty),
         |e| e,
+        pro,
+        None,
     )?;
     let (kept2, red2) = if parts_outer {
         (vec![(outputs, 1)], vec![(parts, outputs)])
@@ -853,7 +1007,7 @@ fn reduce(
         (vec![(outputs, parts)], vec![(parts, 1)])
     };
     let second = Rows::new(outputs, coalesce(kept2), coalesce(red2), parts);
-    let k2 = reduce_kernel(
+    let k2 = fused_reduce_kernel(
         &prefix,
         &second,
         choose(&second),
@@ -861,22 +1015,29 @@ fn reduce(
         ("part", acc.ty),
         ("y", ys),
         fin,
+        None,
+        epi,
     )?;
-    Ok(StepKernels {
+    let mut args1 = src_args;
+    args1.push(ArgRef::Scratch);
+    let mut args2 = vec![ArgRef::Scratch];
+    args2.extend(epi_args);
+    args2.push(ArgRef::Output);
+    Ok(Some(StepKernels {
         launches: vec![
             Launch {
                 kernel: k1.0,
-                args: vec![ArgRef::Input(0), ArgRef::Scratch],
+                args: args1,
                 grid: k1.1,
             },
             Launch {
                 kernel: k2.0,
-                args: vec![ArgRef::Scratch, ArgRef::Output],
+                args: args2,
                 grid: k2.1,
             },
         ],
         scratch_bytes: outputs * parts * elem_bytes(acc.ty),
-    })
+    }))
 }
 
 fn arg_reduce(op: &Op, kind: ArgKind, axis: usize, x: &TensorType) -> Result<StepKernels> {
