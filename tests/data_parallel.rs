@@ -660,3 +660,29 @@ fn the_runner_splits_a_batch_over_devices() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn all_reduce_lowers_to_a_collective_step_on_cuda() {
+    use rustytorch::codegen::cuda::{lower_step, CudaStep};
+    use rustytorch::ops::Op;
+    let t = TensorType::new(DType::F32, [64, 3]);
+    for mean in [true, false] {
+        let step = lower_step(&Op::AllReduce { mean }, &[&t], &t).unwrap();
+        assert_eq!(step, CudaStep::AllReduce { mean });
+    }
+    // An operand that is not the result's type is an error, not a step.
+    let other = TensorType::new(DType::F32, [3, 64]);
+    let e = lower_step(&Op::AllReduce { mean: true }, &[&other], &t)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("all_reduce"), "{e}");
+    // And the training graph with gradient buckets lowers for CUDA (every step has a CUDA form).
+    let graph = mlp_step(4, Some(GradSync { bucket_bytes: 64 }));
+    let exe = compile_graph(&graph, Device::Cpu, &CompileOptions::default()).unwrap();
+    let steps = rustytorch::codegen::cuda::lower_plan(exe.plan()).unwrap();
+    let collectives = steps
+        .iter()
+        .filter(|s| matches!(s, CudaStep::AllReduce { mean: true }))
+        .count();
+    assert!(collectives >= 3, "{collectives} all_reduce steps");
+}
