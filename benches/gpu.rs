@@ -566,6 +566,62 @@ fn nccl_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     }
 }
 
+/// Norms, softmax and reductions with elementwise producers and consumers fused in (one kernel
+/// each), bf16 32768x4096; bandwidth counts the bytes of the inputs the kernel reads and of its
+/// output (weights, biases and masks of one row are negligible). `benches/gpu_fused_peer.py`
+/// measures torch.compile on the same workloads.
+fn fused_row_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
+    let (r, c) = (32768usize, 4096usize);
+    let bf = DType::BF16;
+    let tb = |bytes: usize, ms: f64| bytes as f64 / (ms * 1e-3) / 1e12;
+    let plane = r * c * 2;
+    let cases: [(&str, usize); 7] = [
+        ("fused layer_norm(x + y) bf16 32768x4096", 3 * plane),
+        ("fused rms_norm(x + bias) bf16 32768x4096", 2 * plane),
+        ("fused softmax(x * 0.125 + mask) bf16 32768x4096", 2 * plane),
+        ("fused layer_norm(x) * 0.5 + z bf16 32768x4096", 3 * plane),
+        ("fused f32(softmax(x)) bf16 32768x4096", plane + 2 * plane),
+        ("fused sum(x * y, -1) bf16 32768x4096", 2 * plane),
+        ("fused sqrt(mean(x * x, -1)) bf16 32768x4096", plane),
+    ];
+    for (i, (name, bytes)) in cases.into_iter().enumerate() {
+        let g = GraphBuilder::new();
+        let x = p(&g, "x", bf, &[r, c]);
+        let y = match i {
+            0 => {
+                let (y, w, b) = (
+                    p(&g, "y", bf, &[r, c]),
+                    p(&g, "w", bf, &[c]),
+                    p(&g, "b", bf, &[c]),
+                );
+                x.add(&y).layer_norm(Some(&w), Some(&b), 1e-5)
+            }
+            1 => {
+                let (bias, w) = (p(&g, "bias", bf, &[c]), p(&g, "w", bf, &[c]));
+                x.add(&bias).rms_norm(Some(&w), 1e-6)
+            }
+            2 => {
+                // Scores [8, 16, 256, 4096] and a per-batch mask [8, 1, 1, 4096].
+                let s = x.reshape([8usize, 16, 256, 4096]);
+                let mask = p(&g, "mask", bf, &[8, 1, 1, c]);
+                s.mul_scalar(0.125).add(&mask).softmax(-1)
+            }
+            3 => {
+                let z = p(&g, "z", bf, &[r, c]);
+                x.layer_norm(None, None, 1e-5).mul_scalar(0.5).add(&z)
+            }
+            4 => x.softmax(-1).cast(DType::F32),
+            5 => {
+                let y = p(&g, "y", bf, &[r, c]);
+                x.mul(&y).sum(&[-1], false)
+            }
+            _ => x.mul(&x).mean(&[-1], true).sqrt(),
+        };
+        let t = time(&g, &[&y], 20, true);
+        push(name, t, "TB/s", tb(bytes, t.0));
+    }
+}
+
 fn main() {
     if let Err(e) = rustytorch::runtime::cuda_device_count() {
         println!("gpu bench: no CUDA device here ({e}); run it on the GPU machine");
@@ -594,6 +650,11 @@ fn main() {
     }
     if only("attention") {
         attention_rows(&mut push);
+        return;
+    }
+    // `bench-gpu fused` the fused norm, softmax and reduction rows only.
+    if only("fused") {
+        fused_row_rows(&mut push);
         return;
     }
     let (only_conv, only_sparse, only_tiny, only_bert) =
@@ -669,6 +730,7 @@ fn main() {
             let t = time(&g, &[&y], 20, true);
             push(&format!("{which} bf16 32768x4096"), t, "TB/s", tb(nb, t.0));
         }
+        fused_row_rows(&mut push);
 
         // The elementwise chain tanh(silu(a)·b + 0.5·a)·2: inputs a, b and the output.
         let g = GraphBuilder::new();
