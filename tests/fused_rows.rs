@@ -200,6 +200,62 @@ fn a_sum_used_twice_stays_out_of_the_norm() {
 }
 
 #[test]
+fn gradients_fuse_after_differentiation() {
+    // d/dx and d/dw of mean(layer_norm(x + y, w, b)²): fusion runs on the differentiated graph,
+    // whose forward and backward both hold fusable rows.
+    for dt in [DType::F32, DType::BF16] {
+        let g = GraphBuilder::new();
+        let (r, d) = (6, 40);
+        let x = g.input("x", dt, [r, d]);
+        let y = g.input("y", dt, [r, d]);
+        let w = g.input("w", dt, [d]);
+        let b = g.input("b", dt, [d]);
+        let n = (&x + &y).layer_norm(Some(&w), Some(&b), 1e-5);
+        let loss = (&n * &n).mean_all();
+        g.output("loss", &loss);
+        let mut graph = g.graph().unwrap();
+        let wrt = [x.id().unwrap(), w.id().unwrap()];
+        let grads =
+            rustytorch::compiler::autodiff::grad(&mut graph, loss.id().unwrap(), &wrt).unwrap();
+        graph.add_output("gx", grads[0]).unwrap();
+        graph.add_output("gw", grads[1]).unwrap();
+        assert!(fused_rows(&graph) >= 2, "{dt}");
+        let tys: Vec<(String, TensorType)> = [
+            ("x", vec![r, d]),
+            ("y", vec![r, d]),
+            ("w", vec![d]),
+            ("b", vec![d]),
+        ]
+        .into_iter()
+        .map(|(n, s)| (n.to_string(), TensorType::new(dt, s)))
+        .collect();
+        let inputs = random(&tys, 99);
+        let args: Vec<(&str, HostTensor)> = inputs
+            .iter()
+            .map(|(n, t)| (n.as_str(), t.clone()))
+            .collect();
+        let mut outs = vec![];
+        for optimize in [true, false] {
+            let opts = CompileOptions {
+                optimize,
+                ..CompileOptions::default()
+            };
+            let mut exe = rustytorch::compile_graph(&graph, device(), &opts).unwrap();
+            outs.push(exe.run(&args).unwrap().into_vec());
+        }
+        for (f, u) in outs[0].iter().zip(&outs[1]) {
+            // The optimizer rewrites the backward graph, so the order of operations differs.
+            assert_close(
+                &f.to_f64_vec(),
+                &u.to_f64_vec(),
+                4.0 * tolerance(dt),
+                &format!("{dt}"),
+            );
+        }
+    }
+}
+
+#[test]
 fn fused_ir_of_each_case() {
     let mut s = String::new();
     for case in CASES {
