@@ -1,5 +1,6 @@
-//! Fusion: groups producer→consumer elementwise ops into [`Op::Fused`] kernels (runs after the
-//! e-graph's extraction, before scheduling and memory planning).
+//! Fusion: groups producer→consumer elementwise ops into [`Op::Fused`] kernels, then fuses those
+//! kernels into the inputs and outputs of norms, softmaxes and reductions ([`Op::FusedRow`]). It
+//! runs after autodiff and the e-graph's extraction, before scheduling and memory planning.
 //!
 //! # The rule
 //!
@@ -30,20 +31,41 @@
 //! A group of one elementwise op stays the plain op (wrapping it would gain nothing) unless it
 //! reads an expand that disappears.
 //!
-//! Reductions, matmuls, normalizations and every other op stop the growth: they need a
-//! materialized input (a reduction reads each input element once per output, with its own
-//! iteration space), so an elementwise chain that feeds a reduction is one kernel and the
-//! reduction another, and a chain after the reduction starts a new group.
+//! Reductions, matmuls, normalizations and every other op stop the growth of a group: they have
+//! their own iteration space (a reduction reads each input element once per output), so an
+//! elementwise chain that feeds one is a group of its own, and a chain after it starts another.
 //!
 //! Existing `Fused` nodes are left as they are (the pass is idempotent).
 //!
+//! # Row kernels: prologues and epilogues
+//!
+//! After the groups are built, each norm, softmax or reduction (`LayerNorm`, `RmsNorm`,
+//! `Softmax`, `LogSoftmax`, or a float `Reduce` other than any/all) — the *core* — absorbs the
+//! fused kernels next to it into one [`Op::FusedRow`]:
+//!
+//! - a **prologue**: the fused kernel that computes the core's input (its operand 0), when the
+//!   core is its only user and it is not an output, update or guard. The row kernel evaluates it
+//!   per input element as it loads the row, so `layer_norm(x + y)` reads `x` and `y` once and
+//!   never writes the sum;
+//! - an **epilogue**: the fused kernel that is the core's only user, when it has the core's
+//!   result shape (it runs per output element) and the core is not a root. It maps each result
+//!   before the store: `layer_norm(x) · 0.5 + z`, `cast(softmax(x))`, `sqrt(mean(x · x))`.
+//!
+//! A group of one elementwise op is kept as a fused kernel when it will join a row op this way
+//! (so that a lone `x + bias` reads through the bias's expand and joins as a prologue). Cores are
+//! taken in topological order; a fused kernel between two cores joins the first as its epilogue.
+//! The row kernel's node is the epilogue's (its users and output names stay), or the core's.
+//!
+//! Row kernels have one result. GPT-2's pre-LN `h = x + a; n = layer_norm(h)`, where `h` is also
+//! used later, keeps `h` as its own kernel: writing both the sum and the norm from one kernel
+//! needs nodes with several results, which the graph IR does not have.
+//!
 //! # Future work
 //!
-//! - Fusing elementwise producers into a reduction's input (a "reduction prologue", as Inductor
-//!   and tinygrad do), and elementwise consumers into matmul/conv epilogues beyond what the
-//!   optimizer's `MatmulEpilogue` recognizes.
-//! - Groups with several outputs (a value used inside and outside could be written once by the
-//!   kernel that computes it, instead of splitting the group).
+//! - Groups and row kernels with several outputs (a value used inside and outside could be
+//!   written once by the kernel that computes it, instead of splitting the group).
+//! - Fusing elementwise consumers into matmul/conv epilogues beyond what the optimizer's
+//!   `MatmulEpilogue` recognizes, and producers of a norm's weight and bias.
 //! - Reading through `Reshape`/`Permute` of kernel inputs with index math.
 
 use crate::graph::{Graph, NodeId};
