@@ -417,7 +417,31 @@ fn attention_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
                 "TB/s",
                 kv / (t.0 * 1e-3) / 1e12,
             );
+            continue;
         }
+        // Forward and the three gradients (the backward counted as 2.5× the forward).
+        let dy = graph.add_input("dy", tt(bf, &[b, h, sq, d])).expect("dy");
+        for wrt in 0..3u8 {
+            let op = Op::AttentionGrad {
+                causal: if causal {
+                    Causal::TopLeft
+                } else {
+                    Causal::None
+                },
+                mask: AttnMask::None,
+                scale: F64Bits::new(1.0 / (d as f64).sqrt()),
+                wrt,
+            };
+            let dx = graph.add(op, &[q, k, v, dy]).expect("grad");
+            graph.add_output(&format!("d{wrt}"), dx).expect("d");
+        }
+        let t = time_graph(&graph, 5, true);
+        push(
+            &format!("{name} fwd+bwd"),
+            t,
+            "TFLOP/s",
+            3.5 * flops / (t.0 * 1e-3) / 1e12,
+        );
     }
 }
 

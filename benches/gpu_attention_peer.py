@@ -42,6 +42,20 @@ for (B, H, Sq, Sk, D, causal) in SHAPES:
                 with sdpa_kernel(backends):
                     ms = bench(f)
             print(f"{tag} {name}: {ms * 1e3:.1f} us, {fl / ms / 1e9:.1f} TFLOP/s", flush=True)
+            if Sq > 1:
+                qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                g = torch.randn_like(o)
+
+                def fb():
+                    o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                    return torch.autograd.grad(o, (qg, kg, vg), g)
+                if backends is None:
+                    ms = bench(fb)
+                else:
+                    with sdpa_kernel(backends):
+                        ms = bench(fb)
+                print(f"{tag} {name} fwd+bwd: {ms * 1e3:.1f} us, {3.5 * fl / ms / 1e9:.1f} TFLOP/s", flush=True)
         except Exception as e:  # a backend that refuses the shape
             print(f"{tag} {name}: unavailable ({str(e).splitlines()[0][:80]})", flush=True)
     del q, k, v

@@ -766,14 +766,43 @@ fn flash_attention_shapes() {
                 check(
                     &format!("{what} additive"),
                     op(AttnMask::Additive),
-                    vec![q.clone(), kk.clone(), v.clone(), add],
+                    vec![q.clone(), kk.clone(), v.clone(), add.clone()],
                 );
                 let keep = rnd(DType::Bool, &[b, 1, 1, sk], seed + 4, 0.0, 1.0);
                 check(
                     &format!("{what} bool"),
                     op(AttnMask::Bool),
-                    vec![q.clone(), kk.clone(), v.clone(), keep],
+                    vec![q.clone(), kk.clone(), v.clone(), keep.clone()],
                 );
+                // The three gradients through the flash backward (unmasked, additive with a
+                // fully masked row, bool), errors relative to the largest magnitude.
+                if sq * sk > 100_000 {
+                    continue;
+                }
+                let g = rnd(d, &[b, h, sq, hv], seed + 5, -1.0, 1.0);
+                for wrt in 0..3u8 {
+                    let grad = |mask| Op::AttentionGrad {
+                        causal,
+                        mask,
+                        scale,
+                        wrt,
+                    };
+                    for (mask, extra) in [
+                        (AttnMask::None, None),
+                        (AttnMask::Additive, Some(&add)),
+                        (AttnMask::Bool, Some(&keep)),
+                    ] {
+                        let mut ins = vec![q.clone(), kk.clone(), v.clone()];
+                        ins.extend(extra.cloned());
+                        ins.push(g.clone());
+                        check_scaled(
+                            &format!("{what} grad {wrt} {mask:?}"),
+                            grad(mask),
+                            ins,
+                            true,
+                        );
+                    }
+                }
             }
         }
     }

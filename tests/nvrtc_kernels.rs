@@ -94,8 +94,61 @@ fn flash_attention_compiles() {
             }
         }
     }
-    for c in &compilers {
+    compile_all(&compilers, sources);
+}
+
+/// Compiles distinct sources with every compiler.
+fn compile_all(compilers: &[KernelCompiler], mut sources: Vec<(String, String)>) {
+    sources.sort();
+    sources.dedup();
+    for c in compilers {
         c.cubins(&sources)
             .unwrap_or_else(|e| panic!("{}: {e}", c.arch()));
     }
+}
+
+/// The flash gradient kernels (the statistics pass, then dQ, dK or dV) for both element types,
+/// every causal kind, unmasked and bool-masked, and value heads unlike the query's.
+#[test]
+fn flash_attention_gradients_compile() {
+    let Some(compilers) = compilers() else { return };
+    let mut sources = vec![];
+    for d in [DType::F16, DType::BF16] {
+        for &(sq, sk, hd, hv) in &[(100, 37, 80, 80), (65, 64, 16, 48), (7, 9, 128, 128)] {
+            for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+                for (mask, mt) in [
+                    (AttnMask::None, None),
+                    (AttnMask::Bool, Some(t(DType::Bool, &[2, 1, 1, sk]))),
+                ] {
+                    let mut ins = vec![
+                        t(d, &[2, 3, sq, hd]),
+                        t(d, &[2, 3, sk, hd]),
+                        t(d, &[2, 3, sk, hv]),
+                    ];
+                    ins.extend(mt);
+                    ins.push(t(d, &[2, 3, sq, hv]));
+                    let refs: Vec<&TensorType> = ins.iter().collect();
+                    for wrt in 0..3u8 {
+                        let op = Op::AttentionGrad {
+                            causal,
+                            mask,
+                            scale: F64Bits::new(0.125),
+                            wrt,
+                        };
+                        let out = rustytorch::ops::infer(&op, &refs).expect("infer");
+                        let step = lower_step(&op, &refs, &out).expect("lower");
+                        let ls = launches(&step);
+                        assert_eq!(ls.len(), 2);
+                        assert!(ls[0].kernel.name.starts_with("flash_attention_stats"));
+                        assert!(ls[1].kernel.name.starts_with("flash_attention_grad"));
+                        for l in ls {
+                            sources
+                                .push((l.kernel.name.clone(), source(&l.kernel).expect("source")));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    compile_all(&compilers, sources);
 }

@@ -62,80 +62,147 @@ pub fn supported(inputs: &[&TensorType]) -> bool {
         && !matches!(env.as_deref(), Ok("gemm") | Ok("kernel"))
 }
 
-/// Lowers `Attention` (operands q, k, v and the mask when it has one) to the flash kernel. The
-/// caller checks [`supported`] and that the result type is the inferred one.
-pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKernels> {
-    let Op::Attention {
-        causal,
-        mask,
-        scale,
-    } = op
-    else {
-        return Err(crate::CodegenError::Invalid(format!(
-            "{} is not attention",
-            op.name()
-        )));
-    };
-    let want = rustytorch_ops::infer(op, inputs)?;
-    if &want != out {
-        return Err(crate::CodegenError::Invalid(format!(
-            "attention: result type {out} does not match the inferred {want}"
-        )));
-    }
-    if out.shape.numel() == 0 {
-        return Ok(StepKernels::default());
-    }
-    let (qd, kd, vd) = (
-        inputs[0].shape.dims(),
-        inputs[1].shape.dims(),
-        inputs[2].shape.dims(),
-    );
-    let (bsz, heads, sq, d, sk, dv) = (qd[0], qd[1], qd[2], qd[3], kd[2], vd[3]);
-    let e = CTy::storage(inputs[0].dtype);
-    let mut params = vec![
-        param("q", e, false),
-        param("k", e, false),
-        param("v", e, false),
-    ];
-    let mask_load = match mask {
-        AttnMask::None => None,
-        AttnMask::Additive | AttnMask::Bool => {
-            let m = inputs[3];
-            let me = CTy::storage(m.dtype);
-            params.push(param("mask", me, false));
-            let st = m.shape.broadcast_strides(&Shape::new([bsz, heads, sq, sk]));
-            let index = format!(
-                "(bh / {heads}LL) * {}LL + (bh % {heads}LL) * {}LL + (long long)row * {}LL + (long long)key * {}LL",
-                st[0], st[1], st[2], st[3]
-            );
-            Some(match (mask, me) {
-                (AttnMask::Bool, _) => format!("x = mask[{index}] ? x : RT_NEG_INF;"),
-                (_, CTy::F16) => format!("x += rt_h2f(mask[{index}]) * RT_LOG2E;"),
-                (_, CTy::BF16) => format!("x += rt_bf2f(mask[{index}]) * RT_LOG2E;"),
-                _ => format!("x += (float)mask[{index}] * RT_LOG2E;"),
-            })
+/// Sizes, types and the mask of one attention op, as the kernels are specialized on them.
+struct Spec {
+    bsz: usize,
+    heads: usize,
+    sq: usize,
+    sk: usize,
+    d: usize,
+    dv: usize,
+    causal: Causal,
+    scale: f64,
+    e: CTy,
+    /// The statement that applies the mask to score `x` of query `row`, key `key` (head `bh`).
+    mask: Option<String>,
+    /// q, k, v and the mask's parameters.
+    params: Vec<Param>,
+}
+
+impl Spec {
+    /// Checks `out` against the inferred type; None for an empty result.
+    fn new(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<Option<Spec>> {
+        let (causal, mask, scale) = match op {
+            Op::Attention {
+                causal,
+                mask,
+                scale,
+            }
+            | Op::AttentionGrad {
+                causal,
+                mask,
+                scale,
+                ..
+            } => (*causal, *mask, scale.get()),
+            _ => {
+                return Err(crate::CodegenError::Invalid(format!(
+                    "{} is not attention",
+                    op.name()
+                )))
+            }
+        };
+        let want = rustytorch_ops::infer(op, inputs)?;
+        if &want != out {
+            return Err(crate::CodegenError::Invalid(format!(
+                "{}: result type {out} does not match the inferred {want}",
+                op.name()
+            )));
         }
+        if out.shape.numel() == 0 {
+            return Ok(None);
+        }
+        let (qd, kd, vd) = (
+            inputs[0].shape.dims(),
+            inputs[1].shape.dims(),
+            inputs[2].shape.dims(),
+        );
+        let (bsz, heads, sq, d, sk, dv) = (qd[0], qd[1], qd[2], qd[3], kd[2], vd[3]);
+        let e = CTy::storage(inputs[0].dtype);
+        let mut params = vec![
+            param("q", e, false),
+            param("k", e, false),
+            param("v", e, false),
+        ];
+        let mask = match mask {
+            AttnMask::None => None,
+            AttnMask::Additive | AttnMask::Bool => {
+                let m = inputs[3];
+                let me = CTy::storage(m.dtype);
+                params.push(param("mask", me, false));
+                let st = m.shape.broadcast_strides(&Shape::new([bsz, heads, sq, sk]));
+                let index = format!(
+                    "(bh / {heads}LL) * {}LL + (bh % {heads}LL) * {}LL + (long long)row * {}LL + (long long)key * {}LL",
+                    st[0], st[1], st[2], st[3]
+                );
+                Some(match (mask, me) {
+                    (AttnMask::Bool, _) => format!("x = mask[{index}] ? x : RT_NEG_INF;"),
+                    (_, CTy::F16) => format!("x += rt_h2f(mask[{index}]) * RT_LOG2E;"),
+                    (_, CTy::BF16) => format!("x += rt_bf2f(mask[{index}]) * RT_LOG2E;"),
+                    _ => format!("x += (float)mask[{index}] * RT_LOG2E;"),
+                })
+            }
+        };
+        Ok(Some(Spec {
+            bsz,
+            heads,
+            sq,
+            sk,
+            d,
+            dv,
+            causal,
+            scale,
+            e,
+            mask,
+            params,
+        }))
+    }
+
+    fn elem(&self) -> &'static str {
+        if self.e == CTy::BF16 {
+            "bf16"
+        } else {
+            "f16"
+        }
+    }
+
+    /// Blocks of `BR` query rows (or `BC` keys) over every (batch, head).
+    fn tiles(&self, rows: usize) -> usize {
+        self.bsz * self.heads * rows.div_ceil(BR)
+    }
+
+    /// The forward source, writing the output or (with `stats`) each query row's log-sum-exp
+    /// and `D = rowsum(dO ∘ O)`.
+    fn forward(&self, stats: bool) -> String {
+        source(&Shape2 {
+            sq: self.sq,
+            sk: self.sk,
+            d: self.d,
+            dv: self.dv,
+            tiles: self.tiles(self.sq),
+            causal: self.causal,
+            scale_log2: self.scale * std::f64::consts::LOG2_E,
+            elem: self.elem(),
+            mask: self.mask.clone(),
+            stats,
+        })
+    }
+}
+
+/// Lowers `Attention` (operands q, k, v and the mask when it has one) to the flash kernel. The
+/// caller checks [`supported`].
+pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKernels> {
+    let Some(sp) = Spec::new(op, inputs, out)? else {
+        return Ok(StepKernels::default());
     };
-    params.push(param("out", e, true));
-    let tiles = bsz * heads * sq.div_ceil(BR);
-    let body = source(&Shape2 {
-        sq,
-        sk,
-        d,
-        dv,
-        tiles,
-        causal: *causal,
-        scale_log2: scale.get() * std::f64::consts::LOG2_E,
-        elem: if e == CTy::BF16 { "bf16" } else { "f16" },
-        mask: mask_load,
-    });
+    let mut params = sp.params.clone();
+    params.push(param("out", sp.e, true));
     let kernel = finish(
         "flash_attention",
         Kernel {
             name: String::new(),
             params,
             block: THREADS,
-            body: vec![Stmt::Verbatim(body)],
+            body: vec![Stmt::Verbatim(sp.forward(false))],
         },
     )?;
     Ok(StepKernels {
@@ -145,9 +212,96 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
                 .map(ArgRef::Input)
                 .chain([ArgRef::Output])
                 .collect(),
-            grid: grid_for(tiles as u64, 1),
+            grid: grid_for(sp.tiles(sp.sq) as u64, 1),
         }],
         scratch_bytes: 0,
+    })
+}
+
+/// Lowers `AttentionGrad` (operands q, k, v, [mask], dO) to two kernels: the forward in its
+/// statistics form (per query row the base-2 log-sum-exp of the scaled scores and
+/// `D = rowsum(dO ∘ O)`, f32 into the step's scratch), then the gradient:
+///
+/// - `wrt` q: per block of 64 query rows (a warp's 16 rows keep their q and dO fragments in
+///   registers), over the key tiles they see: `S = Q·Kᵀ`, `P = 2^(S − lse)`, `dP = dO·Vᵀ`,
+///   `dS = P∘(dP − D)`, `dQ += dS·K`;
+/// - `wrt` k or v: per block of 64 keys (k and v fragments in registers), over the query tiles
+///   that see them: `Sᵀ = K·Qᵀ`, `Pᵀ`, then `dV += Pᵀ·dO`, or `dPᵀ = V·dOᵀ`, `dSᵀ`,
+///   `dK += dSᵀ·Q`;
+///
+/// `dQ` and `dK` end scaled by the attention scale. Masked pairs have `P = 0`; a fully masked
+/// query row has an infinite log-sum-exp, so it contributes nothing.
+pub fn lower_grad(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKernels> {
+    let Some(sp) = Spec::new(op, inputs, out)? else {
+        return Ok(StepKernels::default());
+    };
+    let Op::AttentionGrad { wrt, .. } = op else {
+        return Err(crate::CodegenError::Invalid(format!(
+            "{} is not an attention gradient",
+            op.name()
+        )));
+    };
+    let rows = sp.bsz * sp.heads * sp.sq;
+    let delta_at = (rows * 4).next_multiple_of(256);
+    let n_in = inputs.len();
+    let mut base = sp.params.clone();
+    base.push(param("dout", sp.e, false));
+    let stats_params: Vec<Param> = base
+        .iter()
+        .cloned()
+        .chain([param("lse", CTy::F32, true), param("delta", CTy::F32, true)])
+        .collect();
+    let mut grad_params: Vec<Param> = base
+        .into_iter()
+        .chain([
+            param("lse", CTy::F32, false),
+            param("delta", CTy::F32, false),
+        ])
+        .collect();
+    grad_params.push(param("out", sp.e, true));
+    let stats = finish(
+        "flash_attention_stats",
+        Kernel {
+            name: String::new(),
+            params: stats_params,
+            block: THREADS,
+            body: vec![Stmt::Verbatim(sp.forward(true))],
+        },
+    )?;
+    let (body, tiles) = match wrt {
+        0 => (grad_q(&sp), sp.tiles(sp.sq)),
+        1 | 2 => (grad_kv(&sp, *wrt == 1), sp.tiles(sp.sk)),
+        w => {
+            return Err(crate::CodegenError::Invalid(format!(
+                "attention gradient with respect to operand {w}"
+            )))
+        }
+    };
+    let grad = finish(
+        "flash_attention_grad",
+        Kernel {
+            name: String::new(),
+            params: grad_params,
+            block: THREADS,
+            body: vec![Stmt::Verbatim(body)],
+        },
+    )?;
+    let ins = || (0..n_in).map(ArgRef::Input);
+    let scratch = [ArgRef::ScratchAt(0), ArgRef::ScratchAt(delta_at)];
+    Ok(StepKernels {
+        launches: vec![
+            Launch {
+                kernel: stats,
+                args: ins().chain(scratch).collect(),
+                grid: grid_for(sp.tiles(sp.sq) as u64, 1),
+            },
+            Launch {
+                kernel: grad,
+                args: ins().chain(scratch).chain([ArgRef::Output]).collect(),
+                grid: grid_for(tiles as u64, 1),
+            },
+        ],
+        scratch_bytes: delta_at + rows * 4,
     })
 }
 
@@ -159,7 +313,7 @@ fn param(name: &str, elem: CTy, writes: bool) -> Param {
     }
 }
 
-/// What the kernel source is specialized on.
+/// What the forward source is specialized on.
 struct Shape2 {
     sq: usize,
     sk: usize,
@@ -172,6 +326,8 @@ struct Shape2 {
     elem: &'static str,
     /// The statement that applies the mask to score `x` of row `row`, key `key`.
     mask: Option<String>,
+    /// Write the statistics of the backward instead of the output.
+    stats: bool,
 }
 
 /// The end of the keys row `i` sees, as C over `long long i`.
@@ -186,6 +342,55 @@ fn limit(causal: Causal, sq: usize, sk: usize) -> String {
     }
 }
 
+/// The forward's end: the normalized output rows, or the backward's statistics.
+fn tail(stats: bool, sq: usize, dv: usize, elem: &str) -> String {
+    let widen = if elem == "bf16" { "rt_bf2f" } else { "rt_h2f" };
+    if !stats {
+        return format!(
+            r#"  unsigned short* op = (unsigned short*)out + bh * {sq}LL * {dv}LL;
+  #pragma unroll
+  for (int n = 0; n < {dv8}; ++n) {{
+    const int c = n * 8 + t4 * 2;
+    if (i0 < {sq}) *(unsigned*)(op + (long long)i0 * {dv} + c) = pack(o[n][0] * inv0, o[n][1] * inv0);
+    if (i1 < {sq}) *(unsigned*)(op + (long long)i1 * {dv} + c) = pack(o[n][2] * inv1, o[n][3] * inv1);
+  }}"#,
+            dv8 = dv / 8
+        );
+    }
+    format!(
+        r#"  // D = rowsum(dO ∘ O) and the base-2 log-sum-exp (+∞ for a row that sees nothing).
+  const unsigned short* dp = (const unsigned short*)dout + bh * {sq}LL * {dv}LL;
+  float dd0 = 0.f, dd1 = 0.f;
+  #pragma unroll
+  for (int n = 0; n < {dv8}; ++n) {{
+    const int c = n * 8 + t4 * 2;
+    if (i0 < {sq}) {{
+      const unsigned u = *(const unsigned*)(dp + (long long)i0 * {dv} + c);
+      dd0 += {widen}((unsigned short)(u & 0xffffu)) * o[n][0] + {widen}((unsigned short)(u >> 16)) * o[n][1];
+    }}
+    if (i1 < {sq}) {{
+      const unsigned u = *(const unsigned*)(dp + (long long)i1 * {dv} + c);
+      dd1 += {widen}((unsigned short)(u & 0xffffu)) * o[n][2] + {widen}((unsigned short)(u >> 16)) * o[n][3];
+    }}
+  }}
+  dd0 += __shfl_xor_sync(0xffffffffu, dd0, 1);
+  dd0 += __shfl_xor_sync(0xffffffffu, dd0, 2);
+  dd1 += __shfl_xor_sync(0xffffffffu, dd1, 1);
+  dd1 += __shfl_xor_sync(0xffffffffu, dd1, 2);
+  if (t4 == 0) {{
+    if (i0 < {sq}) {{
+      lse[bh * {sq}LL + i0] = l0 == 0.f ? __int_as_float(0x7f800000) : m0 + __log2f(l0);
+      delta[bh * {sq}LL + i0] = dd0 * inv0;
+    }}
+    if (i1 < {sq}) {{
+      lse[bh * {sq}LL + i1] = l1 == 0.f ? __int_as_float(0x7f800000) : m1 + __log2f(l1);
+      delta[bh * {sq}LL + i1] = dd1 * inv1;
+    }}
+  }}"#,
+        dv8 = dv / 8
+    )
+}
+
 /// The kernel body (see the module docs).
 fn source(s: &Shape2) -> String {
     let Shape2 {
@@ -198,6 +403,7 @@ fn source(s: &Shape2) -> String {
         scale_log2,
         elem,
         ref mask,
+        stats,
     } = *s;
     let qt = sq.div_ceil(BR);
     let (ks, vs) = (d + 8, dv + 8);
@@ -362,18 +568,304 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
   const float inv0 = l0 == 0.f ? 0.f : 1.f / l0, inv1 = l1 == 0.f ? 0.f : 1.f / l1;
-  unsigned short* op = (unsigned short*)out + bh * {sq}LL * {dv}LL;
-  #pragma unroll
-  for (int n = 0; n < {dv8}; ++n) {{
-    const int c = n * 8 + t4 * 2;
-    if (i0 < {sq}) *(unsigned*)(op + (long long)i0 * {dv} + c) = pack(o[n][0] * inv0, o[n][1] * inv0);
-    if (i1 < {sq}) *(unsigned*)(op + (long long)i1 * {dv} + c) = pack(o[n][2] * inv1, o[n][3] * inv1);
-  }}
+{tail}
   __syncthreads();
 }}"#,
+        tail = tail(stats, sq, dv, elem),
         dq16 = d / 16,
         dv8 = dv / 8,
         dv16 = dv / 16,
         scale_log2 = scale_log2 as f32,
     )
+}
+
+/// Definitions the gradient kernels share: constants, conversions, the `mma`/`ldmatrix`
+/// macros, the causal limit and a tile loader.
+fn grad_prelude(sp: &Spec) -> String {
+    let elem = sp.elem();
+    r#"#define RT_NEG_INF __int_as_float(0xff800000)
+#define RT_POS_INF __int_as_float(0x7f800000)
+#define RT_LOG2E 1.4426950408889634f
+#define RT_MMA(c, a, b0, b1) asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.$E.$E.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+#define RT_LDSM(b0, b1, b2, b3, addr) asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(addr))
+#define RT_LDSM_T(b0, b1, b2, b3, addr) asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(addr))
+const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+const int g = lane >> 2, t4 = lane & 3;
+auto lim_of = [](long long i) -> int { return (int)($LIM); };
+auto pack = [](float lo, float hi) -> unsigned {
+  unsigned r; asm("cvt.rn.$Ex2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+};
+auto ex2 = [](float x) -> float { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; };
+// Rows [j·64, j·64 + 64) of a row-major [n, width] matrix into shared memory, rows past n zero.
+auto load_tile = [&](const unsigned short* src, unsigned base, int j, int width, int stride, int n) {
+  const int chunks = width / 8;
+  for (int c = tid; c < 64 * chunks; c += 128) {
+    const int r = c / chunks, c8 = c - r * chunks;
+    const int row = j * 64 + r;
+    const unsigned short* from = src + (long long)(row < n ? row : 0) * width + c8 * 8;
+    const unsigned to = base + (unsigned)((r * stride + c8 * 8) * 2);
+    const int bytes = row < n ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(to), "l"(from), "r"(bytes));
+  }
+  asm volatile("cp.async.commit_group;");
+};
+// A fragments of rows r0 and r0 + 8 of a row-major [n, width] matrix (zero past n).
+auto frag = [](const unsigned short* p, int r0, int n, int width, int c) -> unsigned {
+  return r0 < n ? *(const unsigned*)(p + (long long)r0 * width + c) : 0u;
+};
+"#
+    .replace("$E", elem)
+    .replace("$LIM", &limit(sp.causal, sp.sq, sp.sk))
+}
+
+/// Loads A fragments `name[width/16][4]` of rows `r0`/`r0 + 8` of `ptr` (n rows).
+fn a_frags(name: &str, ptr: &str, r0: &str, n: usize, width: usize) -> String {
+    format!(
+        r#"  unsigned {name}[{w16}][4];
+  #pragma unroll
+  for (int kk = 0; kk < {w16}; ++kk) {{
+    const int c = kk * 16 + t4 * 2;
+    {name}[kk][0] = frag({ptr}, {r0}, {n}, {width}, c);
+    {name}[kk][1] = frag({ptr}, {r0} + 8, {n}, {width}, c);
+    {name}[kk][2] = frag({ptr}, {r0}, {n}, {width}, c + 8);
+    {name}[kk][3] = frag({ptr}, {r0} + 8, {n}, {width}, c + 8);
+  }}
+"#,
+        w16 = width / 16
+    )
+}
+
+/// `acc[8][4] += A·Bᵀ` over `k16` steps: A fragments `a[k16][4]`, B's 64 rows (the n dimension)
+/// in shared memory at `base` with row stride `stride` (non-transposed `ldmatrix`).
+fn mma_abt(acc: &str, a: &str, base: &str, stride: usize, k16: usize) -> String {
+    format!(
+        r#"  #pragma unroll
+  for (int kk = 0; kk < {k16}; ++kk) {{
+    #pragma unroll
+    for (int np = 0; np < 4; ++np) {{
+      const int row = np * 16 + (lane & 7) + (lane >> 4) * 8;
+      const int col = kk * 16 + ((lane >> 3) & 1) * 8;
+      unsigned b0, b1, b2, b3;
+      RT_LDSM(b0, b1, b2, b3, {base} + (unsigned)((row * {stride} + col) * 2));
+      RT_MMA({acc}[2 * np], {a}[kk], b0, b1);
+      RT_MMA({acc}[2 * np + 1], {a}[kk], b2, b3);
+    }}
+  }}
+"#
+    )
+}
+
+/// `acc[width/8][4] += P·B` for `P` the 16 × 64 f32 tile `p[8][4]` (rounded into A fragments)
+/// and B the 64 × width tile in shared memory at `base` (transposed `ldmatrix`).
+fn mma_pb(acc: &str, p: &str, base: &str, stride: usize, width: usize) -> String {
+    format!(
+        r#"  #pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {{
+    const unsigned pa[4] = {{pack({p}[2 * kk][0], {p}[2 * kk][1]), pack({p}[2 * kk][2], {p}[2 * kk][3]),
+                             pack({p}[2 * kk + 1][0], {p}[2 * kk + 1][1]), pack({p}[2 * kk + 1][2], {p}[2 * kk + 1][3])}};
+    #pragma unroll
+    for (int dp = 0; dp < {w16}; ++dp) {{
+      const int row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+      const int col = dp * 16 + (lane >> 4) * 8;
+      unsigned b0, b1, b2, b3;
+      RT_LDSM_T(b0, b1, b2, b3, {base} + (unsigned)((row * {stride} + col) * 2));
+      RT_MMA({acc}[2 * dp], pa, b0, b1);
+      RT_MMA({acc}[2 * dp + 1], pa, b2, b3);
+    }}
+  }}
+"#,
+        w16 = width / 16
+    )
+}
+
+/// Declares `name[n][4]` zeroed.
+fn zeros(name: &str, n: usize) -> String {
+    format!(
+        "  float {name}[{n}][4];\n  #pragma unroll\n  for (int n = 0; n < {n}; ++n) {{ {name}[n][0] = 0.f; {name}[n][1] = 0.f; {name}[n][2] = 0.f; {name}[n][3] = 0.f; }}\n"
+    )
+}
+
+/// Stores `acc[width/8][4]` (times `scale`) as rows `r0`/`r0 + 8` of `ptr` (n rows).
+fn store_rows(acc: &str, ptr: &str, r0: &str, n: usize, width: usize, scale: f32) -> String {
+    format!(
+        r#"  #pragma unroll
+  for (int n = 0; n < {w8}; ++n) {{
+    const int c = n * 8 + t4 * 2;
+    if ({r0} < {n}) *(unsigned*)({ptr} + (long long)({r0}) * {width} + c) = pack({acc}[n][0] * {scale:?}f, {acc}[n][1] * {scale:?}f);
+    if ({r0} + 8 < {n}) *(unsigned*)({ptr} + (long long)({r0} + 8) * {width} + c) = pack({acc}[n][2] * {scale:?}f, {acc}[n][3] * {scale:?}f);
+  }}
+"#,
+        w8 = width / 8
+    )
+}
+
+/// The gradient with respect to q (see [`lower_grad`]).
+fn grad_q(sp: &Spec) -> String {
+    let (sq, sk, d, dv) = (sp.sq, sp.sk, sp.d, sp.dv);
+    let (ks, vs) = (d + 8, dv + 8);
+    let qt = sq.div_ceil(BR);
+    let sl2 = (sp.scale * std::f64::consts::LOG2_E) as f32;
+    let mask = sp.mask.clone().unwrap_or_default();
+    let mut c = grad_prelude(sp);
+    c += &format!(
+        r#"__shared__ __align__(16) unsigned short ks[64 * {ks}];
+__shared__ __align__(16) unsigned short vs[64 * {vs}];
+const unsigned ks_base = (unsigned)__cvta_generic_to_shared(ks);
+const unsigned vs_base = (unsigned)__cvta_generic_to_shared(vs);
+for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
+  const long long bh = tile / {qt}LL;
+  const int qt = (int)({qt}LL - 1LL - tile % {qt}LL);
+  const int i0 = qt * 64 + warp * 16 + g, i1 = i0 + 8;
+  const unsigned short* qp = (const unsigned short*)q + bh * {sq}LL * {d}LL;
+  const unsigned short* kp = (const unsigned short*)k + bh * {sk}LL * {d}LL;
+  const unsigned short* vp = (const unsigned short*)v + bh * {sk}LL * {dv}LL;
+  const unsigned short* gp = (const unsigned short*)dout + bh * {sq}LL * {dv}LL;
+"#,
+        tiles = sp.tiles(sq)
+    );
+    c += &a_frags("qa", "qp", "i0", sq, d);
+    c += &a_frags("ga", "gp", "i0", sq, dv);
+    c += &format!(
+        r#"  const float lse0 = i0 < {sq} ? lse[bh * {sq}LL + i0] : RT_POS_INF;
+  const float lse1 = i1 < {sq} ? lse[bh * {sq}LL + i1] : RT_POS_INF;
+  const float dl0 = i0 < {sq} ? delta[bh * {sq}LL + i0] : 0.f;
+  const float dl1 = i1 < {sq} ? delta[bh * {sq}LL + i1] : 0.f;
+  const int lim0 = lim_of(i0), lim1 = lim_of(i1);
+  const int ntiles = (lim_of(min(qt * 64 + 63, {sq} - 1)) + 63) / 64;
+"#
+    );
+    c += &zeros("acc", d / 8);
+    c += &format!(
+        r#"  for (int j = 0; j < ntiles; ++j) {{
+    load_tile(kp, ks_base, j, {d}, {ks}, {sk});
+    load_tile(vp, vs_base, j, {dv}, {vs}, {sk});
+    asm volatile("cp.async.wait_group 0;");
+    __syncthreads();
+"#
+    );
+    c += &zeros("s", 8);
+    c += &mma_abt("s", "qa", "ks_base", ks, d / 16);
+    c += &zeros("dpv", 8);
+    c += &mma_abt("dpv", "ga", "vs_base", vs, dv / 16);
+    c += &format!(
+        r#"    // dS = P∘(dP − D), P = 2^(scaled score − lse); masked pairs 0.
+    #pragma unroll
+    for (int n = 0; n < 8; ++n) {{
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {{
+        const int key = j * 64 + n * 8 + t4 * 2 + (e & 1);
+        const int row = e < 2 ? i0 : i1;
+        float p = 0.f;
+        if (key < (e < 2 ? lim0 : lim1) && row < {sq}) {{
+          float x = s[n][e] * {sl2:?}f;
+          {mask}
+          p = ex2(x - (e < 2 ? lse0 : lse1));
+        }}
+        s[n][e] = p * (dpv[n][e] - (e < 2 ? dl0 : dl1));
+      }}
+    }}
+"#
+    );
+    c += &mma_pb("acc", "s", "ks_base", ks, d);
+    c += "    __syncthreads();\n  }\n";
+    c += "  unsigned short* op = (unsigned short*)out + bh * ";
+    c += &format!("{sq}LL * {d}LL;\n");
+    c += &store_rows("acc", "op", "i0", sq, d, sp.scale as f32);
+    c += "}\n";
+    c
+}
+
+/// The gradient with respect to k (`wrt_k`) or v (see [`lower_grad`]).
+fn grad_kv(sp: &Spec, wrt_k: bool) -> String {
+    let (sq, sk, d, dv) = (sp.sq, sp.sk, sp.d, sp.dv);
+    let (qs, gs) = (d + 8, dv + 8);
+    let (qt, kt) = (sq.div_ceil(BR), sk.div_ceil(BC));
+    let sl2 = (sp.scale * std::f64::consts::LOG2_E) as f32;
+    let mask = sp.mask.clone().unwrap_or_default();
+    // The first query that sees key `kb`.
+    let first = match sp.causal {
+        Causal::None => "0".to_string(),
+        Causal::TopLeft => "kb".to_string(),
+        Causal::BottomRight => format!("max(kb - ({}), 0)", sk as i64 - sq as i64),
+    };
+    let mut c = grad_prelude(sp);
+    c += &format!(
+        r#"__shared__ __align__(16) unsigned short qs[64 * {qs}];
+__shared__ __align__(16) unsigned short gs[64 * {gs}];
+__shared__ float ls[64], dls[64];
+const unsigned qs_base = (unsigned)__cvta_generic_to_shared(qs);
+const unsigned gs_base = (unsigned)__cvta_generic_to_shared(gs);
+for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
+  const long long bh = tile / {kt}LL;
+  const int kb = (int)(tile % {kt}LL) * 64;
+  const int j0 = kb + warp * 16 + g, j1 = j0 + 8;
+  const unsigned short* qp = (const unsigned short*)q + bh * {sq}LL * {d}LL;
+  const unsigned short* kp = (const unsigned short*)k + bh * {sk}LL * {d}LL;
+  const unsigned short* vp = (const unsigned short*)v + bh * {sk}LL * {dv}LL;
+  const unsigned short* gp = (const unsigned short*)dout + bh * {sq}LL * {dv}LL;
+"#,
+        tiles = sp.tiles(sk)
+    );
+    c += &a_frags("ka", "kp", "j0", sk, d);
+    if wrt_k {
+        c += &a_frags("va", "vp", "j0", sk, dv);
+    }
+    let width = if wrt_k { d } else { dv };
+    c += &zeros("acc", width / 8);
+    c += &format!(
+        r#"  const int it0 = ({first}) / 64;
+  for (int it = it0; it < {qt}; ++it) {{
+    load_tile(qp, qs_base, it, {d}, {qs}, {sq});
+    load_tile(gp, gs_base, it, {dv}, {gs}, {sq});
+    if (tid < 64) {{
+      const int i = it * 64 + tid;
+      ls[tid] = i < {sq} ? lse[bh * {sq}LL + i] : RT_POS_INF;
+      dls[tid] = i < {sq} ? delta[bh * {sq}LL + i] : 0.f;
+    }}
+    asm volatile("cp.async.wait_group 0;");
+    __syncthreads();
+"#
+    );
+    c += &zeros("s", 8);
+    c += &mma_abt("s", "ka", "qs_base", qs, d / 16);
+    if wrt_k {
+        c += &zeros("dpt", 8);
+        c += &mma_abt("dpt", "va", "gs_base", gs, dv / 16);
+    }
+    let value = if wrt_k {
+        "p * (dpt[n][e] - dls[local])"
+    } else {
+        "p"
+    };
+    c += &format!(
+        r#"    // Pᵀ (or dSᵀ) for this warp's keys and the tile's queries; masked pairs 0.
+    #pragma unroll
+    for (int n = 0; n < 8; ++n) {{
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {{
+        const int local = n * 8 + t4 * 2 + (e & 1);
+        const int row = it * 64 + local;
+        const int key = e < 2 ? j0 : j1;
+        float p = 0.f;
+        if (row < {sq} && key < lim_of(row)) {{
+          float x = s[n][e] * {sl2:?}f;
+          {mask}
+          p = ex2(x - ls[local]);
+        }}
+        s[n][e] = {value};
+      }}
+    }}
+"#
+    );
+    if wrt_k {
+        c += &mma_pb("acc", "s", "qs_base", qs, d);
+    } else {
+        c += &mma_pb("acc", "s", "gs_base", gs, dv);
+    }
+    c += "    __syncthreads();\n  }\n";
+    c += &format!("  unsigned short* op = (unsigned short*)out + bh * {sk}LL * {width}LL;\n");
+    let scale = if wrt_k { sp.scale as f32 } else { 1.0 };
+    c += &store_rows("acc", "op", "j0", sk, width, scale);
+    c += "}\n";
+    c
 }

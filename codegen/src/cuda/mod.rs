@@ -241,6 +241,9 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         Op::Pool { .. } | Op::PoolGrad { .. } => {
             pool::lower(op, inputs, out).map(CudaStep::Kernels)
         }
+        Op::AttentionGrad { .. } if flash::supported(inputs) => {
+            flash::lower_grad(op, inputs, out).map(CudaStep::Kernels)
+        }
         Op::AttentionGrad { .. } if attention::gemm_path(inputs) => {
             attention::lower_grad_gemm(op, inputs, out)
         }
