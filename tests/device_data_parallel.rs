@@ -522,3 +522,37 @@ fn data_parallel_step_times() {
         );
     }
 }
+
+#[test]
+fn an_aborted_group_ends_a_waiting_collective() {
+    use rustytorch::runtime::cuda::nccl::NcclRank;
+    use rustytorch::runtime::Communicator;
+    if !cuda() || !two_gpus("an_aborted_group_ends_a_waiting_collective") {
+        return;
+    }
+    let _gpus = serial();
+    let ranks = NcclRank::group(&[0, 1]).unwrap();
+    let t = rand_tensor(&TensorType::new(DType::F32, [1000]), 3, -1.0, 1.0);
+    // One collective on both ranks first (NCCL connects its ranks on first use).
+    let sums: Vec<HostTensor> = std::thread::scope(|s| {
+        let hs: Vec<_> = ranks
+            .iter()
+            .map(|r| s.spawn(|| r.all_reduce(&t, false).unwrap()))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let want: Vec<f64> = t.to_f64_vec().iter().map(|v| 2.0 * v).collect();
+    assert_eq!(sums[0].to_f64_vec(), want);
+    assert_eq!(bits(&sums[0]), bits(&sums[1]));
+    // Rank 0 enters a collective that rank 1 never joins; rank 1 fails and aborts the group.
+    let e = std::thread::scope(|s| {
+        let waiting = s.spawn(|| ranks[0].all_reduce(&t, true));
+        std::thread::sleep(Duration::from_millis(300));
+        ranks[1].abort("rank 1 failed");
+        waiting.join().unwrap().unwrap_err().to_string()
+    });
+    assert!(e.contains("rank 1 failed"), "{e}");
+    // Later collectives fail at once.
+    let e = ranks[0].all_reduce(&t, true).unwrap_err().to_string();
+    assert!(e.contains("aborted"), "{e}");
+}

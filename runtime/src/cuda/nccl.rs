@@ -193,8 +193,9 @@ pub struct Collective {
     comms: Vec<ns::ncclComm_t>,
     devs: Vec<Arc<GpuDevice>>,
     /// One lock per communicator, held while a call is enqueued on it (NCCL allows a
-    /// communicator on any thread, one at a time).
-    locks: Vec<Mutex<()>>,
+    /// communicator on any thread, one at a time); it holds whether the communicator is still
+    /// live (false once aborted: the handle is freed and never used again).
+    locks: Vec<Mutex<bool>>,
     /// The first local rank's number in the group (0 for a single-process group).
     first_rank: usize,
     world: usize,
@@ -222,8 +223,18 @@ impl std::fmt::Debug for Collective {
 
 impl Drop for Collective {
     fn drop(&mut self) {
-        for (c, d) in self.comms.iter().zip(&self.devs) {
+        let aborted = lock(&self.aborted).is_some();
+        for ((c, d), live) in self.comms.iter().zip(&self.devs).zip(&self.locks) {
+            if !*lock(live) {
+                continue;
+            }
             let _ = d.bind();
+            if aborted {
+                // Peers may be gone or stuck: abort (local, no waiting) instead of destroying.
+                // SAFETY: a live communicator, freed once here and never used again.
+                let _ = unsafe { nr::comm_abort(*c) };
+                continue;
+            }
             let _ = d.sync();
             // SAFETY: each communicator was created once and is destroyed once, its stream idle.
             let _ = unsafe { nr::comm_destroy(*c) };
@@ -258,7 +269,7 @@ impl Collective {
         unsafe { nr::comm_init_all(comms.as_mut_ptr(), list.len() as i32, list.as_ptr()) }
             .map_err(nerr("init"))?;
         Ok(Collective {
-            locks: comms.iter().map(|_| Mutex::new(())).collect(),
+            locks: comms.iter().map(|_| Mutex::new(true)).collect(),
             comms,
             devs,
             first_rank: 0,
@@ -291,7 +302,7 @@ impl Collective {
         Ok(Collective {
             comms: vec![comm],
             devs: vec![dev],
-            locks: vec![Mutex::new(())],
+            locks: vec![Mutex::new(true)],
             first_rank: rank,
             world,
             aborted: Mutex::new(None),
@@ -345,7 +356,12 @@ impl Collective {
         ) -> std::result::Result<nr::NcclStatus, nr::NcclError>,
     ) -> Result<()> {
         self.check_live()?;
-        let _held: Vec<_> = self.locks.iter().map(lock).collect();
+        let held: Vec<_> = self.locks.iter().map(lock).collect();
+        if held.iter().any(|live| !**live) {
+            return Err(RuntimeError::Invalid(format!(
+                "{what}: a communicator of the group was aborted"
+            )));
+        }
         nr::group_start().map_err(nerr(what))?;
         let mut first_err = None;
         for (i, (c, d)) in self.comms.iter().zip(&self.devs).enumerate() {
@@ -589,9 +605,64 @@ impl NcclRank {
         ) -> std::result::Result<nr::NcclStatus, nr::NcclError>,
     ) -> Result<()> {
         self.group.check_live()?;
-        let _held = lock(&self.group.locks[self.local]);
+        let live = lock(&self.group.locks[self.local]);
+        if !*live {
+            return Err(RuntimeError::Invalid(format!(
+                "{what}: the communicator of rank {} was aborted",
+                self.rank()
+            )));
+        }
         call(self.group.comms[self.local], stream).map_err(nerr(what))?;
         Ok(())
+    }
+
+    /// Waits until `stream` (this rank's device's, its context current) has finished its work,
+    /// watching the group meanwhile: once a rank of this process aborted the group
+    /// ([`Communicator::abort`]), this rank's communicator is aborted too, which ends an NCCL
+    /// collective it waits in (a peer that failed before reaching it would otherwise leave it
+    /// waiting forever), and the wait returns the abort's error.
+    pub fn wait(&self, stream: u64) -> Result<()> {
+        use cudarc::driver::sys as ds;
+        let start = std::time::Instant::now();
+        loop {
+            // SAFETY: the caller's stream is live on the current context; a query only reads.
+            match unsafe { ds::cuStreamQuery(stream as ds::CUstream) } {
+                ds::CUresult::CUDA_SUCCESS => return Ok(()),
+                ds::CUresult::CUDA_ERROR_NOT_READY => {}
+                e => {
+                    return Err(RuntimeError::Device(format!(
+                        "rank {}: waiting for cuda:{}: {e:?}",
+                        self.rank(),
+                        self.ordinal()
+                    )))
+                }
+            }
+            if let Err(e) = self.group.check_live() {
+                self.abort_comm();
+                // The aborted collective ends; let the stream drain before its buffers are
+                // reused.
+                // SAFETY: as above.
+                let _ = unsafe { ds::cuStreamSynchronize(stream as ds::CUstream) };
+                return Err(e);
+            }
+            // Spin briefly (a collective usually ends within microseconds), then poll gently.
+            if start.elapsed() < std::time::Duration::from_millis(2) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
+    }
+
+    /// Aborts this rank's communicator (once): NCCL ends its pending operations and frees it.
+    fn abort_comm(&self) {
+        let mut live = lock(&self.group.locks[self.local]);
+        if *live {
+            // SAFETY: a live communicator, used by no other thread while its lock is held, and
+            // never used again (marked dead).
+            let _ = unsafe { nr::comm_abort(self.group.comms[self.local]) };
+            *live = false;
+        }
     }
 
     /// Enqueues the all-reduce of `ty.numel()` elements of type `ty` from device address `send`
@@ -642,9 +713,11 @@ impl NcclRank {
         let buf = DeviceTensor::upload(self.ordinal(), t)?;
         let dev = &self.group.devs[self.local];
         let (addr, n) = (buf.addr(), t.ty().shape.numel());
-        self.enqueue(what, dev.stream.cu_stream() as ns::cudaStream_t, |c, s| {
+        let stream = dev.stream.cu_stream();
+        self.enqueue(what, stream as ns::cudaStream_t, |c, s| {
             op(c, s, addr, n, dt)
         })?;
+        self.wait(stream as u64)?;
         buf.to_host()
     }
 }
@@ -710,11 +783,13 @@ impl Communicator for NcclRank {
         })
     }
 
-    /// Marks the group failed: later collectives of every local rank return an error without
-    /// calling NCCL. A collective a rank is already waiting in is not interrupted (NCCL ends
-    /// one only by destroying its communicator).
+    /// Marks the group failed and aborts this rank's communicator (ending an NCCL collective
+    /// it left pending): later collectives of every local rank return an error without calling
+    /// NCCL, and a rank waiting in one ([`NcclRank::wait`]) aborts its own communicator to end
+    /// it. Ranks in other processes are not told (their launcher ends them).
     fn abort(&self, why: &str) {
         lock(&self.group.aborted).get_or_insert_with(|| why.to_string());
+        self.abort_comm();
     }
 
     fn nccl(&self) -> Option<&NcclRank> {

@@ -879,6 +879,16 @@ impl CudaSession {
         }
     }
 
+    /// In an NCCL group, waits for the enqueued run while watching the group (an aborted group
+    /// ends the wait with an error instead of a rank waiting forever for a failed peer; see
+    /// `NcclRank::wait`). Alone, nothing: the copies back wait on the stream.
+    fn wait_group(&self, stream: CUstream) -> Result<()> {
+        match self.group.as_ref().and_then(|g| g.nccl()) {
+            Some(rank) => rank.wait(stream as u64),
+            None => Ok(()),
+        }
+    }
+
     fn drop_graph(&mut self) {
         if let Some(g) = self.graph.take() {
             let _ = self.dev.sync();
@@ -976,6 +986,7 @@ impl Session for CudaSession {
             }
             None => self.enqueue(stream, None)?,
         }
+        self.wait_group(stream)?;
         let plan = self.plan.clone();
         let mut outputs = Vec::with_capacity(plan.outputs.len());
         for (_, v) in &plan.outputs {
@@ -1167,6 +1178,7 @@ impl Session for CudaSession {
                 }
                 _ => self.enqueue(stream, Some(&table))?,
             }
+            self.wait_group(stream)?;
             for (_, v, dst) in &copy_out {
                 let n = plan.types[*v].size_bytes();
                 if n > 0 {
