@@ -10,6 +10,7 @@
 
 use rustytorch::codegen::cuda::{lower_step, source, CudaStep};
 use rustytorch::compiler::fuse::describe_groups;
+use rustytorch::compiler::inspect::op_summary;
 use rustytorch::compiler::passes::{run, Options};
 use rustytorch::compiler::Graph;
 use rustytorch::ops::testing::{assert_close, rand_tensor, tolerance};
@@ -261,7 +262,20 @@ fn fused_ir_of_each_case() {
     for case in CASES {
         let (graph, _) = build(case, DType::F32, 4, 64);
         let c = run(&graph, &Options::default()).unwrap();
-        s.push_str(&format!("# {case:?}\n{}\n", describe_groups(&c.graph)));
+        let summaries: Vec<String> = c
+            .graph
+            .topo_order()
+            .unwrap()
+            .into_iter()
+            .map(|id| &c.graph.node(id).unwrap().op)
+            .filter(|op| matches!(op, Op::FusedRow(_)))
+            .map(op_summary)
+            .collect();
+        s.push_str(&format!(
+            "# {case:?}: {}\n{}\n",
+            summaries.join(", "),
+            describe_groups(&c.graph)
+        ));
     }
     insta::assert_snapshot!(s);
 }

@@ -180,7 +180,8 @@ pub fn human_bytes(b: u64) -> String {
 }
 
 /// A short description of the op a node runs: its text (`matmul_epilogue[bias,act=relu]`), or
-/// for a fused kernel the ops it holds (`fused(mul, add, tanh)`).
+/// for a fused kernel the ops it holds (`fused(mul, add, tanh)`; a row kernel's prologue, core and
+/// epilogue: `fused_row(add -> layer_norm -> mul, add)`).
 pub fn op_summary(op: &Op) -> String {
     match op {
         Op::Fused(k) => {
@@ -191,6 +192,27 @@ pub fn op_summary(op: &Op) -> String {
                 .map(|i| i.op.name())
                 .collect();
             format!("fused({})", ops.join(", "))
+        }
+        // `fused_row(add -> layer_norm -> mul, add)`: the prologue's ops, the core, the epilogue's.
+        Op::FusedRow(r) => {
+            let ops = |k: &Option<rustytorch_ops::FusedKernel>| -> Vec<&str> {
+                k.iter()
+                    .flat_map(|k| &k.instrs)
+                    .filter(|i| !matches!(i.op, Op::Full { .. }))
+                    .map(|i| i.op.name())
+                    .collect()
+            };
+            let mut parts = vec![];
+            let pro = ops(&r.prologue);
+            if !pro.is_empty() {
+                parts.push(pro.join(", "));
+            }
+            parts.push(r.core.name().to_string());
+            let epi = ops(&r.epilogue);
+            if !epi.is_empty() {
+                parts.push(epi.join(", "));
+            }
+            format!("fused_row({})", parts.join(" -> "))
         }
         op => op.to_string(),
     }
