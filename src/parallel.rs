@@ -387,14 +387,14 @@ impl DataParallel {
         Ok(outs)
     }
 
-    /// Replica `rank`'s executable on its own: it leaves the group for a group of one, so its
-    /// `all_reduce` steps are the identity again and it runs alone (to evaluate or save the
-    /// trained model).
-    pub fn into_replica(mut self, rank: usize) -> Result<Executable> {
-        if rank >= self.local() {
-            return Err(invalid(format!("no replica {rank} among {}", self.local())));
+    /// This process's replica `i` on its own: it leaves the group for a group of one, so its
+    /// `all_reduce` steps are the identity again (a copy on CUDA) and it runs alone (to
+    /// evaluate or save the trained model).
+    pub fn into_replica(mut self, i: usize) -> Result<Executable> {
+        if i >= self.local() {
+            return Err(invalid(format!("no replica {i} among {}", self.local())));
         }
-        let mut exe = self.replicas.swap_remove(rank);
+        let mut exe = self.replicas.swap_remove(i);
         let alone: Arc<dyn Communicator> = HostGroup::ranks(1)?.remove(0);
         exe.join_group(alone)?;
         Ok(exe)
@@ -428,19 +428,13 @@ impl DataParallel {
     /// process reads the file, and every process must call this at the same time). Returns how
     /// many tensors rank 0 loaded (in the other processes: how many it received).
     pub fn load_state(&mut self, path: &Path) -> Result<usize> {
+        // A failed load on rank 0 changes nothing and returns before any exchange (in a
+        // multi-process group the other processes then wait in the broadcast until their
+        // launcher ends them).
         let n = if self.first_rank == 0 {
-            self.replicas[0].load_state(path)
+            self.replicas[0].load_state(path)?
         } else {
-            Ok(self.replicas[0].params()?.len())
-        };
-        // A failed load on rank 0 must still release the other processes from the broadcast:
-        // abort the group then.
-        let n = match n {
-            Ok(n) => n,
-            Err(e) => {
-                self.ranks[0].abort(&format!("rank 0 could not load {}: {e}", path.display()));
-                return Err(e);
-            }
+            self.replicas[0].params()?.len()
         };
         self.broadcast_params()?;
         Ok(n)

@@ -686,3 +686,36 @@ fn all_reduce_lowers_to_a_collective_step_on_cuda() {
         .count();
     assert!(collectives >= 3, "{collectives} all_reduce steps");
 }
+
+#[test]
+fn state_saved_from_rank_zero_loads_into_every_replica() {
+    let mut dp = DataParallel::new(
+        &mlp_step(4, Some(GradSync::default())),
+        &[Device::Cpu, Device::Cpu],
+        &CompileOptions::default(),
+    )
+    .unwrap();
+    let (x, y) = batch(0);
+    dp.run(&[("x", x), ("y", y)]).unwrap();
+    let path = scratch_dir("state").join("dp.safetensors");
+    dp.save_state(&path).unwrap();
+    let saved = PARAMS.map(|n| dp.param(n).unwrap().to_f64_vec());
+    for step in 1..3 {
+        let (x, y) = batch(step);
+        dp.run(&[("x", x), ("y", y)]).unwrap();
+    }
+    assert_ne!(dp.param("w1").unwrap().to_f64_vec(), saved[0]);
+    // Parameters and the optimizer's state.
+    assert!(dp.load_state(&path).unwrap() > PARAMS.len());
+    for rank in 0..2 {
+        for (n, b) in PARAMS.iter().zip(&saved) {
+            assert_eq!(&dp.replica(rank).unwrap().param(n).unwrap().to_f64_vec(), b);
+        }
+    }
+    // A file that does not fit fails without changing any replica.
+    let e = dp.load_state(&path.with_extension("missing")).unwrap_err();
+    assert!(e.to_string().contains("missing"), "{e}");
+    let (x, y) = batch(3);
+    dp.run(&[("x", x), ("y", y)]).unwrap();
+    std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+}
