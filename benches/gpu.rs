@@ -445,6 +445,44 @@ fn attention_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     }
 }
 
+/// GPT-2 small (12 layers, d 768, 12 heads, batch 8 × 1024) under bf16 autocast (f32
+/// parameters, matmuls and attention in bf16): the forward, and a training step (forward,
+/// backward of the mean square of the hidden states, SGD update).
+fn gpt2_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
+    let cfg = rustytorch::models::Gpt2Config::small();
+    for (label, train) in [("forward", false), ("training step", true)] {
+        let g = GraphBuilder::new();
+        let (_, hid) = rustytorch::models::gpt2(&g, &cfg);
+        let loss = hid.mul(&hid).mean_all();
+        if train {
+            g.train_step(&loss, Sgd::new(1e-4), &StepOptions::default())
+                .expect("train step");
+        }
+        let mut graph = g.graph().expect("graph");
+        let out = if train { &loss } else { &hid };
+        graph
+            .add_output("out", out.node().expect("node"))
+            .expect("output");
+        let opts = passes::Options {
+            autocast: Some(DType::BF16),
+            ..Default::default()
+        };
+        let compiled = passes::run(&graph, &opts).expect("compile");
+        let arena = compiled.report.memory.as_ref().expect("plan").arena_bytes;
+        println!(
+            "gpt2-small {label} autocast bf16: activations arena {:.1} MiB",
+            arena as f64 / (1 << 20) as f64
+        );
+        let t = time_graph_with(&graph, 10, true, opts);
+        push(
+            &format!("gpt2-small {label} autocast bf16 b8 s1024"),
+            t,
+            "ms",
+            t.0,
+        );
+    }
+}
+
 fn tiny_mlp_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     let build = || {
         let g = GraphBuilder::new();
@@ -667,13 +705,18 @@ fn main() {
     let only = |w: &str| std::env::args().skip(1).any(|a| a == w);
     // `bench-gpu tiny` the launch-bound tiny MLP only, `bench-gpu bert` the MiniLM encoder only,
     // `bench-gpu nccl` the collectives only (two or more GPUs), `bench-gpu attention` the
-    // attention shapes compared with PyTorch's SDPA.
+    // attention shapes compared with PyTorch's SDPA, `bench-gpu gpt2` GPT-2 small under bf16
+    // autocast.
     if only("nccl") {
         nccl_rows(&mut push);
         return;
     }
     if only("attention") {
         attention_rows(&mut push);
+        return;
+    }
+    if only("gpt2") {
+        gpt2_rows(&mut push);
         return;
     }
     // `bench-gpu fused` the fused norm, softmax and reduction rows only.

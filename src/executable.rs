@@ -6,7 +6,7 @@ use crate::{Error, Result};
 use rustytorch_codegen::{lower, CodegenError, Plan, Storage};
 use rustytorch_compiler::CompileError;
 use rustytorch_compiler::{Graph, GraphBuilder, MemoryPlan, Tensor};
-use rustytorch_ops::{HostTensor, Op, TensorType};
+use rustytorch_ops::{DType, HostTensor, Op, TensorType};
 use rustytorch_runtime::cpu::NonFiniteValue;
 use rustytorch_runtime::device::{place, Placement, Workload, COST_MODEL};
 use rustytorch_runtime::{
@@ -50,6 +50,12 @@ pub struct CompileOptions {
     /// every buffer and kernel argument is fixed at prepare). On by default; the environment's
     /// `RUSTYTORCH_CUDA_GRAPH=0` turns the default off. Runs with step timing on are eager.
     pub graph_replay: bool,
+    /// Mixed precision: run the matmuls, attention and convolutions of an f32 graph in bf16 or
+    /// f16 (f32 accumulation), and everything else — norms, softmax, losses, optimizer updates,
+    /// the parameters themselves — in f32 (the compiler's `autocast` pass). `None` (the
+    /// default; the environment's `RUSTYTORCH_AUTOCAST=bf16|f16` sets it) keeps the graph's
+    /// types. With f16, scale the loss so that small gradients do not flush to zero.
+    pub autocast: Option<DType>,
 }
 
 impl Default for CompileOptions {
@@ -61,6 +67,11 @@ impl Default for CompileOptions {
             anomaly: std::env::var("RUSTYTORCH_ANOMALY").is_ok_and(|v| v.trim() == "1"),
             shape_cache: 8,
             graph_replay: std::env::var("RUSTYTORCH_CUDA_GRAPH").as_deref() != Ok("0"),
+            autocast: match std::env::var("RUSTYTORCH_AUTOCAST").as_deref() {
+                Ok("bf16") => Some(DType::BF16),
+                Ok("f16") => Some(DType::F16),
+                _ => None,
+            },
         }
     }
 }
@@ -448,6 +459,7 @@ fn build(
         // The target decides the layout of convolution stacks (channels-first on the CPU).
         channels_last: matches!(device, Device::Cuda(_))
             .then(rustytorch_codegen::cuda::dnn::channels_last),
+        autocast: opts.autocast,
         ..Default::default()
     };
     crate::trace::epoch();

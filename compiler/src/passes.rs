@@ -3,14 +3,16 @@
 //! text (`RUSTYTORCH_DUMP=optimize,fuse` or `all` prints the graph after those passes to stderr).
 //!
 //! verify → layout (channels-last convolution stacks, when the target asks) → optimize (e-graph)
-//! → fuse → plan memory
+//! → autocast (mixed precision, when asked) → fuse → plan memory
 
+use crate::autocast::{autocast, AutocastReport};
 use crate::fuse::{fuse, FuseReport};
 use crate::graph::Graph;
 use crate::layout::{channels_last, ChannelsLast, LayoutReport};
 use crate::optimize::{optimize, OptimizeConfig, OptimizeReport};
 use crate::plan::{plan, MemoryPlan};
 use crate::Result;
+use rustytorch_ops::DType;
 use std::time::Instant;
 
 /// Pipeline options.
@@ -25,6 +27,9 @@ pub struct Options {
     /// Run convolution stacks channels-last where this accepts them (decided by the target:
     /// `None`, the default, on the CPU). Runs only with `optimize`.
     pub channels_last: Option<ChannelsLast>,
+    /// Run matmuls, attention and convolutions of f32 graphs in this type (bf16 or f16; see
+    /// [`crate::autocast`]). `None`, the default, leaves types as written.
+    pub autocast: Option<DType>,
     /// Passes whose output to keep as text (`all` for every pass); defaults to `RUSTYTORCH_DUMP`.
     pub dump: Vec<String>,
 }
@@ -36,6 +41,7 @@ impl Default for Options {
             fuse: true,
             optimize_config: OptimizeConfig::default(),
             channels_last: None,
+            autocast: None,
             dump: std::env::var("RUSTYTORCH_DUMP")
                 .map(|s| s.split(',').map(|p| p.trim().to_string()).collect())
                 .unwrap_or_default(),
@@ -63,6 +69,8 @@ pub struct Report {
     pub layout: Option<LayoutReport>,
     /// The e-graph run.
     pub optimize: Option<OptimizeReport>,
+    /// The autocast pass.
+    pub autocast: Option<AutocastReport>,
     /// Fusion.
     pub fuse: Option<FuseReport>,
     /// The static memory plan.
@@ -136,6 +144,16 @@ pub fn run(graph: &Graph, opts: &Options) -> Result<Compiled> {
             Ok(out)
         })?;
         report.optimize = rep;
+    }
+    if let Some(to) = opts.autocast {
+        let mut rep = None;
+        g = step(&mut report, opts, "autocast", g, |g| {
+            let (mut out, r) = autocast(g, to)?;
+            out.inherit_provenance(g);
+            rep = Some(r);
+            Ok(out)
+        })?;
+        report.autocast = rep;
     }
     if opts.fuse {
         let mut rep = None;
