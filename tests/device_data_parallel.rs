@@ -556,3 +556,50 @@ fn an_aborted_group_ends_a_waiting_collective() {
     let e = ranks[0].all_reduce(&t, true).unwrap_err().to_string();
     assert!(e.contains("aborted"), "{e}");
 }
+
+#[test]
+fn the_runner_splits_a_batch_over_two_gpus() {
+    use rustytorch::compiler::format::{self, ParamStorage};
+    if !cuda() || !two_gpus("the_runner_splits_a_batch_over_two_gpus") {
+        return;
+    }
+    let _gpus = serial();
+    let dir = std::env::temp_dir().join(format!("rt-dp-runner-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let g = GraphBuilder::new();
+    let x = g.input_dims("x", DType::F32, &[g.dim("batch", 8), 12.into()]);
+    let w = g.param(
+        "w",
+        [12, 16],
+        Init::Uniform {
+            low: -0.5,
+            high: 0.5,
+            seed: 5,
+        },
+    );
+    g.output("y", &x.matmul(&w).tanh());
+    let path = dir.join("mlp.rtg");
+    format::save(&g.graph().unwrap(), &path, ParamStorage::Embedded).unwrap();
+    let xs = rand_tensor(&TensorType::new(DType::F32, [8, 12]), 4, -1.0, 1.0);
+    let x_path = dir.join("x.npy");
+    rustytorch::npy::write_npy(&x_path, &xs).unwrap();
+    let input = format!("x={}", x_path.display());
+    let run = |out: &str, extra: &[&str]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_rustytorch"))
+            .args(["run", path.to_str().unwrap(), "-i", &input, "--out"])
+            .arg(dir.join(out))
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        rustytorch::npy::read_npy(&dir.join(out).join("y.npy")).unwrap()
+    };
+    let cpu = run("cpu", &[]);
+    let gpus = run("gpus", &["--devices", "cuda:0,cuda:1"]);
+    assert_eq!(gpus.shape().dims(), &[8, 16]);
+    for (a, b) in gpus.to_f64_vec().iter().zip(cpu.to_f64_vec()) {
+        assert!((a - b).abs() <= 1e-5, "{a} vs {b}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
