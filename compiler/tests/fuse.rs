@@ -250,14 +250,19 @@ fn outputs_updates_and_guards_stay_materialized() {
     let u = f.updates[0].1;
     assert_eq!(u, new_p.id().unwrap());
     assert!(f.node(u).unwrap().inputs.contains(&y_id));
-    assert!(kernel(&f, f.guards[0].1).instrs.len() >= 3);
+    // The guard's sum takes the chain after it as its epilogue.
+    match &f.node(f.guards[0].1).unwrap().op {
+        Op::FusedRow(r) => assert!(r.epilogue.as_ref().unwrap().instrs.len() >= 3),
+        other => panic!("the guard is {}", other.name()),
+    }
     assert_eq!(report.groups, 4);
+    assert_eq!((report.rows, report.epilogues), (1, 1));
 }
 
 #[test]
 fn reductions_split_groups() {
-    // A softmax-like spelling: the chain before the reduction is one kernel, the reduction
-    // another, and the chain after it (reading both x and the reduced value) a third.
+    // A softmax-like spelling: the chain before the reduction joins it as its prologue; the
+    // chain after it (reading both x and the reduced value, of x's shape) is a second kernel.
     let b = GraphBuilder::new();
     let x = f32_input(&b, "x", &[4, 8]);
     let s = x.mul_scalar(2.0).sin().sum(&[1], true);
@@ -266,24 +271,26 @@ fn reductions_split_groups() {
     let g = b.graph().unwrap();
     let (f, report) = fuse_and_compare(&g, 1e-5);
     assert_eq!(report.groups, 2);
-    assert_eq!((report.kernels_before, report.kernels_after), (6, 3));
+    assert_eq!((report.rows, report.prologues, report.epilogues), (1, 1, 0));
+    assert_eq!((report.kernels_before, report.kernels_after), (6, 2));
     let rn = f.node(s.id().unwrap()).unwrap();
-    assert!(matches!(rn.op, Op::Reduce { .. }));
-    assert!(is_fused(&f.node(rn.inputs[0]).unwrap().op));
+    assert!(matches!(&rn.op, Op::FusedRow(r) if matches!(r.core, Op::Reduce { .. })));
+    assert_eq!(rn.inputs, vec![x.id().unwrap()]);
     let yid = out_node(&f, "y");
     assert_eq!(
         f.node(yid).unwrap().inputs,
         vec![x.id().unwrap(), s.id().unwrap()]
     );
     insta::assert_snapshot!(describe_groups(&f), @r#"
-    %3 = fused -> f32[4,8]
+    %4 = fused_row -> f32[4,1]
       in0 = %0 "x" (input) : f32[4,8]
-      t0 = 2.0 : f32
-      t1 = mul(in0, t0) : f32
-      t2 = sin(t1) : f32
+      p0 = 2.0 : f32
+      p1 = mul(in0, p0) : f32
+      p2 = sin(p1) : f32
+      row = reduce_sum[axes=1,keep](p2)
     %7 = fused -> f32[4,8]
       in0 = %0 "x" (input) : f32[4,8]
-      in1 = %4 (reduce_sum) : f32[4,1]
+      in1 = %4 (fused_row) : f32[4,1]
       t0 = sub(in0, in1) : f32
       t1 = exp(t0) : f32
       t2 = neg(t1) : f32
@@ -629,4 +636,58 @@ fn expanded_fill_becomes_an_immediate() {
     assert_eq!(f.node(yid).unwrap().inputs, vec![x.id().unwrap()]);
     // Only the input and the kernel are left.
     assert_eq!(f.live_order().len(), 2);
+}
+
+#[test]
+fn row_ops_take_prologues_and_epilogues() {
+    // layer_norm(x + y) · 0.5 + z: the sum is the norm's prologue, the affine its epilogue.
+    let b = GraphBuilder::new();
+    let x = f32_input(&b, "x", &[4, 8]);
+    let y = f32_input(&b, "y", &[4, 8]);
+    let z = f32_input(&b, "z", &[4, 8]);
+    let out = x
+        .add(&y)
+        .layer_norm(None, None, 1e-5)
+        .mul_scalar(0.5)
+        .add(&z);
+    b.output("out", &out);
+    let (f, report) = fuse_and_compare(&b.graph().unwrap(), 1e-6);
+    assert_eq!((report.rows, report.prologues, report.epilogues), (1, 1, 1));
+    assert_eq!(report.kernels_after, 1);
+    let id = out_node(&f, "out");
+    assert_eq!(
+        id,
+        out.id().unwrap(),
+        "the epilogue's node keeps the output"
+    );
+    assert_eq!(
+        f.node(id).unwrap().inputs,
+        vec![x.id().unwrap(), y.id().unwrap(), z.id().unwrap()]
+    );
+}
+
+#[test]
+fn row_ops_leave_shared_and_broadcast_neighbours() {
+    // The sum is also an output (GPT-2's pre-LN residual), and the consumer of the reduction
+    // broadcasts it back to the rows (not of its shape): neither joins.
+    let b = GraphBuilder::new();
+    let x = f32_input(&b, "x", &[4, 8]);
+    let a = f32_input(&b, "a", &[4, 8]);
+    let h = x.add(&a);
+    b.output("h", &h);
+    let n = h.rms_norm(None, 1e-6);
+    b.output("n", &n);
+    let m = x.sum(&[1], true);
+    b.output("centered", &x.sub(&m).exp());
+    let (f, report) = fuse_and_compare(&b.graph().unwrap(), 1e-6);
+    assert_eq!(report.rows, 0, "{}", describe_groups(&f));
+    // A kernel between two row ops joins the first as its epilogue, not the second as its
+    // prologue: softmax(softmax(x) · 2).
+    let b = GraphBuilder::new();
+    let x = f32_input(&b, "x", &[4, 8]);
+    b.output("s", &x.softmax(-1).mul_scalar(2.0).softmax(-1));
+    let (f, report) = fuse_and_compare(&b.graph().unwrap(), 1e-6);
+    assert_eq!((report.rows, report.prologues, report.epilogues), (1, 0, 1));
+    assert_eq!(count(&f, |op| matches!(op, Op::FusedRow(_))), 1);
+    assert_eq!(count(&f, |op| matches!(op, Op::Softmax { .. })), 1);
 }
