@@ -132,3 +132,48 @@ pub fn gpt2(g: &GraphBuilder, cfg: &Gpt2Config) -> (Tensor, Tensor) {
     let b = g.param("ln_f.b", [cfg.d_model], Init::zeros());
     (x, layer_norm_primitives(&h, &w, &b, 1e-5))
 }
+
+/// A GPT-2 language model's graph: token ids in, next-token loss out.
+pub struct Gpt2Lm {
+    /// Token ids [B, S] (input `ids`, i64).
+    pub ids: Tensor,
+    /// The next tokens [B, S] (input `targets`, i64).
+    pub targets: Tensor,
+    /// Logits [B, S, vocab].
+    pub logits: Tensor,
+    /// Mean cross entropy of the logits against the targets.
+    pub loss: Tensor,
+}
+
+/// A GPT-2 language model over a `vocab`-token alphabet: token and position embeddings
+/// (`wte` [vocab, D], `wpe` [S, D], normal with std 0.02), the blocks of [`gpt2_block`], a final
+/// LayerNorm and logits through the token embedding transposed (tied weights), as GPT-2 does.
+pub fn gpt2_lm(g: &GraphBuilder, cfg: &Gpt2Config, vocab: usize) -> Gpt2Lm {
+    let (b, s, d) = (cfg.batch, cfg.seq, cfg.d_model);
+    let ids = g.input("ids", DType::I64, [b, s]);
+    let targets = g.input("targets", DType::I64, [b, s]);
+    let normal = |seed| Init::Normal {
+        mean: 0.0,
+        std: 0.02,
+        seed,
+    };
+    let wte = g.param("wte", [vocab, d], normal(g.next_seed()));
+    let wpe = g.param("wpe", [s, d], normal(g.next_seed()));
+    let mut h = wte.embedding(&ids).add(&wpe);
+    for l in 0..cfg.layers {
+        h = gpt2_block(g, cfg, l, &h);
+    }
+    let w = g.param("ln_f.w", [d], Init::ones());
+    let bb = g.param("ln_f.b", [d], Init::zeros());
+    let h = layer_norm_primitives(&h, &w, &bb, 1e-5);
+    let logits = h.matmul(&wte.t());
+    let loss = logits
+        .reshape([b * s, vocab])
+        .cross_entropy(&targets.reshape([b * s]));
+    Gpt2Lm {
+        ids,
+        targets,
+        logits,
+        loss,
+    }
+}
