@@ -97,7 +97,8 @@ fn linear(g: &GraphBuilder, name: &str, x: &Tensor, i: usize, o: usize) -> Tenso
     x.matmul(&w).add(&b)
 }
 
-/// One pre-norm transformer block over x [B, S, D], spelled in primitives.
+/// One pre-norm transformer block over x [B, S, D]: LayerNorm, causal self-attention (the
+/// fused op), the tanh-GELU MLP, residual adds (the rest spelled in primitives).
 pub fn gpt2_block(g: &GraphBuilder, cfg: &Gpt2Config, layer: usize, x: &Tensor) -> Tensor {
     let (b, s, d, h) = (cfg.batch, cfg.seq, cfg.d_model, cfg.heads);
     let p = |n: &str| format!("h{layer}.{n}");
@@ -111,7 +112,11 @@ pub fn gpt2_block(g: &GraphBuilder, cfg: &Gpt2Config, layer: usize, x: &Tensor) 
     let q = heads(&linear(g, &p("attn.q"), &a, d, d));
     let k = heads(&linear(g, &p("attn.k"), &a, d, d));
     let v = heads(&linear(g, &p("attn.v"), &a, d, d));
-    let att = causal_attention_primitives(&q, &k, &v)
+    // The fused op (as a model calls SDPA), so that autodiff differentiates it as one op
+    // (`attention_grad`, the flash backward on CUDA); the optimizer recognizes the same op
+    // in `causal_attention_primitives` for graphs that spell it out.
+    let att = q
+        .attention(&k, &v, None, rustytorch_ops::Causal::TopLeft, None)
         .permute(&[0, 2, 1, 3])
         .reshape([b, s, d]);
     let x = x.add(&linear(g, &p("attn.proj"), &att, d, d));

@@ -99,8 +99,8 @@ pub fn autocast(graph: &Graph, to: DType) -> Result<(Graph, AutocastReport)> {
         let low = g.add(node.op.clone(), &inputs)?;
         let back = g.add(Op::Cast { to: DType::F32 }, &[low])?;
         if let Some(at) = graph.location(id) {
-            g.set_location(low, &at);
-            g.set_location(back, &at);
+            g.set_location(low, at);
+            g.set_location(back, at);
         }
         g.replace_uses(id, back);
         report.ops += 1;

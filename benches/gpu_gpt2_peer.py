@@ -1,0 +1,55 @@
+# PyTorch on the GPT-2-small rows of `bench-gpu gpt2` (12 blocks, d 768, 12 heads, batch 8 x 1024,
+# bf16 weights and activations, SDPA causal attention): forward eager and torch.compile with the
+# forward's peak memory, and a training step (forward, backward of the mean square, no optimizer).
+#   python3 benches/gpu_gpt2_peer.py
+import torch
+import torch.nn.functional as F
+
+dev = "cuda"
+
+
+def bench(fn, iters=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters
+
+
+class Block(torch.nn.Module):
+    def __init__(s, d=768, h=12):
+        super().__init__()
+        s.h = h
+        s.ln1 = torch.nn.LayerNorm(d); s.qkv = torch.nn.Linear(d, 3 * d); s.proj = torch.nn.Linear(d, d)
+        s.ln2 = torch.nn.LayerNorm(d); s.fc = torch.nn.Linear(d, 4 * d); s.out = torch.nn.Linear(4 * d, d)
+
+    def forward(s, x):
+        B, T, C = x.shape
+        q, k, v = s.qkv(s.ln1(x)).split(C, -1)
+        q, k, v = (t.view(B, T, s.h, C // s.h).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + s.proj(a)
+        return x + s.out(F.gelu(s.fc(s.ln2(x)), approximate="tanh"))
+
+
+model = torch.nn.Sequential(*[Block() for _ in range(12)]).to(dev, torch.bfloat16)
+x = torch.randn(8, 1024, 768, device=dev, dtype=torch.bfloat16)
+with torch.no_grad():
+    print(f"gpt2-small forward bf16 eager: {bench(lambda: model(x)):.3f} ms", flush=True)
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); model(x); torch.cuda.synchronize()
+    print(f"gpt2-small forward bf16 eager peak: {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB", flush=True)
+    mc = torch.compile(model)
+    print(f"gpt2-small forward bf16 torch.compile: {bench(lambda: mc(x)):.3f} ms", flush=True)
+
+
+def step():
+    model.zero_grad(set_to_none=True)
+    model(x).float().pow(2).mean().backward()
+
+
+print(f"gpt2-small training step (fwd+bwd) bf16 eager: {bench(step, 10):.3f} ms", flush=True)
