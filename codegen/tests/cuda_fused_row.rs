@@ -387,3 +387,26 @@ fn fused_layer_norm_kernel_source() {
     assert_eq!(step.launches.len(), 1);
     insta::assert_snapshot!(cuda::source(&step.launches[0].kernel).unwrap());
 }
+
+#[test]
+fn fused_sum_of_products_kernel_source() {
+    let x = ty(DType::BF16, &[8, 64]);
+    let mul = FusedKernel {
+        n_inputs: 2,
+        instrs: vec![bin(BinaryOp::Mul, 0, 1, DType::BF16)],
+        out: x.clone(),
+    };
+    let sum = Op::Reduce {
+        kind: ReduceKind::Sum,
+        axes: vec![1],
+        keep_dims: false,
+    };
+    let op = row(sum, Some(mul), None);
+    let out = ty(DType::BF16, &[8]);
+    let step = match cuda::lower_step(&op, &[&x, &x], &out).unwrap() {
+        CudaStep::Kernels(k) => k,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(step.launches.len(), 1);
+    insta::assert_snapshot!(cuda::source(&step.launches[0].kernel).unwrap());
+}

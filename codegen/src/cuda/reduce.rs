@@ -794,7 +794,7 @@ fn fused_reduce_kernel(
     let x = match pro {
         Some(p) => {
             each.push(let_("xi", CTy::I64, rows.at()));
-            p.value(&mut each, "p", "xi", None, acc.ty)?
+            p.value(&mut each, "pt", "xi", None, acc.ty)?
         }
         None => load_as(src.0, src.1, rows.at(), acc.ty),
     };
@@ -805,7 +805,7 @@ fn fused_reduce_kernel(
     let y = match epi {
         Some(p) => {
             last.push(let_("r0", acc.ty, fin(acc.result("a"))));
-            p.value(&mut last, "e", "row", Some(var("r0")), dst.1.compute_of())?
+            p.value(&mut last, "et", "row", Some(var("r0")), dst.1.compute_of())?
         }
         None => fin(acc.result("a")),
     };
