@@ -83,35 +83,46 @@ pub fn causal_attention_primitives(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor
     softmax_primitives(&masked).matmul(v)
 }
 
-fn linear(g: &GraphBuilder, name: &str, x: &Tensor, i: usize, o: usize) -> Tensor {
-    let w = g.param(
-        &format!("{name}.w"),
-        [i, o],
-        Init::Normal {
-            mean: 0.0,
-            std: 0.02,
-            seed: g.next_seed(),
-        },
-    );
-    let b = g.param(&format!("{name}.b"), [o], Init::zeros());
+fn linear(g: &GraphBuilder, name: &str, x: &Tensor, i: usize, o: usize, dt: DType) -> Tensor {
+    let ty = |dims: &[usize]| TensorType::new(dt, Shape::new(dims.to_vec()));
+    let normal = Init::Normal {
+        mean: 0.0,
+        std: 0.02,
+        seed: g.next_seed(),
+    };
+    let w = g.param_typed(&format!("{name}.w"), ty(&[i, o]), normal, true);
+    let b = g.param_typed(&format!("{name}.b"), ty(&[o]), Init::zeros(), true);
     x.matmul(&w).add(&b)
 }
 
 /// One pre-norm transformer block over x [B, S, D]: LayerNorm, causal self-attention (the
 /// fused op), the tanh-GELU MLP, residual adds (the rest spelled in primitives).
 pub fn gpt2_block(g: &GraphBuilder, cfg: &Gpt2Config, layer: usize, x: &Tensor) -> Tensor {
+    gpt2_block_typed(g, cfg, layer, x, DType::F32)
+}
+
+/// [`gpt2_block`] with parameters of type `dt` (bf16 or f16 for a half-precision model; x must
+/// have that type too).
+pub fn gpt2_block_typed(
+    g: &GraphBuilder,
+    cfg: &Gpt2Config,
+    layer: usize,
+    x: &Tensor,
+    dt: DType,
+) -> Tensor {
     let (b, s, d, h) = (cfg.batch, cfg.seq, cfg.d_model, cfg.heads);
     let p = |n: &str| format!("h{layer}.{n}");
     let ln = |name: &str, x: &Tensor| {
-        let w = g.param(&p(&format!("{name}.w")), [d], Init::ones());
-        let bb = g.param(&p(&format!("{name}.b")), [d], Init::zeros());
+        let ty = TensorType::new(dt, Shape::new([d]));
+        let w = g.param_typed(&p(&format!("{name}.w")), ty.clone(), Init::ones(), true);
+        let bb = g.param_typed(&p(&format!("{name}.b")), ty, Init::zeros(), true);
         layer_norm_primitives(x, &w, &bb, 1e-5)
     };
     let heads = |t: &Tensor| t.reshape([b, s, h, d / h]).permute(&[0, 2, 1, 3]);
     let a = ln("ln1", x);
-    let q = heads(&linear(g, &p("attn.q"), &a, d, d));
-    let k = heads(&linear(g, &p("attn.k"), &a, d, d));
-    let v = heads(&linear(g, &p("attn.v"), &a, d, d));
+    let q = heads(&linear(g, &p("attn.q"), &a, d, d, dt));
+    let k = heads(&linear(g, &p("attn.k"), &a, d, d, dt));
+    let v = heads(&linear(g, &p("attn.v"), &a, d, d, dt));
     // The fused op (as a model calls SDPA), so that autodiff differentiates it as one op
     // (`attention_grad`, the flash backward on CUDA); the optimizer recognizes the same op
     // in `causal_attention_primitives` for graphs that spell it out.
@@ -119,22 +130,29 @@ pub fn gpt2_block(g: &GraphBuilder, cfg: &Gpt2Config, layer: usize, x: &Tensor) 
         .attention(&k, &v, None, rustytorch_ops::Causal::TopLeft, None)
         .permute(&[0, 2, 1, 3])
         .reshape([b, s, d]);
-    let x = x.add(&linear(g, &p("attn.proj"), &att, d, d));
+    let x = x.add(&linear(g, &p("attn.proj"), &att, d, d, dt));
     let m = ln("ln2", &x);
-    let hdn = gelu_tanh_primitives(&linear(g, &p("mlp.fc"), &m, d, 4 * d));
-    x.add(&linear(g, &p("mlp.proj"), &hdn, 4 * d, d))
+    let hdn = gelu_tanh_primitives(&linear(g, &p("mlp.fc"), &m, d, 4 * d, dt));
+    x.add(&linear(g, &p("mlp.proj"), &hdn, 4 * d, d, dt))
 }
 
 /// A GPT-2-style decoder stack over embedded input x [B, S, D] (input `x`), with a final LayerNorm;
 /// returns (x, hidden states).
 pub fn gpt2(g: &GraphBuilder, cfg: &Gpt2Config) -> (Tensor, Tensor) {
-    let x = g.input("x", DType::F32, [cfg.batch, cfg.seq, cfg.d_model]);
+    gpt2_typed(g, cfg, DType::F32)
+}
+
+/// [`gpt2`] with the input and every parameter of type `dt` (a bf16 or f16 model, as PyTorch's
+/// `model.to(torch.bfloat16)`; norms and softmax keep f32 statistics inside their kernels).
+pub fn gpt2_typed(g: &GraphBuilder, cfg: &Gpt2Config, dt: DType) -> (Tensor, Tensor) {
+    let x = g.input("x", dt, [cfg.batch, cfg.seq, cfg.d_model]);
     let mut h = x.clone();
     for l in 0..cfg.layers {
-        h = gpt2_block(g, cfg, l, &h);
+        h = gpt2_block_typed(g, cfg, l, &h, dt);
     }
-    let w = g.param("ln_f.w", [cfg.d_model], Init::ones());
-    let b = g.param("ln_f.b", [cfg.d_model], Init::zeros());
+    let ty = TensorType::new(dt, Shape::new([cfg.d_model]));
+    let w = g.param_typed("ln_f.w", ty.clone(), Init::ones(), true);
+    let b = g.param_typed("ln_f.b", ty, Init::zeros(), true);
     (x, layer_norm_primitives(&h, &w, &b, 1e-5))
 }
 
