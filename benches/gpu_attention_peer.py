@@ -2,28 +2,23 @@
 # attention rows of `bench-gpu attention`, bf16, timed with CUDA events:
 #   python3 benches/gpu_attention_peer.py
 # TFLOP/s counts 4·B·H·Sq·Sk·D (halved for causal); forward+backward counts 3.5× the forward.
+import os
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 dev = "cuda"
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_timing import bench  # noqa: E402
+
+
 SHAPES = [(4, 32, 4096, 4096, 128, False), (4, 32, 4096, 4096, 128, True),
           (16, 16, 1024, 1024, 64, False), (16, 16, 1024, 1024, 64, True),
           (4, 32, 4096, 4096, 64, True), (2, 16, 8192, 8192, 128, True),
           (8, 32, 512, 8192, 128, False), (8, 32, 1, 8192, 128, False)]
-
-
-def bench(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
 
 
 for (B, H, Sq, Sk, D, causal) in SHAPES:

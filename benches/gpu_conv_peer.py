@@ -1,23 +1,16 @@
 # PyTorch (cuDNN, benchmark mode) on the convolution and pooling rows of benches/gpu.rs, in both
 # memory formats, timed with CUDA events: python3 benches/gpu_conv_peer.py
+import os
+import sys
+
 import torch
 import torch.nn.functional as F
 
 torch.backends.cudnn.benchmark = True
 dev = "cuda"
 
-
-def bench(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_timing import bench  # noqa: E402
 
 
 def conv(label, xs, ws, dt, fmt, tf32=False):

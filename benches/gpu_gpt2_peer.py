@@ -2,23 +2,16 @@
 # bf16 weights and activations, SDPA causal attention): forward eager and torch.compile with the
 # forward's peak memory, and a training step (forward, backward of the mean square, no optimizer).
 #   python3 benches/gpu_gpt2_peer.py
+import os
+import sys
+
 import torch
 import torch.nn.functional as F
 
 dev = "cuda"
 
-
-def bench(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_timing import bench  # noqa: E402
 
 
 class Block(torch.nn.Module):

@@ -642,6 +642,36 @@ fn fused_chains_in_vectors() {
     }
 }
 
+/// Checks attention `op` over q, k, v [B, H, Sq, D] unmasked, with an additive mask [Sq, Sk]
+/// (row 0 fully masked, every fifth key masked, the rest random) and with a bool mask
+/// [B, 1, 1, Sk]; returns the two masks.
+fn attention_forward_cases(
+    what: &str,
+    op: &dyn Fn(rustytorch::ops::AttnMask) -> Op,
+    [q, k, v]: [&HostTensor; 3],
+    seed: u64,
+) -> (HostTensor, HostTensor) {
+    use rustytorch::ops::AttnMask;
+    let (d, b) = (q.dtype(), q.ty().shape.dims()[0]);
+    let (sq, sk) = (q.ty().shape.dims()[2], k.ty().shape.dims()[2]);
+    let qkv = || vec![q.clone(), k.clone(), v.clone()];
+    check(what, op(AttnMask::None), qkv());
+    let mut m = rnd(DType::F64, &[sq, sk], seed + 3, -2.0, 1.0).to_f64_vec();
+    for (x, mv) in m.iter_mut().enumerate() {
+        if x < sk || x % 5 == 0 {
+            *mv = f64::NEG_INFINITY;
+        }
+    }
+    let add = HostTensor::from_f64_slice(&t(d, &[sq, sk]), &m).unwrap();
+    let keep = rnd(DType::Bool, &[b, 1, 1, sk], seed + 4, 0.0, 1.0);
+    for (kind, mask) in [(AttnMask::Additive, &add), (AttnMask::Bool, &keep)] {
+        let mut ins = qkv();
+        ins.push(mask.clone());
+        check(&format!("{what} {kind:?}"), op(kind), ins);
+    }
+    (add, keep)
+}
+
 /// Attention on the device: causal kinds, additive and bool masks (a fully masked row is zero),
 /// more keys than a warp has lanes, GPT-2 head sizes, every float dtype.
 #[test]
@@ -662,29 +692,7 @@ fn attention() {
                     mask,
                     scale,
                 };
-                check(
-                    &what,
-                    op(AttnMask::None),
-                    vec![q.clone(), kk.clone(), v.clone()],
-                );
-                let mut m = rnd(DType::F64, &[sq, sk], seed + 3, -2.0, 1.0).to_f64_vec();
-                for (x, mv) in m.iter_mut().enumerate() {
-                    if x < sk || x % 5 == 0 {
-                        *mv = f64::NEG_INFINITY;
-                    }
-                }
-                let add = HostTensor::from_f64_slice(&t(d, &[sq, sk]), &m).unwrap();
-                check(
-                    &format!("{what} additive"),
-                    op(AttnMask::Additive),
-                    vec![q.clone(), kk.clone(), v.clone(), add.clone()],
-                );
-                let keep = rnd(DType::Bool, &[b, 1, 1, sk], seed + 4, 0.0, 1.0);
-                check(
-                    &format!("{what} bool"),
-                    op(AttnMask::Bool),
-                    vec![q.clone(), kk.clone(), v.clone(), keep],
-                );
+                let (add, _) = attention_forward_cases(&what, &op, [&q, &kk, &v], seed);
                 // Gradients with respect to q, k and v, unmasked and with the additive mask.
                 let g = rnd(d, &[b, h, sq, hd], seed + 5, -1.0, 1.0);
                 for wrt in 0..3u8 {
@@ -755,30 +763,7 @@ fn flash_attention_shapes() {
                     mask,
                     scale,
                 };
-                check(
-                    &what,
-                    op(AttnMask::None),
-                    vec![q.clone(), kk.clone(), v.clone()],
-                );
-                // Row 0 fully masked, every fifth key masked, the rest random.
-                let mut m = rnd(DType::F64, &[sq, sk], seed + 3, -2.0, 1.0).to_f64_vec();
-                for (x, mv) in m.iter_mut().enumerate() {
-                    if x < sk || x % 5 == 0 {
-                        *mv = f64::NEG_INFINITY;
-                    }
-                }
-                let add = HostTensor::from_f64_slice(&t(d, &[sq, sk]), &m).unwrap();
-                check(
-                    &format!("{what} additive"),
-                    op(AttnMask::Additive),
-                    vec![q.clone(), kk.clone(), v.clone(), add.clone()],
-                );
-                let keep = rnd(DType::Bool, &[b, 1, 1, sk], seed + 4, 0.0, 1.0);
-                check(
-                    &format!("{what} bool"),
-                    op(AttnMask::Bool),
-                    vec![q.clone(), kk.clone(), v.clone(), keep.clone()],
-                );
+                let (add, keep) = attention_forward_cases(&what, &op, [&q, &kk, &v], seed);
                 // The three gradients through the flash backward (unmasked, additive with a
                 // fully masked row, bool), errors relative to the largest magnitude.
                 if sq * sk > 100_000 {

@@ -3,7 +3,7 @@
 //! can be loaded (CI installs it: `scripts/fetch_nvrtc.sh`); with `RUSTYTORCH_TEST_NVRTC=1` a
 //! missing NVRTC fails the test instead of skipping it.
 
-use rustytorch::codegen::cuda::{flash, lower_step, source, CudaStep, Launch, Part};
+use rustytorch::codegen::cuda::{flash, lower_step, source};
 use rustytorch::ops::{AttnMask, Causal, DType, F64Bits, Op, Shape, TensorType};
 use rustytorch::runtime::cuda::compile::KernelCompiler;
 
@@ -22,24 +22,6 @@ fn compilers() -> Option<Vec<KernelCompiler>> {
             eprintln!("skipped: {e}");
             None
         }
-    }
-}
-
-/// Every generated kernel of a lowered step.
-fn launches(step: &CudaStep) -> Vec<&Launch> {
-    match step {
-        CudaStep::Kernels(k) => k.launches.iter().collect(),
-        CudaStep::Matmul { after, .. } => after.launches.iter().collect(),
-        CudaStep::Dnn(d) => d.before.iter().chain(&d.after).collect(),
-        CudaStep::Composite(c) => c
-            .parts
-            .iter()
-            .filter_map(|p| match p {
-                Part::Launch(l) => Some(l),
-                Part::Gemm { .. } => None,
-            })
-            .collect(),
-        _ => vec![],
     }
 }
 
@@ -83,7 +65,7 @@ fn flash_attention_compiles() {
                     };
                     let out = rustytorch::ops::infer(&op, &refs).expect("infer");
                     let step = lower_step(&op, &refs, &out).expect("lower");
-                    let ls = launches(&step);
+                    let ls = step.launches();
                     assert_eq!(ls.len(), 1);
                     assert!(ls[0].kernel.name.starts_with("flash_attention"));
                     sources.push((
@@ -137,7 +119,7 @@ fn flash_attention_gradients_compile() {
                         };
                         let out = rustytorch::ops::infer(&op, &refs).expect("infer");
                         let step = lower_step(&op, &refs, &out).expect("lower");
-                        let ls = launches(&step);
+                        let ls = step.launches();
                         assert_eq!(ls.len(), 2);
                         assert!(ls[0].kernel.name.starts_with("flash_attention_stats"));
                         assert!(ls[1].kernel.name.starts_with("flash_attention_grad"));

@@ -107,6 +107,26 @@ pub enum CudaStep {
     },
 }
 
+impl CudaStep {
+    /// The generated kernels the step launches, in order (library calls left out).
+    pub fn launches(&self) -> Vec<&Launch> {
+        match self {
+            CudaStep::Kernels(k) => k.launches.iter().collect(),
+            CudaStep::Matmul { after, .. } => after.launches.iter().collect(),
+            CudaStep::Dnn(d) => d.before.iter().chain(&d.after).collect(),
+            CudaStep::Composite(c) => c
+                .parts
+                .iter()
+                .filter_map(|p| match p {
+                    Part::Launch(l) => Some(l),
+                    Part::Gemm { .. } => None,
+                })
+                .collect(),
+            CudaStep::Spmm(_) | CudaStep::Alias | CudaStep::AllReduce { .. } => vec![],
+        }
+    }
+}
+
 /// One part of a [`Composite`] step.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Part {

@@ -15,7 +15,7 @@ use crate::{
 use cudarc::driver::sys::{self as ds, CUstream};
 use cudarc::driver::{result as dr, CudaFunction};
 use rustytorch_codegen::cuda::{
-    lower_plan, source, ArgRef, CudaStep, DnnDesc, Launch, MatmulDesc, Part, StepKernels,
+    lower_plan, source, ArgRef, CudaStep, DnnDesc, MatmulDesc, Part, StepKernels,
 };
 use rustytorch_codegen::{Plan, Source, Storage};
 use rustytorch_ops::{DType, Data, HostTensor, TensorType};
@@ -487,20 +487,7 @@ impl CudaSession {
         // Compile (or fetch from the caches) every distinct kernel, in parallel.
         let mut sources = vec![];
         for st in &steps {
-            let ks: Vec<&Launch> = match st {
-                CudaStep::Kernels(k) => k.launches.iter().collect(),
-                CudaStep::Matmul { after, .. } => after.launches.iter().collect(),
-                CudaStep::Dnn(d) => d.before.iter().chain(&d.after).collect(),
-                CudaStep::Composite(c) => c
-                    .parts
-                    .iter()
-                    .filter_map(|p| match p {
-                        Part::Launch(l) => Some(l),
-                        Part::Gemm { .. } => None,
-                    })
-                    .collect(),
-                CudaStep::Spmm(_) | CudaStep::Alias | CudaStep::AllReduce { .. } => vec![],
-            };
+            let ks = st.launches();
             for l in ks {
                 sources.push((l.kernel.name.clone(), source(&l.kernel)?));
             }
