@@ -117,7 +117,9 @@ pub fn step_infos(graph: &Graph, memory: Option<&MemoryPlan>, plan: &Plan) -> Ve
                 step: i,
                 op: s.op.name(),
                 op_text: match &s.op {
-                    Op::Fused(_) => rustytorch_compiler::inspect::op_summary(&s.op),
+                    Op::Fused(_) | Op::FusedRow(_) => {
+                        rustytorch_compiler::inspect::op_summary(&s.op)
+                    }
                     op => op.to_string(),
                 },
                 location: node.and_then(|n| graph.location(n)).map(|l| l.to_string()),
