@@ -313,8 +313,11 @@ fn digits_cnn_trains_the_same_on_two_host_replicas() {
     let (two, l2) =
         digits_cnn::train_digits_parallel(&[Device::Cpu, Device::Cpu], &train, 32, 2, |_, _, _| {})
             .unwrap();
+    // The replicas' GEMMs over half batches accumulate in another order than the full batch's
+    // (how much depends on the GEMM kernels' blocking), and two epochs of AdamW carry that
+    // rounding forward: equal within 1e-3, where a wrong average would be off by far more.
     assert!(
-        (l1 - l2).abs() <= 1e-4 * l1.abs(),
+        (l1 - l2).abs() <= 1e-3 * l1.abs(),
         "epoch loss {l1} vs {l2}"
     );
     for (name, _) in one.param_types() {
