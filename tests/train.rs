@@ -320,12 +320,18 @@ fn digits_cnn_trains_the_same_on_two_host_replicas() {
         (l1 - l2).abs() <= 1e-3 * l1.abs(),
         "epoch loss {l1} vs {l2}"
     );
+    // AdamW's normalized steps turn those rounding differences into parameter differences of a
+    // few steps' size (its learning rate is 2e-3; measured up to 5.7e-3 with the AVX-512 GEMM,
+    // while each side alone is deterministic to the bit); a replica training on the wrong shard
+    // would be off by the weights' own scale.
+    let mut worst = 0.0f64;
     for (name, _) in one.param_types() {
         let (a, b) = (one.param(name).unwrap(), two.param(name).unwrap());
         for (x, y) in a.to_f64_vec().iter().zip(b.to_f64_vec()) {
-            assert!((x - y).abs() <= 1e-3, "{name}: {x} vs {y}");
+            worst = worst.max((x - y).abs());
         }
     }
+    assert!(worst <= 1e-2, "parameters differ by up to {worst}");
     // The replica taken out of the group runs alone, to the single device's accuracy.
     let acc = digits_cnn::accuracy(&two, &test, 120).unwrap();
     let alone = digits_cnn::accuracy(&one, &test, 120).unwrap();
