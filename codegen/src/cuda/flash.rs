@@ -699,6 +699,18 @@ fn store_rows(acc: &str, ptr: &str, r0: &str, n: usize, width: usize, scale: f32
     )
 }
 
+/// The gradient kernels' pointers to head `bh` of q, k, v and dO (`qp`, `kp`, `vp`, `gp`).
+fn head_pointers(sp: &Spec) -> String {
+    let (sq, sk, d, dv) = (sp.sq, sp.sk, sp.d, sp.dv);
+    format!(
+        r#"  const unsigned short* qp = (const unsigned short*)q + bh * {sq}LL * {d}LL;
+  const unsigned short* kp = (const unsigned short*)k + bh * {sk}LL * {d}LL;
+  const unsigned short* vp = (const unsigned short*)v + bh * {sk}LL * {dv}LL;
+  const unsigned short* gp = (const unsigned short*)dout + bh * {sq}LL * {dv}LL;
+"#
+    )
+}
+
 /// The gradient with respect to q (see [`lower_grad`]).
 fn grad_q(sp: &Spec) -> String {
     let (sq, sk, d, dv) = (sp.sq, sp.sk, sp.d, sp.dv);
@@ -716,11 +728,8 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
   const long long bh = tile / {qt}LL;
   const int qt = (int)({qt}LL - 1LL - tile % {qt}LL);
   const int i0 = qt * 64 + warp * 16 + g, i1 = i0 + 8;
-  const unsigned short* qp = (const unsigned short*)q + bh * {sq}LL * {d}LL;
-  const unsigned short* kp = (const unsigned short*)k + bh * {sk}LL * {d}LL;
-  const unsigned short* vp = (const unsigned short*)v + bh * {sk}LL * {dv}LL;
-  const unsigned short* gp = (const unsigned short*)dout + bh * {sq}LL * {dv}LL;
-"#,
+{ptrs}"#,
+        ptrs = head_pointers(sp),
         tiles = sp.tiles(sq)
     );
     c += &a_frags("qa", "qp", "i0", sq, d);
@@ -799,11 +808,8 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
   const long long bh = tile / {kt}LL;
   const int kb = (int)(tile % {kt}LL) * 64;
   const int j0 = kb + warp * 16 + g, j1 = j0 + 8;
-  const unsigned short* qp = (const unsigned short*)q + bh * {sq}LL * {d}LL;
-  const unsigned short* kp = (const unsigned short*)k + bh * {sk}LL * {d}LL;
-  const unsigned short* vp = (const unsigned short*)v + bh * {sk}LL * {dv}LL;
-  const unsigned short* gp = (const unsigned short*)dout + bh * {sq}LL * {dv}LL;
-"#,
+{ptrs}"#,
+        ptrs = head_pointers(sp),
         tiles = sp.tiles(sk)
     );
     c += &a_frags("ka", "kp", "j0", sk, d);
