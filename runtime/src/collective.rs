@@ -142,6 +142,29 @@ impl HostGroup {
     }
 }
 
+/// What every communicator checks before an `all_reduce`: float elements.
+pub(crate) fn check_all_reduce(t: &HostTensor) -> Result<()> {
+    if t.dtype().is_float() {
+        Ok(())
+    } else {
+        Err(RuntimeError::Invalid(format!(
+            "all_reduce takes floating-point tensors, got {}",
+            t.ty()
+        )))
+    }
+}
+
+/// What every communicator checks before a `broadcast`: the root is a rank of the group.
+pub(crate) fn check_root(root: usize, world: usize) -> Result<()> {
+    if root < world {
+        Ok(())
+    } else {
+        Err(RuntimeError::Invalid(format!(
+            "broadcast from rank {root} in a group of {world}"
+        )))
+    }
+}
+
 fn aborted(why: &str) -> RuntimeError {
     RuntimeError::Invalid(format!("the data-parallel group was aborted: {why}"))
 }
@@ -191,22 +214,12 @@ impl Communicator for HostRank {
     }
 
     fn all_reduce(&self, t: &HostTensor, mean: bool) -> Result<HostTensor> {
-        if !t.dtype().is_float() {
-            return Err(RuntimeError::Invalid(format!(
-                "all_reduce takes floating-point tensors, got {}",
-                t.ty()
-            )));
-        }
+        check_all_reduce(t)?;
         self.group.exchange(self.rank, t, Kind::AllReduce { mean })
     }
 
     fn broadcast(&self, t: &HostTensor, root: usize) -> Result<HostTensor> {
-        if root >= self.group.world {
-            return Err(RuntimeError::Invalid(format!(
-                "broadcast from rank {root} in a group of {}",
-                self.group.world
-            )));
-        }
+        check_root(root, self.group.world)?;
         self.group.exchange(self.rank, t, Kind::Broadcast { root })
     }
 

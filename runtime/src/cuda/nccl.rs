@@ -735,12 +735,7 @@ impl Communicator for NcclRank {
     }
 
     fn all_reduce(&self, t: &HostTensor, mean: bool) -> Result<HostTensor> {
-        if !t.dtype().is_float() {
-            return Err(RuntimeError::Invalid(format!(
-                "all_reduce takes floating-point tensors, got {}",
-                t.ty()
-            )));
-        }
+        crate::collective::check_all_reduce(t)?;
         let op = if mean { ReduceOp::Mean } else { ReduceOp::Sum };
         self.staged(t, "all_reduce", |c, s, addr, n, dt| {
             // SAFETY: in place over the staging buffer of `n` elements of `dt`, freed only
@@ -760,12 +755,7 @@ impl Communicator for NcclRank {
     }
 
     fn broadcast(&self, t: &HostTensor, root: usize) -> Result<HostTensor> {
-        if root >= self.group.world {
-            return Err(RuntimeError::Invalid(format!(
-                "broadcast from rank {root} in a group of {}",
-                self.group.world
-            )));
-        }
+        crate::collective::check_root(root, self.group.world)?;
         self.staged(t, "broadcast", |c, s, addr, n, dt| {
             // SAFETY: in place over the staging buffer of `n` elements of `dt`, freed only
             // after the stream synchronized (in `to_host`).
