@@ -15,6 +15,7 @@ pub mod tensor;
 pub mod testing;
 pub mod text;
 pub mod util;
+pub mod vmath;
 
 pub mod attention;
 pub mod collective;

@@ -7,13 +7,14 @@
 //! f32 accumulation). Many small matrices run in parallel across the batch; a big matrix uses
 //! gemm's own rayon parallelism.
 //!
-//! The epilogue's activations are evaluated in f64 per element (the exact GELU through the
-//! elementwise family's `erfc`), except the exact GELU of f32 results: a vectorized f32 rational
-//! erf (about 1e-6 absolute error) where x ≥ −3 and the f64 erfc in the left tail. Its gradient
+//! The epilogue (bias and activation) of f32 results runs in one vectorized pass with the f32
+//! forms of [`crate::vmath`] (the exact GELU within 1e-6 relative error); other dtypes evaluate
+//! it in f64 per element (the exact GELU through the elementwise family's `erfc`). Its gradient
 //! reuses the elementwise family's rule for the activation.
 
 use crate::elementwise::erfc;
 use crate::util::{arity, dtype_err, shape_err, PAR_THRESHOLD};
+use crate::vmath::{self, VFn};
 use crate::{
     bf16, f16, Activation, Data, HostTensor, Op, OpError, Result, Shape, TensorType, UnaryOp,
     Value, VjpCtx,
@@ -146,10 +147,23 @@ trait GemmFloat: Copy + Send + Sync + Default + 'static {
     const ONE: Self;
     fn of_f64(v: f64) -> Self;
     fn as_f64(self) -> f64;
-    /// The exact GELU of every element of `row`, in place.
-    fn gelu_erf_row(row: &mut [Self]) {
-        row.iter_mut()
-            .for_each(|y| *y = Self::of_f64(gelu_erf(y.as_f64())));
+    /// `act(y + bias)` over rows of `n` in place, evaluated in f64 per element.
+    fn bias_act_rows(rows: &mut [Self], bias: Option<&[Self]>, act: Activation, n: usize) {
+        for row in rows.chunks_mut(n) {
+            if let Some(b) = bias {
+                for (y, &c) in row.iter_mut().zip(b) {
+                    *y = Self::of_f64(y.as_f64() + c.as_f64());
+                }
+            }
+            let f = match act {
+                Activation::None => continue,
+                Activation::Relu => relu,
+                Activation::GeluErf => gelu_erf,
+                Activation::GeluTanh => gelu_tanh,
+            };
+            row.iter_mut()
+                .for_each(|y| *y = Self::of_f64(f(y.as_f64())));
+        }
     }
 }
 impl GemmFloat for f32 {
@@ -160,71 +174,18 @@ impl GemmFloat for f32 {
     fn as_f64(self) -> f64 {
         self as f64
     }
-    fn gelu_erf_row(row: &mut [f32]) {
-        gelu_erf_f32_row(row);
+    /// The vectorized f32 forms ([`crate::vmath`]): one pass, the bias added in f32.
+    fn bias_act_rows(rows: &mut [f32], bias: Option<&[f32]>, act: Activation, n: usize) {
+        let f = match act {
+            Activation::None => VFn::Identity,
+            Activation::Relu => VFn::Relu,
+            Activation::GeluErf => VFn::GeluErf,
+            Activation::GeluTanh => VFn::GeluTanh,
+        };
+        vmath::bias_act(rows, bias, n, f);
     }
 }
 
-/// Below this input the f32 GELU takes the f64 `erfc` path: there `1 + erf` cancels, and only
-/// erfc keeps the relative accuracy of the left tail.
-const GELU_F32_TAIL: f32 = -3.0;
-
-/// erf of an f32 as a rational function `x·P(x²)/Q(x²)` on [−4, 4] and ±1 beyond (Eigen's
-/// `generic_fast_erf_float` coefficients; about 4e-7 absolute error evaluated in f32). Straight-line
-/// code, so a loop over a row vectorizes.
-#[inline(always)]
-fn erf_f32(x: f32) -> f32 {
-    let x = x.clamp(-4.0, 4.0);
-    let x2 = x * x;
-    let mut p = x2 * -2.726_142_4e-10 + 2.770_681_5e-8;
-    p = x2 * p + -2.101_024e-6;
-    p = x2 * p + -5.692_506_2e-5;
-    p = x2 * p + -7.349_906_4e-4;
-    p = x2 * p + -2.954_6e-3;
-    p = x2 * p + -1.609_603_3e-2;
-    let mut q = x2 * -1.456_607_15e-5 + -2.133_740_5e-4;
-    q = x2 * q + -1.682_827e-3;
-    q = x2 * q + -7.373_329_3e-3;
-    q = x2 * q + -1.426_473_9e-2;
-    x * p / q
-}
-
-/// The exact GELU `½·x·(1 + erf(x/√2))` of an f32 row in place: a vectorized pass with
-/// [`erf_f32`] (about 1e-6 absolute error) for inputs ≥ [`GELU_F32_TAIL`], then the f64 `erfc`
-/// form for the rest (NaN stays NaN). The same operations in every build, with AVX2 where the CPU
-/// has it.
-fn gelu_erf_f32_row(row: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2, the only feature the function enables.
-        unsafe { gelu_erf_f32_row_avx2(row) };
-        return;
-    }
-    gelu_erf_f32_body(row);
-}
-
-/// [`gelu_erf_f32_body`] compiled for AVX2 (plain multiplies and adds, no FMA contraction, so
-/// the values equal the portable build's).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn gelu_erf_f32_row_avx2(row: &mut [f32]) {
-    gelu_erf_f32_body(row);
-}
-
-#[inline(always)]
-fn gelu_erf_f32_body(row: &mut [f32]) {
-    for y in row.iter_mut() {
-        let x = *y;
-        let g = 0.5 * x * (1.0 + erf_f32(x * std::f32::consts::FRAC_1_SQRT_2));
-        // GELU ≥ −0.17 > GELU_F32_TAIL, so pass two sees only the inputs this pass kept.
-        *y = if x >= GELU_F32_TAIL { g } else { x };
-    }
-    for y in row.iter_mut() {
-        if *y < GELU_F32_TAIL {
-            *y = gelu_erf(*y as f64) as f32;
-        }
-    }
-}
 impl GemmFloat for f64 {
     const ONE: Self = 1.0;
     fn of_f64(v: f64) -> Self {
@@ -303,34 +264,24 @@ fn gemm_batched<T: GemmFloat>(
     out
 }
 
-/// Adds the bias to every row and applies the activation, in place.
+/// Adds the bias to every row and applies the activation, in place (blocks of rows in parallel
+/// when the tensor is big).
 fn epilogue<T: GemmFloat>(out: &mut [T], bias: Option<&[T]>, act: Activation, n: usize) {
     if bias.is_none() && act == Activation::None || n == 0 {
         return;
     }
-    let f = |row: &mut [T]| {
-        if let Some(b) = bias {
-            for (y, &c) in row.iter_mut().zip(b) {
-                *y = T::of_f64(y.as_f64() + c.as_f64());
-            }
-        }
-        match act {
-            Activation::None => {}
-            Activation::Relu => row
-                .iter_mut()
-                .for_each(|y| *y = T::of_f64(relu(y.as_f64()))),
-            Activation::GeluErf => T::gelu_erf_row(row),
-            Activation::GeluTanh => row
-                .iter_mut()
-                .for_each(|y| *y = T::of_f64(gelu_tanh(y.as_f64()))),
-        }
-    };
+    // Blocks of about 16k elements: enough work per task, small enough to stay in L2.
+    let rows = (EPILOGUE_BLOCK / n).max(1);
     if out.len() >= PAR_THRESHOLD {
-        out.par_chunks_mut(n).for_each(f);
+        out.par_chunks_mut(rows * n)
+            .for_each(|blk| T::bias_act_rows(blk, bias, act, n));
     } else {
-        out.chunks_mut(n).for_each(f);
+        T::bias_act_rows(out, bias, act, n);
     }
 }
+
+/// Elements per parallel task of the epilogue.
+const EPILOGUE_BLOCK: usize = 1 << 14;
 
 /// max(x, 0), NaN kept.
 fn relu(x: f64) -> f64 {
@@ -489,38 +440,32 @@ pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
 mod tests {
     use super::*;
 
-    /// The f32 GELU against the f64 erfc form over [−10, 10] (both sides of the tail cut), at
-    /// ±0, ±∞ and NaN.
+    /// The f32 epilogue (bias + each activation) against the f64 one on random rows.
     #[test]
-    fn gelu_erf_f32_matches_f64() {
-        let mut xs: Vec<f32> = (-20_000..=20_000).map(|i| i as f32 * 5e-4).collect();
-        xs.extend([
-            0.0,
-            -0.0,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            f32::NAN,
-            -3.0,
-            -2.999_999_8,
-        ]);
-        let mut ys = xs.clone();
-        gelu_erf_f32_row(&mut ys);
-        for (&x, &y) in xs.iter().zip(&ys) {
-            let want = gelu_erf(x as f64);
-            if want.is_nan() {
-                assert!(y.is_nan(), "gelu({x}) = {y}, want NaN");
-                continue;
+    fn f32_epilogue_matches_f64() {
+        let n = 37;
+        let x = crate::testing::rand_f64(n * 50, 1, -12.0, 12.0);
+        let bias = crate::testing::rand_f64(n, 2, -1.0, 1.0);
+        for act in [
+            Activation::None,
+            Activation::Relu,
+            Activation::GeluErf,
+            Activation::GeluTanh,
+        ] {
+            let x32: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+            let b32: Vec<f32> = bias.iter().map(|&v| v as f32).collect();
+            let mut y = x32.clone();
+            epilogue(&mut y, Some(&b32), act, n);
+            let mut want: Vec<f64> = x32.iter().map(|&v| v as f64).collect();
+            let b64: Vec<f64> = b32.iter().map(|&v| v as f64).collect();
+            epilogue(&mut want, Some(&b64), act, n);
+            for (i, (&g, &w)) in y.iter().zip(&want).enumerate() {
+                let tol = 2e-6 * w.abs() + 1e-6 * (b64[i % n].abs() + x[i].abs());
+                assert!(
+                    (g as f64 - w).abs() <= tol,
+                    "{act:?}: element {i}: {g} vs {w}"
+                );
             }
-            let err = (y as f64 - want).abs();
-            let tol = if x < GELU_F32_TAIL {
-                1e-6 * want.abs() // the tail keeps relative accuracy
-            } else {
-                2e-6 * (1.0 + want.abs())
-            };
-            assert!(
-                err <= tol || y as f64 == want,
-                "gelu({x}) = {y}, want {want}"
-            );
         }
     }
 }

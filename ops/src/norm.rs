@@ -2,6 +2,9 @@
 //! dim. Kernels run in f64 for f64 tensors and in f32 otherwise (f16/bf16 rounded once at the end),
 //! rows in parallel for large tensors. Gradients are written with primitive ops.
 //!
+//! The softmax of f32 rows along the last axis runs in the vectorized kernel of
+//! [`crate::vmath::softmax_rows`] (exp within 2 ulp, the denominator in f64 lanes).
+//!
 //! Accuracy: every sum (softmax denominators, the norms' mean and variance) accumulates in f64
 //! ([`Real::Acc`]) in blocks summed pairwise ([`acc_sum`]), so long rows lose nothing to
 //! accumulation. LayerNorm is two-pass (mean, then the mean of squared deviations), and the
@@ -51,11 +54,18 @@ pub(crate) trait Real:
     fn acc(self) -> Self::Acc;
     /// An accumulator value rounded to `Self`.
     fn from_acc(a: Self::Acc) -> Self;
+    /// Softmax of each contiguous row of `n` in place through a vectorized kernel, where this
+    /// type has one (returns false otherwise, and changes nothing).
+    #[inline(always)]
+    fn softmax_rows(_y: &mut [Self], _n: usize) -> bool {
+        false
+    }
 }
 
 macro_rules! real {
-    ($t:ty) => {
+    ($t:ty, { $($extra:item)* }) => {
         impl Real for $t {
+            $($extra)*
             type Acc = f64;
             const ZERO: Self = 0.0;
             const ONE: Self = 1.0;
@@ -91,8 +101,13 @@ macro_rules! real {
         }
     };
 }
-real!(f32);
-real!(f64);
+real!(f32, {
+    fn softmax_rows(y: &mut [f32], n: usize) -> bool {
+        crate::vmath::softmax_rows(y, n);
+        true
+    }
+});
+real!(f64, {});
 
 /// Elements summed sequentially (in 8 interleaved lanes) before blocks are combined pairwise.
 pub(crate) const SUM_BLOCK: usize = 128;
@@ -222,7 +237,14 @@ fn cpu_in<C: Real>(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<
             let (_, n, inner) = split_axis(dims, *axis);
             let block = n * inner;
             if block > 0 {
-                let f = |(xb, yb): (&[C], &mut [C])| softmax_block(xb, yb, n, inner, log);
+                let f = |(xb, yb): (&[C], &mut [C])| {
+                    if log || inner != 1 || {
+                        yb.copy_from_slice(xb);
+                        !C::softmax_rows(yb, n)
+                    } {
+                        softmax_block(xb, yb, n, inner, log)
+                    }
+                };
                 if x.len() >= PAR_THRESHOLD {
                     x.par_chunks(block).zip(y.par_chunks_mut(block)).for_each(f);
                 } else {
