@@ -1,5 +1,5 @@
 //! CPU benchmarks: f32 GEMM at 512/1024/2048 (GFLOP/s = 2n³ / time) through the compiled-graph
-//! path, and a small MLP forward. Compare with `python3 benches/numpy_matmul.py` in the same run.
+//! path and straight through the kernel, and a small MLP forward. Compare with `python3 benches/numpy_matmul.py` in the same run.
 
 #![allow(missing_docs)] // criterion_group! generates undocumented public functions
 
@@ -27,6 +27,23 @@ fn matmul(c: &mut Criterion) {
         group.throughput(Throughput::Elements((2 * n * n * n) as u64));
         group.bench_with_input(BenchmarkId::from_parameter(n), &n, |bench, _| {
             bench.iter(|| exe.run(&[("a", av.clone()), ("b", bv.clone())]).unwrap())
+        });
+    }
+    group.finish();
+    // The same products straight through the ops crate's kernel (gemm plus the output's
+    // allocation): what the compiled-graph path adds is the difference.
+    let mut group = c.benchmark_group("matmul_f32_kernel");
+    group.sample_size(10);
+    let op = rustytorch::ops::Op::Matmul {
+        trans_a: false,
+        trans_b: false,
+    };
+    for n in [512usize, 1024, 2048] {
+        let av = HostTensor::from_vec(rand(n * n, 1), [n, n]).unwrap();
+        let bv = HostTensor::from_vec(rand(n * n, 2), [n, n]).unwrap();
+        group.throughput(Throughput::Elements((2 * n * n * n) as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(n), &n, |bench, _| {
+            bench.iter(|| rustytorch::ops::eval_cpu(&op, &[&av, &bv]).unwrap())
         });
     }
     group.finish();
