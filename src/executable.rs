@@ -27,6 +27,204 @@ pub enum NonFinitePolicy {
     SkipStep,
 }
 
+/// Loss scaling of a training step ([`CompileOptions::loss_scale`]), as PyTorch's `GradScaler`
+/// does it: the backward starts from the scale instead of one, so every gradient is computed
+/// multiplied by the scale (an f16 gradient that would flush to zero stays representable), and
+/// each gradient is multiplied by the reciprocal of the scale, in f32, before the finiteness
+/// guards, the norm, clipping and the optimizer read it. The scale is the state scalar
+/// `optim.loss_scale` (saved and loaded with the other state; setting it never recompiles).
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub enum LossScale {
+    /// [`LossScale::Dynamic`] with its defaults when [`CompileOptions::autocast`] is f16, else
+    /// [`LossScale::Off`]: f16 has five exponent bits, so small gradients flush to zero unless
+    /// the loss is scaled; bf16 and f32 have f32's range and need no scaling. The environment's
+    /// `RUSTYTORCH_LOSS_SCALE` (parsed as [`LossScale::from_str`]) overrides this default.
+    #[default]
+    Auto,
+    /// No scaling.
+    Off,
+    /// A fixed scale. A non-finite gradient is handled by [`CompileOptions::nonfinite`].
+    Static(f32),
+    /// A scale that adapts: a step with a non-finite gradient is skipped (whatever
+    /// [`CompileOptions::nonfinite`] says: overflow is how the scale finds its ceiling; with data
+    /// parallelism every replica skips, since the guards read averaged gradients) and multiplies
+    /// the scale by `backoff`; `interval` consecutive finite steps multiply it by `growth`.
+    /// The finite steps are counted in the state scalar `optim.loss_scale.good_steps` and the
+    /// skipped ones in `optim.loss_scale.skipped` (see [`Executable::loss_scale`]).
+    Dynamic {
+        /// The starting scale (PyTorch's default: 65536).
+        init: f32,
+        /// Growth factor (2).
+        growth: f32,
+        /// Backoff factor after a non-finite gradient (0.5).
+        backoff: f32,
+        /// Consecutive finite steps before the scale grows (2000).
+        interval: u32,
+    },
+}
+
+impl LossScale {
+    /// Dynamic scaling with PyTorch's defaults: start at 65536, halve after a non-finite
+    /// gradient, double after 2000 finite steps.
+    pub const DYNAMIC: LossScale = LossScale::Dynamic {
+        init: 65536.0,
+        growth: 2.0,
+        backoff: 0.5,
+        interval: 2000,
+    };
+
+    /// Checks the factors: a finite positive scale, growth at least 1, backoff in (0, 1],
+    /// interval at least 1.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: String| {
+            Err(Error::Compile(CompileError::Invalid(format!(
+                "loss scale: {what}"
+            ))))
+        };
+        match *self {
+            LossScale::Auto | LossScale::Off => Ok(()),
+            LossScale::Static(s) if !(s.is_finite() && s > 0.0) => bad(format!(
+                "a static scale must be finite and positive, got {s}"
+            )),
+            LossScale::Static(_) => Ok(()),
+            LossScale::Dynamic {
+                init,
+                growth,
+                backoff,
+                interval,
+            } => {
+                if !(init.is_finite() && init > 0.0) {
+                    bad(format!("init must be finite and positive, got {init}"))
+                } else if !(growth.is_finite() && growth >= 1.0) {
+                    bad(format!(
+                        "growth must be finite and at least 1, got {growth}"
+                    ))
+                } else if !(backoff > 0.0 && backoff <= 1.0) {
+                    bad(format!("backoff must be in (0, 1], got {backoff}"))
+                } else if interval == 0 {
+                    bad("interval must be at least 1".into())
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+
+    /// The scaling to compile with: `Auto` resolved (from `RUSTYTORCH_LOSS_SCALE`, else from
+    /// the autocast type), the others checked.
+    fn resolve(&self, autocast: Option<DType>) -> Result<LossScale> {
+        if *self != LossScale::Auto {
+            self.validate()?;
+            return Ok(*self);
+        }
+        if let Ok(v) = std::env::var("RUSTYTORCH_LOSS_SCALE") {
+            if !v.trim().is_empty() {
+                let parsed: LossScale = v.parse().map_err(|e: Error| {
+                    Error::Compile(CompileError::Invalid(format!("RUSTYTORCH_LOSS_SCALE: {e}")))
+                })?;
+                if parsed != LossScale::Auto {
+                    return Ok(parsed);
+                }
+            }
+        }
+        Ok(match autocast {
+            Some(DType::F16) => LossScale::DYNAMIC,
+            _ => LossScale::Off,
+        })
+    }
+}
+
+impl std::str::FromStr for LossScale {
+    type Err = Error;
+
+    /// `auto`, `off` (or `none`), a number (a static scale), `dynamic`, or `dynamic:` followed by
+    /// comma-separated `init=`, `growth=`, `backoff=`, `interval=` settings that replace the
+    /// defaults (`dynamic:init=1024,interval=100`).
+    fn from_str(text: &str) -> Result<LossScale> {
+        let t = text.trim();
+        let bad = |why: String| {
+            Err(Error::Compile(CompileError::Invalid(format!(
+                "loss scale `{t}`: {why} (expected auto, off, a number, dynamic or \
+                 dynamic:init=N,growth=N,backoff=N,interval=N)"
+            ))))
+        };
+        let parsed = match t.to_ascii_lowercase().as_str() {
+            "auto" => LossScale::Auto,
+            "off" | "none" => LossScale::Off,
+            "dynamic" => LossScale::DYNAMIC,
+            lower => match lower.strip_prefix("dynamic:") {
+                Some(list) => {
+                    let LossScale::Dynamic {
+                        mut init,
+                        mut growth,
+                        mut backoff,
+                        mut interval,
+                    } = LossScale::DYNAMIC
+                    else {
+                        unreachable!("DYNAMIC is dynamic")
+                    };
+                    for item in list.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+                        let Some((key, value)) = item.split_once('=') else {
+                            return bad(format!("`{item}` is not key=value"));
+                        };
+                        let (key, value) = (key.trim(), value.trim());
+                        let number = |v: &str| -> std::result::Result<f32, String> {
+                            v.parse::<f32>()
+                                .map_err(|_| format!("`{key}`: `{v}` is not a number"))
+                        };
+                        let r = match key {
+                            "init" => number(value).map(|v| init = v),
+                            "growth" => number(value).map(|v| growth = v),
+                            "backoff" => number(value).map(|v| backoff = v),
+                            "interval" => value
+                                .parse::<u32>()
+                                .map(|v| interval = v)
+                                .map_err(|_| format!("`interval`: `{value}` is not a count")),
+                            other => Err(format!("unknown setting `{other}`")),
+                        };
+                        if let Err(why) = r {
+                            return bad(why);
+                        }
+                    }
+                    LossScale::Dynamic {
+                        init,
+                        growth,
+                        backoff,
+                        interval,
+                    }
+                }
+                None => match lower.parse::<f32>() {
+                    Ok(s) => LossScale::Static(s),
+                    Err(_) => return bad("not a loss scale".into()),
+                },
+            },
+        };
+        parsed.validate()?;
+        Ok(parsed)
+    }
+}
+
+/// Where an executable's loss scaling stands ([`Executable::loss_scale`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossScaleStatus {
+    /// The scale the next step runs with.
+    pub scale: f32,
+    /// Whether the scale adapts ([`LossScale::Dynamic`]).
+    pub dynamic: bool,
+    /// Consecutive finite steps since the scale last changed (0 for a static scale).
+    pub good_steps: u64,
+    /// Steps skipped for a non-finite gradient under dynamic scaling, over the state's life
+    /// (it is saved and loaded with the state).
+    pub skipped: u64,
+}
+
+/// An executable's loss-scaling state tensors and its backoff factor.
+#[derive(Clone, Debug)]
+struct LossScaler {
+    state: rustytorch_compiler::optim::LossScaleState,
+    backoff: f64,
+}
+
 /// Compile options.
 #[derive(Clone, Debug)]
 pub struct CompileOptions {
@@ -54,8 +252,12 @@ pub struct CompileOptions {
     /// f16 (f32 accumulation), and everything else — norms, softmax, losses, optimizer updates,
     /// the parameters themselves — in f32 (the compiler's `autocast` pass). `None` (the
     /// default; the environment's `RUSTYTORCH_AUTOCAST=bf16|f16` sets it) keeps the graph's
-    /// types. With f16, scale the loss so that small gradients do not flush to zero.
+    /// types. With f16, training scales the loss (see [`CompileOptions::loss_scale`]) so that
+    /// small gradients do not flush to zero.
     pub autocast: Option<DType>,
+    /// Loss scaling of the graph's training step (see [`LossScale`]): by default ([`LossScale::Auto`])
+    /// dynamic under f16 autocast and off otherwise. Graphs without a training step ignore it.
+    pub loss_scale: LossScale,
 }
 
 impl Default for CompileOptions {
@@ -72,6 +274,7 @@ impl Default for CompileOptions {
                 Ok("f16") => Some(DType::F16),
                 _ => None,
             },
+            loss_scale: LossScale::Auto,
         }
     }
 }
@@ -287,6 +490,8 @@ pub struct Executable {
     shapes: ShapeCache,
     /// The data-parallel group this executable's sessions joined.
     group: Option<Arc<dyn rustytorch_runtime::Communicator>>,
+    /// The training step's loss scaling, when it has one.
+    loss_scale: Option<LossScaler>,
 }
 
 /// The shapes an executable of a graph with named dims has compiled: the current one's plan and
@@ -390,6 +595,7 @@ pub fn compile_graph(graph: &Graph, device: Device, opts: &CompileOptions) -> Re
         source.guards.clear();
     }
     source.remove_dead();
+    let loss_scale = scale_loss(&mut source, opts)?;
     if opts.anomaly && !matches!(device, Device::Cpu | Device::Auto) {
         return Err(Error::Runtime(RuntimeError::Device(format!(
             "anomaly mode runs on the cpu for now; compile for the cpu (not {device}) or turn \
@@ -437,11 +643,72 @@ pub fn compile_graph(graph: &Graph, device: Device, opts: &CompileOptions) -> Re
             initial: params,
         },
         group: None,
+        loss_scale,
     };
     if let Some(path) = std::env::var_os("RUSTYTORCH_TRACE").filter(|p| !p.is_empty()) {
         exe.trace_to(Path::new(&path))?;
     }
     Ok(exe)
+}
+
+/// Sets up the loss scaling that `opts` asks for in the training step of `source` (see
+/// [`rustytorch_compiler::optim::scale_loss`]).
+fn scale_loss(source: &mut Graph, opts: &CompileOptions) -> Result<Option<LossScaler>> {
+    use rustytorch_compiler::optim::LossScaleSpec;
+    let how = opts.loss_scale.resolve(opts.autocast)?;
+    // Only a training step has a loss to scale: an inference executable of the same graph
+    // (whose outputs may still read gradients) computes them unscaled.
+    let how = if source.updates.is_empty() {
+        LossScale::Off
+    } else {
+        how
+    };
+    let (spec, backoff) = match how {
+        LossScale::Auto | LossScale::Off => (None, 1.0),
+        LossScale::Static(s) => (
+            Some(LossScaleSpec {
+                init: f64::from(s),
+                growth: None,
+            }),
+            1.0,
+        ),
+        LossScale::Dynamic {
+            init,
+            growth,
+            backoff,
+            interval,
+        } => (
+            Some(LossScaleSpec {
+                init: f64::from(init),
+                growth: Some((f64::from(growth), u64::from(interval))),
+            }),
+            f64::from(backoff),
+        ),
+    };
+    let state = rustytorch_compiler::optim::scale_loss(source, spec.as_ref())?;
+    if state.is_none() && spec.is_some() && !source.updates.is_empty() {
+        if opts.loss_scale == LossScale::Auto {
+            tracing::warn!(
+                "the graph's training step has no loss-scaling sites (it was not built by \
+                 train_step, or by an older version): training without loss scaling"
+            );
+        } else {
+            return Err(Error::Compile(CompileError::Invalid(format!(
+                "loss scale {how:?}: the graph's updates were not built by train_step, so there \
+                 is no loss to scale; build the step with GraphBuilder::train_step or compile \
+                 with LossScale::Off"
+            ))));
+        }
+    }
+    Ok(state.map(|state| LossScaler {
+        backoff: if state.counters.is_some() && spec.is_none() {
+            // A graph exported with dynamic scaling, compiled without asking for any.
+            0.5
+        } else {
+            backoff
+        },
+        state,
+    }))
 }
 
 /// Runs the compile passes over a graph without named dims, lowers it and prepares it on
@@ -460,6 +727,9 @@ fn build(
         channels_last: matches!(device, Device::Cuda(_))
             .then(rustytorch_codegen::cuda::dnn::channels_last),
         autocast: opts.autocast,
+        // The CUDA attention kernels read heads in place ([B,S,H,D]); the CPU kernel would
+        // transpose them itself, so the CPU keeps the graph's transposes.
+        attention_layout: matches!(device, Device::Cuda(_)),
         ..Default::default()
     };
     crate::trace::epoch();
@@ -741,7 +1011,15 @@ impl Executable {
             .iter()
             .find(|(_, ok)| !ok)
             .map(|(n, _)| n.strip_prefix("grad:").unwrap_or(n).to_string());
+        let dynamic = self
+            .loss_scale
+            .as_ref()
+            .is_some_and(|l| l.state.counters.is_some());
         let skipped = match (failed, self.opts.nonfinite) {
+            (Some(p), _) if dynamic => {
+                self.back_off()?;
+                Some(p)
+            }
             (Some(p), NonFinitePolicy::Error) => return Err(Error::NonFinite { param: p }),
             (Some(p), NonFinitePolicy::SkipStep) => Some(p),
             (None, _) => None,
@@ -750,6 +1028,59 @@ impl Executable {
             self.shapes.version += 1;
         }
         Ok(skipped)
+    }
+
+    /// After a step skipped under dynamic loss scaling: multiplies the scale by the backoff
+    /// factor (staying a positive normal f32), restarts the count of finite steps and counts the
+    /// skip. The step committed nothing, so this is the only change to the state.
+    fn back_off(&mut self) -> Result<()> {
+        let Some(LossScaler {
+            state:
+                rustytorch_compiler::optim::LossScaleState {
+                    scale,
+                    counters: Some((good, skipped)),
+                },
+            backoff,
+        }) = self.loss_scale.clone()
+        else {
+            return Ok(());
+        };
+        let s = first_f64(&self.session.read_param(scale)?)?;
+        let n = first_f64(&self.session.read_param(skipped)?)?;
+        let lowered = ((s * backoff) as f32).max(f32::MIN_POSITIVE);
+        self.session
+            .write_param(scale, &HostTensor::scalar(lowered))?;
+        self.session.write_param(good, &HostTensor::scalar(0i64))?;
+        self.session
+            .write_param(skipped, &HostTensor::scalar(n as i64 + 1))?;
+        self.shapes.version += 1;
+        tracing::debug!(
+            scale = lowered,
+            "non-finite gradient: step skipped, loss scale lowered"
+        );
+        Ok(())
+    }
+
+    /// The training step's loss scale and its counters (read from the device), or `None` when
+    /// it runs without loss scaling (see [`CompileOptions::loss_scale`]).
+    pub fn loss_scale(&self) -> Option<LossScaleStatus> {
+        let l = self.loss_scale.as_ref()?;
+        let read = |i: usize| {
+            self.session
+                .read_param(i)
+                .ok()
+                .and_then(|t| first_f64(&t).ok())
+        };
+        let (good_steps, skipped) = match l.state.counters {
+            Some((g, s)) => (read(g)? as u64, read(s)? as u64),
+            None => (0, 0),
+        };
+        Some(LossScaleStatus {
+            scale: read(l.state.scale)? as f32,
+            dynamic: l.state.counters.is_some(),
+            good_steps,
+            skipped,
+        })
     }
 
     /// Makes the plan compiled for these sizes of the named dims current: a cached one, or a new
@@ -1111,4 +1442,14 @@ impl Executable {
         self.shapes.version += 1;
         Ok(n)
     }
+}
+
+/// The first element of a tensor as f64.
+fn first_f64(t: &HostTensor) -> Result<f64> {
+    t.to_f64_vec().first().copied().ok_or_else(|| {
+        Error::Compile(CompileError::Invalid(format!(
+            "expected a scalar state tensor, got {}",
+            t.ty()
+        )))
+    })
 }

@@ -32,10 +32,31 @@ impl GradBuilder for Builder<'_> {
 /// (parameters or inputs of float dtype) and returns the gradient nodes, in order. A `wrt` that
 /// the loss does not depend on gets a zero gradient.
 pub fn grad(graph: &mut Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Vec<NodeId>> {
-    let lt = graph.node(loss)?.ty.clone();
-    if lt.shape.rank() != 0 || !lt.dtype.is_float() {
+    let lt = loss_type(graph, loss)?;
+    let one = graph.add(
+        Op::Full {
+            value: F64Bits::new(1.0),
+            ty: lt,
+        },
+        &[],
+    )?;
+    grad_seeded(graph, loss, wrt, one)
+}
+
+/// [`grad`] with the loss's own gradient (the seed of the backward) given as the node `seed`, of
+/// the loss's type: every gradient comes out multiplied by the seed's value. A training step
+/// seeds with a node that loss scaling can replace (see [`crate::optim::scale_loss`]).
+pub fn grad_seeded(
+    graph: &mut Graph,
+    loss: NodeId,
+    wrt: &[NodeId],
+    seed: NodeId,
+) -> Result<Vec<NodeId>> {
+    let lt = loss_type(graph, loss)?;
+    let st = &graph.node(seed)?.ty;
+    if *st != lt {
         return Err(CompileError::Grad(format!(
-            "the loss must be a float scalar, got {lt}"
+            "the seed of the backward must have the loss's type {lt}, got {st}"
         )));
     }
     for &w in wrt {
@@ -78,14 +99,7 @@ pub fn grad(graph: &mut Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Vec<NodeI
     }
     let relevant = |n: &NodeId| from_wrt.contains(n) && to_loss.contains(n);
 
-    let one = graph.add(
-        Op::Full {
-            value: F64Bits::new(1.0),
-            ty: lt.clone(),
-        },
-        &[],
-    )?;
-    let mut grads: HashMap<NodeId, NodeId> = HashMap::from([(loss, one)]);
+    let mut grads: HashMap<NodeId, NodeId> = HashMap::from([(loss, seed)]);
 
     let span = tracing::debug_span!("grad", nodes = order.len());
     let _e = span.enter();
@@ -138,4 +152,15 @@ pub fn grad(graph: &mut Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Vec<NodeI
             }
         })
         .collect()
+}
+
+/// The type of `loss`, which must be a float scalar.
+fn loss_type(graph: &Graph, loss: NodeId) -> Result<TensorType> {
+    let lt = graph.node(loss)?.ty.clone();
+    if lt.shape.rank() != 0 || !lt.dtype.is_float() {
+        return Err(CompileError::Grad(format!(
+            "the loss must be a float scalar, got {lt}"
+        )));
+    }
+    Ok(lt)
 }

@@ -15,10 +15,15 @@
 //! element, a master value that no longer rounds to the parameter is replaced by the parameter's
 //! value before the update: on the first step, and after the parameter was set or loaded on its
 //! own, the parameter is what training continues from.
+//!
+//! **Loss scaling.** The backward starts from a marked seed node of value one, and every gradient
+//! is multiplied by a marked scalar one (in the update's dtype) before anything reads it;
+//! [`scale_loss`], at compile time, turns the marks into the state scalar `optim.loss_scale` and
+//! its reciprocal, or removes them.
 use crate::builder::{GraphBuilder, Tensor};
-use crate::graph::Init;
+use crate::graph::{Graph, Init, NodeId};
 use crate::{autodiff, CompileError, Result};
-use rustytorch_ops::{DType, Shape, TensorType};
+use rustytorch_ops::{DType, F64Bits, Op, Shape, TensorType};
 
 /// An optimizer.
 #[derive(Clone, Debug, PartialEq)]
@@ -160,12 +165,155 @@ pub fn grad_buckets(grads: &[(DType, usize)], bucket_bytes: usize) -> Vec<Vec<us
 /// Handles to what a training step computes.
 #[derive(Clone, Debug)]
 pub struct TrainStep {
-    /// Gradient of each trainable parameter as the update uses it (clipped when clipping is on;
-    /// in f32 for f16 and bf16 parameters), by parameter name.
+    /// Gradient of each trainable parameter as the update uses it (unscaled under loss scaling;
+    /// clipped when clipping is on; in f32 for f16 and bf16 parameters), by parameter name.
     pub grads: Vec<(String, Tensor)>,
     /// The global L2 norm of the gradients (before clipping), in f64 when a parameter is f64,
     /// else in f32.
     pub grad_norm: Tensor,
+}
+
+/// The name of the node of value one that seeds a training step's backward (the loss's own
+/// gradient); loss scaling replaces it with the scale.
+pub const LOSS_SCALE_SEED: &str = "optim.loss_scale.seed";
+/// The name of the scalar nodes of value one that multiply every gradient of a training step
+/// before anything reads it; loss scaling replaces them with the reciprocal of the scale.
+pub const LOSS_UNSCALE: &str = "optim.loss_scale.unscale";
+/// The f32 state scalar holding the loss scale.
+pub const LOSS_SCALE: &str = "optim.loss_scale";
+/// The i64 state scalar counting the finite steps since the scale last changed (dynamic
+/// scaling).
+pub const LOSS_SCALE_GOOD_STEPS: &str = "optim.loss_scale.good_steps";
+/// The i64 state scalar counting the steps skipped for a non-finite gradient (dynamic scaling).
+pub const LOSS_SCALE_SKIPPED: &str = "optim.loss_scale.skipped";
+
+/// How [`scale_loss`] scales a training step's loss.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LossScaleSpec {
+    /// The scale the state starts at.
+    pub init: f64,
+    /// Dynamic scaling: after `interval` consecutive finite steps the scale is multiplied by
+    /// `factor` (in the graph, as a state update that commits with the step). `None` keeps the
+    /// scale where it is.
+    pub growth: Option<(f64, u64)>,
+}
+
+/// The state tensors [`scale_loss`] gave a training step, as parameter indices.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LossScaleState {
+    /// `optim.loss_scale` (f32 scalar).
+    pub scale: usize,
+    /// `optim.loss_scale.good_steps` and `optim.loss_scale.skipped` (i64 scalars), with
+    /// dynamic scaling.
+    pub counters: Option<(usize, usize)>,
+}
+
+/// Loss scaling of the training steps that [`GraphBuilder::train_step`] built into `graph`.
+///
+/// With a spec: the backward's seed becomes the state scalar `optim.loss_scale` (so every
+/// gradient comes out multiplied by the scale, which keeps small f16 gradients from flushing to
+/// zero), and every gradient is multiplied by its reciprocal, in f32 or the parameter's wider
+/// dtype, before the guards, the norm, clipping and the update read it. The scale is a value,
+/// not a constant: changing it never recompiles. With growth, the graph also counts finite
+/// steps in `optim.loss_scale.good_steps` and grows the scale when the count reaches the
+/// interval; backing off after a skipped step is the caller's (a skipped step commits nothing).
+///
+/// Without a spec, the marks are removed and the graph computes what it did before they were
+/// added. A graph that already has an `optim.loss_scale` state (exported from a loss-scaled
+/// executable) keeps its scaling. Returns the state, or `None` when the graph has no scaled
+/// training step.
+pub fn scale_loss(
+    graph: &mut Graph,
+    spec: Option<&LossScaleSpec>,
+) -> Result<Option<LossScaleState>> {
+    let index = |g: &Graph, name: &str| g.params.iter().position(|p| p.name == name);
+    if let Some(scale) = index(graph, LOSS_SCALE) {
+        let counters = index(graph, LOSS_SCALE_GOOD_STEPS).zip(index(graph, LOSS_SCALE_SKIPPED));
+        return Ok(Some(LossScaleState { scale, counters }));
+    }
+    let marked = |g: &Graph, name: &str| -> Vec<NodeId> {
+        g.node_ids()
+            .into_iter()
+            .filter(|&n| g.node(n).is_ok_and(|d| d.name.as_deref() == Some(name)))
+            .collect()
+    };
+    let seeds = marked(graph, LOSS_SCALE_SEED);
+    let unscales = marked(graph, LOSS_UNSCALE);
+    let Some(spec) = spec else {
+        // x · 1 → x, for every gradient.
+        for u in unscales {
+            for m in graph.users(u) {
+                let g = graph
+                    .node(m)?
+                    .inputs
+                    .iter()
+                    .copied()
+                    .find(|&i| i != u)
+                    .unwrap_or(u);
+                graph.replace_uses(m, g);
+            }
+        }
+        graph.remove_dead();
+        return Ok(None);
+    };
+    if seeds.is_empty() {
+        return Ok(None);
+    }
+    if !(spec.init.is_finite() && spec.init > 0.0) {
+        return Err(CompileError::Invalid(format!(
+            "the initial loss scale must be finite and positive, got {}",
+            spec.init
+        )));
+    }
+    let b = GraphBuilder::from_graph(std::mem::take(graph));
+    let scale = scalar_state(&b, LOSS_SCALE, DType::F32, spec.init);
+    let in_dtype = |dt: DType| {
+        if dt == DType::F32 {
+            scale.clone()
+        } else {
+            scale.cast(dt)
+        }
+    };
+    let mut swaps = Vec::new();
+    for s in seeds {
+        swaps.push((s, in_dtype(b.with_graph(|g| g.ty(s).dtype)).node()?));
+    }
+    for u in unscales {
+        let dt = b.with_graph(|g| g.ty(u).dtype);
+        swaps.push((u, in_dtype(dt).reciprocal().node()?));
+    }
+    b.with_graph(|g| {
+        for &(old, new) in &swaps {
+            g.replace_uses(old, new);
+        }
+    });
+    let mut counters = None;
+    if let Some((factor, interval)) = spec.growth {
+        let good = scalar_state(&b, LOSS_SCALE_GOOD_STEPS, DType::I64, 0.0);
+        // Counted by the caller, between runs.
+        scalar_state(&b, LOSS_SCALE_SKIPPED, DType::I64, 0.0);
+        let good1 = good.add_scalar(1.0);
+        let grow = good1.ge_scalar(interval as f64);
+        // Capped at f32's largest value: an infinite scale could never back off again.
+        let grown = scale.mul_scalar(factor).minimum_scalar(f64::from(f32::MAX));
+        b.update(&scale, &b.where_(&grow, &grown, &scale));
+        b.update(&good, &b.where_(&grow, &b.scalar(0.0, DType::I64), &good1));
+        counters = Some((
+            b.with_graph(|g| index(g, LOSS_SCALE_GOOD_STEPS)),
+            b.with_graph(|g| index(g, LOSS_SCALE_SKIPPED)),
+        ));
+    }
+    *graph = b.graph()?;
+    graph.remove_dead();
+    let missing = || CompileError::Invalid("loss scaling lost its state tensors".into());
+    Ok(Some(LossScaleState {
+        scale: index(graph, LOSS_SCALE).ok_or_else(missing)?,
+        counters: match counters {
+            Some((Some(g), Some(s))) => Some((g, s)),
+            Some(_) => return Err(missing()),
+            None => None,
+        },
+    }))
 }
 
 fn scalar_state(b: &GraphBuilder, name: &str, dtype: DType, value: f64) -> Tensor {
@@ -186,6 +334,23 @@ fn compute_dtype(dt: DType) -> DType {
 }
 
 impl GraphBuilder {
+    /// A node of value one and type `ty` named `name` (a site that [`scale_loss`] rewrites).
+    fn marked_one(&self, name: &str, ty: TensorType) -> Result<NodeId> {
+        self.with_graph(|g| {
+            let id = g.add(
+                Op::Full {
+                    value: F64Bits::new(1.0),
+                    ty,
+                },
+                &[],
+            )?;
+            if let Some(n) = g.node_mut(id) {
+                n.name = Some(name.to_string());
+            }
+            Ok(id)
+        })
+    }
+
     /// The gradients averaged over the replicas in the buckets of `sync` (see [`GradSync`]).
     /// Everything after this reads averaged gradients, so the finiteness guards, the norm and
     /// the updates agree on every replica: a NaN on one replica is a NaN in every average, and
@@ -252,11 +417,36 @@ impl GraphBuilder {
             ));
         }
         let wrt: Vec<crate::NodeId> = params.iter().map(|p| p.1).collect();
-        let gids = self.with_graph(|g| autodiff::grad(g, loss_id, &wrt))?;
+        // The backward's seed and each gradient's unscaling are marked nodes of value one that
+        // compile-time loss scaling replaces (see `scale_loss`).
+        let loss_ty = loss
+            .ty()
+            .ok_or_else(|| CompileError::Grad("the loss has no type".into()))?;
+        let seed = self.marked_one(LOSS_SCALE_SEED, loss_ty)?;
+        let gids = self.with_graph(|g| autodiff::grad_seeded(g, loss_id, &wrt, seed))?;
         let mut grads: Vec<Tensor> = gids.iter().map(|&id| self.tensor(id)).collect();
         if let Some(sync) = &opts.grad_sync {
             grads = self.average_over_replicas(grads, sync)?;
         }
+        // In the compute dtype (f32 for 16-bit parameters) and unscaled: everything after this
+        // (guards, norm, clipping, updates) reads gradients in the loss's own units.
+        let mut unscale: Vec<(DType, Tensor)> = Vec::new();
+        let mut unscaled = Vec::with_capacity(grads.len());
+        for (g, (_, _, ty)) in grads.into_iter().zip(&params) {
+            let ct = compute_dtype(ty.dtype);
+            let g = if ct != ty.dtype { g.cast(ct) } else { g };
+            let u = match unscale.iter().find(|(d, _)| *d == ct) {
+                Some((_, u)) => u.clone(),
+                None => {
+                    let id = self.marked_one(LOSS_UNSCALE, TensorType::new(ct, Shape::scalar()))?;
+                    let u = self.tensor(id);
+                    unscale.push((ct, u.clone()));
+                    u
+                }
+            };
+            unscaled.push(g.mul(&u));
+        }
+        let grads = unscaled;
 
         // The dtype of the shared scalars (global norm, clipping scale, bias corrections): f64
         // when a parameter is f64, so that f64 training is not rounded to f32 anywhere but in
@@ -321,7 +511,6 @@ impl GraphBuilder {
                     false,
                 )
             };
-            let g = if ct != dt { g.cast(ct) } else { g };
             let g = match &scale {
                 Some(s) => g.mul(&s.cast(ct)),
                 None => g,
