@@ -686,6 +686,10 @@ fn scale_loss(source: &mut Graph, opts: &CompileOptions) -> Result<Option<LossSc
         ),
     };
     let state = rustytorch_compiler::optim::scale_loss(source, spec.as_ref())?;
+    if source.updates.is_empty() {
+        // An exported loss-scaled graph keeps its scale state, which nothing updates here.
+        return Ok(None);
+    }
     if state.is_none() && spec.is_some() && !source.updates.is_empty() {
         if opts.loss_scale == LossScale::Auto {
             tracing::warn!(

@@ -603,3 +603,41 @@ fn the_scaled_step_compiles_for_cuda() {
     assert!(sources.len() > 3, "{} kernels", sources.len());
     compiler.cubins(&sources).unwrap();
 }
+
+/// A graph exported from a loss-scaled executable and saved to a graph file keeps its scale and
+/// counters, and training it again continues the scaling (whatever the options ask); an
+/// inference executable of it has no loss scale.
+#[test]
+fn an_exported_graph_keeps_its_scaling() {
+    use rustytorch::compiler::format::{self, ParamStorage};
+    let _env = env_lock();
+    let g = regression(DType::F32, AdamW::new(1e-2).into(), None, None);
+    let mut exe = compile_step(&g, Device::Cpu, DYNAMIC);
+    exe.run(&maybe_overflowing(0, false)).unwrap();
+    exe.run(&maybe_overflowing(1, true)).unwrap();
+    exe.run(&maybe_overflowing(2, false)).unwrap();
+    assert_eq!(status(&exe), (512.0, 1, 1));
+    let dir = std::env::temp_dir().join(format!("rustytorch-loss-export-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("scaled.rtg");
+    format::save(&exe.export_graph().unwrap(), &path, ParamStorage::Embedded).unwrap();
+    let loaded = format::load(&path).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+
+    let mut again =
+        rustytorch::compile_graph(&loaded, Device::Cpu, &CompileOptions::default()).unwrap();
+    assert_eq!(status(&again), (512.0, 1, 1));
+    for i in 3..5 {
+        let a = again.run(&maybe_overflowing(i, false)).unwrap();
+        let b = exe.run(&maybe_overflowing(i, false)).unwrap();
+        assert_eq!(
+            a.get("loss").unwrap().to_f64_vec(),
+            b.get("loss").unwrap().to_f64_vec()
+        );
+    }
+    assert_eq!(status(&again), (1024.0, 0, 1));
+    assert_eq!(params(&again), params(&exe));
+    let inference =
+        rustytorch::compile_graph(&loaded, Device::Cpu, &CompileOptions::inference()).unwrap();
+    assert!(inference.loss_scale().is_none());
+}
