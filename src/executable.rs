@@ -38,7 +38,8 @@ pub enum LossScale {
     /// [`LossScale::Dynamic`] with its defaults when [`CompileOptions::autocast`] is f16, else
     /// [`LossScale::Off`]: f16 has five exponent bits, so small gradients flush to zero unless
     /// the loss is scaled; bf16 and f32 have f32's range and need no scaling. The environment's
-    /// `RUSTYTORCH_LOSS_SCALE` (parsed as [`LossScale::from_str`]) overrides this default.
+    /// `RUSTYTORCH_LOSS_SCALE` (`off`, `dynamic`, `dynamic:init=N,interval=N`, a number: the
+    /// text forms `LossScale` parses from) overrides this default.
     #[default]
     Auto,
     /// No scaling.
@@ -233,7 +234,8 @@ pub struct CompileOptions {
     /// Apply the graph's state updates (training); false compiles an inference executable of the
     /// same graph.
     pub updates: bool,
-    /// Non-finite gradient policy.
+    /// Non-finite gradient policy (under dynamic loss scaling, a non-finite gradient always
+    /// skips the step: see [`LossScale::Dynamic`]).
     pub nonfinite: NonFinitePolicy,
     /// Anomaly mode: check every value every step produces for NaN and infinite elements and
     /// fail the run at the first with [`Error::Anomaly`], naming the op, the step and where the
