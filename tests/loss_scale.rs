@@ -110,11 +110,13 @@ fn train(exe: &mut Executable, dtype: DType, steps: u64) -> Vec<f64> {
 /// A static scale S: the backward runs in units of S and every gradient is multiplied by 1/S
 /// before the norm, clipping and the update, so the parameters after a few steps are those of
 /// the unscaled run: bit for bit with a power of two (exact in binary), within rounding with
-/// S = 1000, for f32 and for f64 parameters (whose unscaling is in f64). Clipping is active
+/// S = 1000, for f16 parameters (whose scaled f16 gradients are unscaled in f32), f32 and f64
+/// parameters (whose unscaling is in f64). Clipping is active
 /// (the gradient norms are above its bound), so unscaling after clipping would show.
 #[test]
 fn a_static_scale_trains_exactly_like_no_scale() {
-    let cases: [(DType, rustytorch::Optimizer, f32, f64); 4] = [
+    let cases: [(DType, rustytorch::Optimizer, f32, f64); 5] = [
+        (DType::F16, Sgd::new(0.05).momentum(0.9).into(), 1024.0, 0.0),
         (DType::F32, Sgd::new(0.05).momentum(0.9).into(), 1024.0, 0.0),
         (DType::F32, AdamW::new(1e-2).into(), 1024.0, 0.0),
         (DType::F32, AdamW::new(1e-2).into(), 1000.0, 1e-5),
