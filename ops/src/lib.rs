@@ -18,6 +18,7 @@ pub mod util;
 pub mod vmath;
 
 pub mod attention;
+pub mod host_alloc;
 pub mod collective;
 pub mod conv;
 pub mod elementwise;

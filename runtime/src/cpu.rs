@@ -1,6 +1,7 @@
 //! The CPU backend: executes a plan step by step with the ops crate's kernels (each kernel is
 //! multi-threaded with rayon and dispatches on dtype once per tensor), freeing every intermediate
-//! right after its last use. Parameters and state stay host tensors owned by the session; a step's
+//! right after its last use (with the host allocator tuned to reuse those buffers:
+//! [`rustytorch_ops::host_alloc`]). Parameters and state stay host tensors owned by the session; a step's
 //! updates replace them only when every guard passed.
 //!
 //! In anomaly mode ([`CpuBackend::prepare_with`]) every step's result is checked for NaN and
@@ -52,6 +53,8 @@ impl CpuBackend {
         for (i, p) in params.iter().enumerate() {
             check_param_type(&plan, i, p)?;
         }
+        // Kernel outputs are reused heap memory instead of fresh page-faulted mappings.
+        rustytorch_ops::host_alloc::tune_for_tensors();
         Ok(CpuSession {
             plan,
             params,
