@@ -24,6 +24,21 @@ fn encoder(c: &mut Criterion) {
     let ids: Vec<i64> = (0..(b * s) as i64).map(|i| i * 7919 % 30522).collect();
     let ids = HostTensor::from_vec(ids, [b, s]).unwrap();
     let mask = HostTensor::from_vec(vec![1f32; b * s], [b, s]).unwrap();
+    if std::env::var_os("BERT_PROFILE").is_some() {
+        // Where the encoder's time goes, per op (`BERT_PROFILE=1`).
+        let opts = rustytorch::profile::ProfileOptions {
+            runs: 20,
+            warmup: 3,
+            group_by: rustytorch::profile::GroupBy::Op,
+            limits: None,
+        };
+        let ins = [("input_ids", ids.clone()), ("attention_mask", mask.clone())];
+        println!(
+            "{}",
+            rustytorch::profile::profile(&mut exe, &ins, &opts).unwrap()
+        );
+        exe.set_step_timing(false);
+    }
     let mut group = c.benchmark_group("bert");
     group.sample_size(20);
     group.bench_function("minilm_l6_encoder_8x32", |bench| {
@@ -38,7 +53,7 @@ fn encoder(c: &mut Criterion) {
 /// The encoder's ops one by one at its shape (256 tokens), through the ops crate's CPU kernels:
 /// where the time goes.
 fn ops(c: &mut Criterion) {
-    use rustytorch::ops::{eval_cpu, Activation, AttnMask, Causal, Op};
+    use rustytorch::ops::{eval_cpu, Activation, Op};
     let rand = |n: usize, seed: u64| -> Vec<f32> {
         rustytorch::ops::testing::rand_f64(n, seed, -1.0, 1.0)
             .into_iter()
@@ -79,11 +94,12 @@ fn ops(c: &mut Criterion) {
         ),
         (
             "attention_8x12x32x32",
-            Op::Attention {
-                causal: Causal::None,
-                mask: AttnMask::Additive,
-                scale: (1.0 / 32f64.sqrt()).into(),
-            },
+            // [B,H,S,D] operands, as the encoder's heads.
+            rustytorch::ops::text::parse_op(&format!(
+                "attention[causal=none,mask=additive,scale={:?}]",
+                1.0 / 32f64.sqrt()
+            ))
+            .unwrap(),
             vec![&q, &q, &q, &mask],
         ),
         (
@@ -101,6 +117,16 @@ fn ops(c: &mut Criterion) {
     for (name, op, ins) in &cases {
         group.bench_function(*name, |bench| bench.iter(|| eval_cpu(op, ins).unwrap()));
     }
+    // The small-head f32 attention kernel on the same operands.
+    let (_, att, ins) = &cases[3];
+    let out = rustytorch::ops::TensorType::new(DType::F32, [8, 12, 32, 32]);
+    group.bench_function("attention_8x12x32x32_small_heads", |bench| {
+        bench.iter(|| {
+            rustytorch::ops::attention_cpu::forward_f32(att, ins, &out)
+                .unwrap()
+                .unwrap()
+        })
+    });
     group.finish();
 }
 

@@ -18,11 +18,12 @@ pub mod util;
 pub mod vmath;
 
 pub mod attention;
-pub mod host_alloc;
+pub mod attention_cpu;
 pub mod collective;
 pub mod conv;
 pub mod elementwise;
 pub mod fused_row;
+pub mod host_alloc;
 pub mod index;
 pub mod init;
 pub mod loss;
