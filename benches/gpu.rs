@@ -399,6 +399,7 @@ fn attention_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
             },
             mask: AttnMask::None,
             scale: F64Bits::new(1.0 / (d as f64).sqrt()),
+            layout: rustytorch::ops::AttnLayout::Bhsd,
         };
         let y = graph.add(op, &[q, k, v]).expect("attention");
         graph.add_output("y", y).expect("y");
@@ -431,6 +432,7 @@ fn attention_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
                 mask: AttnMask::None,
                 scale: F64Bits::new(1.0 / (d as f64).sqrt()),
                 wrt,
+                layout: rustytorch::ops::AttnLayout::Bhsd,
             };
             let dx = graph.add(op, &[q, k, v, dy]).expect("grad");
             graph.add_output(&format!("d{wrt}"), dx).expect("d");
@@ -870,12 +872,14 @@ fn main() {
                 causal: rustytorch::ops::Causal::TopLeft,
                 mask: rustytorch::ops::AttnMask::None,
                 scale: rustytorch::ops::F64Bits::new(0.125),
+                layout: rustytorch::ops::AttnLayout::Bhsd,
             },
             Some(wrt) => Op::AttentionGrad {
                 causal: rustytorch::ops::Causal::TopLeft,
                 mask: rustytorch::ops::AttnMask::None,
                 scale: rustytorch::ops::F64Bits::new(0.125),
                 wrt,
+                layout: rustytorch::ops::AttnLayout::Bhsd,
             },
         };
         let y = graph.add(attn(None), &ids[..3]).expect("attention");

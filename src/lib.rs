@@ -31,8 +31,8 @@ pub mod trace;
 
 pub use dlpack::{DlpackTensor, Imported};
 pub use executable::{
-    compile, compile_graph, compile_with, workload, Anomaly, CompileOptions, Executable,
-    NonFinitePolicy, Outputs, ShapeCacheStats,
+    compile, compile_graph, compile_with, workload, Anomaly, CompileOptions, Executable, LossScale,
+    LossScaleStatus, NonFinitePolicy, Outputs, ShapeCacheStats,
 };
 pub use rustytorch_codegen as codegen;
 pub use rustytorch_compiler as compiler;
@@ -51,11 +51,11 @@ pub use rustytorch_runtime::{Device, MemoryStats, TransferStats};
 pub mod prelude {
     pub use crate::{
         compile, compile_graph, compile_with, AdamW, CompileOptions, DType, Device, DimExpr,
-        Executable, Graph, GraphBuilder, HostTensor, Init, NonFinitePolicy, Sgd, Shape,
+        Executable, Graph, GraphBuilder, HostTensor, Init, LossScale, NonFinitePolicy, Sgd, Shape,
         StepOptions, Tensor, TensorType,
     };
     pub use rustytorch_compiler::ConvOpts;
-    pub use rustytorch_ops::{Activation, AttnMask, Causal, Reduction};
+    pub use rustytorch_ops::{Activation, AttnLayout, AttnMask, Causal, Reduction};
 }
 
 /// Errors of the public API.

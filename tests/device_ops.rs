@@ -676,7 +676,7 @@ fn attention_forward_cases(
 /// more keys than a warp has lanes, GPT-2 head sizes, every float dtype.
 #[test]
 fn attention() {
-    use rustytorch::ops::{AttnMask, Causal};
+    use rustytorch::ops::{AttnLayout, AttnMask, Causal};
     for d in FLOATS {
         for (k, &(b, h, sq, sk, hd)) in [(2, 3, 17, 17, 64), (1, 2, 40, 75, 32)].iter().enumerate()
         {
@@ -691,6 +691,7 @@ fn attention() {
                     causal,
                     mask,
                     scale,
+                    layout: AttnLayout::Bhsd,
                 };
                 let (add, _) = attention_forward_cases(&what, &op, [&q, &kk, &v], seed);
                 // Gradients with respect to q, k and v, unmasked and with the additive mask.
@@ -701,6 +702,7 @@ fn attention() {
                         mask,
                         scale,
                         wrt,
+                        layout: AttnLayout::Bhsd,
                     };
                     let ins = vec![q.clone(), kk.clone(), v.clone(), g.clone()];
                     check_scaled(
@@ -722,6 +724,60 @@ fn attention() {
     }
 }
 
+/// Attention reading and writing `[B, S, H, D]` heads in place: the flash kernel with row strides
+/// (f16/bf16, head sizes a multiple of 16) and the other paths through transposes in scratch (f32,
+/// head size 40), forward and the three gradients, causal kinds, masks, Sq ≠ Sk.
+#[test]
+fn attention_bshd_layout() {
+    use rustytorch::ops::{AttnLayout, AttnMask, Causal};
+    let cases: [(DType, usize, usize, usize, usize, usize, usize); 5] = [
+        (DType::BF16, 2, 3, 70, 70, 64, 64),
+        (DType::F16, 1, 2, 33, 130, 32, 48),
+        (DType::BF16, 1, 4, 1, 90, 128, 128),
+        (DType::F16, 2, 2, 19, 23, 40, 40),
+        (DType::F32, 2, 3, 21, 37, 64, 64),
+    ];
+    for (n, &(d, b, h, sq, sk, hd, hv)) in cases.iter().enumerate() {
+        let seed = 700 + 10 * n as u64;
+        let q = rnd(d, &[b, sq, h, hd], seed, -1.0, 1.0);
+        let kk = rnd(d, &[b, sk, h, hd], seed + 1, -1.0, 1.0);
+        let v = rnd(d, &[b, sk, h, hv], seed + 2, -1.0, 1.0);
+        let g = rnd(d, &[b, sq, h, hv], seed + 3, -1.0, 1.0);
+        let add = rnd(d, &[sq, sk], seed + 4, -2.0, 1.0);
+        let scale = F64Bits::new(1.0 / (hd as f64).sqrt());
+        for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+            let what = format!("bshd {d:?} {causal:?} [{b},{h},{sq},{sk},{hd},{hv}]");
+            for (mask, extra) in [(AttnMask::None, None), (AttnMask::Additive, Some(&add))] {
+                let mut ins = vec![q.clone(), kk.clone(), v.clone()];
+                ins.extend(extra.cloned());
+                let op = Op::Attention {
+                    causal,
+                    mask,
+                    scale,
+                    layout: AttnLayout::Bshd,
+                };
+                check(&format!("{what} {mask:?}"), op, ins.clone());
+                ins.push(g.clone());
+                for wrt in 0..3u8 {
+                    let grad = Op::AttentionGrad {
+                        causal,
+                        mask,
+                        scale,
+                        wrt,
+                        layout: AttnLayout::Bshd,
+                    };
+                    check_scaled(
+                        &format!("{what} {mask:?} grad {wrt}"),
+                        grad,
+                        ins.clone(),
+                        true,
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The tensor-core flash kernel (f16/bf16, head sizes that are multiples of 16 up to 128) against
 /// the CPU kernel: one query row (decoding), odd and long sequences, fewer or more keys than
 /// queries, both causal alignments, additive masks with fully masked rows, bool masks, value
@@ -729,7 +785,7 @@ fn attention() {
 #[test]
 fn flash_attention_shapes() {
     use rustytorch::codegen::cuda::flash;
-    use rustytorch::ops::{AttnMask, Causal};
+    use rustytorch::ops::{AttnLayout, AttnMask, Causal};
     let shapes: [(usize, usize, usize, usize, usize, usize); 6] = [
         (2, 3, 1, 300, 64, 64),
         (1, 2, 7, 7, 32, 32),
@@ -762,6 +818,7 @@ fn flash_attention_shapes() {
                     causal,
                     mask,
                     scale,
+                    layout: AttnLayout::Bhsd,
                 };
                 let (add, keep) = attention_forward_cases(&what, &op, [&q, &kk, &v], seed);
                 // The three gradients through the flash backward (unmasked, additive with a
@@ -776,6 +833,7 @@ fn flash_attention_shapes() {
                         mask,
                         scale,
                         wrt,
+                        layout: AttnLayout::Bhsd,
                     };
                     for (mask, extra) in [
                         (AttnMask::None, None),

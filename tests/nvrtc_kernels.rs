@@ -4,7 +4,7 @@
 //! missing NVRTC fails the test instead of skipping it.
 
 use rustytorch::codegen::cuda::{flash, lower_step, source};
-use rustytorch::ops::{AttnMask, Causal, DType, F64Bits, Op, Shape, TensorType};
+use rustytorch::ops::{AttnLayout, AttnMask, Causal, DType, F64Bits, Op, Shape, TensorType};
 use rustytorch::runtime::cuda::compile::KernelCompiler;
 
 /// The compilers for sm_80 (the portable tensor-core path) and sm_90 (the H200), or None (with a
@@ -29,6 +29,21 @@ fn t(d: DType, dims: &[usize]) -> TensorType {
     TensorType::new(d, Shape::new(dims.to_vec()))
 }
 
+/// The layouts to compile for a causal kind: `[B, S, H, D]` (which changes only the addressing)
+/// with top-left causality alone, to keep the run short.
+fn layouts(causal: Causal) -> Vec<AttnLayout> {
+    if causal == Causal::TopLeft {
+        vec![AttnLayout::Bhsd, AttnLayout::Bshd]
+    } else {
+        vec![AttnLayout::Bhsd]
+    }
+}
+
+/// A `[B, H, S, D]` tensor type written in `layout`.
+fn heads(d: DType, layout: AttnLayout, bhsd: [usize; 4]) -> TensorType {
+    t(d, &layout.from_bhsd(bhsd))
+}
+
 /// The flash kernel for every element type, causal kind and mask kind, and the head sizes that
 /// change its unrolling (16 to 128, value heads unlike the query's).
 #[test]
@@ -44,16 +59,18 @@ fn flash_attention_compiles() {
             (7, 9, 32, 32),
         ] {
             for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
-                for (mask, mt) in [
-                    (AttnMask::None, None),
-                    (AttnMask::Additive, Some(t(d, &[sq, sk]))),
-                    (AttnMask::Additive, Some(t(d, &[2, 1, 1, sk]))),
-                    (AttnMask::Bool, Some(t(DType::Bool, &[2, 1, 1, sk]))),
-                ] {
+                for (mask, mt, layout) in layouts(causal).into_iter().flat_map(|l| {
+                    [
+                        (AttnMask::None, None, l),
+                        (AttnMask::Additive, Some(t(d, &[sq, sk])), l),
+                        (AttnMask::Additive, Some(t(d, &[2, 1, 1, sk])), l),
+                        (AttnMask::Bool, Some(t(DType::Bool, &[2, 1, 1, sk])), l),
+                    ]
+                }) {
                     let mut ins = vec![
-                        t(d, &[2, 3, sq, hd]),
-                        t(d, &[2, 3, sk, hd]),
-                        t(d, &[2, 3, sk, hv]),
+                        heads(d, layout, [2, 3, sq, hd]),
+                        heads(d, layout, [2, 3, sk, hd]),
+                        heads(d, layout, [2, 3, sk, hv]),
                     ];
                     ins.extend(mt);
                     let refs: Vec<&TensorType> = ins.iter().collect();
@@ -62,6 +79,7 @@ fn flash_attention_compiles() {
                         causal,
                         mask,
                         scale: F64Bits::new(0.125),
+                        layout,
                     };
                     let out = rustytorch::ops::infer(&op, &refs).expect("infer");
                     let step = lower_step(&op, &refs, &out).expect("lower");
@@ -98,17 +116,19 @@ fn flash_attention_gradients_compile() {
     for d in [DType::F16, DType::BF16] {
         for &(sq, sk, hd, hv) in &[(100, 37, 80, 80), (65, 64, 16, 48), (7, 9, 128, 128)] {
             for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
-                for (mask, mt) in [
-                    (AttnMask::None, None),
-                    (AttnMask::Bool, Some(t(DType::Bool, &[2, 1, 1, sk]))),
-                ] {
+                for (mask, mt, layout) in layouts(causal).into_iter().flat_map(|l| {
+                    [
+                        (AttnMask::None, None, l),
+                        (AttnMask::Bool, Some(t(DType::Bool, &[2, 1, 1, sk])), l),
+                    ]
+                }) {
                     let mut ins = vec![
-                        t(d, &[2, 3, sq, hd]),
-                        t(d, &[2, 3, sk, hd]),
-                        t(d, &[2, 3, sk, hv]),
+                        heads(d, layout, [2, 3, sq, hd]),
+                        heads(d, layout, [2, 3, sk, hd]),
+                        heads(d, layout, [2, 3, sk, hv]),
                     ];
                     ins.extend(mt);
-                    ins.push(t(d, &[2, 3, sq, hv]));
+                    ins.push(heads(d, layout, [2, 3, sq, hv]));
                     let refs: Vec<&TensorType> = ins.iter().collect();
                     for wrt in 0..3u8 {
                         let op = Op::AttentionGrad {
@@ -116,6 +136,7 @@ fn flash_attention_gradients_compile() {
                             mask,
                             scale: F64Bits::new(0.125),
                             wrt,
+                            layout,
                         };
                         let out = rustytorch::ops::infer(&op, &refs).expect("infer");
                         let step = lower_step(&op, &refs, &out).expect("lower");

@@ -6,7 +6,9 @@
 
 use rustytorch_codegen::cuda::{self, attention, interp, Launch, StepKernels};
 use rustytorch_ops::testing::{assert_close, rand_tensor, tolerance};
-use rustytorch_ops::{eval_cpu, AttnMask, Causal, DType, F64Bits, HostTensor, Op, TensorType};
+use rustytorch_ops::{
+    eval_cpu, AttnLayout, AttnMask, Causal, DType, F64Bits, HostTensor, Op, TensorType,
+};
 
 mod common;
 use common::ty;
@@ -21,6 +23,7 @@ fn check(op: &Op, inputs: &[&HostTensor], what: &str) {
         causal,
         mask,
         scale,
+        ..
     } = op
     else {
         return common::check(op, inputs, what);
@@ -112,6 +115,7 @@ fn check_grad_gemm(op: &Op, inputs: &[&HostTensor], what: &str) {
         mask,
         scale,
         wrt,
+        ..
     } = op
     else {
         unreachable!()
@@ -206,6 +210,7 @@ fn op(causal: Causal, mask: AttnMask, scale: f64) -> Op {
         causal,
         mask,
         scale: F64Bits::new(scale),
+        layout: AttnLayout::Bhsd,
     }
 }
 
@@ -298,6 +303,7 @@ fn attention_grad_matches_the_cpu() {
                     mask,
                     scale: F64Bits::new(0.4),
                     wrt,
+                    layout: AttnLayout::Bhsd,
                 };
                 let what = format!("{dt} {causal:?} wrt {wrt}");
                 check(&grad(AttnMask::None), &[&q, &k, &v, &g], &what);
@@ -311,6 +317,72 @@ fn attention_grad_matches_the_cpu() {
                     &[&q, &k, &v, &keep, &g],
                     &format!("{what} bool"),
                 );
+            }
+        }
+    }
+}
+
+/// Attention in the `[B, S, H, D]` layout on the paths that read `[B, H, S, D]` only (f64 here:
+/// the general kernel): the operands transposed into scratch, the op, the result transposed
+/// back, through the interpreter against the CPU kernel; forward and the three gradients.
+#[test]
+fn bshd_layout_through_scratch_transposes() {
+    let dt = DType::F64;
+    let (b, h, sq, sk, d, dv) = (2, 3, 5, 7, 4, 6);
+    let q = rand_tensor(&ty(dt, &[b, sq, h, d]), 11, -1.0, 1.0);
+    let k = rand_tensor(&ty(dt, &[b, sk, h, d]), 12, -1.0, 1.0);
+    let v = rand_tensor(&ty(dt, &[b, sk, h, dv]), 13, -1.0, 1.0);
+    let g = rand_tensor(&ty(dt, &[b, sq, h, dv]), 14, -1.0, 1.0);
+    let add = rand_tensor(&ty(dt, &[sq, sk]), 15, -1.0, 1.0);
+    for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+        for (mask, extra) in [(AttnMask::None, None), (AttnMask::Additive, Some(&add))] {
+            let mut ins = vec![&q, &k, &v];
+            ins.extend(extra);
+            let fwd = Op::Attention {
+                causal,
+                mask,
+                scale: F64Bits::new(0.4),
+                layout: AttnLayout::Bshd,
+            };
+            let mut cases = vec![(fwd, ins.clone())];
+            ins.push(&g);
+            for wrt in 0..3u8 {
+                let op = Op::AttentionGrad {
+                    causal,
+                    mask,
+                    scale: F64Bits::new(0.4),
+                    wrt,
+                    layout: AttnLayout::Bshd,
+                };
+                cases.push((op, ins.clone()));
+            }
+            for (op, ins) in cases {
+                let what = format!("{} {causal:?} {mask:?}", op.name());
+                let tys: Vec<TensorType> = ins.iter().map(|t| t.ty()).collect();
+                let refs: Vec<&TensorType> = tys.iter().collect();
+                let out = rustytorch_ops::infer(&op, &refs).unwrap();
+                let cuda::CudaStep::Composite(c) = cuda::lower_step(&op, &refs, &out).unwrap()
+                else {
+                    panic!("{what}: expected transposes around the op");
+                };
+                let launches: Vec<Launch> = c
+                    .parts
+                    .into_iter()
+                    .map(|p| match p {
+                        cuda::Part::Launch(l) => l,
+                        other => panic!("{what}: unexpected {other:?}"),
+                    })
+                    .collect();
+                // Transposes in, the op's kernels, one transpose out.
+                assert!(launches.len() >= 4, "{what}: {} launches", launches.len());
+                let step = StepKernels {
+                    launches,
+                    scratch_bytes: c.scratch_bytes,
+                };
+                let got = interp::run_step(&step, &ins, &out, None)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let want = eval_cpu(&op, &ins).unwrap();
+                assert_close(&got.to_f64_vec(), &want.to_f64_vec(), 1e-12, &what);
             }
         }
     }

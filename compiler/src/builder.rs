@@ -11,8 +11,8 @@ use crate::dims::DimExpr;
 use crate::graph::{Graph, Init, NodeId};
 use crate::{CompileError, Result};
 use rustytorch_ops::{
-    normalize_axis, Activation, ArgKind, AttnMask, BinaryOp, Causal, ConvGeom, DType, F64Bits,
-    HostTensor, Op, OpError, PoolKind, ReduceKind, Reduction, Shape, TensorType, UnaryOp,
+    normalize_axis, Activation, ArgKind, AttnLayout, AttnMask, BinaryOp, Causal, ConvGeom, DType,
+    F64Bits, HostTensor, Op, OpError, PoolKind, ReduceKind, Reduction, Shape, TensorType, UnaryOp,
 };
 use std::cell::RefCell;
 use std::panic::Location;
@@ -1242,6 +1242,7 @@ impl Tensor {
                 causal,
                 mask: kind,
                 scale: scale.into(),
+                layout: AttnLayout::Bhsd,
             },
             &ins,
         )

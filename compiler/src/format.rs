@@ -30,12 +30,15 @@ use std::path::Path;
 /// The file's first eight bytes.
 pub const MAGIC: [u8; 8] = *b"RTGRAPH\0";
 /// The format version this build writes and the newest it reads (2 added named dims, 3 the
-/// channels-last layout of convolutions and pooling).
-pub const VERSION: u32 = 3;
+/// channels-last layout of convolutions and pooling, 4 attention's `[B,S,H,D]` layout in the
+/// same table).
+pub const VERSION: u32 = 4;
 /// The first version whose body holds named dims.
 const NAMED_DIMS_VERSION: u32 = 2;
 /// The first version whose body holds the table of channels-last nodes.
 const LAYOUTS_VERSION: u32 = 3;
+/// The first version whose layout table may name attention nodes.
+const ATTN_LAYOUT_VERSION: u32 = 4;
 /// Bytes before the body.
 pub const HEADER_LEN: usize = 24;
 
@@ -161,9 +164,22 @@ fn geom_mut(op: &mut Op) -> Option<&mut rustytorch_ops::ConvGeom> {
     }
 }
 
-/// Marks the nodes of the `layouts` table channels-last, checking the table first: ascending
-/// node ids, each a convolution or pooling node.
-fn apply_layouts(def: &mut GraphDef) -> Result<()> {
+/// Whether `op` is in the layout the `layouts` table records (channels-last, or attention's
+/// `[B,S,H,D]`).
+fn in_listed_layout(op: &Op) -> bool {
+    match op {
+        Op::Attention { layout, .. } | Op::AttentionGrad { layout, .. } => {
+            *layout == rustytorch_ops::AttnLayout::Bshd
+        }
+        op => geom_mut(&mut op.clone())
+            .is_some_and(|g| g.layout == rustytorch_ops::Layout::ChannelsLast),
+    }
+}
+
+/// Marks the nodes of the `layouts` table channels-last (attention `[B,S,H,D]`, from version 4),
+/// checking the table first: ascending node ids, each a convolution, pooling or (from version
+/// 4) attention node.
+fn apply_layouts(def: &mut GraphDef, version: u32) -> Result<()> {
     let n = def.nodes.len();
     for (k, &id) in def.layouts.iter().enumerate() {
         if k > 0 && def.layouts[k - 1] >= id {
@@ -177,9 +193,20 @@ fn apply_layouts(def: &mut GraphDef) -> Result<()> {
             .get_mut(id as usize)
             .ok_or_else(|| fmt_err(format!("layouts names node {id}, but there are {n} nodes")))?;
         let name = node.op.name();
+        if let Op::Attention { layout, .. } | Op::AttentionGrad { layout, .. } = &mut node.op {
+            if version >= ATTN_LAYOUT_VERSION {
+                *layout = rustytorch_ops::AttnLayout::Bshd;
+                continue;
+            }
+        }
         let geom = geom_mut(&mut node.op).ok_or_else(|| {
             fmt_err(format!(
-                "layouts names node {id} ({name}), which is not a convolution or pooling"
+                "layouts names node {id} ({name}), which is not a convolution or pooling{}",
+                if version >= ATTN_LAYOUT_VERSION {
+                    " or attention"
+                } else {
+                    ""
+                }
             ))
         })?;
         geom.layout = rustytorch_ops::Layout::ChannelsLast;
@@ -637,10 +664,7 @@ fn encode(
     };
     let mut def = def;
     def.layouts = (0..def.nodes.len())
-        .filter(|&i| {
-            geom_mut(&mut def.nodes[i].op.clone())
-                .is_some_and(|g| g.layout == rustytorch_ops::Layout::ChannelsLast)
-        })
+        .filter(|&i| in_listed_layout(&def.nodes[i].op))
         .map(|i| i as u32)
         .collect();
     Ok((frame(&def)?, sidecar_bytes))
@@ -810,7 +834,7 @@ fn decode(bytes: &[u8], sidecar: &mut dyn FnMut(&str) -> Result<Vec<u8>>) -> Res
     let body = unframe(bytes)?;
     let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
     let mut def = decode_versioned(body, version)?;
-    apply_layouts(&mut def)?;
+    apply_layouts(&mut def, version)?;
     validate(&def)?;
     let mut side: HashMap<String, HostTensor> = HashMap::new();
     if def.params.iter().any(|p| p.data == ParamData::Sidecar) {

@@ -3,8 +3,10 @@
 //! text (`RUSTYTORCH_DUMP=optimize,fuse` or `all` prints the graph after those passes to stderr).
 //!
 //! verify → layout (channels-last convolution stacks, when the target asks) → optimize (e-graph)
-//! → autocast (mixed precision, when asked) → fuse → plan memory
+//! → autocast (mixed precision, when asked) → attention layout (attention reads its heads in
+//! place, when the target asks) → fuse → plan memory
 
+use crate::attn_layout::{attention_layout, AttnLayoutReport};
 use crate::autocast::{autocast, AutocastReport};
 use crate::fuse::{fuse, FuseReport};
 use crate::graph::Graph;
@@ -30,6 +32,10 @@ pub struct Options {
     /// Run matmuls, attention and convolutions of f32 graphs in this type (bf16 or f16; see
     /// [`crate::autocast`]). `None`, the default, leaves types as written.
     pub autocast: Option<DType>,
+    /// Let attention read and write `[B, S, H, D]` heads in place instead of transposing them
+    /// (decided by the target: its attention must take that layout; off by default). Runs only
+    /// with `optimize`.
+    pub attention_layout: bool,
     /// Passes whose output to keep as text (`all` for every pass); defaults to `RUSTYTORCH_DUMP`.
     pub dump: Vec<String>,
 }
@@ -42,6 +48,7 @@ impl Default for Options {
             optimize_config: OptimizeConfig::default(),
             channels_last: None,
             autocast: None,
+            attention_layout: false,
             dump: std::env::var("RUSTYTORCH_DUMP")
                 .map(|s| s.split(',').map(|p| p.trim().to_string()).collect())
                 .unwrap_or_default(),
@@ -71,6 +78,8 @@ pub struct Report {
     pub optimize: Option<OptimizeReport>,
     /// The autocast pass.
     pub autocast: Option<AutocastReport>,
+    /// The attention layout pass.
+    pub attention_layout: Option<AttnLayoutReport>,
     /// Fusion.
     pub fuse: Option<FuseReport>,
     /// The static memory plan.
@@ -154,6 +163,15 @@ pub fn run(graph: &Graph, opts: &Options) -> Result<Compiled> {
             Ok(out)
         })?;
         report.autocast = rep;
+    }
+    if opts.optimize && opts.attention_layout {
+        let mut rep = None;
+        g = step(&mut report, opts, "attention_layout", g, |g| {
+            let (out, r) = attention_layout(g)?;
+            rep = Some(r);
+            Ok(out)
+        })?;
+        report.attention_layout = rep;
     }
     if opts.fuse {
         let mut rep = None;

@@ -469,6 +469,7 @@ fn every_op_graph() -> Graph {
             causal: Causal::TopLeft,
             mask: AttnMask::Additive,
             scale: f(0.5),
+            layout: AttnLayout::Bhsd,
         },
         &[q, q, q, mask],
     );
@@ -480,10 +481,33 @@ fn every_op_graph() -> Graph {
                 mask: AttnMask::Additive,
                 scale: f(0.5),
                 wrt,
+                layout: AttnLayout::Bhsd,
             },
             &[q, q, q, mask, att],
         ));
     }
+    // The same in the [B, S, H, D] layout (recorded in the layout table).
+    let att_bshd = add(
+        &mut g,
+        Op::Attention {
+            causal: Causal::BottomRight,
+            mask: AttnMask::None,
+            scale: f(0.5),
+            layout: AttnLayout::Bshd,
+        },
+        &[q, q, q],
+    );
+    outs.push(add(
+        &mut g,
+        Op::AttentionGrad {
+            causal: Causal::BottomRight,
+            mask: AttnMask::None,
+            scale: f(0.5),
+            wrt: 1,
+            layout: AttnLayout::Bshd,
+        },
+        &[q, q, q, att_bshd],
+    ));
 
     // Losses.
     let ce = add(
@@ -919,6 +943,51 @@ fn a_version_2_file_still_loads_as_channels_first() {
     );
     let again = to_bytes(&graph, ParamStorage::Embedded).unwrap();
     assert_same(&graph, &from_bytes(&again).unwrap());
+}
+
+/// The golden file as version 3 wrote it (frozen: never blessed again), with its values: the
+/// same schema as version 4, whose layout table may also name attention nodes.
+const GOLDEN_V3: &str = "every_op_v3.rtg";
+const GOLDEN_V3_VALUES: &str = "every_op_v3.values.safetensors";
+
+#[test]
+fn a_version_3_file_still_loads_and_runs() {
+    let bytes = std::fs::read(fixture(GOLDEN_V3)).unwrap();
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 3);
+    let graph = from_bytes(&bytes).unwrap();
+    assert_eq!(
+        runs_to_recorded_values(&graph, GOLDEN_V3_VALUES),
+        Op::VARIANT_COUNT
+    );
+    let again = to_bytes(&graph, ParamStorage::Embedded).unwrap();
+    assert_same(&graph, &from_bytes(&again).unwrap());
+}
+
+/// Attention in the `[B, S, H, D]` layout keeps it through a file; a version 3 file whose layout
+/// table names attention is refused (version 3 had no such layout).
+#[test]
+fn attention_layout_round_trips() {
+    let g = every_op_graph();
+    let bshd = |g: &Graph| {
+        g.topo_order()
+            .unwrap()
+            .into_iter()
+            .filter(|&id| {
+                matches!(&g.node(id).unwrap().op,
+                    Op::Attention { layout, .. } | Op::AttentionGrad { layout, .. }
+                        if *layout == AttnLayout::Bshd)
+            })
+            .count()
+    };
+    assert_eq!(bshd(&g), 2);
+    let bytes = to_bytes(&g, ParamStorage::Embedded).unwrap();
+    let back = from_bytes(&bytes).unwrap();
+    assert_eq!(bshd(&back), 2);
+    assert_same(&g, &back);
+    let mut old = bytes.clone();
+    old[8..12].copy_from_slice(&3u32.to_le_bytes());
+    let e = from_bytes(&old).unwrap_err().to_string();
+    assert!(e.contains("which is not a convolution or pooling"), "{e}");
 }
 
 /// A channels-last node keeps its layout through a file (the current golden file holds one too).

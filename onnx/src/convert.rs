@@ -10,8 +10,8 @@ use crate::ImportOptions;
 use rustytorch_compiler::dims::DimExpr;
 use rustytorch_compiler::{CompileError, Graph, GraphBuilder, Init, NodeId, Tensor};
 use rustytorch_ops::{
-    eval_cpu, ArgKind, AttnMask, BinaryOp, Causal, ConvGeom, DType, Data, F64Bits, HostTensor, Op,
-    PoolKind, ReduceKind, Shape, TensorType, UnaryOp,
+    eval_cpu, ArgKind, AttnLayout, AttnMask, BinaryOp, Causal, ConvGeom, DType, Data, F64Bits,
+    HostTensor, Op, PoolKind, ReduceKind, Shape, TensorType, UnaryOp,
 };
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -2831,6 +2831,7 @@ impl Importer {
                     causal: c,
                     mask: kind,
                     scale: F64Bits::new(scale),
+                    layout: AttnLayout::Bhsd,
                 };
                 let mut ins = vec![&q4, &kr, &vr];
                 if let Some(m) = &mask {

@@ -14,30 +14,65 @@
 
 use crate::norm::{acc_sum, compute_view, from_compute, Real};
 use crate::util::{arity, attr_err, dtype_err, shape_err, PAR_THRESHOLD};
-use crate::{AttnMask, Causal, DType, HostTensor, Op, Result, Shape, TensorType, Value, VjpCtx};
+use crate::{
+    AttnLayout, AttnMask, Causal, DType, HostTensor, Op, Result, Shape, TensorType, Value, VjpCtx,
+};
 use rayon::prelude::*;
 
 /// The attributes shared by attention and its gradient.
-fn attrs(op: &Op) -> Result<(Causal, AttnMask, f64, Option<u8>)> {
-    match op {
+struct Attrs {
+    causal: Causal,
+    mask: AttnMask,
+    scale: f64,
+    wrt: Option<u8>,
+    layout: AttnLayout,
+}
+
+fn attrs(op: &Op) -> Result<Attrs> {
+    match *op {
         Op::Attention {
             causal,
             mask,
             scale,
-        } => Ok((*causal, *mask, scale.get(), None)),
+            layout,
+        } => Ok(Attrs {
+            causal,
+            mask,
+            scale: scale.get(),
+            wrt: None,
+            layout,
+        }),
         Op::AttentionGrad {
             causal,
             mask,
             scale,
             wrt,
-        } => Ok((*causal, *mask, scale.get(), Some(*wrt))),
+            layout,
+        } => Ok(Attrs {
+            causal,
+            mask,
+            scale: scale.get(),
+            wrt: Some(wrt),
+            layout,
+        }),
         _ => Err(attr_err(op, "not an attention op")),
     }
 }
 
+/// The same op in the `[B,H,S,D]` layout.
+fn as_bhsd(op: &Op) -> Op {
+    let mut op = op.clone();
+    if let Op::Attention { layout, .. } | Op::AttentionGrad { layout, .. } = &mut op {
+        *layout = AttnLayout::Bhsd;
+    }
+    op
+}
+
 /// Output type.
 pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
-    let (_, mask, _, wrt) = attrs(op)?;
+    let Attrs {
+        mask, wrt, layout, ..
+    } = attrs(op)?;
     let has_mask = mask != AttnMask::None;
     arity(op, inputs, 3 + has_mask as usize + wrt.is_some() as usize)?;
     let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
@@ -51,10 +86,17 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
         return Err(shape_err(
             op,
             inputs,
-            "q, k and v must be [B,H,Sq,D], [B,H,Sk,D], [B,H,Sk,Dv]",
+            match layout {
+                AttnLayout::Bhsd => "q, k and v must be [B,H,Sq,D], [B,H,Sk,D], [B,H,Sk,Dv]",
+                AttnLayout::Bshd => "q, k and v must be [B,Sq,H,D], [B,Sk,H,D], [B,Sk,H,Dv]",
+            },
         ));
     }
-    let (qd, kd, vd) = (q.shape.dims(), k.shape.dims(), v.shape.dims());
+    let (qd, kd, vd) = (
+        layout.to_bhsd(q.shape.dims()),
+        layout.to_bhsd(k.shape.dims()),
+        layout.to_bhsd(v.shape.dims()),
+    );
     if qd[..2] != kd[..2] || qd[..2] != vd[..2] {
         return Err(shape_err(
             op,
@@ -98,7 +140,7 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
             ));
         }
     }
-    let out = TensorType::new(q.dtype, [qd[0], qd[1], qd[2], vd[3]]);
+    let out = TensorType::new(q.dtype, layout.from_bhsd([qd[0], qd[1], qd[2], vd[3]]));
     match wrt {
         None => Ok(out),
         Some(w) => {
@@ -239,8 +281,34 @@ fn matmul_tn<C: Real>(a: &[C], b: &[C], out: &mut [C], m: usize, l: usize, n: us
     }
 }
 
-/// CPU kernel.
+/// CPU kernel. The `[B,S,H,D]` layout runs as `[B,H,S,D]` between two transposes.
 pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTensor> {
+    let a = attrs(op)?;
+    if a.layout == AttnLayout::Bshd {
+        let swap = || Op::Permute {
+            perm: vec![0, 2, 1, 3],
+        };
+        let has_mask = a.mask != AttnMask::None;
+        let moved = inputs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                if has_mask && i == 3 {
+                    Ok((*t).clone())
+                } else {
+                    crate::eval_cpu(&swap(), &[t])
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let refs: Vec<&HostTensor> = moved.iter().collect();
+        let bhsd = TensorType::new(out.dtype, AttnLayout::Bshd.to_bhsd(out.shape.dims()));
+        let r = cpu(&as_bhsd(op), &refs, &bhsd)?;
+        return crate::eval_cpu(&swap(), &[&r]);
+    }
+    // f32 forward attention of many small heads has a kernel of its own.
+    if let Some(r) = crate::attention_cpu::forward_f32(op, inputs, out)? {
+        return Ok(r);
+    }
     if out.dtype == DType::F64 {
         cpu_in::<f64>(op, inputs, out)
     } else {
@@ -249,7 +317,13 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
 }
 
 fn cpu_in<C: Real>(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTensor> {
-    let (causal, mask, scale, wrt) = attrs(op)?;
+    let Attrs {
+        causal,
+        mask,
+        scale,
+        wrt,
+        ..
+    } = attrs(op)?;
     let qd = inputs[0].dims();
     let (bsz, h, sq, d) = (qd[0], qd[1], qd[2], qd[3]);
     let (sk, dv) = (inputs[1].dims()[2], inputs[2].dims()[3]);
@@ -376,6 +450,7 @@ pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
             causal,
             mask,
             scale,
+            layout,
         } => {
             let mut args: Vec<Value> = cx.inputs.to_vec();
             args.push(cx.grad);
@@ -386,6 +461,7 @@ pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
                     mask,
                     scale,
                     wrt,
+                    layout,
                 };
                 out.push(Some(cx.emit(op, &args)?));
             }

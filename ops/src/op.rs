@@ -187,6 +187,35 @@ pub enum Causal {
     BottomRight,
 }
 
+/// Where the heads lie in attention's q, k, v, gradient and result tensors.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+pub enum AttnLayout {
+    /// `[B, H, S, D]`: each head's rows contiguous (PyTorch's SDPA operands).
+    #[default]
+    Bhsd,
+    /// `[B, S, H, D]`: each position's heads contiguous, as a linear layer's output
+    /// `[B, S, H·D]` reshaped, so attention reads and writes it without a transpose.
+    Bshd,
+}
+
+impl AttnLayout {
+    /// The `[B, H, S, D]` dims of a tensor of `dims` (rank 4) in this layout.
+    pub fn to_bhsd(self, dims: &[usize]) -> [usize; 4] {
+        match self {
+            AttnLayout::Bhsd => [dims[0], dims[1], dims[2], dims[3]],
+            AttnLayout::Bshd => [dims[0], dims[2], dims[1], dims[3]],
+        }
+    }
+
+    /// The dims in this layout of a tensor whose `[B, H, S, D]` dims are `bhsd`.
+    pub fn from_bhsd(self, bhsd: [usize; 4]) -> [usize; 4] {
+        // The two layouts differ by one swap, its own inverse.
+        self.to_bhsd(&bhsd)
+    }
+}
+
 /// The extra mask input of attention.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum AttnMask {
@@ -603,7 +632,8 @@ pub enum Op {
     },
 
     // ---- attention ----
-    /// Scaled dot-product attention, inputs q [B,H,Sq,D], k [B,H,Sk,D], v [B,H,Sk,Dv], [mask].
+    /// Scaled dot-product attention, inputs q [B,H,Sq,D], k [B,H,Sk,D], v [B,H,Sk,Dv], [mask]
+    /// (or [B,S,H,D] each, by `layout`; the mask is always broadcast to [B,H,Sq,Sk]).
     /// A fully masked row yields zeros.
     Attention {
         /// Causal masking.
@@ -612,6 +642,10 @@ pub enum Op {
         mask: AttnMask,
         /// Score scale (usually 1/√D).
         scale: F64Bits,
+        /// The operands' and result's layout. Not part of the serde encoding: graph files from
+        /// version 4 keep it in their layout table (docs/graph-format.md).
+        #[serde(skip)]
+        layout: AttnLayout,
     },
     /// Gradient of attention with respect to input `wrt` (0 = q, 1 = k, 2 = v);
     /// inputs q, k, v, [mask], grad_out.
@@ -624,6 +658,9 @@ pub enum Op {
         scale: F64Bits,
         /// Which input's gradient.
         wrt: u8,
+        /// The operands' and result's layout (see [`Op::Attention`]).
+        #[serde(skip)]
+        layout: AttnLayout,
     },
 
     // ---- losses ----
@@ -1024,6 +1061,7 @@ impl Op {
                     causal: Causal::TopLeft,
                     mask: AttnMask::Additive,
                     scale: f(0.5),
+                    layout: AttnLayout::Bhsd,
                 },
                 vec![
                     f32t(&[1, 2, 3, 4]),
@@ -1038,6 +1076,7 @@ impl Op {
                     mask: AttnMask::None,
                     scale: f(0.5),
                     wrt: 1,
+                    layout: AttnLayout::Bhsd,
                 },
                 vec![
                     f32t(&[1, 1, 2, 4]),

@@ -19,6 +19,7 @@
 //!   `reduction=mean|sum|none`, pooling `kind=max|avg` (with the flag `count_include_pad`).
 //! - Convolution/pooling geometry is spread over `stride`, `padding` and `dilation` lists, and
 //!   the flag `channels_last` marks the channels-last layout (absent: channels-first).
+//! - Attention's flag `bshd` marks operands and result laid out `[B,S,H,D]` (absent: `[B,H,S,D]`).
 //! - A fused kernel is `fused[n_inputs=N,out=TY,instrs=I;I;...]`, each instruction being
 //!   `OP@ARGS@DTYPE` (`mul@0:1@f32`: the op text, its `:`-separated operands and its dtype);
 //!   separators inside nested brackets belong to the nested op.
@@ -31,9 +32,9 @@
 //! `parse_op(&op.to_string()) == op` holds for every op.
 
 use crate::{
-    Activation, ArgKind, AttnMask, BinaryOp, Causal, ConvGeom, DType, F64Bits, FusedInstr,
-    FusedKernel, Layout, Op, OpError, PoolKind, ReduceKind, Reduction, Result, RowFusion, Shape,
-    TensorType, UnaryOp,
+    Activation, ArgKind, AttnLayout, AttnMask, BinaryOp, Causal, ConvGeom, DType, F64Bits,
+    FusedInstr, FusedKernel, Layout, Op, OpError, PoolKind, ReduceKind, Reduction, Result,
+    RowFusion, Shape, TensorType, UnaryOp,
 };
 use std::fmt;
 use std::str::FromStr;
@@ -464,21 +465,25 @@ fn attrs_of(op: &Op) -> AttrOut {
             causal,
             mask,
             scale,
+            layout,
         } => {
             a.kv("causal", causal_text(*causal));
             a.kv("mask", mask_text(*mask));
             a.kv("scale", format_f64(*scale));
+            a.flag("bshd", *layout == AttnLayout::Bshd);
         }
         Op::AttentionGrad {
             causal,
             mask,
             scale,
             wrt,
+            layout,
         } => {
             a.kv("causal", causal_text(*causal));
             a.kv("mask", mask_text(*mask));
             a.kv("scale", format_f64(*scale));
             a.kv("wrt", wrt);
+            a.flag("bshd", *layout == AttnLayout::Bshd);
         }
         Op::CrossEntropy {
             reduction,
@@ -675,6 +680,13 @@ impl<'a> Attrs<'a> {
             g.with_layout(Layout::ChannelsLast)
         } else {
             g
+        })
+    }
+    fn attn_layout(&mut self) -> PResult<AttnLayout> {
+        Ok(if self.flag("bshd")? {
+            AttnLayout::Bshd
+        } else {
+            AttnLayout::Bhsd
         })
     }
     fn finish(&self) -> PResult<()> {
@@ -944,12 +956,14 @@ fn parse_nested(text: &str, depth: usize) -> PResult<Op> {
                 causal: a.val("causal", "a causal mode", |v| parse_enum(v, &CAUSALS))?,
                 mask: a.val("mask", "a mask kind", |v| parse_enum(v, &MASKS))?,
                 scale: a.f64("scale")?,
+                layout: a.attn_layout()?,
             },
             "attention_grad" => Op::AttentionGrad {
                 causal: a.val("causal", "a causal mode", |v| parse_enum(v, &CAUSALS))?,
                 mask: a.val("mask", "a mask kind", |v| parse_enum(v, &MASKS))?,
                 scale: a.f64("scale")?,
                 wrt: a.val("wrt", "0, 1 or 2", |v| v.parse::<u8>().ok())?,
+                layout: a.attn_layout()?,
             },
             "cross_entropy" => Op::CrossEntropy {
                 reduction: a.val("reduction", "a reduction", |v| parse_enum(v, &REDUCTIONS))?,
@@ -1228,20 +1242,26 @@ mod tests {
         ]);
         for (_, causal) in CAUSALS {
             for (_, mask) in MASKS {
-                ops.push(Op::Attention {
-                    causal,
-                    mask,
-                    scale: f(0.125),
-                });
+                for layout in [AttnLayout::Bhsd, AttnLayout::Bshd] {
+                    ops.push(Op::Attention {
+                        causal,
+                        mask,
+                        scale: f(0.125),
+                        layout,
+                    });
+                }
             }
         }
         for wrt in 0..3 {
-            ops.push(Op::AttentionGrad {
-                causal: Causal::BottomRight,
-                mask: AttnMask::Additive,
-                scale: f(1.0 / 3.0),
-                wrt,
-            });
+            for layout in [AttnLayout::Bhsd, AttnLayout::Bshd] {
+                ops.push(Op::AttentionGrad {
+                    causal: Causal::BottomRight,
+                    mask: AttnMask::Additive,
+                    scale: f(1.0 / 3.0),
+                    wrt,
+                    layout,
+                });
+            }
         }
         for (_, reduction) in REDUCTIONS {
             ops.push(Op::CrossEntropy {

@@ -3,7 +3,7 @@
 
 use rustytorch_ops::testing::{assert_close, gradcheck, rand_tensor, tolerance, vjp_eager};
 use rustytorch_ops::{
-    eval_cpu, infer, AttnMask, Causal, DType, HostTensor, Op, OpError, TensorType,
+    eval_cpu, infer, AttnLayout, AttnMask, Causal, DType, HostTensor, Op, OpError, TensorType,
 };
 
 const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
@@ -121,6 +121,7 @@ impl Case {
             causal: self.causal,
             mask: self.mask,
             scale: (1.0 / (self.d as f64).sqrt()).into(),
+            layout: AttnLayout::Bhsd,
         }
     }
 
@@ -308,6 +309,7 @@ fn attention_grad_every_dtype_matches_f64() {
             causal,
             mask,
             scale,
+            ..
         } = case.op()
         else {
             unreachable!()
@@ -336,6 +338,7 @@ fn attention_grad_every_dtype_matches_f64() {
                     mask,
                     scale,
                     wrt,
+                    layout: AttnLayout::Bhsd,
                 };
                 let refs: Vec<&HostTensor> = ins.iter().collect();
                 let got = eval(&op, &refs);
@@ -359,6 +362,7 @@ fn errors() {
         causal: Causal::None,
         mask: AttnMask::None,
         scale: 0.5.into(),
+        layout: AttnLayout::Bhsd,
     };
     let q = ty(DType::F32, &[2, 3, 4, 8]);
     let k = ty(DType::F32, &[2, 3, 5, 8]);
@@ -405,6 +409,7 @@ fn errors() {
         causal: Causal::None,
         mask: AttnMask::Bool,
         scale: 0.5.into(),
+        layout: AttnLayout::Bhsd,
     };
     let mf = ty(DType::F32, &[4, 5]);
     assert!(matches!(
@@ -422,6 +427,7 @@ fn errors() {
         mask: AttnMask::None,
         scale: 0.5.into(),
         wrt: 1,
+        layout: AttnLayout::Bhsd,
     };
     let go = ty(DType::F32, &[2, 3, 4, 6]);
     assert_eq!(infer(&grad, &[&q, &k, &v, &go]).unwrap(), k);
@@ -435,6 +441,7 @@ fn errors() {
         mask: AttnMask::None,
         scale: 0.5.into(),
         wrt: 3,
+        layout: AttnLayout::Bhsd,
     };
     assert!(matches!(
         infer(&grad3, &[&q, &k, &v, &go]).unwrap_err(),
@@ -471,8 +478,135 @@ fn second_order_is_an_error() {
         mask: AttnMask::None,
         scale: 0.5.into(),
         wrt: 0,
+        layout: AttnLayout::Bhsd,
     };
     let cot = rand_tensor(&ty(DType::F64, &[2, 3, 2, 4]), 3, -1.0, 1.0);
     let e = vjp_eager(&op, &ins, &cot).unwrap_err();
     assert!(matches!(e, OpError::NotDifferentiable { .. }), "{e}");
+}
+
+/// The same op in the `[B, S, H, D]` layout.
+fn bshd(op: &Op) -> Op {
+    let mut op = op.clone();
+    if let Op::Attention { layout, .. } | Op::AttentionGrad { layout, .. } = &mut op {
+        *layout = AttnLayout::Bshd;
+    }
+    op
+}
+
+fn swap(t: &HostTensor) -> HostTensor {
+    eval_cpu(
+        &Op::Permute {
+            perm: vec![0, 2, 1, 3],
+        },
+        &[t],
+    )
+    .unwrap()
+}
+
+/// Attention and its gradients in the `[B, S, H, D]` layout are the `[B, H, S, D]` ones on
+/// transposed operands, transposed (masks unchanged); the gradient rule keeps the layout.
+#[test]
+fn bshd_layout_is_the_transposed_bhsd() {
+    for (n, case) in cases().iter().enumerate() {
+        let mut ins = case.inputs(DType::F64, 500 + n as u64);
+        ins.push(rand_tensor(
+            &ty(DType::F64, &[case.b, case.h, case.sq, case.dv]),
+            9,
+            -1.0,
+            1.0,
+        ));
+        let has_mask = case.mask != AttnMask::None;
+        let moved: Vec<HostTensor> = ins
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                if has_mask && i == 3 {
+                    t.clone()
+                } else {
+                    swap(t)
+                }
+            })
+            .collect();
+        let fwd = case.op();
+        let n_fwd = ins.len() - 1;
+        let want = swap(&eval(&fwd, &ins[..n_fwd].iter().collect::<Vec<_>>()));
+        let got = eval(&bshd(&fwd), &moved[..n_fwd].iter().collect::<Vec<_>>());
+        assert_eq!(got.ty(), want.ty(), "case {n}");
+        assert_close(
+            &got.to_f64_vec(),
+            &want.to_f64_vec(),
+            1e-12,
+            &format!("case {n}"),
+        );
+        let Op::Attention {
+            causal,
+            mask,
+            scale,
+            ..
+        } = fwd
+        else {
+            unreachable!()
+        };
+        for wrt in 0..3u8 {
+            let op = Op::AttentionGrad {
+                causal,
+                mask,
+                scale,
+                wrt,
+                layout: AttnLayout::Bhsd,
+            };
+            let want = swap(&eval(&op, &ins.iter().collect::<Vec<_>>()));
+            let got = eval(&bshd(&op), &moved.iter().collect::<Vec<_>>());
+            assert_eq!(got.ty(), moved[wrt as usize].ty(), "case {n} wrt {wrt}");
+            assert_close(
+                &got.to_f64_vec(),
+                &want.to_f64_vec(),
+                1e-12,
+                &format!("case {n} wrt {wrt}"),
+            );
+        }
+    }
+}
+
+/// Finite differences through the `[B, S, H, D]` layout (its gradient ops keep the layout).
+#[test]
+fn gradcheck_attention_bshd() {
+    for (n, mut case) in [
+        Case::new(3, 5, Causal::TopLeft, AttnMask::None, &[]),
+        Case::new(4, 3, Causal::BottomRight, AttnMask::Additive, &[4, 3]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        case.b = 1;
+        case.h = 2;
+        let ins: Vec<HostTensor> = case
+            .inputs(DType::F64, 600 + n as u64)
+            .iter()
+            .enumerate()
+            .map(|(i, t)| if i == 3 { t.clone() } else { swap(t) })
+            .collect();
+        gradcheck(&bshd(&case.op()), &ins, &[0, 1, 2], 700 + n as u64).unwrap();
+    }
+}
+
+/// Shapes in the `[B, S, H, D]` layout are checked as such, with an error that says so.
+#[test]
+fn bshd_shape_errors_name_the_layout() {
+    let op = bshd(&Case::new(2, 3, Causal::None, AttnMask::None, &[]).op());
+    let q = ty(DType::F32, &[2, 5, 3, 4]);
+    let k = ty(DType::F32, &[2, 7, 3, 4]);
+    assert_eq!(
+        infer(&op, &[&q, &k, &k]).unwrap(),
+        ty(DType::F32, &[2, 5, 3, 4])
+    );
+    // Heads mismatched (dim 2 in this layout).
+    let k_bad = ty(DType::F32, &[2, 7, 2, 4]);
+    let e = infer(&op, &[&q, &k_bad, &k_bad]).unwrap_err().to_string();
+    assert!(e.contains("B, H must match"), "{e}");
+    let e = infer(&op, &[&q, &k, &ty(DType::F32, &[2, 7, 3])])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("[B,Sq,H,D]"), "{e}");
 }

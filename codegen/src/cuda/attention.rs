@@ -27,7 +27,7 @@ use super::ir::{
 use super::matmul::MatmulDesc;
 use super::{finish, grid_for, ArgRef, Composite, CudaStep, Launch, Part, StepKernels};
 use crate::{CodegenError, Result};
-use rustytorch_ops::{AttnMask, Causal, DType, Op, Shape, TensorType};
+use rustytorch_ops::{AttnLayout, AttnMask, Causal, DType, Op, Shape, TensorType};
 
 /// Threads per block (eight query rows).
 const BLOCK: u32 = 256;
@@ -176,15 +176,30 @@ fn checked(
 ) -> Result<Option<(Causal, AttnMask, f64, u8)>> {
     let (causal, mask, scale, wrt) = match op {
         Op::Attention {
+            layout: AttnLayout::Bshd,
+            ..
+        }
+        | Op::AttentionGrad {
+            layout: AttnLayout::Bshd,
+            ..
+        } => {
+            return Err(CodegenError::Invalid(format!(
+                "{}: the [B,S,H,D] layout lowers through `lower_bshd`",
+                op.name()
+            )))
+        }
+        Op::Attention {
             causal,
             mask,
             scale,
+            ..
         } => (*causal, *mask, scale.get(), 0),
         Op::AttentionGrad {
             causal,
             mask,
             scale,
             wrt,
+            ..
         } => (*causal, *mask, scale.get(), *wrt),
         _ => {
             return Err(CodegenError::Invalid(format!(
@@ -201,6 +216,123 @@ fn checked(
         )));
     }
     Ok((out.shape.numel() > 0).then_some((causal, mask, scale, wrt)))
+}
+
+/// Lowers attention (or a gradient) in the `[B,S,H,D]` layout for the implementations that read
+/// `[B,H,S,D]` only (the flash kernel reads both): its q, k, v (and dO) are transposed into the
+/// step's scratch, the `[B,H,S,D]` op runs there, and its result is transposed into the output.
+/// The inner step's own scratch comes first, so its offsets stay as they are.
+pub fn lower_bshd(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaStep> {
+    let mut inner = op.clone();
+    let has_mask = match &mut inner {
+        Op::Attention { layout, mask, .. } | Op::AttentionGrad { layout, mask, .. } => {
+            *layout = AttnLayout::Bhsd;
+            *mask != AttnMask::None
+        }
+        _ => {
+            return Err(CodegenError::Invalid(format!(
+                "{} is not attention",
+                op.name()
+            )))
+        }
+    };
+    let want = rustytorch_ops::infer(op, inputs)?;
+    if &want != out {
+        return Err(CodegenError::Invalid(format!(
+            "{}: result type {out} does not match the inferred {want}",
+            op.name()
+        )));
+    }
+    let swap = |t: &TensorType| TensorType::new(t.dtype, AttnLayout::Bshd.to_bhsd(t.shape.dims()));
+    let moved: Vec<bool> = (0..inputs.len()).map(|i| !(has_mask && i == 3)).collect();
+    let bhsd: Vec<TensorType> = inputs
+        .iter()
+        .zip(&moved)
+        .map(|(t, &m)| if m { swap(t) } else { (*t).clone() })
+        .collect();
+    let bhsd_refs: Vec<&TensorType> = bhsd.iter().collect();
+    let inner_out = swap(out);
+    let (inner_parts, inner_scratch) = match super::lower_step(&inner, &bhsd_refs, &inner_out)? {
+        CudaStep::Kernels(k) => (
+            k.launches.into_iter().map(Part::Launch).collect::<Vec<_>>(),
+            k.scratch_bytes,
+        ),
+        CudaStep::Composite(c) => (c.parts, c.scratch_bytes),
+        other => {
+            return Err(CodegenError::Invalid(format!(
+                "attention: unexpected lowering {other:?}"
+            )))
+        }
+    };
+    // Scratch: the inner step's, then each transposed operand, then the inner result.
+    let mut at = inner_scratch.next_multiple_of(256);
+    let mut place = |t: &TensorType| {
+        let here = at;
+        at += (t.shape.numel() * t.dtype.size_bytes()).next_multiple_of(256);
+        here
+    };
+    let slots: Vec<Option<usize>> = bhsd
+        .iter()
+        .zip(&moved)
+        .map(|(t, &m)| m.then(|| place(t)))
+        .collect();
+    let out_at = place(&inner_out);
+    let perm = Op::Permute {
+        perm: vec![0, 2, 1, 3],
+    };
+    let transpose = |from: &TensorType, to: &TensorType, src: ArgRef, dst: ArgRef| {
+        let k = super::elementwise::lower_movement(&perm, &[from], to)?;
+        Ok::<_, CodegenError>(k.launches.into_iter().map(move |mut l| {
+            for a in &mut l.args {
+                *a = match *a {
+                    ArgRef::Input(_) => src,
+                    ArgRef::Output => dst,
+                    other => other,
+                };
+            }
+            Part::Launch(l)
+        }))
+    };
+    let mut parts = Vec::new();
+    for (i, slot) in slots.iter().enumerate() {
+        if let Some(off) = slot {
+            parts.extend(transpose(
+                inputs[i],
+                &bhsd[i],
+                ArgRef::Input(i),
+                ArgRef::ScratchAt(*off),
+            )?);
+        }
+    }
+    let remap = |a: ArgRef| match a {
+        ArgRef::Input(i) => slots[i].map_or(ArgRef::Input(i), ArgRef::ScratchAt),
+        ArgRef::Output => ArgRef::ScratchAt(out_at),
+        other => other,
+    };
+    for p in inner_parts {
+        parts.push(match p {
+            Part::Launch(mut l) => {
+                l.args = l.args.into_iter().map(remap).collect();
+                Part::Launch(l)
+            }
+            Part::Gemm { desc, a, b, d } => Part::Gemm {
+                desc,
+                a: remap(a),
+                b: remap(b),
+                d: remap(d),
+            },
+        });
+    }
+    parts.extend(transpose(
+        &inner_out,
+        out,
+        ArgRef::ScratchAt(out_at),
+        ArgRef::Output,
+    )?);
+    Ok(CudaStep::Composite(Composite {
+        parts,
+        scratch_bytes: at,
+    }))
 }
 
 /// Sizes, types and kernel parameters of one attention op.

@@ -37,7 +37,7 @@
 use super::ir::{CTy, Kernel, Param, Stmt};
 use super::{finish, grid_for, ArgRef, Launch, StepKernels};
 use crate::Result;
-use rustytorch_ops::{AttnMask, Causal, DType, Op, Shape, TensorType};
+use rustytorch_ops::{AttnLayout, AttnMask, Causal, DType, Op, Shape, TensorType};
 
 /// Query rows per block (four warps of 16).
 const BR: usize = 64;
@@ -72,6 +72,7 @@ struct Spec {
     dv: usize,
     causal: Causal,
     scale: f64,
+    layout: AttnLayout,
     e: CTy,
     /// The statement that applies the mask to score `x` of query `row`, key `key` (head `bh`).
     mask: Option<String>,
@@ -82,18 +83,20 @@ struct Spec {
 impl Spec {
     /// Checks `out` against the inferred type; None for an empty result.
     fn new(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<Option<Spec>> {
-        let (causal, mask, scale) = match op {
+        let (causal, mask, scale, layout) = match op {
             Op::Attention {
                 causal,
                 mask,
                 scale,
+                layout,
             }
             | Op::AttentionGrad {
                 causal,
                 mask,
                 scale,
+                layout,
                 ..
-            } => (*causal, *mask, scale.get()),
+            } => (*causal, *mask, scale.get(), *layout),
             _ => {
                 return Err(crate::CodegenError::Invalid(format!(
                     "{} is not attention",
@@ -112,9 +115,9 @@ impl Spec {
             return Ok(None);
         }
         let (qd, kd, vd) = (
-            inputs[0].shape.dims(),
-            inputs[1].shape.dims(),
-            inputs[2].shape.dims(),
+            layout.to_bhsd(inputs[0].shape.dims()),
+            layout.to_bhsd(inputs[1].shape.dims()),
+            layout.to_bhsd(inputs[2].shape.dims()),
         );
         let (bsz, heads, sq, d, sk, dv) = (qd[0], qd[1], qd[2], qd[3], kd[2], vd[3]);
         let e = CTy::storage(inputs[0].dtype);
@@ -151,10 +154,32 @@ impl Spec {
             dv,
             causal,
             scale,
+            layout,
             e,
             mask,
             params,
         }))
+    }
+
+    /// The C expression of head `bh`'s first element in a tensor of `rows` rows of `width`
+    /// (q, k, v, dO, the result or a gradient).
+    fn head(&self, rows: usize, width: usize) -> String {
+        match self.layout {
+            AttnLayout::Bhsd => format!("bh * {rows}LL * {width}LL"),
+            AttnLayout::Bshd => format!(
+                "(bh / {h}LL) * {}LL + (bh % {h}LL) * {width}LL",
+                rows * self.heads * width,
+                h = self.heads
+            ),
+        }
+    }
+
+    /// Elements between consecutive rows of one head in a tensor of rows of `width`.
+    fn stride(&self, width: usize) -> usize {
+        match self.layout {
+            AttnLayout::Bhsd => width,
+            AttnLayout::Bshd => self.heads * width,
+        }
     }
 
     fn elem(&self) -> &'static str {
@@ -184,6 +209,18 @@ impl Spec {
             elem: self.elem(),
             mask: self.mask.clone(),
             stats,
+            heads: [
+                self.head(self.sq, self.d),
+                self.head(self.sk, self.d),
+                self.head(self.sk, self.dv),
+                self.head(self.sq, self.dv),
+            ],
+            strides: [
+                self.stride(self.d),
+                self.stride(self.d),
+                self.stride(self.dv),
+                self.stride(self.dv),
+            ],
         })
     }
 }
@@ -328,6 +365,10 @@ struct Shape2 {
     mask: Option<String>,
     /// Write the statistics of the backward instead of the output.
     stats: bool,
+    /// The offsets of head `bh` in q, k, v and the output (or dO), as C expressions.
+    heads: [String; 4],
+    /// Elements between a head's consecutive rows in q, k, v and the output (or dO).
+    strides: [usize; 4],
 }
 
 /// The end of the keys row `i` sees, as C over `long long i`.
@@ -343,33 +384,35 @@ fn limit(causal: Causal, sq: usize, sk: usize) -> String {
 }
 
 /// The forward's end: the normalized output rows, or the backward's statistics.
-fn tail(stats: bool, sq: usize, dv: usize, elem: &str) -> String {
+fn tail(s: &Shape2) -> String {
+    let (sq, dv, elem) = (s.sq, s.dv, s.elem);
+    let (head, rs) = (&s.heads[3], s.strides[3]);
     let widen = if elem == "bf16" { "rt_bf2f" } else { "rt_h2f" };
-    if !stats {
+    if !s.stats {
         return format!(
-            r#"  unsigned short* op = (unsigned short*)out + bh * {sq}LL * {dv}LL;
+            r#"  unsigned short* op = (unsigned short*)out + {head};
   #pragma unroll
   for (int n = 0; n < {dv8}; ++n) {{
     const int c = n * 8 + t4 * 2;
-    if (i0 < {sq}) *(unsigned*)(op + (long long)i0 * {dv} + c) = pack(o[n][0] * inv0, o[n][1] * inv0);
-    if (i1 < {sq}) *(unsigned*)(op + (long long)i1 * {dv} + c) = pack(o[n][2] * inv1, o[n][3] * inv1);
+    if (i0 < {sq}) *(unsigned*)(op + (long long)i0 * {rs} + c) = pack(o[n][0] * inv0, o[n][1] * inv0);
+    if (i1 < {sq}) *(unsigned*)(op + (long long)i1 * {rs} + c) = pack(o[n][2] * inv1, o[n][3] * inv1);
   }}"#,
             dv8 = dv / 8
         );
     }
     format!(
         r#"  // D = rowsum(dO ∘ O) and the base-2 log-sum-exp (+∞ for a row that sees nothing).
-  const unsigned short* dp = (const unsigned short*)dout + bh * {sq}LL * {dv}LL;
+  const unsigned short* dp = (const unsigned short*)dout + {head};
   float dd0 = 0.f, dd1 = 0.f;
   #pragma unroll
   for (int n = 0; n < {dv8}; ++n) {{
     const int c = n * 8 + t4 * 2;
     if (i0 < {sq}) {{
-      const unsigned u = *(const unsigned*)(dp + (long long)i0 * {dv} + c);
+      const unsigned u = *(const unsigned*)(dp + (long long)i0 * {rs} + c);
       dd0 += {widen}((unsigned short)(u & 0xffffu)) * o[n][0] + {widen}((unsigned short)(u >> 16)) * o[n][1];
     }}
     if (i1 < {sq}) {{
-      const unsigned u = *(const unsigned*)(dp + (long long)i1 * {dv} + c);
+      const unsigned u = *(const unsigned*)(dp + (long long)i1 * {rs} + c);
       dd1 += {widen}((unsigned short)(u & 0xffffu)) * o[n][2] + {widen}((unsigned short)(u >> 16)) * o[n][3];
     }}
   }}
@@ -403,7 +446,9 @@ fn source(s: &Shape2) -> String {
         scale_log2,
         elem,
         ref mask,
-        stats,
+        ref heads,
+        strides: [q_rs, k_rs, v_rs, _],
+        ..
     } = *s;
     let qt = sq.div_ceil(BR);
     let (ks, vs) = (d + 8, dv + 8);
@@ -429,18 +474,18 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
   const long long bh = tile / {qt}LL;
   const int qt = (int)({qt}LL - 1LL - tile % {qt}LL);
   const int i0 = qt * {BR} + warp * 16 + g, i1 = i0 + 8;
-  const unsigned short* qp = (const unsigned short*)q + bh * {sq}LL * {d}LL;
-  const unsigned short* kp = (const unsigned short*)k + bh * {sk}LL * {d}LL;
-  const unsigned short* vp = (const unsigned short*)v + bh * {sk}LL * {dv}LL;
+  const unsigned short* qp = (const unsigned short*)q + {qh};
+  const unsigned short* kp = (const unsigned short*)k + {kh};
+  const unsigned short* vp = (const unsigned short*)v + {vh};
   // This warp's 16 query rows as A fragments, for the whole walk.
   unsigned qa[{dq16}][4];
   #pragma unroll
   for (int kk = 0; kk < {dq16}; ++kk) {{
     const int c = kk * 16 + t4 * 2;
-    qa[kk][0] = i0 < {sq} ? *(const unsigned*)(qp + (long long)i0 * {d} + c) : 0u;
-    qa[kk][1] = i1 < {sq} ? *(const unsigned*)(qp + (long long)i1 * {d} + c) : 0u;
-    qa[kk][2] = i0 < {sq} ? *(const unsigned*)(qp + (long long)i0 * {d} + c + 8) : 0u;
-    qa[kk][3] = i1 < {sq} ? *(const unsigned*)(qp + (long long)i1 * {d} + c + 8) : 0u;
+    qa[kk][0] = i0 < {sq} ? *(const unsigned*)(qp + (long long)i0 * {q_rs} + c) : 0u;
+    qa[kk][1] = i1 < {sq} ? *(const unsigned*)(qp + (long long)i1 * {q_rs} + c) : 0u;
+    qa[kk][2] = i0 < {sq} ? *(const unsigned*)(qp + (long long)i0 * {q_rs} + c + 8) : 0u;
+    qa[kk][3] = i1 < {sq} ? *(const unsigned*)(qp + (long long)i1 * {q_rs} + c + 8) : 0u;
   }}
   const int lim0 = lim_of(i0), lim1 = lim_of(i1);
   const int lim_first = lim_of(qt * {BR});
@@ -451,23 +496,23 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
   for (int n = 0; n < {dv8}; ++n) {{ o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f; }}
   float m0 = RT_NEG_INF, m1 = RT_NEG_INF, l0 = 0.f, l1 = 0.f;
   // Tile `j` of keys (or values) into shared memory, rows past the end zero-filled.
-  auto load_tile = [&](const unsigned short* src, unsigned base, int j, int width, int stride) {{
+  auto load_tile = [&](const unsigned short* src, unsigned base, int j, int width, int stride, int gstride) {{
     const int chunks = width / 8;
     for (int c = tid; c < {BC} * chunks; c += {THREADS}) {{
       const int r = c / chunks, c8 = c - r * chunks;
       const int key = j * {BC} + r;
-      const unsigned short* from = src + (long long)(key < {sk} ? key : 0) * width + c8 * 8;
+      const unsigned short* from = src + (long long)(key < {sk} ? key : 0) * gstride + c8 * 8;
       const unsigned to = base + (unsigned)((r * stride + c8 * 8) * 2);
       const int bytes = key < {sk} ? 16 : 0;
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(to), "l"(from), "r"(bytes));
     }}
     asm volatile("cp.async.commit_group;");
   }};
-  if (ntiles > 0) load_tile(kp, ks_base, 0, {d}, {ks});
+  if (ntiles > 0) load_tile(kp, ks_base, 0, {d}, {ks}, {k_rs});
   for (int j = 0; j < ntiles; ++j) {{
     asm volatile("cp.async.wait_group 0;");
     __syncthreads();
-    load_tile(vp, vs_base, j, {dv}, {vs});
+    load_tile(vp, vs_base, j, {dv}, {vs}, {v_rs});
     // S = Q·Kᵀ for this warp's rows and the tile's 64 keys.
     float s[8][4];
     #pragma unroll
@@ -490,7 +535,7 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
       }}
     }}
     __syncthreads();
-    if (j + 1 < ntiles) load_tile(kp, ks_base, j + 1, {d}, {ks});
+    if (j + 1 < ntiles) load_tile(kp, ks_base, j + 1, {d}, {ks}, {k_rs});
     else asm volatile("cp.async.commit_group;");
     // Scale into base 2; limits and the mask only where the tile crosses them.
     const int kb = j * {BC};
@@ -571,7 +616,10 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
 {tail}
   __syncthreads();
 }}"#,
-        tail = tail(stats, sq, dv, elem),
+        tail = tail(s),
+        qh = heads[0],
+        kh = heads[1],
+        vh = heads[2],
         dq16 = d / 16,
         dv8 = dv / 8,
         dv16 = dv / 16,
@@ -596,39 +644,40 @@ auto pack = [](float lo, float hi) -> unsigned {
   unsigned r; asm("cvt.rn.$Ex2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
 };
 auto ex2 = [](float x) -> float { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; };
-// Rows [j·64, j·64 + 64) of a row-major [n, width] matrix into shared memory, rows past n zero.
-auto load_tile = [&](const unsigned short* src, unsigned base, int j, int width, int stride, int n) {
+// Rows [j·64, j·64 + 64) of an [n, width] matrix (rows gstride apart) into shared memory,
+// rows past n zero.
+auto load_tile = [&](const unsigned short* src, unsigned base, int j, int width, int stride, int n, int gstride) {
   const int chunks = width / 8;
   for (int c = tid; c < 64 * chunks; c += 128) {
     const int r = c / chunks, c8 = c - r * chunks;
     const int row = j * 64 + r;
-    const unsigned short* from = src + (long long)(row < n ? row : 0) * width + c8 * 8;
+    const unsigned short* from = src + (long long)(row < n ? row : 0) * gstride + c8 * 8;
     const unsigned to = base + (unsigned)((r * stride + c8 * 8) * 2);
     const int bytes = row < n ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(to), "l"(from), "r"(bytes));
   }
   asm volatile("cp.async.commit_group;");
 };
-// A fragments of rows r0 and r0 + 8 of a row-major [n, width] matrix (zero past n).
-auto frag = [](const unsigned short* p, int r0, int n, int width, int c) -> unsigned {
-  return r0 < n ? *(const unsigned*)(p + (long long)r0 * width + c) : 0u;
+// A fragments of rows r0 and r0 + 8 of an [n, width] matrix, rows rs apart (zero past n).
+auto frag = [](const unsigned short* p, int r0, int n, int rs, int c) -> unsigned {
+  return r0 < n ? *(const unsigned*)(p + (long long)r0 * rs + c) : 0u;
 };
 "#
     .replace("$E", elem)
     .replace("$LIM", &limit(sp.causal, sp.sq, sp.sk))
 }
 
-/// Loads A fragments `name[width/16][4]` of rows `r0`/`r0 + 8` of `ptr` (n rows).
-fn a_frags(name: &str, ptr: &str, r0: &str, n: usize, width: usize) -> String {
+/// Loads A fragments `name[width/16][4]` of rows `r0`/`r0 + 8` of `ptr` (n rows, `rs` apart).
+fn a_frags(name: &str, ptr: &str, r0: &str, n: usize, width: usize, rs: usize) -> String {
     format!(
         r#"  unsigned {name}[{w16}][4];
   #pragma unroll
   for (int kk = 0; kk < {w16}; ++kk) {{
     const int c = kk * 16 + t4 * 2;
-    {name}[kk][0] = frag({ptr}, {r0}, {n}, {width}, c);
-    {name}[kk][1] = frag({ptr}, {r0} + 8, {n}, {width}, c);
-    {name}[kk][2] = frag({ptr}, {r0}, {n}, {width}, c + 8);
-    {name}[kk][3] = frag({ptr}, {r0} + 8, {n}, {width}, c + 8);
+    {name}[kk][0] = frag({ptr}, {r0}, {n}, {rs}, c);
+    {name}[kk][1] = frag({ptr}, {r0} + 8, {n}, {rs}, c);
+    {name}[kk][2] = frag({ptr}, {r0}, {n}, {rs}, c + 8);
+    {name}[kk][3] = frag({ptr}, {r0} + 8, {n}, {rs}, c + 8);
   }}
 "#,
         w16 = width / 16
@@ -685,14 +734,22 @@ fn zeros(name: &str, n: usize) -> String {
     )
 }
 
-/// Stores `acc[width/8][4]` (times `scale`) as rows `r0`/`r0 + 8` of `ptr` (n rows).
-fn store_rows(acc: &str, ptr: &str, r0: &str, n: usize, width: usize, scale: f32) -> String {
+/// Stores `acc[width/8][4]` (times `scale`) as rows `r0`/`r0 + 8` of `ptr` (n rows, `rs` apart).
+fn store_rows(
+    acc: &str,
+    ptr: &str,
+    r0: &str,
+    n: usize,
+    width: usize,
+    rs: usize,
+    scale: f32,
+) -> String {
     format!(
         r#"  #pragma unroll
   for (int n = 0; n < {w8}; ++n) {{
     const int c = n * 8 + t4 * 2;
-    if ({r0} < {n}) *(unsigned*)({ptr} + (long long)({r0}) * {width} + c) = pack({acc}[n][0] * {scale:?}f, {acc}[n][1] * {scale:?}f);
-    if ({r0} + 8 < {n}) *(unsigned*)({ptr} + (long long)({r0} + 8) * {width} + c) = pack({acc}[n][2] * {scale:?}f, {acc}[n][3] * {scale:?}f);
+    if ({r0} < {n}) *(unsigned*)({ptr} + (long long)({r0}) * {rs} + c) = pack({acc}[n][0] * {scale:?}f, {acc}[n][1] * {scale:?}f);
+    if ({r0} + 8 < {n}) *(unsigned*)({ptr} + (long long)({r0} + 8) * {rs} + c) = pack({acc}[n][2] * {scale:?}f, {acc}[n][3] * {scale:?}f);
   }}
 "#,
         w8 = width / 8
@@ -703,11 +760,15 @@ fn store_rows(acc: &str, ptr: &str, r0: &str, n: usize, width: usize, scale: f32
 fn head_pointers(sp: &Spec) -> String {
     let (sq, sk, d, dv) = (sp.sq, sp.sk, sp.d, sp.dv);
     format!(
-        r#"  const unsigned short* qp = (const unsigned short*)q + bh * {sq}LL * {d}LL;
-  const unsigned short* kp = (const unsigned short*)k + bh * {sk}LL * {d}LL;
-  const unsigned short* vp = (const unsigned short*)v + bh * {sk}LL * {dv}LL;
-  const unsigned short* gp = (const unsigned short*)dout + bh * {sq}LL * {dv}LL;
-"#
+        r#"  const unsigned short* qp = (const unsigned short*)q + {};
+  const unsigned short* kp = (const unsigned short*)k + {};
+  const unsigned short* vp = (const unsigned short*)v + {};
+  const unsigned short* gp = (const unsigned short*)dout + {};
+"#,
+        sp.head(sq, d),
+        sp.head(sk, d),
+        sp.head(sk, dv),
+        sp.head(sq, dv)
     )
 }
 
@@ -715,6 +776,7 @@ fn head_pointers(sp: &Spec) -> String {
 fn grad_q(sp: &Spec) -> String {
     let (sq, sk, d, dv) = (sp.sq, sp.sk, sp.d, sp.dv);
     let (ks, vs) = (d + 8, dv + 8);
+    let (krs, vrs) = (sp.stride(d), sp.stride(dv));
     let qt = sq.div_ceil(BR);
     let sl2 = (sp.scale * std::f64::consts::LOG2_E) as f32;
     let mask = sp.mask.clone().unwrap_or_default();
@@ -732,8 +794,8 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
         ptrs = head_pointers(sp),
         tiles = sp.tiles(sq)
     );
-    c += &a_frags("qa", "qp", "i0", sq, d);
-    c += &a_frags("ga", "gp", "i0", sq, dv);
+    c += &a_frags("qa", "qp", "i0", sq, d, sp.stride(d));
+    c += &a_frags("ga", "gp", "i0", sq, dv, sp.stride(dv));
     c += &format!(
         r#"  const float lse0 = i0 < {sq} ? lse[bh * {sq}LL + i0] : RT_POS_INF;
   const float lse1 = i1 < {sq} ? lse[bh * {sq}LL + i1] : RT_POS_INF;
@@ -746,8 +808,8 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
     c += &zeros("acc", d / 8);
     c += &format!(
         r#"  for (int j = 0; j < ntiles; ++j) {{
-    load_tile(kp, ks_base, j, {d}, {ks}, {sk});
-    load_tile(vp, vs_base, j, {dv}, {vs}, {sk});
+    load_tile(kp, ks_base, j, {d}, {ks}, {sk}, {krs});
+    load_tile(vp, vs_base, j, {dv}, {vs}, {sk}, {vrs});
     asm volatile("cp.async.wait_group 0;");
     __syncthreads();
 "#
@@ -777,9 +839,11 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
     );
     c += &mma_pb("acc", "s", "ks_base", ks, d);
     c += "    __syncthreads();\n  }\n";
-    c += "  unsigned short* op = (unsigned short*)out + bh * ";
-    c += &format!("{sq}LL * {d}LL;\n");
-    c += &store_rows("acc", "op", "i0", sq, d, sp.scale as f32);
+    c += &format!(
+        "  unsigned short* op = (unsigned short*)out + {};\n",
+        sp.head(sq, d)
+    );
+    c += &store_rows("acc", "op", "i0", sq, d, sp.stride(d), sp.scale as f32);
     c += "}\n";
     c
 }
@@ -788,6 +852,7 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
 fn grad_kv(sp: &Spec, wrt_k: bool) -> String {
     let (sq, sk, d, dv) = (sp.sq, sp.sk, sp.d, sp.dv);
     let (qs, gs) = (d + 8, dv + 8);
+    let (qrs, grs) = (sp.stride(d), sp.stride(dv));
     let (qt, kt) = (sq.div_ceil(BR), sk.div_ceil(BC));
     let sl2 = (sp.scale * std::f64::consts::LOG2_E) as f32;
     let mask = sp.mask.clone().unwrap_or_default();
@@ -812,17 +877,17 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
         ptrs = head_pointers(sp),
         tiles = sp.tiles(sk)
     );
-    c += &a_frags("ka", "kp", "j0", sk, d);
+    c += &a_frags("ka", "kp", "j0", sk, d, sp.stride(d));
     if wrt_k {
-        c += &a_frags("va", "vp", "j0", sk, dv);
+        c += &a_frags("va", "vp", "j0", sk, dv, sp.stride(dv));
     }
     let width = if wrt_k { d } else { dv };
     c += &zeros("acc", width / 8);
     c += &format!(
         r#"  const int it0 = ({first}) / 64;
   for (int it = it0; it < {qt}; ++it) {{
-    load_tile(qp, qs_base, it, {d}, {qs}, {sq});
-    load_tile(gp, gs_base, it, {dv}, {gs}, {sq});
+    load_tile(qp, qs_base, it, {d}, {qs}, {sq}, {qrs});
+    load_tile(gp, gs_base, it, {dv}, {gs}, {sq}, {grs});
     if (tid < 64) {{
       const int i = it * 64 + tid;
       ls[tid] = i < {sq} ? lse[bh * {sq}LL + i] : RT_POS_INF;
@@ -869,9 +934,12 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
         c += &mma_pb("acc", "s", "gs_base", gs, dv);
     }
     c += "    __syncthreads();\n  }\n";
-    c += &format!("  unsigned short* op = (unsigned short*)out + bh * {sk}LL * {width}LL;\n");
+    c += &format!(
+        "  unsigned short* op = (unsigned short*)out + {};\n",
+        sp.head(sk, width)
+    );
     let scale = if wrt_k { sp.scale as f32 } else { 1.0 };
-    c += &store_rows("acc", "op", "j0", sk, width, scale);
+    c += &store_rows("acc", "op", "j0", sk, width, sp.stride(width), scale);
     c += "}\n";
     c
 }

@@ -87,7 +87,8 @@ type Result<T, E = InterpError> = std::result::Result<T, E>;
 
 /// Runs the launches of one step on the host, as a GPU would: `inputs` bind to
 /// [`ArgRef::Input`]`(i)`, the output buffer (of type `out`) to [`ArgRef::Output`], a scratch
-/// buffer of `step.scratch_bytes` bytes to [`ArgRef::Scratch`]. The output and scratch buffers
+/// buffer of `step.scratch_bytes` bytes to [`ArgRef::Scratch`] (and each [`ArgRef::ScratchAt`]
+/// offset to a region of its own, from there to the end). The output and scratch buffers
 /// start filled with [`POISON`] bytes so that elements a kernel forgets to write show up; when
 /// `out_init` is `Some`, the output starts as a copy of that tensor instead. A bool output byte
 /// other than 0 or 1 (one no kernel wrote) is an error.
@@ -125,6 +126,7 @@ pub fn run_step(
     let (out_buf, scratch_buf) = (bufs.len(), bufs.len() + 1);
     bufs.push(out_bytes);
     bufs.push(vec![POISON; step.scratch_bytes]);
+    let mut regions = std::collections::HashMap::new();
     for launch in &step.launches {
         let k = &launch.kernel;
         if launch.args.len() != k.params.len() {
@@ -154,15 +156,25 @@ pub fn run_step(
                     (i, Some(t.dtype()))
                 }
                 ArgRef::Output => (out_buf, Some(out.dtype)),
-                ArgRef::Scratch => (scratch_buf, None),
-                ArgRef::ScratchAt(_) => {
-                    return Err(invalid(
-                        k,
-                        format!(
-                            "parameter `{}` binds a scratch offset, which only library steps use",
-                            p.name
-                        ),
-                    ))
+                ArgRef::Scratch | ArgRef::ScratchAt(0) => (scratch_buf, None),
+                // Each offset is a region of its own from there to the scratch's end: steps
+                // place disjoint values at distinct offsets (a kernel reaching past its region
+                // into the next is not modelled).
+                ArgRef::ScratchAt(off) => {
+                    let Some(len) = step.scratch_bytes.checked_sub(off) else {
+                        return Err(invalid(
+                            k,
+                            format!(
+                                "parameter `{}` binds scratch offset {off} of a {}-byte scratch",
+                                p.name, step.scratch_bytes
+                            ),
+                        ));
+                    };
+                    let at = *regions.entry(off).or_insert_with(|| {
+                        bufs.push(vec![POISON; len]);
+                        bufs.len() - 1
+                    });
+                    (at, None)
                 }
             };
             if let Some(d) = want {
@@ -181,7 +193,7 @@ pub fn run_step(
         let prog = compile(k)?;
         execute(&prog, launch.grid, &mut bufs, &map)?;
     }
-    let bytes = bufs.swap_remove(out_buf);
+    let bytes = std::mem::take(&mut bufs[out_buf]);
     let data = from_bytes(&bytes, out.dtype).map_err(|i| {
         step_err(format!(
             "bool output element {i} was never written (byte {:#04x})",

@@ -25,7 +25,7 @@ pub use sparse::SpmmDesc;
 
 use crate::{CodegenError, Result};
 use ir::Kernel;
-use rustytorch_ops::{Op, TensorType};
+use rustytorch_ops::{AttnLayout, Op, TensorType};
 
 /// Upper bound of blocks in a grid-stride launch (enough to fill any current GPU many times).
 pub const MAX_GRID: u64 = 65_535;
@@ -261,6 +261,14 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         Op::Pool { .. } | Op::PoolGrad { .. } => {
             pool::lower(op, inputs, out).map(CudaStep::Kernels)
         }
+        Op::Attention {
+            layout: AttnLayout::Bshd,
+            ..
+        }
+        | Op::AttentionGrad {
+            layout: AttnLayout::Bshd,
+            ..
+        } if !flash::supported(inputs) => attention::lower_bshd(op, inputs, out),
         Op::AttentionGrad { .. } if flash::supported(inputs) => {
             flash::lower_grad(op, inputs, out).map(CudaStep::Kernels)
         }

@@ -36,7 +36,9 @@
 
 use super::{build, last_axis_keep, single_axis_keep, Ctx, Rw};
 use egg::Id;
-use rustytorch_ops::{Activation, AttnMask, BinaryOp, Causal, DType, F64Bits, Op, UnaryOp};
+use rustytorch_ops::{
+    Activation, AttnLayout, AttnMask, BinaryOp, Causal, DType, F64Bits, Op, UnaryOp,
+};
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 /// Relative tolerance of matched multiplicative and additive constants (traced constants are
@@ -332,6 +334,7 @@ fn attention(cx: &mut Ctx<'_>, scale: Scale, mask: Mask) -> Option<Id> {
         causal,
         mask: kind,
         scale: F64Bits::new(s),
+        layout: AttnLayout::Bhsd,
     };
     cx.fuse(op, &ins)
 }
