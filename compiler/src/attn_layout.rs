@@ -98,11 +98,7 @@ pub fn attention_layout(graph: &Graph) -> Result<(Graph, AttnLayoutReport)> {
             };
         }
         debug_assert!(mask == AttnMask::None || inputs.len() > 3);
-        let mut op = node.op.clone();
-        if let Op::Attention { layout, .. } | Op::AttentionGrad { layout, .. } = &mut op {
-            *layout = AttnLayout::Bshd;
-        }
-        let a = g.add(op, &inputs)?;
+        let a = g.add(node.op.with_attn_layout(AttnLayout::Bshd), &inputs)?;
         if let Some(at) = g.location(id) {
             g.set_location(a, at);
         }

@@ -59,15 +59,6 @@ fn attrs(op: &Op) -> Result<Attrs> {
     }
 }
 
-/// The same op in the `[B,H,S,D]` layout.
-fn as_bhsd(op: &Op) -> Op {
-    let mut op = op.clone();
-    if let Op::Attention { layout, .. } | Op::AttentionGrad { layout, .. } = &mut op {
-        *layout = AttnLayout::Bhsd;
-    }
-    op
-}
-
 /// Output type.
 pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
     let Attrs {
@@ -302,7 +293,7 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
             .collect::<Result<Vec<_>>>()?;
         let refs: Vec<&HostTensor> = moved.iter().collect();
         let bhsd = TensorType::new(out.dtype, AttnLayout::Bshd.to_bhsd(out.shape.dims()));
-        let r = cpu(&as_bhsd(op), &refs, &bhsd)?;
+        let r = cpu(&op.with_attn_layout(AttnLayout::Bhsd), &refs, &bhsd)?;
         return crate::eval_cpu(&swap(), &[&r]);
     }
     // f32 forward attention of many small heads has a kernel of its own.

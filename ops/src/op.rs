@@ -775,6 +775,15 @@ fn deserialize_fused_row<'de, D: serde::Deserializer<'de>>(
 }
 
 impl Op {
+    /// This op with attention's layout set to `layout` (any other op unchanged).
+    pub fn with_attn_layout(&self, layout: AttnLayout) -> Op {
+        let mut op = self.clone();
+        if let Op::Attention { layout: l, .. } | Op::AttentionGrad { layout: l, .. } = &mut op {
+            *l = layout;
+        }
+        op
+    }
+
     /// The op's family name, as used in error messages and the IR text (`matmul`, `reduce_sum`...).
     pub fn name(&self) -> &'static str {
         crate::text::op_name(self)

@@ -487,11 +487,7 @@ fn second_order_is_an_error() {
 
 /// The same op in the `[B, S, H, D]` layout.
 fn bshd(op: &Op) -> Op {
-    let mut op = op.clone();
-    if let Op::Attention { layout, .. } | Op::AttentionGrad { layout, .. } = &mut op {
-        *layout = AttnLayout::Bshd;
-    }
-    op
+    op.with_attn_layout(AttnLayout::Bshd)
 }
 
 fn swap(t: &HostTensor) -> HostTensor {

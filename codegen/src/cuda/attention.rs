@@ -208,6 +208,12 @@ fn checked(
             )))
         }
     };
+    check_result(op, inputs, out)?;
+    Ok((out.shape.numel() > 0).then_some((causal, mask, scale, wrt)))
+}
+
+/// Checks `out` against the type inferred for `op` over `inputs`.
+pub(super) fn check_result(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<()> {
     let want = rustytorch_ops::infer(op, inputs)?;
     if &want != out {
         return Err(CodegenError::Invalid(format!(
@@ -215,7 +221,7 @@ fn checked(
             op.name()
         )));
     }
-    Ok((out.shape.numel() > 0).then_some((causal, mask, scale, wrt)))
+    Ok(())
 }
 
 /// Lowers attention (or a gradient) in the `[B,S,H,D]` layout for the implementations that read
@@ -236,13 +242,7 @@ pub fn lower_bshd(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
             )))
         }
     };
-    let want = rustytorch_ops::infer(op, inputs)?;
-    if &want != out {
-        return Err(CodegenError::Invalid(format!(
-            "{}: result type {out} does not match the inferred {want}",
-            op.name()
-        )));
-    }
+    check_result(op, inputs, out)?;
     let swap = |t: &TensorType| TensorType::new(t.dtype, AttnLayout::Bshd.to_bhsd(t.shape.dims()));
     let moved: Vec<bool> = (0..inputs.len()).map(|i| !(has_mask && i == 3)).collect();
     let bhsd: Vec<TensorType> = inputs

@@ -104,13 +104,7 @@ impl Spec {
                 )))
             }
         };
-        let want = rustytorch_ops::infer(op, inputs)?;
-        if &want != out {
-            return Err(crate::CodegenError::Invalid(format!(
-                "{}: result type {out} does not match the inferred {want}",
-                op.name()
-            )));
-        }
+        super::attention::check_result(op, inputs, out)?;
         if out.shape.numel() == 0 {
             return Ok(None);
         }
