@@ -199,5 +199,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         secs * 1e3 / args.steps.max(1) as f64,
         (args.steps * b * s) as f64 / secs
     );
+    // f16 autocast trains with dynamic loss scaling (bf16 needs none).
+    if let Some(ls) = exe.loss_scale() {
+        println!(
+            "loss scale {} ({} steps skipped on non-finite gradients)",
+            ls.scale, ls.skipped
+        );
+    }
     Ok(())
 }
