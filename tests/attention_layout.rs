@@ -68,6 +68,14 @@ fn run_passes(graph: &Graph, autocast: Option<DType>, on: bool) -> passes::Compi
     .unwrap()
 }
 
+/// Live `cast` nodes.
+fn casts(g: &Graph) -> usize {
+    g.live_order()
+        .into_iter()
+        .filter(|&id| matches!(g.node(id).unwrap().op, Op::Cast { .. }))
+        .count()
+}
+
 /// Live `permute` nodes and attention ops in each layout.
 fn census(g: &Graph) -> (usize, usize, usize) {
     let (mut permutes, mut bhsd, mut bshd) = (0, 0, 0);
@@ -109,6 +117,13 @@ fn transposes_around_attention_disappear() {
             assert_eq!(r.rewritten, ops, "{what} {autocast:?}");
             assert_eq!(census(&on.graph), (0, 0, ops), "{what} {autocast:?}");
             assert_eq!(r.transposes_removed, p_off, "{what} {autocast:?}");
+            // The casts move below the transposes without multiplying (one per operand
+            // however many attention ops read it).
+            assert_eq!(
+                casts(&on.graph),
+                casts(&off.graph),
+                "{what} {autocast:?}: casts"
+            );
         }
     }
 }

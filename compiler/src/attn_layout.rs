@@ -22,7 +22,8 @@
 
 use crate::graph::{Graph, NodeId};
 use crate::Result;
-use rustytorch_ops::{AttnLayout, AttnMask, Op};
+use rustytorch_ops::{AttnLayout, Op};
+use std::collections::HashMap;
 
 /// The transpose between `[B, S, H, D]` and `[B, H, S, D]` (its own inverse).
 const SWAP: [usize; 4] = [0, 2, 1, 3];
@@ -56,25 +57,41 @@ fn untransposed(g: &Graph, v: NodeId) -> Option<(NodeId, Option<Op>)> {
     None
 }
 
+/// `x` with `cast` applied: one cast node per (tensor, cast), however many ops read it (an
+/// attention and its three gradients read the same operands).
+fn cast_of(
+    g: &mut Graph,
+    casts: &mut HashMap<(NodeId, Op), NodeId>,
+    x: NodeId,
+    cast: Option<Op>,
+) -> Result<NodeId> {
+    let Some(c) = cast else { return Ok(x) };
+    if let Some(&n) = casts.get(&(x, c.clone())) {
+        return Ok(n);
+    }
+    let n = g.add(c.clone(), &[x])?;
+    casts.insert((x, c), n);
+    Ok(n)
+}
+
 /// Rewrites attention over transposed heads into the `[B, S, H, D]` layout (see the module
 /// docs).
 pub fn attention_layout(graph: &Graph) -> Result<(Graph, AttnLayoutReport)> {
     let mut g = graph.clone();
     let mut report = AttnLayoutReport::default();
     let before = count_swaps(&g);
+    let mut casts = HashMap::new();
     for id in g.topo_order()? {
         let node = g.node(id)?.clone();
-        let (mask, is_grad) = match &node.op {
+        let is_grad = match &node.op {
             Op::Attention {
-                mask,
                 layout: AttnLayout::Bhsd,
                 ..
-            } => (*mask, false),
+            } => false,
             Op::AttentionGrad {
-                mask,
                 layout: AttnLayout::Bhsd,
                 ..
-            } => (*mask, true),
+            } => true,
             _ => continue,
         };
         // q, k, v and (for a gradient) grad_out; the mask stays as it is.
@@ -92,12 +109,8 @@ pub fn attention_layout(graph: &Graph) -> Result<(Graph, AttnLayoutReport)> {
         let mut inputs = node.inputs.clone();
         for (&i, f) in operands.iter().zip(found) {
             let (x, cast) = f.expect("checked above");
-            inputs[i] = match cast {
-                Some(c) => g.add(c, &[x])?,
-                None => x,
-            };
+            inputs[i] = cast_of(&mut g, &mut casts, x, cast)?;
         }
-        debug_assert!(mask == AttnMask::None || inputs.len() > 3);
         let a = g.add(node.op.with_attn_layout(AttnLayout::Bshd), &inputs)?;
         if let Some(at) = g.location(id) {
             g.set_location(a, at);
@@ -112,7 +125,7 @@ pub fn attention_layout(graph: &Graph) -> Result<(Graph, AttnLayoutReport)> {
         report.rewritten += 1;
     }
     if report.rewritten > 0 {
-        cancel_transposes(&mut g)?;
+        cancel_transposes(&mut g, &mut casts)?;
         g.remove_dead();
     }
     report.transposes_removed = before.saturating_sub(count_swaps(&g));
@@ -128,7 +141,7 @@ fn count_swaps(g: &Graph) -> usize {
 }
 
 /// `permute(permute(x))` ⇒ `x` and `permute(cast(permute(x)))` ⇒ `cast(x)` for the swap.
-fn cancel_transposes(g: &mut Graph) -> Result<()> {
+fn cancel_transposes(g: &mut Graph, casts: &mut HashMap<(NodeId, Op), NodeId>) -> Result<()> {
     for id in g.topo_order()? {
         let node = g.node(id)?.clone();
         if !is_swap(&node.op) {
@@ -137,10 +150,7 @@ fn cancel_transposes(g: &mut Graph) -> Result<()> {
         let Some((x, cast)) = untransposed(g, node.inputs[0]) else {
             continue;
         };
-        let new = match cast {
-            Some(c) => g.add(c, &[x])?,
-            None => x,
-        };
+        let new = cast_of(g, casts, x, cast)?;
         g.replace_uses(id, new);
     }
     Ok(())

@@ -229,12 +229,9 @@ pub(super) fn check_result(op: &Op, inputs: &[&TensorType], out: &TensorType) ->
 /// step's scratch, the `[B,H,S,D]` op runs there, and its result is transposed into the output.
 /// The inner step's own scratch comes first, so its offsets stay as they are.
 pub fn lower_bshd(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaStep> {
-    let mut inner = op.clone();
-    let has_mask = match &mut inner {
-        Op::Attention { layout, mask, .. } | Op::AttentionGrad { layout, mask, .. } => {
-            *layout = AttnLayout::Bhsd;
-            *mask != AttnMask::None
-        }
+    let inner = op.with_attn_layout(AttnLayout::Bhsd);
+    let has_mask = match op {
+        Op::Attention { mask, .. } | Op::AttentionGrad { mask, .. } => *mask != AttnMask::None,
         _ => {
             return Err(CodegenError::Invalid(format!(
                 "{} is not attention",
