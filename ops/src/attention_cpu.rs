@@ -118,61 +118,20 @@ fn heads_block(geo: &Geo<'_>, first: usize, q: &[f32], k: &[f32], v: &[f32], o: 
     }
 }
 
-/// Lets the head's loops compile for the widest vector unit the CPU has.
-fn head(
-    geo: &Geo<'_>,
-    bh: usize,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    o: &mut [f32],
-    kt: &mut [f32],
-    p: &mut [f32],
-) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")]
-        fn v4(
-            geo: &Geo<'_>,
-            bh: usize,
-            q: &[f32],
-            k: &[f32],
-            v: &[f32],
-            o: &mut [f32],
-            kt: &mut [f32],
-            p: &mut [f32],
-        ) {
-            head_body(geo, bh, q, k, v, o, kt, p)
-        }
-        #[target_feature(enable = "avx2,fma")]
-        fn v3(
-            geo: &Geo<'_>,
-            bh: usize,
-            q: &[f32],
-            k: &[f32],
-            v: &[f32],
-            o: &mut [f32],
-            kt: &mut [f32],
-            p: &mut [f32],
-        ) {
-            head_body(geo, bh, q, k, v, o, kt, p)
-        }
-        if std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512dq")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512vl")
-            && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU has every feature `v4` enables.
-            return unsafe { v4(geo, bh, q, k, v, o, kt, p) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU has every feature `v3` enables.
-            return unsafe { v3(geo, bh, q, k, v, o, kt, p) };
-        }
+crate::vmath::dispatch! {
+    /// Lets the head's loops compile for the widest vector unit the CPU has.
+    fn head(
+        geo: &Geo<'_>,
+        bh: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        o: &mut [f32],
+        kt: &mut [f32],
+        p: &mut [f32]
+    ) {
+        head_body(geo, bh, q, k, v, o, kt, p)
     }
-    head_body(geo, bh, q, k, v, o, kt, p)
 }
 
 /// One head: `o [Sq, Dv] = softmax(scale·q·kᵀ + mask) · v`.

@@ -181,6 +181,7 @@ macro_rules! dispatch {
         }
     };
 }
+pub(crate) use dispatch;
 
 /// A vectorized f32 function [`map`] and [`bias_act`] apply.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
