@@ -18,7 +18,7 @@ use super::ir::*;
 use super::{finish, grid_for, ArgRef, Launch, MAX_GRID};
 use crate::{CodegenError, Result};
 use rustytorch_compiler::layout::ChannelsLast;
-use rustytorch_ops::{ConvGeom, DType, Layout, Op, PoolKind, TensorType};
+use rustytorch_ops::{Activation, ConvGeom, DType, Layout, Op, PoolKind, TensorType};
 
 /// When the compiler should make convolution stacks channels-last for CUDA: f16/bf16 with
 /// channel counts that tensor-core kernels take (multiples of 8), 2-D and 3-D (1-D convolutions
@@ -92,6 +92,8 @@ pub struct DnnDesc {
     /// cuDNN adds a bias `[K]` (operand 2) to the convolution's output (channels-last steps add
     /// it in their transpose back instead, and clear this).
     pub bias: bool,
+    /// Activation applied after the bias (convolution forward only; `None` elsewhere).
+    pub act: Activation,
     /// Pooling mode and window (pooling only).
     pub pool: Option<(DnnPoolMode, Vec<i32>)>,
     /// Channels-last: x, w and y are NHWC (NDHWC; filters KRSC): the op's own operands when its
@@ -445,6 +447,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<DnnDes
                 dilation,
                 groups: *groups as i32,
                 bias: matches!(op, Op::Conv { bias: true, .. }),
+                act: Activation::None,
                 pool: None,
                 nhwc: geom.layout == Layout::ChannelsLast,
                 x_at,
@@ -489,6 +492,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<DnnDes
                 dilation,
                 groups: 1,
                 bias: false,
+                act: Activation::None,
                 pool: Some((mode, lift_spatial(op, kernel, 1)?)),
                 // Pooling reads its operands and writes its output directly (NHWC descriptors
                 // when its layout is channels-last).
