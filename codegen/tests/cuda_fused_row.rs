@@ -410,3 +410,51 @@ fn fused_sum_of_products_kernel_source() {
     assert_eq!(step.launches.len(), 1);
     insta::assert_snapshot!(cuda::source(&step.launches[0].kernel).unwrap());
 }
+
+#[test]
+fn reductions_over_whole_vectors_are_one_pass() {
+    // sum(x · y), and max(x + bias) · 2 + c with c per row (broadcast over the leading dim),
+    // over a last axis of whole 16-byte vectors: the one-pass row kernel, kept dims or not.
+    for dt in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+        let d = 96 * (16 / dt.size_bytes());
+        let dims = [2usize, 3, d];
+        let x = ty(dt, &dims);
+        let mul = FusedKernel {
+            n_inputs: 2,
+            instrs: vec![bin(BinaryOp::Mul, 0, 1, dt)],
+            out: x.clone(),
+        };
+        let a = rand(dt, &dims, 30);
+        let b = rand(dt, &dims, 31);
+        for keep_dims in [false, true] {
+            let sum = Op::Reduce {
+                kind: ReduceKind::Sum,
+                axes: vec![2],
+                keep_dims,
+            };
+            let what = format!("{dt} sum(x*y) keep {keep_dims}");
+            let step = check(&row(sum, Some(mul.clone()), None), &[&a, &b], &what);
+            assert!(fused_reduction(&step, 1), "{what}");
+            assert!(step.launches[0].kernel.name.contains("_rows_"), "{what}");
+            let bias = rand(dt, &[d], 32);
+            let (out, per_row) = if keep_dims {
+                (ty(dt, &[2, 3, 1]), rand(dt, &[3, 1], 33))
+            } else {
+                (ty(dt, &[2, 3]), rand(dt, &[3], 33))
+            };
+            let max = Op::Reduce {
+                kind: ReduceKind::Max,
+                axes: vec![2],
+                keep_dims,
+            };
+            let what = format!("{dt} max(x + b) * 2 + c keep {keep_dims}");
+            let step = check(
+                &row(max, Some(add2(x.clone())), Some(scale_add(out, 2.0))),
+                &[&a, &bias, &per_row],
+                &what,
+            );
+            assert!(fused_reduction(&step, 1), "{what}");
+            assert!(step.launches[0].kernel.name.contains("_rows_"), "{what}");
+        }
+    }
+}

@@ -675,3 +675,65 @@ fn snapshot_bf16_rows_4096() {
     let src = snapshot_source(&Op::Softmax { axis: 1 }, &[x]);
     insta::assert_snapshot!("softmax_bf16_4096", src);
 }
+
+#[test]
+fn one_pass_reductions() {
+    // Float sums, means, maxima and minima over a contiguous last axis whose rows fit in
+    // registers read each row once in 16-byte vectors (the row kernels); kept dims or not.
+    for dt in FLOATS {
+        let w = 16 / dt.size_bytes();
+        for (k, &(nv, count)) in [(1, 3), (96, 5), (100, 2), (300, 3), (1024, 1)]
+            .iter()
+            .enumerate()
+        {
+            let d = nv * w;
+            let x = rand(dt, &[count, 2, d], 40 + k as u64, -2.0, 2.0);
+            for kind in [
+                ReduceKind::Sum,
+                ReduceKind::Mean,
+                ReduceKind::Max,
+                ReduceKind::Min,
+            ] {
+                for keep in [false, true] {
+                    let op = red(kind, &[2], keep);
+                    // Long f32 sums cancel: a few ulps of the partials show up relative to the
+                    // small total, as in the two-stage test.
+                    let tol = if dt == DType::F32 {
+                        1e-4
+                    } else {
+                        tolerance(dt)
+                    };
+                    let step = check_tol(&op, &[&x], tol);
+                    let name = &step.launches[0].kernel.name;
+                    assert!(
+                        name.contains("_rows_"),
+                        "{op:?} {dt} [{count}, {d}]: {name}"
+                    );
+                }
+            }
+        }
+    }
+    // NaN and infinities propagate as in the general kernels.
+    let d = 4 * 50;
+    let mut v = rand(DType::F32, &[4, d], 45, -1.0, 1.0).to_f64_vec();
+    v[3] = f64::NAN;
+    v[d + 7] = f64::INFINITY;
+    v[2 * d + 9] = f64::NEG_INFINITY;
+    let x = HostTensor::from_f64_slice(&ty(DType::F32, &[4, d]), &v).unwrap();
+    for kind in [
+        ReduceKind::Max,
+        ReduceKind::Min,
+        ReduceKind::Sum,
+        ReduceKind::Mean,
+    ] {
+        let step = check(&red(kind, &[1], false), &[&x]);
+        assert!(step.launches[0].kernel.name.contains("_rows_"));
+    }
+    // Products, integers and rows that are not whole vectors keep the general kernels.
+    let x = rand(DType::F32, &[4, 4 * 97 + 1], 46, -1.0, 1.0);
+    let step = check(&red(ReduceKind::Sum, &[1], false), &[&x]);
+    assert!(!step.launches[0].kernel.name.contains("_rows_"));
+    let x = rand(DType::F32, &[4, 64], 47, 0.5, 1.5);
+    let step = check(&red(ReduceKind::Prod, &[1], false), &[&x]);
+    assert!(!step.launches[0].kernel.name.contains("_rows_"));
+}

@@ -58,7 +58,16 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
     }
     let x = inputs[0];
     match op {
-        Op::Reduce { kind, axes, .. } => reduce(*kind, axes, x, out),
+        Op::Reduce { kind, axes, .. } => {
+            // A float reduction over a contiguous last axis whose rows fit in registers: the
+            // one-pass row kernel (16-byte loads).
+            if axes.as_slice() == [x.shape.rank().wrapping_sub(1)] {
+                if let Some(step) = rows::lower_reduce(*kind, x, out)? {
+                    return Ok(step);
+                }
+            }
+            reduce(*kind, axes, x, out)
+        }
         Op::ArgReduce { kind, axis, .. } => arg_reduce(op, *kind, *axis, x),
         Op::Softmax { axis } => softmax(*axis, false, x),
         Op::LogSoftmax { axis } => softmax(*axis, true, x),

@@ -24,7 +24,7 @@ use super::ir::{
 use super::{elementwise, reduce};
 use super::{finish, grid_for, ArgRef, Launch, StepKernels};
 use crate::Result;
-use rustytorch_ops::{DType, FusedKernel, Op, RowFusion, Shape, TensorType};
+use rustytorch_ops::{DType, FusedKernel, Op, ReduceKind, RowFusion, Shape, TensorType};
 
 /// Vectors a thread holds at most (32 values of bf16/f16, 16 of f32, 8 of f64).
 pub const MAX_VECTORS: usize = 4;
@@ -58,6 +58,8 @@ pub enum RowOp {
         /// Whether a weight is given.
         weight: bool,
     },
+    /// A float sum, mean, max or min of each row: one result per row.
+    Reduce(ReduceKind),
 }
 
 /// The thread geometry of rows of `d` elements of `x`'s dtype: (elements per vector, vectors per
@@ -368,20 +370,44 @@ pub fn lower_fused(
             eps: eps.get(),
             weight: *weight,
         },
+        Op::Reduce { kind, axes, .. } if axes.as_slice() == [rank.wrapping_sub(1)] => {
+            match reduce_row_op(*kind) {
+                Some(op) => op,
+                None => return Ok(None),
+            }
+        }
         _ => return Ok(None),
     };
-    if rank == 0 || !out.dtype.is_float() || out.shape != x.shape {
+    let reduces = matches!(op, RowOp::Reduce(_));
+    if rank == 0
+        || !out.dtype.is_float()
+        || (!reduces && out.shape != x.shape)
+        || (reduces && out.shape.numel() * x.shape.dims()[rank - 1] != x.shape.numel())
+    {
         return Ok(None);
     }
     let (pro, _, epi) = r.split(inputs);
+    // A reduction's results are one per row: its epilogue's operands broadcast over the rows
+    // with a last dim of 1 (the result's shape, kept dims or not, with a trailing 1).
+    let lead = &x.shape.dims()[..rank - 1];
+    let kept = Shape::new([lead, &[1]].concat());
+    let trailing_one =
+        |t: &TensorType| TensorType::new(t.dtype, Shape::new([t.shape.dims(), &[1]].concat()));
     let operands = |tys: &[&TensorType], tag: &str, skip: usize| -> Option<Vec<Option<Operand>>> {
         let mut v: Vec<Option<Operand>> = (0..skip).map(|_| None).collect();
         for (i, t) in tys.iter().enumerate() {
-            v.push(Some(Operand::new(
-                format!("{tag}{}", i + skip),
-                t,
-                &x.shape,
-            )?));
+            let name = format!("{tag}{}", i + skip);
+            v.push(Some(if reduces && tag == "q" {
+                // Operands of a kept-dims result already end in 1; a trailing 1 more is harmless
+                // only when the result dropped the dim, so add it then.
+                if out.shape.rank() == rank {
+                    Operand::new(name, t, &kept)?
+                } else {
+                    Operand::new(name, &trailing_one(t), &kept)?
+                }
+            } else {
+                Operand::new(name, t, &x.shape)?
+            }));
         }
         Some(v)
     };
@@ -571,11 +597,42 @@ fn lower_with(
                 }),
             )
         }
+        RowOp::Reduce(kind) => {
+            let (f, fill) = match kind {
+                ReduceKind::Max => (BinFn::Max, fc(f64::NEG_INFINITY, ct)),
+                ReduceKind::Min => (BinFn::Min, fc(f64::INFINITY, ct)),
+                _ => (BinFn::Add, lit(0.0, ct)),
+            };
+            let vals = r.each(|x| x, fill);
+            body.extend(r.combine("s", f, vals));
+            (vec![], Box::new(|x, _, _| x))
+        }
     };
+    let ye = CTy::storage(out.dtype);
+    if let RowOp::Reduce(kind) = op {
+        // One result per row, stored by the row's first thread (through the epilogue).
+        let mut y = var("s");
+        if kind == ReduceKind::Mean {
+            y = div(y, fc(d as f64, ct));
+        }
+        let mut s = Vec::new();
+        if let Some(io) = epi {
+            s.push(let_("c0", ct, round_to(y, ct, e)));
+            let (val, cc) = io.value(&mut s, "e", 0, 0, Some(var("c0")))?;
+            let yc = ye.compute_of();
+            y = if cc == yc {
+                val
+            } else {
+                super::ir::cast(yc, val)
+            };
+        }
+        s.push(store("y", ye, var("row"), y));
+        body.push(if_(bin(BinFn::Eq, var("lane"), i64c(0)), s));
+    }
     // The results, one vector store each (weights and biases loaded beside them), through the
     // epilogue when there is one.
-    let ye = CTy::storage(out.dtype);
-    for j in 0..v {
+    let stores = if matches!(op, RowOp::Reduce(_)) { 0 } else { v };
+    for j in 0..stores {
         let mut s = Vec::new();
         for p in &params {
             let names = (0..w).map(|k| format!("{}{j}_{k}", p.name)).collect();
@@ -649,6 +706,10 @@ fn lower_with(
         RowOp::LogSoftmax => "log_softmax_rows",
         RowOp::LayerNorm { .. } => "layer_norm_rows",
         RowOp::RmsNorm { .. } => "rms_norm_rows",
+        RowOp::Reduce(ReduceKind::Sum) => "reduce_sum_rows",
+        RowOp::Reduce(ReduceKind::Mean) => "reduce_mean_rows",
+        RowOp::Reduce(ReduceKind::Max) => "reduce_max_rows",
+        RowOp::Reduce(_) => "reduce_min_rows",
     };
     let fused_prefix;
     let prefix = if pro.is_some() || epi.is_some() {
@@ -675,6 +736,31 @@ fn lower_with(
         launches: vec![Launch { kernel, args, grid }],
         scratch_bytes: 0,
     }))
+}
+
+/// The row op of a float reduction the one-pass kernels compute (sum, mean, max, min).
+fn reduce_row_op(kind: ReduceKind) -> Option<RowOp> {
+    matches!(
+        kind,
+        ReduceKind::Sum | ReduceKind::Mean | ReduceKind::Max | ReduceKind::Min
+    )
+    .then_some(RowOp::Reduce(kind))
+}
+
+/// The one-pass kernel of a float sum, mean, max or min of `x` over its last axis into `out`,
+/// or `None` when the rows are not [`eligible`] or the reduction is another kind.
+pub fn lower_reduce(
+    kind: ReduceKind,
+    x: &TensorType,
+    out: &TensorType,
+) -> Result<Option<StepKernels>> {
+    let Some(op) = reduce_row_op(kind) else {
+        return Ok(None);
+    };
+    if !out.dtype.is_float() {
+        return Ok(None);
+    }
+    lower_with(op, x, None, None, out)
 }
 
 /// The vector index of a thread's vector `j` in its row, `t` threads per row.
