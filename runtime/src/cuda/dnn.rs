@@ -7,16 +7,71 @@
 //! math type that algorithm was measured with is set on the descriptor. f32 runs in exact f32
 //! (FMA math, no TF32) unless `RUSTYTORCH_ALLOW_TF32=1`; f16/bf16 on tensor cores with f32
 //! accumulation; f64 in f64.
+//!
+//! Convolution forward in f16, bf16 and f32 also goes through cuDNN's graph API
+//! ([`super::dnn_graph`]): the plans of the engine configurations its heuristics propose are
+//! timed on scratch buffers of the step's sizes against the legacy algorithm (with the legacy bias
+//! add and activation when the step has them), and the fastest is kept, so the graph path never
+//! makes a step slower. With a bias or an activation ([`DnnDesc::act`]) the graph holds them as
+//! pointwise nodes after the convolution, which cuDNN's runtime-fusion engines run in the
+//! convolution's epilogue. `RUSTYTORCH_CUDNN_GRAPH=0` (read when a step is prepared) keeps the
+//! legacy path alone. The legacy path applies ReLU with `cudnnActivationForward`; it has no GELU,
+//! so a GELU step with no graph engine is refused (see [`fused_act_supported`]).
 
+use super::dnn_graph::{self, GraphPlan};
 use crate::{Result, RuntimeError};
 use cudarc::cudnn::{result as dn, sys};
+use cudarc::driver::{result as dr, sys as ds};
 use rustytorch_codegen::cuda::dnn::{DnnDesc, DnnKind, DnnPoolMode};
-use rustytorch_ops::DType;
+use rustytorch_codegen::CodegenError;
+use rustytorch_ops::{Activation, DType};
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The largest workspace a convolution algorithm may use.
 pub const WORKSPACE_LIMIT: usize = 1 << 30;
+
+/// Graph-API plans timed per convolution (the first ones the heuristics rank).
+const MAX_PLANS: usize = 12;
+/// Untimed runs before the timed ones, and timed runs, per candidate.
+const WARMUP_RUNS: usize = 2;
+const TIMED_RUNS: usize = 5;
+
+/// Whether convolution forward may use cuDNN's graph API (`RUSTYTORCH_CUDNN_GRAPH=0` turns it
+/// off, for A/B measurement); read when a step is prepared.
+pub fn graph_enabled() -> bool {
+    std::env::var("RUSTYTORCH_CUDNN_GRAPH").as_deref() != Ok("0")
+}
+
+/// How many convolution steps (since the process started) had graph-API plans timed against the
+/// legacy calls, and how many of them kept a graph plan.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Steps whose graph plans were timed.
+    pub timed: usize,
+    /// Of those, the steps that kept a graph plan.
+    pub graph_won: usize,
+}
+
+static TIMED: AtomicUsize = AtomicUsize::new(0);
+static GRAPH_WON: AtomicUsize = AtomicUsize::new(0);
+
+/// The counts of [`GraphStats`] so far.
+pub fn graph_stats() -> GraphStats {
+    GraphStats {
+        timed: TIMED.load(Ordering::Relaxed),
+        graph_won: GRAPH_WON.load(Ordering::Relaxed),
+    }
+}
+
+/// Whether every CUDA convolution forward step can apply activation `act` after its bias (on any
+/// cuDNN, with or without a graph engine for the fused pattern). A lowering should leave `act` on a
+/// [`DnnDesc`] only when this holds, and emit its own activation kernel after the step otherwise:
+/// GELU is applied by cuDNN only through graph engines, which a given shape may lack.
+pub fn fused_act_supported(act: Activation) -> bool {
+    matches!(act, Activation::None | Activation::Relu)
+}
 
 #[derive(Clone, Copy)]
 enum Algo {
@@ -33,7 +88,13 @@ struct Prepared {
     conv: Option<sys::cudnnConvolutionDescriptor_t>,
     pool: Option<sys::cudnnPoolingDescriptor_t>,
     bias: Option<sys::cudnnTensorDescriptor_t>,
+    /// The legacy activation applied after the bias (ReLU).
+    act: Option<sys::cudnnActivationDescriptor_t>,
+    /// Whether the legacy calls compute the whole step (false for an activation they lack).
+    legacy_ok: bool,
     algo: Algo,
+    /// The graph-API plan, when it measured faster than the legacy calls.
+    graph: Option<GraphPlan>,
     /// Bytes of scratch the call needs (workspace, or the recomputed forward result).
     scratch: usize,
 }
@@ -41,8 +102,9 @@ struct Prepared {
 /// cuDNN state of one device.
 pub struct Dnn {
     handle: sys::cudnnHandle_t,
-    /// Per descriptor (whether TF32 is allowed is fixed for the handle's life).
-    cache: HashMap<DnnDesc, Prepared>,
+    /// Per descriptor and whether the graph API may be used (whether TF32 is allowed is fixed
+    /// for the handle's life).
+    cache: HashMap<(DnnDesc, bool), Prepared>,
     tf32: bool,
 }
 
@@ -85,7 +147,7 @@ pub struct DnnPtrs {
 }
 
 /// Strides of `dims` (given in N, C, spatial order), row-major, or channels-last with `nhwc`.
-fn strides(dims: &[i32], nhwc: bool) -> Vec<i32> {
+pub(crate) fn strides(dims: &[i32], nhwc: bool) -> Vec<i32> {
     let mut s = vec![1i32; dims.len()];
     if nhwc && dims.len() > 2 {
         // Memory order N, spatial..., C.
@@ -164,10 +226,18 @@ impl Dnn {
     }
 
     /// Makes (once) the descriptors and algorithm of `d` and returns the scratch bytes its call
-    /// needs. Choosing the algorithm runs cuDNN's benchmark on the device's stream, so this must
-    /// not be called during stream capture.
-    pub(crate) fn prepare(&mut self, d: &DnnDesc, stream: sys::cudaStream_t) -> Result<usize> {
-        if !self.cache.contains_key(d) {
+    /// needs; `graph` lets a convolution forward use the graph API ([`graph_enabled`]), and
+    /// [`Dnn::run`] must be given the same. Choosing the algorithm runs cuDNN's benchmark on the
+    /// device's stream (on scratch buffers of its own), so this must not be called during stream
+    /// capture.
+    pub(crate) fn prepare(
+        &mut self,
+        d: &DnnDesc,
+        graph: bool,
+        stream: sys::cudaStream_t,
+    ) -> Result<usize> {
+        let key = (d.clone(), graph);
+        if !self.cache.contains_key(&key) {
             // SAFETY: the handle is live; the stream belongs to the device's context.
             unsafe { dn::set_stream(self.handle, stream) }.map_err(|e| err("set stream", e))?;
             let mut p = Prepared {
@@ -177,17 +247,145 @@ impl Dnn {
                 conv: None,
                 pool: None,
                 bias: None,
+                act: None,
+                legacy_ok: true,
                 algo: Algo::None,
+                graph: None,
                 scratch: 0,
             };
-            let made = self.make(d, &mut p);
+            let made = self.make(d, &mut p).and_then(|()| {
+                if graph && dnn_graph::covers(d) {
+                    self.choose_graph(d, &mut p, stream)
+                } else {
+                    Ok(())
+                }
+            });
+            let made = made.and_then(|()| {
+                if p.legacy_ok || p.graph.is_some() {
+                    Ok(())
+                } else {
+                    Err(RuntimeError::Codegen(CodegenError::Unsupported {
+                        op: "conv",
+                        device: "cuda",
+                        reason: format!(
+                            "cuDNN applies {:?} after a convolution only through a graph engine, \
+                             and none takes {d:?}: apply the activation in a kernel after the step",
+                            d.act
+                        ),
+                    }))
+                }
+            });
             if let Err(e) = made {
                 destroy(&p);
                 return Err(e);
             }
-            self.cache.insert(d.clone(), p);
+            self.cache.insert(key.clone(), p);
         }
-        Ok(self.cache[d].scratch)
+        Ok(self.cache[&key].scratch)
+    }
+
+    /// Times the graph-API plans of `d` against the legacy calls chosen by [`Dnn::make`] on
+    /// scratch buffers of the step's sizes, and keeps the fastest in `p`. A failure of the graph
+    /// path leaves the legacy calls in place.
+    fn choose_graph(&self, d: &DnnDesc, p: &mut Prepared, stream: sys::cudaStream_t) -> Result<()> {
+        let plans = match dnn_graph::plans(self.handle, d, self.tf32, MAX_PLANS) {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::debug!("cuDNN graph API refused {d:?}: {e}");
+                vec![]
+            }
+        };
+        if plans.is_empty() {
+            return Ok(());
+        }
+        match self.time_candidates(d, p, plans, stream) {
+            Ok(()) => Ok(()),
+            Err(e) if p.legacy_ok => {
+                tracing::debug!("cuDNN graph plans of {d:?} could not be timed: {e}");
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn time_candidates(
+        &self,
+        d: &DnnDesc,
+        p: &mut Prepared,
+        mut plans: Vec<GraphPlan>,
+        stream: sys::cudaStream_t,
+    ) -> Result<()> {
+        let el = d.dtype.size_bytes();
+        let count = |v: &[i32]| v.iter().map(|&x| x as usize).product::<usize>();
+        let ws = plans
+            .iter()
+            .map(|g| g.workspace)
+            .max()
+            .unwrap_or(0)
+            .max(p.scratch);
+        let bias_bytes = if d.bias { d.y[1] as usize * el } else { 0 };
+        let bufs = Buffers::new(
+            &[
+                count(&d.x) * el,
+                count(&d.w) * el,
+                count(&d.y) * el,
+                bias_bytes,
+                ws,
+            ],
+            d.dtype,
+            stream as ds::CUstream,
+        )?;
+        let [x, w, y, bias, workspace] = [0, 1, 2, 3, 4].map(|i| bufs.ptrs[i]);
+        let at = DnnPtrs {
+            x,
+            w,
+            y,
+            bias,
+            workspace,
+        };
+        let mut ptrs = vec![x, w, y];
+        if d.bias {
+            ptrs.push(bias);
+        }
+        let cu = stream as ds::CUstream;
+        let legacy = if p.legacy_ok {
+            time(cu, || legacy_forward(self.handle, d, p, &at)).ok()
+        } else {
+            None
+        };
+        let mut best: Option<(usize, f32)> = None;
+        for (i, g) in plans.iter_mut().enumerate() {
+            match time(cu, || g.execute(self.handle, &ptrs, workspace)) {
+                Ok(t) if best.is_none_or(|(_, b)| t < b) => best = Some((i, t)),
+                Ok(_) => {}
+                Err(e) => tracing::trace!("cuDNN engine {} failed on {d:?}: {e}", g.engine),
+            }
+        }
+        let Some((i, t)) = best else {
+            return Err(RuntimeError::Device(format!(
+                "cuDNN: no graph plan of {d:?} ran"
+            )));
+        };
+        let g = plans.swap_remove(i);
+        TIMED.fetch_add(1, Ordering::Relaxed);
+        if legacy.is_none_or(|l| t < l) {
+            GRAPH_WON.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(
+                "cuDNN {d:?}: graph engine {} ({t:.4} ms) over legacy {:?} ({legacy:?} ms)",
+                g.engine,
+                algo_name(p.algo)
+            );
+            // The legacy calls stay for pointers less aligned than the plan was made for.
+            p.scratch = p.scratch.max(g.workspace);
+            p.graph = Some(g);
+        } else {
+            tracing::debug!(
+                "cuDNN {d:?}: legacy {:?} ({legacy:?} ms) over graph engine {} ({t:.4} ms)",
+                algo_name(p.algo),
+                g.engine
+            );
+        }
+        Ok(())
     }
 
     fn make(&self, d: &DnnDesc, p: &mut Prepared) -> Result<()> {
@@ -276,6 +474,27 @@ impl Dnn {
             bd[1] = d.y[1];
             p.bias = Some(tensor(dt, &bd, false)?);
         }
+        if d.kind == DnnKind::ConvForward {
+            match d.act {
+                Activation::None => {}
+                Activation::Relu => {
+                    let a = dn::create_activation_descriptor()
+                        .map_err(|e| err("activation descriptor", e))?;
+                    p.act = Some(a);
+                    // SAFETY: `a` is live.
+                    unsafe {
+                        dn::set_activation_descriptor(
+                            a,
+                            sys::cudnnActivationMode_t::CUDNN_ACTIVATION_RELU,
+                            sys::cudnnNanPropagation_t::CUDNN_PROPAGATE_NAN,
+                            0.0,
+                        )
+                    }
+                    .map_err(|e| err("activation descriptor", e))?;
+                }
+                Activation::GeluErf | Activation::GeluTanh => p.legacy_ok = false,
+            }
+        }
         // Measure the algorithms; keep the fastest that succeeded within the workspace limit.
         const N: usize = 16;
         let mut count: c_int = 0;
@@ -343,16 +562,40 @@ impl Dnn {
         Ok(())
     }
 
-    /// Runs `d`, made by [`Dnn::prepare`] beforehand, on `stream` over the tensors at `at`.
-    pub(crate) fn run(&self, d: &DnnDesc, at: &DnnPtrs, stream: sys::cudaStream_t) -> Result<()> {
-        let p = self.cache.get(d).ok_or_else(|| {
+    /// Runs `d`, made by [`Dnn::prepare`] beforehand with the same `graph`, on `stream` over the
+    /// tensors at `at`.
+    pub(crate) fn run(
+        &mut self,
+        d: &DnnDesc,
+        graph: bool,
+        at: &DnnPtrs,
+        stream: sys::cudaStream_t,
+    ) -> Result<()> {
+        let h = self.handle;
+        let p = self.cache.get_mut(&(d.clone(), graph)).ok_or_else(|| {
             RuntimeError::Invalid(format!("cuDNN step {:?} was not prepared", d.kind))
         })?;
-        let h = self.handle;
         // SAFETY: the handle is live; the stream belongs to the device's context.
         unsafe { dn::set_stream(h, stream) }.map_err(|e| err("set stream", e))?;
+        if let Some(g) = &mut p.graph {
+            let mut ptrs = vec![at.x, at.w, at.y];
+            if d.bias {
+                ptrs.push(at.bias);
+            }
+            if GraphPlan::aligned(&ptrs, at.workspace) {
+                return g.execute(h, &ptrs, at.workspace);
+            }
+        }
+        let p = &*p;
+        if !p.legacy_ok {
+            return Err(RuntimeError::Invalid(format!(
+                "cuDNN step {:?}: the tensors are not {}-byte aligned, which the graph plan of its \
+                 activation needs",
+                d.kind,
+                dnn_graph::ALIGNMENT
+            )));
+        }
         let one_zero = Scale::new(d.dtype, 1.0, 0.0);
-        let one_one = Scale::new(d.dtype, 1.0, 1.0);
         let (a, b) = one_zero.ptrs();
         let ptr = |v: u64| v as *const c_void;
         let mptr = |v: u64| v as *mut c_void;
@@ -362,31 +605,7 @@ impl Dnn {
         // of the type cuDNN reads for this data type.
         unsafe {
             match (p.algo, d.kind) {
-                (Algo::Fwd(algo), _) => {
-                    let (w, conv) = (p.w.expect("filter"), p.conv.expect("conv"));
-                    dn::convolution_forward(
-                        h,
-                        a,
-                        p.x,
-                        ptr(at.x),
-                        w,
-                        ptr(at.w),
-                        conv,
-                        algo,
-                        ws,
-                        ws_bytes,
-                        b,
-                        p.y,
-                        mptr(at.y),
-                    )
-                    .map_err(|e| err("convolution forward", e))?;
-                    if let Some(bd) = p.bias {
-                        let (a1, b1) = one_one.ptrs();
-                        sys::cudnnAddTensor(h, a1, bd, ptr(at.bias), b1, p.y, mptr(at.y))
-                            .result()
-                            .map_err(|e| err("adding the bias", e))?;
-                    }
-                }
+                (Algo::Fwd(_), _) => legacy_forward(h, d, p, at)?,
                 (Algo::BwdData(algo), _) => {
                     let (w, conv) = (p.w.expect("filter"), p.conv.expect("conv"));
                     dn::convolution_backward_data(
@@ -471,6 +690,147 @@ impl Dnn {
     }
 }
 
+/// The legacy convolution forward of `p`, then its bias add and activation.
+fn legacy_forward(h: sys::cudnnHandle_t, d: &DnnDesc, p: &Prepared, at: &DnnPtrs) -> Result<()> {
+    let Algo::Fwd(algo) = p.algo else {
+        return Err(RuntimeError::Invalid(
+            "cuDNN convolution forward was prepared without an algorithm".into(),
+        ));
+    };
+    let (w, conv) = match (p.w, p.conv) {
+        (Some(w), Some(c)) => (w, c),
+        _ => {
+            return Err(RuntimeError::Invalid(
+                "cuDNN convolution forward was prepared without its descriptors".into(),
+            ))
+        }
+    };
+    let one_zero = Scale::new(d.dtype, 1.0, 0.0);
+    let one_one = Scale::new(d.dtype, 1.0, 1.0);
+    let (a, b) = one_zero.ptrs();
+    let ptr = |v: u64| v as *const c_void;
+    let mptr = |v: u64| v as *mut c_void;
+    // SAFETY: the descriptors are live and describe the step's buffers at `at`, whose sizes the
+    // plan's types fix; the workspace holds at least `p.scratch` bytes; alpha and beta point to
+    // scalars of the type cuDNN reads for this data type; the activation runs in place, which
+    // cuDNN allows.
+    unsafe {
+        dn::convolution_forward(
+            h,
+            a,
+            p.x,
+            ptr(at.x),
+            w,
+            ptr(at.w),
+            conv,
+            algo,
+            mptr(at.workspace),
+            p.scratch,
+            b,
+            p.y,
+            mptr(at.y),
+        )
+        .map_err(|e| err("convolution forward", e))?;
+        if let Some(bd) = p.bias {
+            let (a1, b1) = one_one.ptrs();
+            sys::cudnnAddTensor(h, a1, bd, ptr(at.bias), b1, p.y, mptr(at.y))
+                .result()
+                .map_err(|e| err("adding the bias", e))?;
+        }
+        if let Some(act) = p.act {
+            dn::activation_forward(h, act, a, p.y, ptr(at.y), b, p.y, mptr(at.y))
+                .map_err(|e| err("activation", e))?;
+        }
+    }
+    Ok(())
+}
+
+fn algo_name(a: Algo) -> String {
+    match a {
+        Algo::None => "none".into(),
+        Algo::Fwd(x) => format!("{x:?}"),
+        Algo::BwdData(x) => format!("{x:?}"),
+        Algo::BwdFilter(x) => format!("{x:?}"),
+    }
+}
+
+/// Device buffers for timing candidates (freed when dropped), filled with ones of the data type
+/// so that the timed kernels read finite values.
+struct Buffers {
+    ptrs: Vec<u64>,
+}
+
+impl Buffers {
+    fn new(bytes: &[usize], dtype: DType, stream: ds::CUstream) -> Result<Buffers> {
+        let mut b = Buffers { ptrs: vec![] };
+        // 1.0 in f16 and bf16; each f32 becomes 0x3F803F80 (about 1.004).
+        let pattern: u16 = if dtype == DType::F16 { 0x3C00 } else { 0x3F80 };
+        for &n in bytes {
+            // SAFETY: a plain allocation in the current context (the device's, bound by the
+            // session that prepares the step); freed once in Drop.
+            let p = unsafe { dr::malloc_sync(n.max(256)) }
+                .map_err(|e| RuntimeError::Device(format!("timing buffers ({n} bytes): {e}")))?;
+            b.ptrs.push(p);
+            // SAFETY: `p` holds at least `n` bytes; the fill is ordered on `stream` before the
+            // timed calls.
+            unsafe { ds::cuMemsetD16Async(p, pattern, n / 2, stream) }
+                .result()
+                .map_err(|e| RuntimeError::Device(format!("filling timing buffers: {e}")))?;
+        }
+        Ok(b)
+    }
+}
+
+impl Drop for Buffers {
+    fn drop(&mut self) {
+        for &p in &self.ptrs {
+            // SAFETY: each pointer came from malloc_sync and is freed once; cuMemFree waits for
+            // the work that uses it.
+            let _ = unsafe { dr::free_sync(p) };
+        }
+    }
+}
+
+/// A timing event, destroyed when dropped.
+struct Event(ds::CUevent);
+
+impl Event {
+    fn new() -> Result<Event> {
+        dr::event::create(ds::CUevent_flags::CU_EVENT_DEFAULT)
+            .map(Event)
+            .map_err(|e| RuntimeError::Device(format!("timing event: {e}")))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: the event was created in `Event::new` and is destroyed once.
+        let _ = unsafe { dr::event::destroy(self.0) };
+    }
+}
+
+/// Milliseconds per call of `f` on `stream`: after a few untimed calls, the mean of a few timed
+/// ones between two events.
+fn time(stream: ds::CUstream, mut f: impl FnMut() -> Result<()>) -> Result<f32> {
+    for _ in 0..WARMUP_RUNS {
+        f()?;
+    }
+    let (start, end) = (Event::new()?, Event::new()?);
+    let ev = |e: dr::DriverError| RuntimeError::Device(format!("timing: {e}"));
+    // SAFETY: the events are live and `stream` belongs to the current context.
+    unsafe { dr::event::record(start.0, stream) }.map_err(ev)?;
+    for _ in 0..TIMED_RUNS {
+        f()?;
+    }
+    // SAFETY: as above; `synchronize` waits for the recorded work.
+    let ms = unsafe {
+        dr::event::record(end.0, stream).map_err(ev)?;
+        dr::event::synchronize(end.0).map_err(ev)?;
+        dr::event::elapsed(start.0, end.0).map_err(ev)?
+    };
+    Ok(ms / TIMED_RUNS as f32)
+}
+
 fn destroy(p: &Prepared) {
     // SAFETY: each descriptor was created once (or is null/None) and is destroyed once.
     unsafe {
@@ -487,6 +847,9 @@ fn destroy(p: &Prepared) {
         }
         if let Some(pl) = p.pool {
             let _ = sys::cudnnDestroyPoolingDescriptor(pl);
+        }
+        if let Some(a) = p.act {
+            let _ = sys::cudnnDestroyActivationDescriptor(a);
         }
     }
 }

@@ -61,6 +61,8 @@ enum Exec {
         /// The values of `ptrs`' x, w, y and bias (None: scratch or absent).
         vals: [Option<usize>; 4],
         after: Vec<Resolved>,
+        /// Whether the step was prepared with cuDNN's graph API allowed.
+        graph: bool,
     },
     Spmm(SpmmCall),
     /// GEMMs and launches in order (see `Composite`).
@@ -444,6 +446,7 @@ impl CudaSession {
         }
         // cuDNN steps learn their scratch (workspace) once their algorithm is chosen.
         let stream = dev.stream.cu_stream();
+        let dnn_graph = super::dnn::graph_enabled();
         let mut scratch_bytes = 0;
         let mut spmm_calls: Vec<Option<SpmmCall>> = Vec::with_capacity(steps.len());
         for (i, st) in steps.iter().enumerate() {
@@ -469,7 +472,7 @@ impl CudaSession {
                 CudaStep::Kernels(k) => k.scratch_bytes,
                 CudaStep::Matmul { after, .. } => after.scratch_bytes,
                 CudaStep::Dnn(d) => {
-                    let ws = dev.with_dnn(|dn| dn.prepare(&d.desc, stream as _))?;
+                    let ws = dev.with_dnn(|dn| dn.prepare(&d.desc, dnn_graph, stream as _))?;
                     // The workspace follows the staging buffers; a step without a workspace
                     // needs the staging alone (0 when it stages nothing).
                     if ws > 0 {
@@ -580,6 +583,7 @@ impl CudaSession {
                         ptrs,
                         vals,
                         desc,
+                        graph: dnn_graph,
                     }
                 }
                 CudaStep::Spmm(_) => Exec::Spmm(call.expect("prepared above")),
@@ -737,6 +741,7 @@ impl CudaSession {
                     ptrs,
                     vals,
                     after,
+                    graph,
                 } => {
                     for l in before {
                         self.launch(l, i, stream, io)?;
@@ -749,7 +754,7 @@ impl CudaSession {
                         workspace: ptrs.workspace,
                     };
                     self.dev
-                        .with_dnn(|dn| dn.run(desc, &ptrs, stream as _))
+                        .with_dnn(|dn| dn.run(desc, *graph, &ptrs, stream as _))
                         .map_err(|e| {
                             RuntimeError::Device(format!("step {i} ({:?}): {e}", desc.kind))
                         })?;
