@@ -39,6 +39,25 @@ conv("conv1d k3 256c L4096 b32 f16", (32, 256, 4096), (256, 256, 3), torch.float
 conv("conv3d 3x3x3 64c 16x56x56 b8 f16 NCDHW", (8, 64, 16, 56, 56), (64, 64, 3, 3, 3), torch.float16, None)
 conv("conv3d 3x3x3 64c 16x56x56 b8 f16 NDHWC", (8, 64, 16, 56, 56), (64, 64, 3, 3, 3), torch.float16, cl3)
 
+
+def conv_bias_relu(x, w, b):
+    return F.relu(F.conv2d(x, w, b, padding=1))
+
+
+# conv2d + bias + ReLU, f16 channels-last forward (benches/gpu.rs conv_graph_api_rows): eager
+# (cuDNN conv with its bias, then a ReLU kernel) and torch.compile (Inductor's choice).
+xs, ws = (64, 64, 56, 56), (64, 64, 3, 3)
+x = torch.randn(*xs, device=dev, dtype=torch.float16).to(memory_format=cl)
+w = torch.randn(*ws, device=dev, dtype=torch.float16).to(memory_format=cl)
+b = torch.randn(64, device=dev, dtype=torch.float16)
+flops = 2 * xs[0] * ws[0] * ws[1] * xs[2] * xs[3] * ws[2] * ws[3]
+compiled = torch.compile(conv_bias_relu)
+for name, f in [("eager", conv_bias_relu), ("torch.compile", compiled)]:
+    with torch.no_grad():
+        ms = bench(lambda: f(x, w, b))
+    print(f"torch conv2d+bias+relu 3x3 64c 56x56 b64 f16 NHWC fwd {name}: {ms:.4f} ms, "
+          f"{flops / ms / 1e9:.1f} TFLOP/s")
+
 for fmt_name, fmt in [("NCHW", None), ("NHWC", cl)]:
     x = torch.randn(64, 64, 112, 112, device=dev, dtype=torch.float16)
     if fmt is not None:
