@@ -472,6 +472,10 @@ impl CudaSession {
                 CudaStep::Kernels(k) => k.scratch_bytes,
                 CudaStep::Matmul { after, .. } => after.scratch_bytes,
                 CudaStep::Dnn(d) => {
+                    // Timing the graph API's plans allocates buffers in the device's context.
+                    dev.ctx.bind_to_thread().map_err(|e| {
+                        RuntimeError::Device(format!("binding the CUDA context: {e}"))
+                    })?;
                     let ws = dev.with_dnn(|dn| dn.prepare(&d.desc, dnn_graph, stream as _))?;
                     // The workspace follows the staging buffers; a step without a workspace
                     // needs the staging alone (0 when it stages nothing).
