@@ -499,6 +499,63 @@ fn gpt2_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     }
 }
 
+/// One MLP block's forward and backward in bf16 (`x [8192, 768] → linear 3072 → GELU tanh →
+/// linear 768`, the loss `Σ out ⊙ dy` so that the backward starts from a given `dy`; gradients of
+/// x and of every parameter are outputs): with `(dy·W2ᵀ) ⊙ gelu'(h)` as one cuBLASLt `DGELU` call
+/// (`matmul_act_grad`), and with that rule disabled (the GEMM then a fused kernel). `bench-gpu
+/// mlp-grad` runs these rows only; `benches/gpu_mlp_grad_peer.py` is PyTorch's side.
+fn mlp_grad_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
+    let (t, d, h) = (8192usize, 768usize, 3072usize);
+    let bf = DType::BF16;
+    let g = GraphBuilder::new();
+    let x = g.input("x", bf, [t, d]);
+    let dy = g.input("dy", bf, [t, d]);
+    // Trainable parameters (the bench's `p` makes frozen ones, which have no gradient).
+    let p = |name: &str, dims: &[usize]| {
+        g.param_typed(
+            name,
+            tt(bf, dims),
+            Init::kaiming_uniform(dims[0], name.len() as u64),
+            true,
+        )
+    };
+    let (w1, b1, w2, b2) = (
+        p("w1", &[d, h]),
+        p("b1", &[h]),
+        p("w2", &[h, d]),
+        p("b2", &[d]),
+    );
+    let out = x.matmul(&w1).add(&b1).gelu_tanh().matmul(&w2).add(&b2);
+    let loss = out.mul(&dy).sum_all();
+    let mut graph = g.graph().expect("graph");
+    let wrt: Vec<_> = [&x, &w1, &b1, &w2, &b2]
+        .iter()
+        .map(|v| v.node().expect("node"))
+        .collect();
+    let grads = rustytorch::compiler::autodiff::grad(&mut graph, loss.node().expect("node"), &wrt)
+        .expect("grad");
+    graph
+        .add_output("out", out.node().expect("node"))
+        .expect("output");
+    for (i, gr) in grads.into_iter().enumerate() {
+        graph.add_output(&format!("grad{i}"), gr).expect("output");
+    }
+    // Forward 2 GEMMs, backward 4 (dx, dW1, dh, dW2), each 2·t·d·h FLOPs.
+    let flops = 6.0 * 2.0 * (t * d * h) as f64;
+    for (label, disabled) in [
+        ("mlp block fwd+bwd bf16, dgelu in the gemm", vec![]),
+        (
+            "mlp block fwd+bwd bf16, dgelu as a kernel",
+            vec!["matmul-dgelu-tanh".to_string()],
+        ),
+    ] {
+        let mut opts = cuda_opts();
+        opts.optimize_config.disabled_rules = disabled;
+        let r = time_graph_with(&graph, 20, true, opts);
+        push(label, r, "TFLOP/s", flops / (r.0 * 1e-3) / 1e12);
+    }
+}
+
 fn tiny_mlp_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     let build = || {
         let g = GraphBuilder::new();
@@ -733,6 +790,10 @@ fn main() {
     }
     if only("gpt2") {
         gpt2_rows(&mut push);
+        return;
+    }
+    if only("mlp-grad") {
+        mlp_grad_rows(&mut push);
         return;
     }
     // `bench-gpu fused` the fused norm, softmax and reduction rows only.

@@ -96,7 +96,9 @@ pub fn node_flops(graph: &Graph, id: rustytorch_compiler::NodeId) -> u64 {
             };
             mul(&[n_in, work(&r.prologue) + per]).saturating_add(mul(&[n_out, work(&r.epilogue)]))
         }
-        Op::Matmul { trans_a, .. } | Op::MatmulEpilogue { trans_a, .. } => {
+        Op::Matmul { trans_a, .. }
+        | Op::MatmulEpilogue { trans_a, .. }
+        | Op::MatmulActGrad { trans_a, .. } => {
             let a = in_dims(0);
             let r = a.len();
             let k = match (r, trans_a) {

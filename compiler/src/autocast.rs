@@ -3,8 +3,8 @@
 //!
 //! # The rule
 //!
-//! Every matmul (plain or with its epilogue), attention and attention gradient, convolution and
-//! convolution gradient whose result is f32 takes its float operands through a `cast` to the
+//! Every matmul (plain, with its epilogue, or through an activation's derivative), attention and
+//! attention gradient, convolution and convolution gradient whose result is f32 takes its float operands through a `cast` to the
 //! low-precision type, runs there (f32 accumulation stays inside the kernels: cuBLASLt's compute
 //! type, the flash kernel's f32 statistics), and its result goes back to f32 through a `cast`.
 //! Normalizations, softmax, reductions, losses, elementwise ops and optimizer updates are left
@@ -46,6 +46,7 @@ fn tensor_core_op(op: &Op) -> bool {
         op,
         Op::Matmul { .. }
             | Op::MatmulEpilogue { .. }
+            | Op::MatmulActGrad { .. }
             | Op::Attention { .. }
             | Op::AttentionGrad { .. }
             | Op::Conv { .. }

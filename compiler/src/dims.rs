@@ -347,6 +347,7 @@ fn instantiate_op(
         | Op::ArgReduce { .. }
         | Op::Matmul { .. }
         | Op::MatmulEpilogue { .. }
+        | Op::MatmulActGrad { .. }
         | Op::Permute { .. }
         | Op::Concat { .. }
         | Op::Pad { .. }

@@ -62,7 +62,9 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
             elementwise::infer(op, inputs)
         }
         Op::Reduce { .. } | Op::ArgReduce { .. } => reduce::infer(op, inputs),
-        Op::Matmul { .. } | Op::MatmulEpilogue { .. } => matmul::infer(op, inputs),
+        Op::Matmul { .. } | Op::MatmulEpilogue { .. } | Op::MatmulActGrad { .. } => {
+            matmul::infer(op, inputs)
+        }
         Op::Reshape { .. }
         | Op::Permute { .. }
         | Op::Expand { .. }
@@ -109,7 +111,9 @@ pub fn eval_cpu(op: &Op, inputs: &[&HostTensor]) -> Result<HostTensor> {
             elementwise::cpu(op, inputs, &out)
         }
         Op::Reduce { .. } | Op::ArgReduce { .. } => reduce::cpu(op, inputs, &out),
-        Op::Matmul { .. } | Op::MatmulEpilogue { .. } => matmul::cpu(op, inputs, &out),
+        Op::Matmul { .. } | Op::MatmulEpilogue { .. } | Op::MatmulActGrad { .. } => {
+            matmul::cpu(op, inputs, &out)
+        }
         Op::Reshape { .. }
         | Op::Permute { .. }
         | Op::Expand { .. }
@@ -151,7 +155,7 @@ pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
             elementwise::vjp(cx)
         }
         Op::Reduce { .. } | Op::ArgReduce { .. } => reduce::vjp(cx),
-        Op::Matmul { .. } | Op::MatmulEpilogue { .. } => matmul::vjp(cx),
+        Op::Matmul { .. } | Op::MatmulEpilogue { .. } | Op::MatmulActGrad { .. } => matmul::vjp(cx),
         Op::Reshape { .. }
         | Op::Permute { .. }
         | Op::Expand { .. }

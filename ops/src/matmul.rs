@@ -1,4 +1,5 @@
-//! Matrix products: `Matmul` and `MatmulEpilogue` (`act(A·B + bias)`).
+//! Matrix products: `Matmul`, `MatmulEpilogue` (`act(A·B + bias)`) and `MatmulActGrad`
+//! (`(A·B) ⊙ act'(pre)`, a matmul's result taken back through an activation's derivative).
 //!
 //! Operands have rank >= 2; the last two dims are the matrix (swapped when `trans_*`), the leading
 //! batch dims broadcast (numpy). The CPU kernel calls the `gemm` crate with strides only (a
@@ -11,6 +12,13 @@
 //! forms of [`crate::vmath`] (the exact GELU within 1e-6 relative error); other dtypes evaluate
 //! it in f64 per element (the exact GELU through the elementwise family's `erfc`). Its gradient
 //! reuses the elementwise family's rule for the activation.
+//!
+//! `MatmulActGrad` multiplies the product by the activation's derivative at `pre` (an operand of
+//! the product's shape) in the same pass: f32 (and f16/bf16 through f32) vectorized, f64 per
+//! element. It exists because the backward of `linear → GELU` spells `(dy·W2ᵀ) ⊙ gelu'(pre)`,
+//! which cuBLASLt computes in one call (`DGELU`); the optimizer forms it from that spelling. Its
+//! gradient with respect to A and B is the matmul's with `g ⊙ act'(pre)`; with respect to `pre`
+//! it would need the activation's second derivative and is an error.
 
 use crate::elementwise::erfc;
 use crate::util::{arity, dtype_err, shape_err, PAR_THRESHOLD};
@@ -32,6 +40,9 @@ struct Geom {
 
 fn flags(op: &Op) -> Option<(bool, bool, bool, Activation)> {
     match op {
+        Op::MatmulActGrad {
+            trans_a, trans_b, ..
+        } => Some((*trans_a, *trans_b, false, Activation::None)),
         Op::Matmul { trans_a, trans_b } => Some((*trans_a, *trans_b, false, Activation::None)),
         Op::MatmulEpilogue {
             trans_a,
@@ -96,7 +107,11 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
             reason: "not a matmul".into(),
         });
     };
-    arity(op, inputs, 2 + bias as usize)?;
+    let grad_act = match op {
+        Op::MatmulActGrad { act, .. } => Some(*act),
+        _ => None,
+    };
+    arity(op, inputs, 2 + (bias || grad_act.is_some()) as usize)?;
     let dt = inputs[0].dtype;
     if inputs.iter().any(|t| t.dtype != dt) || !dt.is_float() {
         return Err(dtype_err(
@@ -119,6 +134,26 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
     let mut dims = g.batch.dims().to_vec();
     dims.push(g.m);
     dims.push(g.n);
+    if let Some(act) = grad_act {
+        if act == Activation::None {
+            return Err(shape_err(
+                op,
+                inputs,
+                "act=none has no derivative to apply: use matmul".to_string(),
+            ));
+        }
+        let ps = &inputs[2].shape;
+        if ps.dims() != dims.as_slice() {
+            return Err(shape_err(
+                op,
+                inputs,
+                format!(
+                    "pre-activation {ps} must have the product's shape {}",
+                    Shape::new(dims.clone())
+                ),
+            ));
+        }
+    }
     Ok(TensorType::new(dt, dims))
 }
 
@@ -165,6 +200,18 @@ trait GemmFloat: Copy + Send + Sync + Default + 'static {
                 .for_each(|y| *y = Self::of_f64(f(y.as_f64())));
         }
     }
+    /// `y ⊙ act'(pre)` in place, evaluated in f64 per element.
+    fn act_grad(y: &mut [Self], pre: &[Self], act: Activation) {
+        let d = match act {
+            Activation::None => return,
+            Activation::Relu => drelu,
+            Activation::GeluErf => dgelu_erf,
+            Activation::GeluTanh => dgelu_tanh,
+        };
+        for (y, &x) in y.iter_mut().zip(pre) {
+            *y = Self::of_f64(y.as_f64() * d(x.as_f64()));
+        }
+    }
 }
 impl GemmFloat for f32 {
     const ONE: Self = 1.0;
@@ -183,6 +230,47 @@ impl GemmFloat for f32 {
             Activation::GeluTanh => VFn::GeluTanh,
         };
         vmath::bias_act(rows, bias, n, f);
+    }
+    /// Vectorized (ReLU, tanh GELU), or per element in f64 (erf GELU).
+    fn act_grad(y: &mut [f32], pre: &[f32], act: Activation) {
+        match act {
+            Activation::None => {}
+            Activation::Relu => act_grad32(y, pre, false),
+            Activation::GeluTanh => act_grad32(y, pre, true),
+            Activation::GeluErf => {
+                for (y, &x) in y.iter_mut().zip(pre) {
+                    *y = (*y as f64 * dgelu_erf(x as f64)) as f32;
+                }
+            }
+        }
+    }
+}
+
+/// The tanh GELU's derivative in f32. With `s = σ(2u)`, `u = √(2/π)·(x + 0.044715·x³)`, the GELU
+/// is `x·s`, so its derivative is `s + x·s·(1 − s)·2u'`.
+#[inline(always)]
+fn dgelu_tanh32(x: f32) -> f32 {
+    const K: f32 = 2.0 * 0.797_884_6;
+    const C: f32 = 0.044_715;
+    let x2 = x * x;
+    let s = vmath::sigmoid(K * x.mul_add(C * x2, x));
+    let du = K * (3.0 * C).mul_add(x2, 1.0);
+    (x * du * (1.0 - s)).mul_add(s, s)
+}
+
+vmath::dispatch! {
+    /// `y ⊙ act'(pre)` in place for ReLU (`gelu == false`, derivative 1 where `pre > 0`, else 0)
+    /// or the tanh GELU, vectorized.
+    fn act_grad32(y: &mut [f32], pre: &[f32], gelu: bool) {
+        if gelu {
+            for (y, &x) in y.iter_mut().zip(pre) {
+                *y *= dgelu_tanh32(x);
+            }
+        } else {
+            for (y, &x) in y.iter_mut().zip(pre) {
+                *y = if x > 0.0 { *y } else { 0.0 };
+            }
+        }
     }
 }
 
@@ -303,6 +391,40 @@ fn gelu_tanh(x: f64) -> f64 {
     0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
 }
 
+/// ReLU's derivative: 1 where `x > 0`, else 0 (as its gradient rule: `where(x > 0, g, 0)`).
+fn drelu(x: f64) -> f64 {
+    if x > 0.0 {
+        1.0
+    } else {
+        0.0
+    }
+}
+
+/// The exact GELU's derivative `Φ(x) + x·φ(x)`.
+fn dgelu_erf(x: f64) -> f64 {
+    let cdf = 0.5 * erfc(-x * std::f64::consts::FRAC_1_SQRT_2);
+    let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+    cdf + x * pdf
+}
+
+/// The tanh GELU's derivative `½(1 + t) + ½x(1 − t²)·√(2/π)(1 + 3·0.044715·x²)`.
+fn dgelu_tanh(x: f64) -> f64 {
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    let t = (c * (x + 0.044715 * x * x * x)).tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x)
+}
+
+/// `y ⊙ act'(pre)` in place (blocks in parallel when the tensor is big).
+fn act_grad<T: GemmFloat>(y: &mut [T], pre: &[T], act: Activation) {
+    if y.len() >= PAR_THRESHOLD {
+        y.par_chunks_mut(EPILOGUE_BLOCK)
+            .zip(pre.par_chunks(EPILOGUE_BLOCK))
+            .for_each(|(y, p)| T::act_grad(y, p, act));
+    } else {
+        T::act_grad(y, pre, act);
+    }
+}
+
 /// Runs a matmul on the CPU; `out` is the inferred output type.
 pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTensor> {
     let Some((ta, tb, has_bias, act)) = flags(op) else {
@@ -319,32 +441,50 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
     let b_offs = batch_offsets(&b.dims()[..b.dims().len() - 2], &g.batch, g.k * g.n);
     let bias = has_bias.then(|| inputs[2]);
     let mismatch = || dtype_err(op, &refs, "operands must share one float dtype");
-    let run32 = |a: &[f32], b: &[f32], bias: Option<Vec<f32>>| {
+    // MatmulActGrad: the pre-activation (checked to have the product's shape) and its activation.
+    let grad = match op {
+        Op::MatmulActGrad { act, .. } => {
+            infer(op, &refs)?;
+            Some((inputs[2], *act))
+        }
+        _ => None,
+    };
+    let run32 = |a: &[f32], b: &[f32], bias: Option<Vec<f32>>, pre: Option<Vec<f32>>| {
         let mut y = gemm_batched(a, b, &a_offs, &b_offs, &g, ta, tb);
         epilogue(&mut y, bias.as_deref(), act, g.n);
+        if let (Some(pre), Some((_, ga))) = (pre, grad) {
+            act_grad(&mut y, &pre, ga);
+        }
         y
     };
+    let pre = grad.map(|(t, _)| t);
     let data = match (a.data(), b.data()) {
         (Data::F32(x), Data::F32(w)) => {
             let bias = bias.map(|t| t.to_vec::<f32>()).transpose()?;
-            Data::F32(run32(x, w, bias).into())
+            let pre = pre.map(|t| t.to_vec::<f32>()).transpose()?;
+            Data::F32(run32(x, w, bias, pre).into())
         }
         (Data::F64(x), Data::F64(w)) => {
             let bias = bias.map(|t| t.to_vec::<f64>()).transpose()?;
             let mut y = gemm_batched(x, w, &a_offs, &b_offs, &g, ta, tb);
             epilogue(&mut y, bias.as_deref(), act, g.n);
+            if let Some((p, ga)) = grad {
+                act_grad(&mut y, p.as_slice::<f64>()?, ga);
+            }
             Data::F64(y.into())
         }
         (Data::F16(x), Data::F16(w)) => {
             let up = |v: &[f16]| v.par_iter().map(|h| h.to_f32()).collect::<Vec<f32>>();
             let bias = bias.map(|t| t.as_slice::<f16>().map(up)).transpose()?;
-            let y = run32(&up(x), &up(w), bias);
+            let pre = pre.map(|t| t.as_slice::<f16>().map(up)).transpose()?;
+            let y = run32(&up(x), &up(w), bias, pre);
             Data::F16(y.par_iter().map(|&v| f16::from_f32(v)).collect())
         }
         (Data::BF16(x), Data::BF16(w)) => {
             let up = |v: &[bf16]| v.par_iter().map(|h| h.to_f32()).collect::<Vec<f32>>();
             let bias = bias.map(|t| t.as_slice::<bf16>().map(up)).transpose()?;
-            let y = run32(&up(x), &up(w), bias);
+            let pre = pre.map(|t| t.as_slice::<bf16>().map(up)).transpose()?;
+            let y = run32(&up(x), &up(w), bias, pre);
             Data::BF16(y.par_iter().map(|&v| bf16::from_f32(v)).collect())
         }
         _ => return Err(mismatch()),
@@ -394,6 +534,9 @@ pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
     };
     let (a, b) = (cx.inputs[0], cx.inputs[1]);
     let mut g = cx.grad;
+    if let Op::MatmulActGrad { .. } = cx.op {
+        return act_grad_vjp(cx);
+    }
     let unary = match act {
         Activation::None => None,
         Activation::Relu => Some(UnaryOp::Relu),
@@ -434,6 +577,19 @@ pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
         out.push(Some(dbias));
     }
     Ok(out)
+}
+
+/// Gradient of `MatmulActGrad`: an error. A and B would get the matmul's gradients of
+/// `g ⊙ act'(pre)`, but `pre` needs the activation's second derivative, which no rule spells; the
+/// op is formed by the optimizer after differentiation, so a graph reaches here only when built
+/// with it by hand.
+fn act_grad_vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
+    Err(cx.not_differentiable(
+        2,
+        "the gradient through the pre-activation needs the activation's second derivative; \
+         differentiate the graph before it is optimized (spell the op as matmul then the \
+         activation's gradient)",
+    ))
 }
 
 #[cfg(test)]

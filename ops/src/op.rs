@@ -736,6 +736,20 @@ pub enum Op {
     /// A normalization, softmax or reduction with elementwise producers fused into its input and
     /// elementwise consumers into its output (made by the fusion pass).
     FusedRow(#[serde(deserialize_with = "deserialize_fused_row")] Box<RowFusion>),
+
+    // ---- linear algebra, backward (appended: variants keep their file tags) ----
+    /// `(op(A)·op(B)) ⊙ act'(pre)`: a matmul's result taken back through an activation's
+    /// derivative at the pre-activation `pre` (the MLP backward's `dh·W2ᵀ` through GELU), one
+    /// library call where cuBLASLt has the derivative epilogue (`DGELU`); inputs a, b, pre, with
+    /// `pre` of the product's shape and dtype.
+    MatmulActGrad {
+        /// Use Aᵀ.
+        trans_a: bool,
+        /// Use Bᵀ.
+        trans_b: bool,
+        /// The activation whose derivative is applied (never `None`).
+        act: Activation,
+    },
 }
 
 /// How deeply fused kernels may nest inside each other's programs when deserialized.
@@ -791,7 +805,7 @@ impl Op {
 
     /// Number of [`Op`] variants (a test checks it against the enum; [`Op::samples`] has one
     /// entry per variant).
-    pub const VARIANT_COUNT: usize = 45;
+    pub const VARIANT_COUNT: usize = 46;
 
     /// The position of this op's variant in the enum (0..[`Op::VARIANT_COUNT`]); the exhaustive
     /// match makes a new variant a compile error here, which the tests that cover every variant
@@ -843,6 +857,7 @@ impl Op {
             Op::TopK { .. } => 42,
             Op::AllReduce { .. } => 43,
             Op::FusedRow(_) => 44,
+            Op::MatmulActGrad { .. } => 45,
         }
     }
 
@@ -1222,6 +1237,14 @@ impl Op {
                     }),
                 })),
                 vec![x.clone(), f32t(&[3]), f32t(&[3]), x.clone()],
+            ),
+            (
+                Op::MatmulActGrad {
+                    trans_a: false,
+                    trans_b: true,
+                    act: Activation::GeluTanh,
+                },
+                vec![x.clone(), f32t(&[4, 3]), f32t(&[2, 4])],
             ),
         ];
         all.into()

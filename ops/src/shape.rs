@@ -304,6 +304,7 @@ fn check_op_at(top: &Op, op: &Op, depth: usize) -> Result<()> {
         }
         Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } | Op::Matmul { .. } => Ok(()),
         Op::MatmulEpilogue { .. } | Op::Attention { .. } | Op::AttentionGrad { .. } => Ok(()),
+        Op::MatmulActGrad { .. } => Ok(()),
         Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => Ok(()),
         Op::SampledMatmul | Op::AllReduce { .. } => Ok(()),
         Op::SparseMatmul { rows, cols, .. } => ints("rows/cols", &[*rows, *cols]),

@@ -68,6 +68,7 @@ pub fn op_name(op: &Op) -> &'static str {
         },
         Op::Matmul { .. } => "matmul",
         Op::MatmulEpilogue { .. } => "matmul_epilogue",
+        Op::MatmulActGrad { .. } => "matmul_act_grad",
         Op::Reshape { .. } => "reshape",
         Op::Permute { .. } => "permute",
         Op::Expand { .. } => "expand",
@@ -393,6 +394,15 @@ fn attrs_of(op: &Op) -> AttrOut {
             a.flag("trans_a", *trans_a);
             a.flag("trans_b", *trans_b);
             a.flag("bias", *bias);
+            a.kv("act", act_text(*act));
+        }
+        Op::MatmulActGrad {
+            trans_a,
+            trans_b,
+            act,
+        } => {
+            a.flag("trans_a", *trans_a);
+            a.flag("trans_b", *trans_b);
             a.kv("act", act_text(*act));
         }
         Op::Reshape { shape } | Op::Expand { shape } => a.kv("shape", list_text(shape.dims())),
@@ -873,6 +883,11 @@ fn parse_nested(text: &str, depth: usize) -> PResult<Op> {
                 bias: a.flag("bias")?,
                 act: a.val("act", "an activation", |v| parse_enum(v, &ACTS))?,
             },
+            "matmul_act_grad" => Op::MatmulActGrad {
+                trans_a: a.flag("trans_a")?,
+                trans_b: a.flag("trans_b")?,
+                act: a.val("act", "an activation", |v| parse_enum(v, &ACTS))?,
+            },
             "reshape" => Op::Reshape {
                 shape: a.shape("shape")?,
             },
@@ -1155,6 +1170,13 @@ mod tests {
                 trans_a: false,
                 trans_b: true,
                 bias: act != Activation::Relu,
+                act,
+            });
+        }
+        for act in [Activation::Relu, Activation::GeluErf, Activation::GeluTanh] {
+            ops.push(Op::MatmulActGrad {
+                trans_a: act == Activation::Relu,
+                trans_b: act != Activation::GeluErf,
                 act,
             });
         }

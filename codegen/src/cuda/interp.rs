@@ -2045,6 +2045,95 @@ fn atomic_sum(elem: CTy, old: Value, v: Value) -> Option<Value> {
     })
 }
 
+/// Runs a cuBLASLt step on the host as cuBLASLt would, then its launches: each call of `desc`
+/// computes `D = op(A)·op(B)` in column-major terms (A is the step's operand 1, B its operand 0,
+/// with the descriptor's transposes, leading dimensions, batch strides and per-call offsets),
+/// accumulating in f64, then applies the epilogue — the bias (operand 2, one value per row of D)
+/// and ReLU or the tanh GELU, or the tanh GELU's derivative at the aux input (operand 2, laid out
+/// as D: `DGELU`) — and rounds once to the output's dtype; `after` then runs through
+/// [`run_step`] on that result. Elements no call writes are zero.
+pub fn run_matmul_step(
+    desc: &super::matmul::MatmulDesc,
+    after: &StepKernels,
+    inputs: &[&HostTensor],
+    out: &TensorType,
+) -> Result<HostTensor, InterpError> {
+    use super::matmul::LtActivation;
+    let bad = |msg: String| InterpError::Invalid {
+        kernel: "cublasLt matmul".into(),
+        msg,
+    };
+    if inputs.len() < 2 + desc.reads_operand2() as usize {
+        return Err(bad(format!("{} operands bound", inputs.len())));
+    }
+    let (b, a) = (inputs[0].to_f64_vec(), inputs[1].to_f64_vec());
+    let extra = desc.reads_operand2().then(|| inputs[2].to_f64_vec());
+    let mut d = vec![0f64; out.shape.numel()];
+    let (m, n, k) = (desc.m as usize, desc.n as usize, desc.k as usize);
+    let (lda, ldb, ldd) = (desc.lda as usize, desc.ldb as usize, desc.ldd as usize);
+    let at = |v: &[f64], i: usize, what: &str| {
+        v.get(i)
+            .copied()
+            .ok_or_else(|| bad(format!("{what} read at {i} of {}", v.len())))
+    };
+    let gelu = |x: f64| {
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+    };
+    let dgelu = |x: f64| {
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        let t = (c * (x + 0.044715 * x * x * x)).tanh();
+        0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x)
+    };
+    for &(oa, ob, od) in &desc.calls {
+        for bi in 0..desc.batch as usize {
+            let off = |base: u64, stride: i64| (base as i64 + stride * bi as i64) as usize;
+            let (pa, pb, pd) = (
+                off(oa, desc.stride_a),
+                off(ob, desc.stride_b),
+                off(od, desc.stride_d),
+            );
+            for j in 0..n {
+                for i in 0..m {
+                    let mut acc = 0.0;
+                    for l in 0..k {
+                        let ai = if desc.trans_a {
+                            l + i * lda
+                        } else {
+                            i + l * lda
+                        };
+                        let bj = if desc.trans_b {
+                            j + l * ldb
+                        } else {
+                            l + j * ldb
+                        };
+                        acc += at(&a, pa + ai, "A")? * at(&b, pb + bj, "B")?;
+                    }
+                    let di = pd + i + j * ldd;
+                    if desc.bias {
+                        acc += at(extra.as_deref().unwrap_or(&[]), i, "bias")?;
+                    }
+                    acc = match desc.act {
+                        LtActivation::None => acc,
+                        LtActivation::Relu => acc.max(0.0),
+                        LtActivation::GeluTanh => gelu(acc),
+                        LtActivation::DGeluTanh => {
+                            acc * dgelu(at(extra.as_deref().unwrap_or(&[]), di, "aux")?)
+                        }
+                    };
+                    *d.get_mut(di)
+                        .ok_or_else(|| bad(format!("D written at {di} of {}", out.shape)))? = acc;
+                }
+            }
+        }
+    }
+    let gemm = HostTensor::from_f64_slice(out, &d).map_err(|e| bad(e.to_string()))?;
+    if after.launches.is_empty() {
+        return Ok(gemm);
+    }
+    run_step(after, inputs, out, Some(&gemm))
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::ir::*;

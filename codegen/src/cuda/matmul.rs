@@ -12,6 +12,20 @@
 //! applies the bias and a generated kernel applies the exact erf GELU over the output in place.
 //! f64 GEMMs take no epilogue (cuBLASLt's f64 kernels do not promise them): bias and activation
 //! run in that kernel too.
+//!
+//! `MatmulActGrad` (`(A·B) ⊙ act'(pre)`): for the tanh GELU in f16, bf16 and f32 with N a
+//! multiple of 8 it is one call with cuBLASLt's `DGELU` epilogue, the pre-activation (operand 2)
+//! as the epilogue's aux input (`EPILOGUE_AUX_POINTER`, leading dimension N = `ldd`, batch stride
+//! that of D; cuBLASLt wants both divisible by 8). Everything else — f64, the erf GELU, ReLU
+//! (`DRELU` reads a bit mask, not the pre-activation), N not a multiple of 8 — is the plain GEMM
+//! then a generated kernel multiplying the output by the derivative in place, read from `pre`.
+//!
+//! Not done: `DGELU_BGRAD`, which also writes the bias gradient `Σ_rows (A·B) ⊙ gelu'(pre)` in
+//! the same call. A graph node has one result, and the bias gradient is a separate `reduce_sum`
+//! node of the op's output; producing it here would need either ops with two results (the IR, the
+//! memory plan and every pass assume one) or a lowering that merges two nodes into one step
+//! (matching across the graph, which lowering does not do). The reduction stays its own kernel,
+//! one read of the gradient.
 
 use super::ir::*;
 use super::{ArgRef, CudaStep, Launch, StepKernels};
@@ -28,6 +42,9 @@ pub enum LtActivation {
     Relu,
     /// GELU, tanh approximation (the only GELU cuBLASLt has).
     GeluTanh,
+    /// The tanh GELU's derivative at the aux input (the step's operand 2, laid out as D):
+    /// `D = (A·B) ⊙ gelu_tanh'(aux)`, cuBLASLt's `DGELU`.
+    DGeluTanh,
 }
 
 /// One cuBLASLt matmul (possibly a strided batch), in column-major terms already swapped:
@@ -70,14 +87,37 @@ pub struct MatmulDesc {
     pub act: LtActivation,
 }
 
+impl MatmulDesc {
+    /// Whether the call reads the step's operand 2 (the bias, or the aux input of `DGeluTanh`).
+    pub fn reads_operand2(&self) -> bool {
+        self.bias || self.act == LtActivation::DGeluTanh
+    }
+}
+
+/// Whether cuBLASLt's `DGELU` epilogue is used for a result of `dtype` with last dim `n` (its aux
+/// leading dimension and batch stride must be multiples of 8).
+pub fn lt_dgelu(dtype: DType, n: usize) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16 | DType::F32) && n.is_multiple_of(8)
+}
+
 fn invalid(op: &Op, msg: String) -> CodegenError {
     CodegenError::Invalid(format!("{}: {msg}", op.name()))
 }
 
-/// Lowers `Matmul`/`MatmulEpilogue` into a cuBLASLt call and, where needed, an epilogue kernel.
+/// Lowers `Matmul`/`MatmulEpilogue`/`MatmulActGrad` into a cuBLASLt call and, where needed, a
+/// kernel after it.
 pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaStep> {
+    let mut grad = None;
     let (ta, tb, has_bias, act) = match op {
         Op::Matmul { trans_a, trans_b } => (*trans_a, *trans_b, false, Activation::None),
+        Op::MatmulActGrad {
+            trans_a,
+            trans_b,
+            act,
+        } => {
+            grad = Some(*act);
+            (*trans_a, *trans_b, false, Activation::None)
+        }
         Op::MatmulEpilogue {
             trans_a,
             trans_b,
@@ -86,8 +126,17 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaSt
         } => (*trans_a, *trans_b, *bias, *act),
         _ => return Err(invalid(op, "not a matmul".into())),
     };
-    if inputs.len() < 2 + has_bias as usize {
+    if inputs.len() < 2 + (has_bias || grad.is_some()) as usize {
         return Err(invalid(op, "missing operands".into()));
+    }
+    if grad.is_some() && (inputs[2].shape != out.shape || inputs[2].dtype != out.dtype) {
+        return Err(invalid(
+            op,
+            format!(
+                "pre-activation {} {} must have the result's type {} {}",
+                inputs[2].dtype, inputs[2].shape, out.dtype, out.shape
+            ),
+        ));
     }
     let (a, b) = (inputs[0], inputs[1]);
     let (ad, bd) = (a.shape.dims(), b.shape.dims());
@@ -117,6 +166,12 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaSt
             (has_bias, LtActivation::GeluTanh, false, Activation::None)
         }
         (false, Activation::GeluErf) => (has_bias, LtActivation::None, false, Activation::GeluErf),
+    };
+    // The derivative: cuBLASLt's DGELU where it applies, else a kernel after the plain GEMM.
+    let (lt_act, post_grad) = match grad {
+        Some(Activation::GeluTanh) if lt_dgelu(dtype, n) => (LtActivation::DGeluTanh, None),
+        Some(a) => (lt_act, Some(a)),
+        None => (lt_act, None),
     };
 
     let arith = |offs: &[usize]| -> Option<i64> {
@@ -173,6 +228,11 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaSt
         after
             .launches
             .push(epilogue_kernel(out, n, post_bias, post_act)?);
+    }
+    if let Some(a) = post_grad {
+        if out.shape.numel() > 0 {
+            after.launches.push(act_grad_kernel(out, a)?);
+        }
     }
     Ok(CudaStep::Matmul { desc, after })
 }
@@ -271,6 +331,133 @@ fn epilogue_kernel(out: &TensorType, n: usize, bias: bool, act: Activation) -> R
     };
     Ok(Launch {
         kernel: super::finish("matmul_epilogue", k)?,
+        args,
+        grid: super::grid_for(items as u64, 256),
+    })
+}
+
+/// `act'(x)` for a variable `x` of compute type `ct`, as the CPU computes it; `t` names the
+/// variable the tanh GELU's `tanh` is bound to (by [`act_grad_lets`]).
+fn act_derivative(act: Activation, x: Expr, t: &str, ct: CTy) -> Expr {
+    let one = || lit(1.0, ct);
+    let half = || lit(0.5, ct);
+    match act {
+        Activation::None => one(),
+        Activation::Relu => select(bin(BinFn::Gt, x, lit(0.0, ct)), one(), lit(0.0, ct)),
+        // Φ(x) + x·φ(x), Φ(x) = ½·erfc(−x/√2).
+        Activation::GeluErf => {
+            let cdf = mul(
+                half(),
+                un(
+                    UnFn::Erfc,
+                    mul(
+                        un(UnFn::Neg, x.clone()),
+                        lit(std::f64::consts::FRAC_1_SQRT_2, ct),
+                    ),
+                ),
+            );
+            let pdf = mul(
+                un(UnFn::Exp, mul(mul(x.clone(), x.clone()), lit(-0.5, ct))),
+                lit(1.0 / (2.0 * std::f64::consts::PI).sqrt(), ct),
+            );
+            add(cdf, mul(x, pdf))
+        }
+        // ½(1 + t) + ½x(1 − t²)·k(1 + 3c·x²).
+        Activation::GeluTanh => {
+            let k = (2.0 / std::f64::consts::PI).sqrt();
+            let t = var(t);
+            let sech2 = sub(one(), mul(t.clone(), t.clone()));
+            let p = add(
+                one(),
+                mul(mul(x.clone(), x.clone()), lit(3.0 * 0.044_715, ct)),
+            );
+            add(
+                mul(half(), add(one(), t)),
+                mul(mul(mul(x, sech2), p), lit(0.5 * k, ct)),
+            )
+        }
+    }
+}
+
+/// The statements binding `t` (the tanh GELU's `tanh(k(x + c·x³))`) before [`act_derivative`].
+fn act_grad_lets(act: Activation, x: Expr, t: &str, ct: CTy) -> Vec<Stmt> {
+    if act != Activation::GeluTanh {
+        return vec![];
+    }
+    let k = (2.0 / std::f64::consts::PI).sqrt();
+    let u = mul(
+        mul(
+            x.clone(),
+            add(lit(1.0, ct), mul(mul(x.clone(), x), lit(0.044_715, ct))),
+        ),
+        lit(k, ct),
+    );
+    vec![let_(t, ct, un(UnFn::Tanh, u))]
+}
+
+/// `out = out ⊙ act'(pre)` in place over the GEMM's output, `pre` being the step's operand 2 of
+/// the output's type: in 16-byte vectors when the tensor is a whole number of them, else one
+/// element a thread.
+fn act_grad_kernel(out: &TensorType, act: Activation) -> Result<Launch> {
+    let st = CTy::storage(out.dtype);
+    let ct = CTy::compute(out.dtype);
+    let numel = out.shape.numel();
+    let params = vec![
+        Param {
+            name: "out".into(),
+            elem: st,
+            writes: true,
+        },
+        Param {
+            name: "pre".into(),
+            elem: st,
+            writes: false,
+        },
+    ];
+    let args = vec![ArgRef::Output, ArgRef::Input(2)];
+    let w = 16 / elem_bytes(st);
+    let vector = w > 1 && numel.is_multiple_of(w) && numel / w >= 256;
+    let (body, items) = if vector {
+        let names = |p: &str| (0..w).map(|k| format!("{p}{k}")).collect::<Vec<_>>();
+        let mut b = vec![
+            let_("i", CTy::I64, mul(var("j"), i64c(w as i64))),
+            load_vec("out", st, var("i"), names("v")),
+            load_vec("pre", st, var("i"), names("p")),
+        ];
+        let mut values = Vec::with_capacity(w);
+        for k in 0..w {
+            let (x, t) = (format!("x{k}"), format!("t{k}"));
+            b.push(let_(&x, ct, var(&format!("p{k}"))));
+            b.extend(act_grad_lets(act, var(&x), &t, ct));
+            values.push(mul(
+                var(&format!("v{k}")),
+                act_derivative(act, var(&x), &t, ct),
+            ));
+        }
+        b.push(store_vec("out", st, var("i"), values));
+        (vec![grid_stride("j", (numel / w) as i64, b)], numel / w)
+    } else {
+        let mut b = vec![let_("x", ct, load("pre", st, var("i")))];
+        b.extend(act_grad_lets(act, var("x"), "t", ct));
+        b.push(store(
+            "out",
+            st,
+            var("i"),
+            mul(
+                load("out", st, var("i")),
+                act_derivative(act, var("x"), "t", ct),
+            ),
+        ));
+        (vec![grid_stride("i", numel as i64, b)], numel)
+    };
+    let k = Kernel {
+        name: String::new(),
+        params,
+        block: 256,
+        body,
+    };
+    Ok(Launch {
+        kernel: super::finish("matmul_act_grad", k)?,
         args,
         grid: super::grid_for(items as u64, 256),
     })

@@ -249,7 +249,9 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         | Op::CrossEntropy { .. }
         | Op::CrossEntropyGrad { .. } => reduce::lower(op, inputs, out).map(CudaStep::Kernels),
         Op::FusedRow(_) => fused_row::lower(op, inputs, out).map(CudaStep::Kernels),
-        Op::Matmul { .. } | Op::MatmulEpilogue { .. } => matmul::lower(op, inputs, out),
+        Op::Matmul { .. } | Op::MatmulEpilogue { .. } | Op::MatmulActGrad { .. } => {
+            matmul::lower(op, inputs, out)
+        }
         Op::Conv { .. } | Op::ConvGradInput { .. } | Op::ConvGradWeight { .. } => {
             dnn::lower_step(op, inputs, out).map(CudaStep::Dnn)
         }

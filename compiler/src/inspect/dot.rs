@@ -125,6 +125,7 @@ fn kind(op: &Op) -> Kind {
         | Op::IndexAdd { .. } => Kind::Index,
         Op::Matmul { .. } => Kind::Library("gemm"),
         Op::MatmulEpilogue { .. } => Kind::Library("gemm + epilogue"),
+        Op::MatmulActGrad { .. } => Kind::Library("gemm + activation gradient"),
         Op::Softmax { .. } | Op::LogSoftmax { .. } => Kind::Library("softmax"),
         Op::LayerNorm { .. } | Op::RmsNorm { .. } => Kind::Library("norm"),
         Op::Conv { .. } | Op::ConvGradInput { .. } | Op::ConvGradWeight { .. } => {

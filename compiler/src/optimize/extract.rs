@@ -81,7 +81,9 @@ impl CostModel {
             | Op::Reshape { .. }
             | Op::Expand { .. } => 0.0,
             Op::Iota { .. } => bytes(out) / self.bandwidth,
-            Op::Matmul { trans_a, .. } | Op::MatmulEpilogue { trans_a, .. } => {
+            Op::Matmul { trans_a, .. }
+            | Op::MatmulEpilogue { trans_a, .. }
+            | Op::MatmulActGrad { trans_a, .. } => {
                 // out [.., m, n]; k is a's contracted dim.
                 let k = if *trans_a {
                     dims(ins[0], 1)

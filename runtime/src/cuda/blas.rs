@@ -2,6 +2,10 @@
 //! the memory pool, and per [`MatmulDesc`] the descriptors and the heuristic's algorithm, made once
 //! and cached. f32 is computed in exact f32 (`CUBLAS_COMPUTE_32F`) unless TF32 was allowed;
 //! f16/bf16 compute in f32; f64 in f64.
+//!
+//! `LtActivation::DGeluTanh` is the `DGELU` epilogue: the step's operand 2 (the pre-activation,
+//! laid out as D) is the aux input, its leading dimension that of D and its batch stride D's; the
+//! aux pointer is set before each call, like the bias pointer.
 
 use crate::{Result, RuntimeError};
 use cudarc::cublaslt::{result as lt, sys};
@@ -122,6 +126,12 @@ impl Blas {
             (true, LtActivation::None) => E::CUBLASLT_EPILOGUE_BIAS,
             (true, LtActivation::Relu) => E::CUBLASLT_EPILOGUE_RELU_BIAS,
             (true, LtActivation::GeluTanh) => E::CUBLASLT_EPILOGUE_GELU_BIAS,
+            (false, LtActivation::DGeluTanh) => E::CUBLASLT_EPILOGUE_DGELU,
+            (true, LtActivation::DGeluTanh) => return Err(RuntimeError::Invalid(
+                "matmul: a bias with the GELU derivative epilogue (DGELU_BGRAD writes the bias \
+                     gradient, it does not add a bias)"
+                    .into(),
+            )),
         };
         let epi_u32 = epi as u32;
         set_desc(
@@ -188,6 +198,27 @@ impl Blas {
                 8,
             )?;
         }
+        if m.act == LtActivation::DGeluTanh {
+            // The aux input is laid out as D: same leading dimension, same batch stride.
+            let (ld, stride, p) = (m.ldd as i64, m.stride_d, self.workspace);
+            set_desc(
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                &ld as *const i64 as *const c_void,
+                8,
+            )?;
+            if m.batch > 1 {
+                set_desc(
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE,
+                    &stride as *const i64 as *const c_void,
+                    8,
+                )?;
+            }
+            set_desc(
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                &p as *const u64 as *const c_void,
+                8,
+            )?;
+        }
         // SAFETY: every descriptor is live.
         let h = unsafe { lt::get_matmul_algo_heuristic(self.handle, desc, a, b, d, d, pref) };
         // SAFETY: `pref` is live and no longer needed.
@@ -205,7 +236,8 @@ impl Blas {
     }
 
     /// Runs `m` on `stream` with the step's buffers: `a`/`b` are cuBLASLt's A and B (the op's
-    /// operand 1 and 0), `d` the output, `bias` the bias.
+    /// operand 1 and 0), `d` the output, `bias` the op's operand 2: the bias, or the aux input of
+    /// the `DGeluTanh` epilogue (laid out as D, so each call reads it at D's offset).
     pub(crate) fn run(
         &mut self,
         m: &MatmulDesc,
@@ -218,7 +250,13 @@ impl Blas {
         let (elt, delt) = (m.dtype.size_bytes() as u64, m.out_dtype.size_bytes() as u64);
         let (handle, workspace) = (self.handle, self.workspace);
         let p = self.prepare(m)?;
-        if let Some(bias) = bias {
+        let aux = m.act == LtActivation::DGeluTanh;
+        if aux && bias.is_none() {
+            return Err(RuntimeError::Invalid(
+                "matmul: the GELU derivative epilogue needs the pre-activation".into(),
+            ));
+        }
+        if let (Some(bias), false) = (bias, aux) {
             // SAFETY: `desc` is live; the value is a device pointer (8 bytes).
             unsafe {
                 lt::set_matmul_desc_attribute(
@@ -238,6 +276,19 @@ impl Blas {
         };
         for &(oa, ob, od) in &m.calls {
             let (pa, pb, pd) = (a + oa * elt, b + ob * elt, d + od * delt);
+            if let (Some(pre), true) = (bias, aux) {
+                let pre = pre + od * delt;
+                // SAFETY: `desc` is live; the value is a device pointer (8 bytes).
+                unsafe {
+                    lt::set_matmul_desc_attribute(
+                        p.desc,
+                        sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                        &pre as *const u64 as *const c_void,
+                        8,
+                    )
+                }
+                .map_err(|e| err("aux pointer", e))?;
+            }
             // SAFETY: the descriptors are live; the pointers address device buffers of the sizes
             // the layouts describe (checked by the plan's types); the workspace holds
             // WORKSPACE_BYTES; beta is 0 so C (= D) is not read.

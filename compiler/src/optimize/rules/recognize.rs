@@ -23,6 +23,18 @@
 //!   last dim → `matmul_epilogue[bias]`; then `relu`, `gelu` or `gelu_tanh` of that (or of a
 //!   plain matmul) → `matmul_epilogue[act=...]`. The transposes of backward graphs (`a·gᵀ`,
 //!   `aᵀ·g`) are folded into matmul flags by the layout rules and carried over.
+//! - Matmul through an activation's derivative: `matmul(a, b) · gelu_tanh'(x)`, with the
+//!   derivative spelled as the tanh GELU's gradient rule spells it —
+//!   `½(1 + t) + x·(1 − t²)·(1 + 3c·x²)·½k`, `t = tanh(x·(1 + c·x²)·k)`, `c = 0.044715`,
+//!   `k = √(2/π)` — and the matmul on either side of the product, where `x` has the product's
+//!   shape → `matmul_act_grad[act=gelu_tanh](a, b, x)` (the MLP backward `(dy·W2ᵀ) ⊙ gelu'(h)`,
+//!   which cuBLASLt runs as one `DGELU` call). Only the tanh GELU has this rule: it is the one
+//!   activation whose derivative cuBLASLt applies from the pre-activation (`DRELU` reads a bit
+//!   mask the forward would have to write; the erf GELU's derivative is not cuBLASLt's), and
+//!   elsewhere the fusion pass already makes the derivative one kernel after the GEMM. A GELU
+//!   spelled in primitives (as GPT-2's reference code does) is differentiated primitive by
+//!   primitive, so its gradient is a sum over the four uses of `x`, not this product, and is not
+//!   recognized.
 //! - Attention over `[B,H,S,D]` operands: `matmul(softmax_last(M(S)), v)` with the scores `S`
 //!   one of `matmul(q, kᵀ)·c`, `matmul(q, kᵀ) / c`, `matmul(q, kᵀ)` (so `scale` = c, 1/c, 1) and
 //!   `M` one of: nothing; `+ mask` (an additive mask of q's dtype → `mask=additive`);
@@ -226,6 +238,46 @@ fn epilogue_act(cx: &mut Ctx<'_>, act: Activation) -> Option<Id> {
         ),
         _ => return None,
     };
+    cx.fuse(op, &ins)
+}
+
+/// Relative tolerance of the derivative's constants for values of `dtype` (bf16 rounds them to
+/// 8 significant bits).
+fn rtol_for(dtype: DType) -> f64 {
+    if dtype == DType::BF16 {
+        4e-3
+    } else {
+        RTOL
+    }
+}
+
+/// `matmul(a, b) · gelu_tanh'(x)` with the derivative's constants checked.
+fn matmul_dgelu_tanh(cx: &mut Ctx<'_>) -> Option<Id> {
+    let Op::Matmul { trans_a, trans_b } = *cx.op("matmul")? else {
+        return None;
+    };
+    let xt = cx.ty("?x")?;
+    if !xt.dtype.is_float() || Some(xt) != cx.root_ty() {
+        return None;
+    }
+    let tol = rtol_for(xt.dtype);
+    let c = 0.044715;
+    let ones = ["?one1", "?one2", "?one3", "?one4"];
+    let ok = ones.iter().all(|v| cx.scalar_near(v, 1.0, tol))
+        && cx.scalar_near("?c", c, tol)
+        && cx.scalar_near("?c3", 3.0 * c, tol)
+        && cx.scalar_near("?k", SQRT_2_OVER_PI, tol)
+        && cx.scalar_near("?half", 0.5, tol)
+        && cx.scalar_near("?halfk", 0.5 * SQRT_2_OVER_PI, tol);
+    if !ok {
+        return None;
+    }
+    let op = Op::MatmulActGrad {
+        trans_a,
+        trans_b,
+        act: Activation::GeluTanh,
+    };
+    let ins = [cx.id("?a"), cx.id("?b"), cx.id("?x")];
     cx.fuse(op, &ins)
 }
 
@@ -543,6 +595,25 @@ pub fn rules() -> Vec<Rw> {
             move |cx| epilogue_act(cx, act),
         ));
     }
+
+    // Matmul through the tanh GELU's derivative, as its gradient rule spells it (constants right).
+    let t = "(tanh (mul (mul ?x (add (mul (mul ?x ?x) ?c) ?one1)) ?k))";
+    let d = format!(
+        "(add (mul (add {t} ?one2) ?half) \
+         (mul (mul (mul ?x (sub ?one3 (mul {t} {t}))) (add (mul (mul ?x ?x) ?c3) ?one4)) ?halfk))"
+    );
+    // matmul(a, b) · gelu_tanh'(x) == matmul_act_grad[act=gelu_tanh](a, b, x).
+    r.push(build(
+        "matmul-dgelu-tanh",
+        &format!("(mul (matmul* ?a ?b) {d})"),
+        matmul_dgelu_tanh,
+    ));
+    // gelu_tanh'(x) · matmul(a, b) == matmul_act_grad[act=gelu_tanh](a, b, x).
+    r.push(build(
+        "matmul-dgelu-tanh-rev",
+        &format!("(mul {d} (matmul* ?a ?b))"),
+        matmul_dgelu_tanh,
+    ));
 
     // Attention.
     let scores = [

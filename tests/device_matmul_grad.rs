@@ -1,0 +1,276 @@
+//! `matmul_act_grad` (`(op(A)·op(B)) ⊙ act'(pre)`) on CUDA against the CPU kernel (itself checked
+//! against float64 in `ops/tests/matmul_act_grad.rs`):
+//! - everywhere: the CUDA lowering run on the host — the cuBLASLt call through the interpreter's
+//!   model of it (`DGELU` with the pre-activation as aux input), the fallback kernel through the
+//!   kernel interpreter — for every float dtype and activation, batched, broadcast and transposed
+//!   operands, N a multiple of 8 or not; the generated kernels compile with NVRTC where it loads;
+//! - on the test device (CUDA where `RUSTYTORCH_TEST_CUDA=1`, else the CPU executable): the op in
+//!   a graph for f16/bf16/f32/f64 and the same shapes, and a few training steps of the MLP whose
+//!   backward forms the op, against the CPU.
+
+use rustytorch::codegen::cuda::matmul::LtActivation;
+use rustytorch::codegen::cuda::{interp, lower_step, source, CudaStep};
+use rustytorch::compiler::Graph;
+use rustytorch::ops::testing::{assert_close, rand_tensor, tolerance};
+use rustytorch::ops::{eval_cpu, infer, Activation, Op, Shape, TensorType};
+use rustytorch::prelude::*;
+use rustytorch::runtime::cuda::compile::KernelCompiler;
+
+fn cuda() -> bool {
+    std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
+}
+
+fn device() -> Device {
+    if cuda() {
+        Device::Cuda(0)
+    } else {
+        Device::Cpu
+    }
+}
+
+const ACTS: [Activation; 3] = [Activation::GeluTanh, Activation::GeluErf, Activation::Relu];
+const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
+
+/// (batch dims of a, of b, m, k, n, trans_a, trans_b): plain, N not a multiple of 8, transposed
+/// operands, a strided batch, a broadcast weight (GPT-2's `[B, S, D]·W`), a batch broadcast no
+/// single strided call expresses.
+const SHAPES: [(&[usize], &[usize], usize, usize, usize, bool, bool); 7] = [
+    (&[], &[], 24, 40, 64, false, true),
+    (&[], &[], 9, 7, 20, false, false),
+    (&[], &[], 16, 24, 32, true, false),
+    (&[], &[], 8, 16, 24, true, true),
+    (&[3], &[3], 5, 12, 16, false, true),
+    (&[2, 4], &[], 6, 16, 40, false, true),
+    (&[2, 1], &[3], 4, 8, 16, false, false),
+];
+
+fn stored(batch: &[usize], r: usize, c: usize, t: bool) -> Vec<usize> {
+    let mut d = batch.to_vec();
+    d.extend(if t { [c, r] } else { [r, c] });
+    d
+}
+
+/// The op and its operands for one case.
+fn case(
+    dt: DType,
+    act: Activation,
+    shape: (&[usize], &[usize], usize, usize, usize, bool, bool),
+    seed: u64,
+) -> (Op, Vec<HostTensor>) {
+    let (ba, bb, m, k, n, ta, tb) = shape;
+    let a = rand_tensor(&TensorType::new(dt, stored(ba, m, k, ta)), seed, -1.0, 1.0);
+    let b = rand_tensor(
+        &TensorType::new(dt, stored(bb, k, n, tb)),
+        seed + 1,
+        -1.0,
+        1.0,
+    );
+    let mut od = Shape::broadcast(&Shape::new(ba), &Shape::new(bb))
+        .unwrap()
+        .dims()
+        .to_vec();
+    od.extend([m, n]);
+    let pre = rand_tensor(&TensorType::new(dt, od), seed + 2, -3.0, 3.0);
+    let op = Op::MatmulActGrad {
+        trans_a: ta,
+        trans_b: tb,
+        act,
+    };
+    (op, vec![a, b, pre])
+}
+
+/// Tolerance of a k-term product against the CPU (different summation orders and roundings).
+fn tol(dt: DType, k: usize) -> f64 {
+    tolerance(dt) * 2.0 * (k as f64).sqrt()
+}
+
+#[test]
+fn cuda_lowering_runs_on_the_host_as_the_cpu_kernel() {
+    let mut seed = 100;
+    for dt in FLOATS {
+        for act in ACTS {
+            for shape in SHAPES {
+                seed += 3;
+                let (op, ins) = case(dt, act, shape, seed);
+                let tys: Vec<TensorType> = ins.iter().map(|t| t.ty()).collect();
+                let refs: Vec<&TensorType> = tys.iter().collect();
+                let out = infer(&op, &refs).unwrap();
+                let CudaStep::Matmul { desc, after } = lower_step(&op, &refs, &out).unwrap() else {
+                    panic!("{op}: a matmul step");
+                };
+                let n = shape.4;
+                let one_call = act == Activation::GeluTanh && dt != DType::F64 && n % 8 == 0;
+                assert_eq!(
+                    desc.act == LtActivation::DGeluTanh,
+                    one_call,
+                    "{dt} {act:?} n={n}: {desc:?}"
+                );
+                assert_eq!(
+                    after.launches.len(),
+                    !one_call as usize,
+                    "{dt} {act:?} n={n}"
+                );
+                assert!(!desc.bias);
+                let ins_ref: Vec<&HostTensor> = ins.iter().collect();
+                let got = interp::run_matmul_step(&desc, &after, &ins_ref, &out).unwrap();
+                let want = eval_cpu(&op, &ins_ref).unwrap();
+                assert_close(
+                    &got.to_f64_vec(),
+                    &want.to_f64_vec(),
+                    tol(dt, shape.3),
+                    &format!("{dt} {act:?} {shape:?}"),
+                );
+            }
+        }
+    }
+}
+
+/// The lowering refuses a pre-activation that is not the result's type (inference already does;
+/// the lowering does not trust its caller).
+#[test]
+fn the_lowering_checks_the_pre_activation() {
+    let f = |d: &[usize]| TensorType::new(DType::F32, d.to_vec());
+    let op = Op::MatmulActGrad {
+        trans_a: false,
+        trans_b: false,
+        act: Activation::GeluTanh,
+    };
+    let (a, b, out) = (f(&[4, 8]), f(&[8, 16]), f(&[4, 16]));
+    let e = lower_step(&op, &[&a, &b, &f(&[16])], &out).unwrap_err();
+    assert!(e.to_string().contains("pre-activation"), "{e}");
+}
+
+/// The fallback kernels compile with NVRTC for sm_80 and sm_90 (skipped where NVRTC does not load,
+/// unless `RUSTYTORCH_TEST_NVRTC=1`).
+#[test]
+fn act_grad_kernels_compile() {
+    let required = std::env::var("RUSTYTORCH_TEST_NVRTC").as_deref() == Ok("1");
+    let compilers: Result<Vec<_>, _> = [(8, 0), (9, 0)]
+        .into_iter()
+        .map(|cc| KernelCompiler::with_dir(cc, None))
+        .collect();
+    let compilers = match compilers {
+        Ok(c) => c,
+        Err(e) if required => panic!("RUSTYTORCH_TEST_NVRTC=1 but NVRTC is unavailable: {e}"),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            return;
+        }
+    };
+    let mut sources = vec![];
+    for dt in FLOATS {
+        for act in ACTS {
+            // N = 20: the scalar kernel; N = 64 over 24 rows: the vector kernel.
+            for shape in [SHAPES[0], SHAPES[1]] {
+                let (op, ins) = case(dt, act, shape, 7);
+                let tys: Vec<TensorType> = ins.iter().map(|t| t.ty()).collect();
+                let refs: Vec<&TensorType> = tys.iter().collect();
+                let out = infer(&op, &refs).unwrap();
+                let CudaStep::Matmul { after, .. } = lower_step(&op, &refs, &out).unwrap() else {
+                    panic!("a matmul step");
+                };
+                for l in &after.launches {
+                    sources.push((l.kernel.name.clone(), source(&l.kernel).unwrap()));
+                }
+            }
+        }
+    }
+    assert!(sources.len() >= 16, "{} kernels", sources.len());
+    for c in &compilers {
+        for (name, src) in &sources {
+            c.cubin(name, src)
+                .unwrap_or_else(|e| panic!("{name}: {e}\n{src}"));
+        }
+    }
+}
+
+/// Runs `op` as a one-node graph on the test device (unoptimized, so the op is what runs).
+fn on_device(op: &Op, ins: &[HostTensor]) -> HostTensor {
+    let mut g = Graph::new();
+    let mut ids = vec![];
+    for (i, x) in ins.iter().enumerate() {
+        ids.push(g.add_input(&format!("x{i}"), x.ty()).unwrap());
+    }
+    let y = g.add(op.clone(), &ids).unwrap();
+    g.add_output("y", y).unwrap();
+    let opts = CompileOptions {
+        optimize: false,
+        ..CompileOptions::default()
+    };
+    let mut exe = rustytorch::compile_graph(&g, device(), &opts).unwrap();
+    let names: Vec<String> = (0..ins.len()).map(|i| format!("x{i}")).collect();
+    let args: Vec<(&str, HostTensor)> = names
+        .iter()
+        .zip(ins)
+        .map(|(n, x)| (n.as_str(), x.clone()))
+        .collect();
+    exe.run(&args).unwrap().into_vec().remove(0)
+}
+
+#[test]
+fn device_matches_cpu() {
+    let mut seed = 500;
+    for dt in FLOATS {
+        for act in ACTS {
+            for shape in SHAPES {
+                seed += 3;
+                let (op, ins) = case(dt, act, shape, seed);
+                let refs: Vec<&HostTensor> = ins.iter().collect();
+                let want = eval_cpu(&op, &refs).unwrap();
+                let got = on_device(&op, &ins);
+                assert_eq!(got.ty(), want.ty());
+                assert_close(
+                    &got.to_f64_vec(),
+                    &want.to_f64_vec(),
+                    tol(dt, shape.3),
+                    &format!("{:?} {dt} {act:?} {shape:?}", device()),
+                );
+            }
+        }
+    }
+}
+
+/// A training step of `x → linear → gelu_tanh → linear → mse` whose backward forms the op
+/// (`dims` of x: [rows, 64] or [batch, seq, 64]), on the test device against the CPU.
+#[test]
+fn mlp_training_on_device_matches_cpu() {
+    for dims in [vec![64usize, 64], vec![2, 32, 64]] {
+        let run = |dev: Device| {
+            let g = GraphBuilder::new();
+            let x = g.input("x", DType::F32, dims.clone());
+            let mut yd = dims.clone();
+            *yd.last_mut().unwrap() = 32;
+            let y = g.input("y", DType::F32, yd.clone());
+            let w1 = g.param("w1", [64, 128], Init::kaiming_uniform(64, 1));
+            let b1 = g.param("b1", [128], Init::Full(0.1));
+            let w2 = g.param("w2", [128, 32], Init::kaiming_uniform(128, 2));
+            let out = x.matmul(&w1).add(&b1).gelu_tanh().matmul(&w2);
+            let loss = out.mse_loss(&y);
+            g.train_step(&loss, Sgd::new(0.05), &StepOptions::default())
+                .unwrap();
+            let mut exe = compile(&g, &[&loss], dev).unwrap();
+            assert!(
+                exe.optimized_ir()
+                    .contains("matmul_act_grad[trans_b,act=gelu_tanh]"),
+                "{}",
+                exe.optimized_ir()
+            );
+            let n: usize = dims.iter().product();
+            let xs = rustytorch::ops::testing::rand_f64(n, 3, -2.0, 2.0);
+            let ys = rustytorch::ops::testing::rand_f64(n / 2, 4, -1.0, 1.0);
+            let xt =
+                HostTensor::from_vec(xs.iter().map(|&v| v as f32).collect(), dims.clone()).unwrap();
+            let yt = HostTensor::from_vec(ys.iter().map(|&v| v as f32).collect(), yd).unwrap();
+            let losses: Vec<f64> = (0..3)
+                .map(|_| {
+                    exe.run(&[("x", xt.clone()), ("y", yt.clone())]).unwrap()[0].to_f64_vec()[0]
+                })
+                .collect();
+            (losses, exe.param("w1").unwrap().to_f64_vec())
+        };
+        let (lg, wg) = run(device());
+        let (lc, wc) = run(Device::Cpu);
+        assert_close(&lg, &lc, 1e-4, &format!("losses {dims:?}"));
+        assert_close(&wg, &wc, 1e-4, &format!("w1 {dims:?}"));
+    }
+}
