@@ -168,7 +168,7 @@ fn equals_the_matmul_then_the_activation_gradient_rule() {
         };
         let g = eval_cpu(&mm, &[&a, &b]).unwrap();
         // vjp of act at `pre` with cotangent g: g ⊙ act'(pre).
-        let want = vjp_eager(&Op::Unary(u), &[pre.clone()], &g).unwrap()[0]
+        let want = vjp_eager(&Op::Unary(u), std::slice::from_ref(&pre), &g).unwrap()[0]
             .clone()
             .unwrap();
         let op = Op::MatmulActGrad {
