@@ -200,11 +200,19 @@ trait GemmFloat: Copy + Send + Sync + Default + 'static {
                 .for_each(|y| *y = Self::of_f64(f(y.as_f64())));
         }
     }
-    /// `y ⊙ act'(pre)` in place, evaluated in f64 per element.
+    /// `y ⊙ act'(pre)` in place, evaluated in f64 per element (ReLU's as a select, so a
+    /// non-finite `y` where `pre <= 0` gives 0, as its gradient rule does).
     fn act_grad(y: &mut [Self], pre: &[Self], act: Activation) {
         let d = match act {
             Activation::None => return,
-            Activation::Relu => drelu,
+            Activation::Relu => {
+                for (y, &x) in y.iter_mut().zip(pre) {
+                    if x.as_f64() <= 0.0 || x.as_f64().is_nan() {
+                        *y = Self::of_f64(0.0);
+                    }
+                }
+                return;
+            }
             Activation::GeluErf => dgelu_erf,
             Activation::GeluTanh => dgelu_tanh,
         };
@@ -389,15 +397,6 @@ fn gelu_erf(x: f64) -> f64 {
 fn gelu_tanh(x: f64) -> f64 {
     let c = (2.0 / std::f64::consts::PI).sqrt();
     0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
-}
-
-/// ReLU's derivative: 1 where `x > 0`, else 0 (as its gradient rule: `where(x > 0, g, 0)`).
-fn drelu(x: f64) -> f64 {
-    if x > 0.0 {
-        1.0
-    } else {
-        0.0
-    }
 }
 
 /// The exact GELU's derivative `Φ(x) + x·φ(x)`.

@@ -237,3 +237,29 @@ fn its_gradient_is_a_clear_error() {
     assert!(matches!(e, OpError::NotDifferentiable { .. }), "{e}");
     assert!(e.to_string().contains("second derivative"), "{e}");
 }
+
+/// ReLU's derivative selects, as its gradient rule `where(x > 0, g, 0)` does: a non-finite
+/// product where `pre <= 0` gives 0, where `pre > 0` it passes through.
+#[test]
+fn relu_selects_like_its_gradient_rule() {
+    for dt in [DType::F32, DType::F64, DType::BF16] {
+        let a = HostTensor::from_vec(vec![f64::INFINITY, 1.0], [2, 1])
+            .unwrap()
+            .cast(dt);
+        let b = HostTensor::from_vec(vec![1.0, -2.0], [1, 2])
+            .unwrap()
+            .cast(dt);
+        let pre = HostTensor::from_vec(vec![-1.0, 0.5, 0.0, 3.0], [2, 2])
+            .unwrap()
+            .cast(dt);
+        let op = Op::MatmulActGrad {
+            trans_a: false,
+            trans_b: false,
+            act: Activation::Relu,
+        };
+        let got = eval_cpu(&op, &[&a, &b, &pre]).unwrap().to_f64_vec();
+        assert_eq!(got[0], 0.0, "{dt}");
+        assert_eq!(got[1], f64::NEG_INFINITY, "{dt}");
+        assert_eq!(&got[2..], &[0.0, -2.0], "{dt}");
+    }
+}

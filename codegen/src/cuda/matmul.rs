@@ -336,8 +336,18 @@ fn epilogue_kernel(out: &TensorType, n: usize, bias: bool, act: Activation) -> R
     })
 }
 
-/// `act'(x)` for a variable `x` of compute type `ct`, as the CPU computes it; `t` names the
-/// variable the tanh GELU's `tanh` is bound to (by [`act_grad_lets`]).
+/// `g·act'(x)` for variables of compute type `ct`, as the CPU computes it (ReLU's as a select, so
+/// a non-finite `g` where `x <= 0` gives 0, as its gradient rule does); `t` names the variable
+/// the tanh GELU's `tanh` is bound to (by [`act_grad_lets`]).
+fn act_grad_value(act: Activation, g: Expr, x: Expr, t: &str, ct: CTy) -> Expr {
+    match act {
+        Activation::Relu => select(bin(BinFn::Gt, x, lit(0.0, ct)), g, lit(0.0, ct)),
+        _ => mul(g, act_derivative(act, x, t, ct)),
+    }
+}
+
+/// `act'(x)` for a variable `x` of compute type `ct`; `t` names the variable the tanh GELU's
+/// `tanh` is bound to (by [`act_grad_lets`]).
 fn act_derivative(act: Activation, x: Expr, t: &str, ct: CTy) -> Expr {
     let one = || lit(1.0, ct);
     let half = || lit(0.5, ct);
@@ -429,10 +439,7 @@ fn act_grad_kernel(out: &TensorType, act: Activation) -> Result<Launch> {
             let (x, t) = (format!("x{k}"), format!("t{k}"));
             b.push(let_(&x, ct, var(&format!("p{k}"))));
             b.extend(act_grad_lets(act, var(&x), &t, ct));
-            values.push(mul(
-                var(&format!("v{k}")),
-                act_derivative(act, var(&x), &t, ct),
-            ));
+            values.push(act_grad_value(act, var(&format!("v{k}")), var(&x), &t, ct));
         }
         b.push(store_vec("out", st, var("i"), values));
         (vec![grid_stride("j", (numel / w) as i64, b)], numel / w)
@@ -443,10 +450,7 @@ fn act_grad_kernel(out: &TensorType, act: Activation) -> Result<Launch> {
             "out",
             st,
             var("i"),
-            mul(
-                load("out", st, var("i")),
-                act_derivative(act, var("x"), "t", ct),
-            ),
+            act_grad_value(act, load("out", st, var("i")), var("x"), "t", ct),
         ));
         (vec![grid_stride("i", numel as i64, b)], numel)
     };
