@@ -95,8 +95,8 @@ fn linear(g: &GraphBuilder, name: &str, x: &Tensor, i: usize, o: usize, dt: DTyp
     x.matmul(&w).add(&b)
 }
 
-/// One pre-norm transformer block over x [B, S, D]: LayerNorm, causal self-attention (the
-/// fused op), the tanh-GELU MLP, residual adds (the rest spelled in primitives).
+/// One pre-norm transformer block over x [B, S, D]: LayerNorm, causal self-attention and the
+/// tanh GELU as the fused ops, the MLP, residual adds (the rest spelled in primitives).
 pub fn gpt2_block(g: &GraphBuilder, cfg: &Gpt2Config, layer: usize, x: &Tensor) -> Tensor {
     gpt2_block_typed(g, cfg, layer, x, DType::F32)
 }
@@ -132,7 +132,10 @@ pub fn gpt2_block_typed(
         .reshape([b, s, d]);
     let x = x.add(&linear(g, &p("attn.proj"), &att, d, d, dt));
     let m = ln("ln2", &x);
-    let hdn = gelu_tanh_primitives(&linear(g, &p("mlp.fc"), &m, d, 4 * d, dt));
+    // GELU as the fused op (as a model calls `gelu(approximate="tanh")`): autodiff then
+    // differentiates one op, whose gradient after the MLP's second matmul the optimizer makes
+    // one `matmul_act_grad` (cuBLASLt's DGELU epilogue on CUDA).
+    let hdn = linear(g, &p("mlp.fc"), &m, d, 4 * d, dt).gelu_tanh();
     x.add(&linear(g, &p("mlp.proj"), &hdn, 4 * d, d, dt))
 }
 
