@@ -105,6 +105,7 @@ fn conv_graph(x: &[usize], w: &[usize], pad: usize, d: DType, backward: bool) ->
         geom: geom.clone(),
         groups: 1,
         bias: false,
+        act: rustytorch_ops::Activation::None,
     };
     let y = g.add(fwd, &[xi, wi]).expect("conv");
     g.add_output("y", y).expect("y");
@@ -152,6 +153,7 @@ fn conv_graph_nhwc(x: &[usize], w: &[usize], pad: usize, d: DType, backward: boo
         geom: geom.clone(),
         groups: 1,
         bias: false,
+        act: rustytorch_ops::Activation::None,
     };
     let y = g.add(fwd, &[xi, wi]).expect("conv");
     let y_out = perm(&mut g, y, &to_last);

@@ -717,8 +717,55 @@ fn scale_loss(source: &mut Graph, opts: &CompileOptions) -> Result<Option<LossSc
     }))
 }
 
+/// The compile pass options for a graph that runs on `device`, a resolved device (the CPU's for
+/// [`Device::Auto`], which is compiled for the CPU first and again for the GPU it picks).
+pub(crate) fn pass_options(
+    device: Device,
+    opts: &CompileOptions,
+) -> rustytorch_compiler::passes::Options {
+    let cuda = matches!(device, Device::Cuda(_));
+    rustytorch_compiler::passes::Options {
+        optimize: opts.optimize,
+        fuse: opts.optimize,
+        // The target decides the layout of convolution stacks (channels-first on the CPU).
+        channels_last: cuda.then(rustytorch_codegen::cuda::dnn::channels_last),
+        autocast: opts.autocast,
+        // The CUDA attention kernels read heads in place ([B,S,H,D]); the CPU kernel would
+        // transpose them itself, so the CPU keeps the graph's transposes.
+        attention_layout: cuda,
+        ..Default::default()
+    }
+}
+
+/// A graph compiled and lowered for one device, with when the passes and the lowering ended.
+struct Lowered {
+    compiled: rustytorch_compiler::passes::Compiled,
+    plan: Arc<Plan>,
+    passes_done: Instant,
+    lowered: Instant,
+}
+
+/// Runs the compile passes for `device` (a resolved device) and lowers the result.
+fn compile_for(concrete: &Graph, device: Device, opts: &CompileOptions) -> Result<Lowered> {
+    let compiled = rustytorch_compiler::passes::run(concrete, &pass_options(device, opts))?;
+    let passes_done = Instant::now();
+    let memory = compiled.report.memory.as_ref().ok_or_else(|| {
+        CodegenError::Invalid("the compile passes produced no memory plan".into())
+    })?;
+    let plan = Arc::new(lower(&compiled.graph, memory)?);
+    Ok(Lowered {
+        compiled,
+        plan,
+        passes_done,
+        lowered: Instant::now(),
+    })
+}
+
 /// Runs the compile passes over a graph without named dims, lowers it and prepares it on
-/// `device` with `params`; returns it with where it was placed.
+/// `device` with `params`; returns it with where it was placed. [`Device::Auto`] is compiled for
+/// the CPU and placed by the cost model on that plan; when it picks a GPU, the graph is compiled
+/// again with that GPU's passes (channels-last convolution stacks, attention in place) and runs
+/// there, or on the CPU plan when the GPU cannot prepare it.
 fn build(
     concrete: &Graph,
     sizes: Vec<usize>,
@@ -726,45 +773,73 @@ fn build(
     opts: &CompileOptions,
     params: Vec<Arc<HostTensor>>,
 ) -> Result<(Specialization, Placement)> {
-    let popts = rustytorch_compiler::passes::Options {
-        optimize: opts.optimize,
-        fuse: opts.optimize,
-        // The target decides the layout of convolution stacks (channels-first on the CPU).
-        channels_last: matches!(device, Device::Cuda(_))
-            .then(rustytorch_codegen::cuda::dnn::channels_last),
-        autocast: opts.autocast,
-        // The CUDA attention kernels read heads in place ([B,S,H,D]); the CPU kernel would
-        // transpose them itself, so the CPU keeps the graph's transposes.
-        attention_layout: matches!(device, Device::Cuda(_)),
-        ..Default::default()
-    };
     crate::trace::epoch();
     let start = Instant::now();
-    let compiled = rustytorch_compiler::passes::run(concrete, &popts)?;
-    let passes_done = Instant::now();
-    let memory = compiled.report.memory.as_ref().ok_or_else(|| {
-        CodegenError::Invalid("the compile passes produced no memory plan".into())
-    })?;
-    let plan = Arc::new(lower(&compiled.graph, memory)?);
-    let lowered = Instant::now();
+    let first = if device == Device::Auto {
+        Device::Cpu
+    } else {
+        device
+    };
+    let mut low = compile_for(concrete, first, opts)?;
     let (placement, session, sources) = if opts.anomaly {
-        let session = CpuBackend.prepare_with(plan.clone(), params, true)?;
+        let session = CpuBackend.prepare_with(low.plan.clone(), params, true)?;
         let placement = Placement {
             requested: device,
             device: Device::Cpu,
             reason: "anomaly mode runs on the cpu".into(),
         };
-        let sources = StepSources::new(&compiled.graph, memory, &plan);
+        let memory = low.compiled.report.memory.as_ref().ok_or_else(|| {
+            CodegenError::Invalid("the compile passes produced no memory plan".into())
+        })?;
+        let sources = StepSources::new(&low.compiled.graph, memory, &low.plan);
         (
             placement,
             Box::new(session) as Box<dyn Session>,
             Some(sources),
         )
+    } else if device == Device::Auto {
+        let mut placement = place(&workload(&low.compiled.graph, &low.plan), &COST_MODEL);
+        let mut on_gpu = None;
+        if placement.device != Device::Cpu {
+            let gpu = placement.device;
+            let tried = compile_for(concrete, gpu, opts).and_then(|l| {
+                let session = gpu.backend()?.prepare(l.plan.clone(), params.clone())?;
+                Ok((l, session))
+            });
+            match tried {
+                Ok((l, session)) => {
+                    tracing::debug!("recompiled for {gpu} with its layout passes");
+                    low = l;
+                    on_gpu = Some(session);
+                }
+                Err(e) => {
+                    placement.device = Device::Cpu;
+                    placement.reason = format!("{}; running on the cpu: {e}", placement.reason);
+                }
+            }
+        }
+        let mut session = match on_gpu {
+            Some(s) => s,
+            None => Device::Cpu.backend()?.prepare(low.plan.clone(), params)?,
+        };
+        session.set_graph_replay(opts.graph_replay);
+        (placement, session, None)
     } else {
-        let (placement, mut session) = prepare(device, &compiled.graph, &plan, params)?;
+        let mut session = device.backend()?.prepare(low.plan.clone(), params)?;
+        let placement = Placement {
+            requested: device,
+            device: session.device(),
+            reason: "requested".into(),
+        };
         session.set_graph_replay(opts.graph_replay);
         (placement, session, None)
     };
+    let Lowered {
+        compiled,
+        plan,
+        passes_done,
+        lowered,
+    } = low;
     tracing::debug!(placement = %placement, "prepared");
     let compile = crate::trace::CompileTimes {
         start,
@@ -811,40 +886,6 @@ pub fn workload(graph: &Graph, plan: &Plan) -> Workload {
         .chain(plan.outputs.iter().map(|(_, v)| size(*v)))
         .fold(0, u64::saturating_add);
     w
-}
-
-/// Picks the device (resolving [`Device::Auto`]) and prepares the plan there.
-fn prepare(
-    device: Device,
-    graph: &Graph,
-    plan: &Arc<Plan>,
-    params: Vec<Arc<HostTensor>>,
-) -> Result<(Placement, Box<dyn Session>)> {
-    if device != Device::Auto {
-        let session = device.backend()?.prepare(plan.clone(), params)?;
-        let placement = Placement {
-            requested: device,
-            device: session.device(),
-            reason: "requested".into(),
-        };
-        return Ok((placement, session));
-    }
-    let mut placement = place(&workload(graph, plan), &COST_MODEL);
-    if placement.device != Device::Cpu {
-        let gpu = placement.device;
-        match gpu
-            .backend()
-            .and_then(|b| b.prepare(plan.clone(), params.clone()))
-        {
-            Ok(session) => return Ok((placement, session)),
-            Err(e) => {
-                placement.device = Device::Cpu;
-                placement.reason = format!("{}; running on the cpu: {e}", placement.reason);
-            }
-        }
-    }
-    let session = Device::Cpu.backend()?.prepare(plan.clone(), params)?;
-    Ok((placement, session))
 }
 
 impl Executable {
@@ -1458,4 +1499,36 @@ fn first_f64(t: &HostTensor) -> Result<f64> {
             t.ty()
         )))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A graph placed on CUDA (asked for, or resolved from `Auto`) gets CUDA's layout passes;
+    /// the CPU, and `Auto`'s first compile (for the CPU), get neither.
+    #[test]
+    fn pass_options_follow_the_resolved_device() {
+        let opts = CompileOptions::default();
+        for gpu in [Device::Cuda(0), Device::Cuda(1)] {
+            let o = pass_options(gpu, &opts);
+            assert_eq!(
+                o.channels_last,
+                Some(rustytorch_codegen::cuda::dnn::channels_last())
+            );
+            assert!(o.attention_layout && o.optimize && o.fuse);
+        }
+        for other in [Device::Cpu, Device::Auto] {
+            let o = pass_options(other, &opts);
+            assert!(o.channels_last.is_none() && !o.attention_layout, "{other}");
+        }
+        let o = pass_options(
+            Device::Cuda(0),
+            &CompileOptions {
+                optimize: false,
+                ..CompileOptions::default()
+            },
+        );
+        assert!(!o.optimize && !o.fuse && o.channels_last.is_some());
+    }
 }

@@ -147,6 +147,7 @@ fn channels_last_ops() {
                 geom: geom.clone(),
                 groups: 1,
                 bias,
+                act: rustytorch_ops::Activation::None,
             };
             let mut ins = vec![x.clone(), w.clone()];
             if bias {

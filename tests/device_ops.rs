@@ -507,6 +507,7 @@ fn convolutions() {
                 geom: geom.clone(),
                 groups,
                 bias,
+                act: rustytorch_ops::Activation::None,
             };
             let mut ins = vec![x.clone(), w.clone()];
             if bias {

@@ -1175,6 +1175,7 @@ impl Tensor {
                 geom,
                 groups: opts.groups,
                 bias: bias.is_some(),
+                act: Activation::None,
             },
             &ins,
         )

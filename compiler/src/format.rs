@@ -22,7 +22,7 @@ use crate::dims::{DimExpr, NamedDim};
 use crate::text::dense_order;
 use crate::{CompileError, Graph, Init, InputDef, NodeId, ParamDef, Result};
 use bincode::Options;
-use rustytorch_ops::{bf16, f16, DType, Data, HostTensor, Op, Shape, TensorType};
+use rustytorch_ops::{bf16, f16, Activation, DType, Data, HostTensor, Op, Shape, TensorType};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -31,14 +31,16 @@ use std::path::Path;
 pub const MAGIC: [u8; 8] = *b"RTGRAPH\0";
 /// The format version this build writes and the newest it reads (2 added named dims, 3 the
 /// channels-last layout of convolutions and pooling, 4 attention's `[B,S,H,D]` layout in the
-/// same table).
-pub const VERSION: u32 = 4;
+/// same table, 5 the table of convolution activations).
+pub const VERSION: u32 = 5;
 /// The first version whose body holds named dims.
 const NAMED_DIMS_VERSION: u32 = 2;
 /// The first version whose body holds the table of channels-last nodes.
 const LAYOUTS_VERSION: u32 = 3;
 /// The first version whose layout table may name attention nodes.
 const ATTN_LAYOUT_VERSION: u32 = 4;
+/// The first version whose body holds the table of convolution activations.
+const ACTS_VERSION: u32 = 5;
 /// Bytes before the body.
 pub const HEADER_LEN: usize = 24;
 
@@ -86,6 +88,44 @@ struct GraphDef {
     /// The convolution and pooling nodes whose geometry is channels-last, ascending (version 3;
     /// the layout is not part of an op's own encoding, so older files read as channels-first).
     layouts: Vec<u32>,
+    /// The convolutions with an activation and that activation, ascending by node (version 5;
+    /// the activation is not part of the op's own encoding, so older files read without one).
+    acts: Vec<(u32, Activation)>,
+}
+
+/// The body of versions 3 and 4: [`GraphDef`] without the table of convolution activations.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+struct GraphDefV4 {
+    nodes: Vec<NodeDef>,
+    inputs: Vec<InputDecl>,
+    params: Vec<ParamDecl>,
+    constants: Vec<TensorDef>,
+    outputs: Vec<(String, u32)>,
+    updates: Vec<(u32, u32)>,
+    guards: Vec<(String, u32)>,
+    sidecar: Option<String>,
+    dims: Vec<DimDecl>,
+    shapes: Vec<(u32, Vec<DimDef>)>,
+    layouts: Vec<u32>,
+}
+
+impl From<GraphDefV4> for GraphDef {
+    fn from(d: GraphDefV4) -> GraphDef {
+        GraphDef {
+            nodes: d.nodes,
+            inputs: d.inputs,
+            params: d.params,
+            constants: d.constants,
+            outputs: d.outputs,
+            updates: d.updates,
+            guards: d.guards,
+            sidecar: d.sidecar,
+            dims: d.dims,
+            shapes: d.shapes,
+            layouts: d.layouts,
+            acts: Vec::new(),
+        }
+    }
 }
 
 /// The body of version 1: [`GraphDef`] without named dims.
@@ -115,6 +155,7 @@ impl From<GraphDefV1> for GraphDef {
             dims: Vec::new(),
             shapes: Vec::new(),
             layouts: Vec::new(),
+            acts: Vec::new(),
         }
     }
 }
@@ -148,6 +189,7 @@ impl From<GraphDefV2> for GraphDef {
             dims: d.dims,
             shapes: d.shapes,
             layouts: Vec::new(),
+            acts: Vec::new(),
         }
     }
 }
@@ -210,6 +252,39 @@ fn apply_layouts(def: &mut GraphDef, version: u32) -> Result<()> {
             ))
         })?;
         geom.layout = rustytorch_ops::Layout::ChannelsLast;
+    }
+    Ok(())
+}
+
+/// Sets the activations of the convolutions in the `acts` table, checking it first: ascending
+/// node ids, each a convolution, no `None` entries.
+fn apply_acts(def: &mut GraphDef) -> Result<()> {
+    let n = def.nodes.len();
+    for (k, &(id, a)) in def.acts.iter().enumerate() {
+        if k > 0 && def.acts[k - 1].0 >= id {
+            return Err(fmt_err(format!(
+                "acts: node {id} follows node {} (the table must be ascending)",
+                def.acts[k - 1].0
+            )));
+        }
+        let node = def
+            .nodes
+            .get_mut(id as usize)
+            .ok_or_else(|| fmt_err(format!("acts names node {id}, but there are {n} nodes")))?;
+        let name = node.op.name();
+        match &mut node.op {
+            Op::Conv { act, .. } if a != Activation::None => *act = a,
+            Op::Conv { .. } => {
+                return Err(fmt_err(format!(
+                    "acts names node {id} with no activation (only activations are listed)"
+                )))
+            }
+            _ => {
+                return Err(fmt_err(format!(
+                    "acts names node {id} ({name}), which is not a convolution"
+                )))
+            }
+        }
     }
     Ok(())
 }
@@ -661,11 +736,18 @@ fn encode(
             .collect(),
         shapes: dim_defs(graph, &map)?,
         layouts: Vec::new(),
+        acts: Vec::new(),
     };
     let mut def = def;
     def.layouts = (0..def.nodes.len())
         .filter(|&i| in_listed_layout(&def.nodes[i].op))
         .map(|i| i as u32)
+        .collect();
+    def.acts = (0..def.nodes.len())
+        .filter_map(|i| match def.nodes[i].op {
+            Op::Conv { act, .. } if act != Activation::None => Some((i as u32, act)),
+            _ => None,
+        })
         .collect();
     Ok((frame(&def)?, sidecar_bytes))
 }
@@ -813,8 +895,15 @@ fn decode_body(body: &[u8]) -> Result<GraphDef> {
 
 /// Decodes the body of a file of `version` (an older version through its own schema).
 fn decode_versioned(body: &[u8], version: u32) -> Result<GraphDef> {
-    if version >= LAYOUTS_VERSION {
+    if version >= ACTS_VERSION {
         return decode_body(body);
+    }
+    if version >= LAYOUTS_VERSION {
+        return write_options()
+            .with_limit(body.len() as u64)
+            .deserialize::<GraphDefV4>(body)
+            .map(GraphDef::from)
+            .map_err(|e| fmt_err(format!("malformed body (version {version}): {e}")));
     }
     if version >= NAMED_DIMS_VERSION {
         return write_options()
@@ -835,6 +924,7 @@ fn decode(bytes: &[u8], sidecar: &mut dyn FnMut(&str) -> Result<Vec<u8>>) -> Res
     let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
     let mut def = decode_versioned(body, version)?;
     apply_layouts(&mut def, version)?;
+    apply_acts(&mut def)?;
     validate(&def)?;
     let mut side: HashMap<String, HostTensor> = HashMap::new();
     if def.params.iter().any(|p| p.data == ParamData::Sidecar) {
@@ -1214,6 +1304,52 @@ mod tests {
         decode_body(unframe(&bytes).unwrap()).unwrap()
     }
 
+    /// A convolution with an activation, read back; then the `acts` table spoiled three ways.
+    #[test]
+    fn the_acts_table_is_checked() {
+        let mut g = Graph::new();
+        let x = g
+            .add_input("x", TensorType::new(DType::F32, [1, 2, 5]))
+            .unwrap();
+        let w = g
+            .add_input("w", TensorType::new(DType::F32, [3, 2, 3]))
+            .unwrap();
+        let geom = rustytorch_ops::ConvGeom::new(vec![1], vec![1], vec![1]);
+        let conv = |act| Op::Conv {
+            geom: geom.clone(),
+            groups: 1,
+            bias: false,
+            act,
+        };
+        let y = g.add(conv(Activation::GeluTanh), &[x, w]).unwrap();
+        let z = g.add(conv(Activation::None), &[x, w]).unwrap();
+        g.add_output("y", y).unwrap();
+        g.add_output("z", z).unwrap();
+        let bytes = to_bytes(&g, ParamStorage::Embedded).unwrap();
+        let def = decode_body(unframe(&bytes).unwrap()).unwrap();
+        assert_eq!(def.acts, vec![(2, Activation::GeluTanh)]);
+        let back = from_bytes(&bytes).unwrap();
+        let ops: Vec<Op> = back
+            .topo_order()
+            .unwrap()
+            .into_iter()
+            .map(|id| back.node(id).unwrap().op.clone())
+            .collect();
+        assert!(ops.contains(&conv(Activation::GeluTanh)) && ops.contains(&conv(Activation::None)));
+        let mut d = def.clone();
+        d.acts = vec![(0, Activation::Relu)];
+        assert!(load_err(&d).contains("which is not a convolution"));
+        let mut d = def.clone();
+        d.acts = vec![(3, Activation::None)];
+        assert!(load_err(&d).contains("no activation"));
+        let mut d = def.clone();
+        d.acts = vec![(3, Activation::Relu), (2, Activation::Relu)];
+        assert!(load_err(&d).contains("must be ascending"));
+        let mut d = def;
+        d.acts = vec![(9, Activation::Relu)];
+        assert!(load_err(&d).contains("acts names node 9"));
+    }
+
     fn load_err(def: &GraphDef) -> String {
         match from_bytes(&frame(def).unwrap()) {
             Err(CompileError::Format(m)) => m,
@@ -1531,7 +1667,7 @@ mod tests {
         body.push(0); // no name
         body.extend([0u8; 8 * 6]); // six empty tables
         body.push(0); // no sidecar
-        body.extend([0u8; 8 * 3]); // no named dims, no symbolic shapes, no layouts
+        body.extend([0u8; 8 * 4]); // no named dims, symbolic shapes, layouts or activations
         body
     }
 

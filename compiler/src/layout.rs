@@ -452,10 +452,12 @@ fn last_op(op: &Op) -> Op {
             geom: g,
             groups,
             bias,
+            act,
         } => Op::Conv {
             geom: geom(g),
             groups: *groups,
             bias: *bias,
+            act: *act,
         },
         Op::ConvGradInput {
             geom: g,

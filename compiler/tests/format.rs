@@ -393,6 +393,7 @@ fn every_op_graph() -> Graph {
             geom: geom(2, 1, 1),
             groups: 1,
             bias: true,
+            act: rustytorch_ops::Activation::None,
         },
         &[img, cw, cb],
     );
@@ -965,6 +966,53 @@ fn a_version_3_file_still_loads_and_runs() {
     assert_same(&graph, &from_bytes(&again).unwrap());
 }
 
+/// The golden file as version 4 wrote it (frozen: never blessed again), with its values. It has
+/// no table of convolution activations: its convolution reads without one.
+const GOLDEN_V4: &str = "every_op_v4.rtg";
+const GOLDEN_V4_VALUES: &str = "every_op_v4.values.safetensors";
+
+#[test]
+fn a_version_4_file_still_loads_without_activations() {
+    let bytes = std::fs::read(fixture(GOLDEN_V4)).unwrap();
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 4);
+    let graph = from_bytes(&bytes).unwrap();
+    let mut convs = 0;
+    for id in graph.topo_order().unwrap() {
+        if let Op::Conv { act, .. } = &graph.node(id).unwrap().op {
+            assert_eq!(*act, rustytorch_ops::Activation::None);
+            convs += 1;
+        }
+    }
+    assert_eq!(convs, 1);
+    // Every variant of its day.
+    assert_eq!(
+        runs_to_recorded_values(&graph, GOLDEN_V4_VALUES),
+        Op::VARIANT_COUNT
+    );
+    let again = to_bytes(&graph, ParamStorage::Embedded).unwrap();
+    assert_same(&graph, &from_bytes(&again).unwrap());
+}
+
+/// A convolution's activation keeps it through a file (the current golden file holds one too).
+#[test]
+fn conv_activation_round_trips() {
+    let g = golden_graph();
+    let acts = |g: &Graph| {
+        g.topo_order()
+            .unwrap()
+            .into_iter()
+            .filter_map(|id| match &g.node(id).unwrap().op {
+                Op::Conv { act, .. } => Some(*act),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(acts(&g), vec![rustytorch_ops::Activation::GeluErf]);
+    let back = from_bytes(&to_bytes(&g, ParamStorage::Embedded).unwrap()).unwrap();
+    assert_eq!(acts(&back), acts(&g));
+    assert_same(&g, &back);
+}
+
 /// Attention in the `[B, S, H, D]` layout keeps it through a file; a version 3 file whose layout
 /// table names attention is refused (version 3 had no such layout).
 #[test]
@@ -986,10 +1034,32 @@ fn attention_layout_round_trips() {
     let back = from_bytes(&bytes).unwrap();
     assert_eq!(bshd(&back), 2);
     assert_same(&g, &back);
-    let mut old = bytes.clone();
-    old[8..12].copy_from_slice(&3u32.to_le_bytes());
-    let e = from_bytes(&old).unwrap_err().to_string();
+    let e = from_bytes(&as_version_3(&g, &bytes))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("which is not a convolution or pooling"), "{e}");
+}
+
+/// `bytes` (a file of `g` in this build's version) as a version 3 file: the same body without
+/// the trailing table of convolution activations (a u64 length, then 8 bytes an entry: the node
+/// and the activation's variant), with its header's length and checksum made to match.
+fn as_version_3(g: &Graph, bytes: &[u8]) -> Vec<u8> {
+    let acts = g
+        .topo_order()
+        .unwrap()
+        .into_iter()
+        .filter(|&id| {
+            matches!(&g.node(id).unwrap().op,
+                Op::Conv { act, .. } if *act != rustytorch_ops::Activation::None)
+        })
+        .count();
+    let body = &bytes[24..bytes.len() - 8 - 8 * acts];
+    let mut out = bytes[..8].to_vec();
+    out.extend(3u32.to_le_bytes());
+    out.extend((body.len() as u64).to_le_bytes());
+    out.extend(crc32fast::hash(body).to_le_bytes());
+    out.extend(body);
+    out
 }
 
 /// A channels-last node keeps its layout through a file (the current golden file holds one too).

@@ -256,6 +256,7 @@ fn overflowing_shape_arithmetic_is_an_error_naming_the_op() {
         geom,
         groups,
         bias: false,
+        act: rustytorch_ops::Activation::None,
     };
     family_err(
         conv::infer,
@@ -411,11 +412,13 @@ fn insane_ops() -> Vec<(Op, Op, Vec<TensorType>)> {
                 geom: geom(1, 1),
                 groups: 1,
                 bias: false,
+                act: rustytorch_ops::Activation::None,
             },
             Op::Conv {
                 geom: geom(0, 1),
                 groups: 1,
                 bias: false,
+                act: rustytorch_ops::Activation::None,
             },
             vec![img.clone(), w.clone()],
         ),
@@ -424,11 +427,13 @@ fn insane_ops() -> Vec<(Op, Op, Vec<TensorType>)> {
                 geom: geom(1, 1),
                 groups: 1,
                 bias: false,
+                act: rustytorch_ops::Activation::None,
             },
             Op::Conv {
                 geom: geom(1, 1),
                 groups: 0,
                 bias: false,
+                act: rustytorch_ops::Activation::None,
             },
             vec![img.clone(), w.clone()],
         ),

@@ -242,6 +242,28 @@ keeps! {
     matmul_bias_not_over_rows: format!("(add (matmul {A} {W}) p1:f32:4:1)") => format!("(matmul_epilogue[bias,act=none] {A} {W} p1:f32:4:1)");
 }
 
+// ---- recognition: convolution activations ----
+const CX: &str = "in0:f32:1:2:5:5";
+const CW: &str = "p0:f32:3:2:3:3";
+const CB: &str = "p1:f32:3";
+const CONV: &str = "conv[stride=1:1,padding=1:1,dilation=1:1,groups=1";
+
+rewrites! {
+    conv_bias_relu: format!("(relu ({CONV},bias] {CX} {CW} {CB}))") => format!("({CONV},bias,act=relu] {CX} {CW} {CB})");
+    conv_bias_gelu: format!("(gelu ({CONV},bias] {CX} {CW} {CB}))") => format!("({CONV},bias,act=gelu] {CX} {CW} {CB})");
+    conv_bias_gelu_tanh: format!("(gelu_tanh ({CONV},bias] {CX} {CW} {CB}))") => format!("({CONV},bias,act=gelu_tanh] {CX} {CW} {CB})");
+    conv_relu: format!("(relu ({CONV}] {CX} {CW}))") => format!("({CONV},act=relu] {CX} {CW})");
+    conv_gelu: format!("(gelu ({CONV}] {CX} {CW}))") => format!("({CONV},act=gelu] {CX} {CW})");
+    conv_gelu_tanh: format!("(gelu_tanh ({CONV}] {CX} {CW}))") => format!("({CONV},act=gelu_tanh] {CX} {CW})");
+    conv_gelu_spelled:
+        gelu_spelled(&format!("({CONV},bias] {CX} {CW} {CB})"), 0.7978845608, 0.044715)
+        => format!("({CONV},bias,act=gelu_tanh] {CX} {CW} {CB})");
+}
+
+keeps! {
+    conv_with_an_activation_takes_no_second: format!("(relu ({CONV},act=gelu] {CX} {CW}))") => format!("({CONV},act=relu] {CX} {CW})");
+}
+
 // ---- recognition: attention ----
 const Q: &str = "in0:f32:1:2:4:8";
 const K: &str = "in1:f32:1:2:4:8";

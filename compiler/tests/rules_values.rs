@@ -143,7 +143,9 @@ impl Checker {
     ) -> (Vec<f64>, Vec<f64>) {
         let g = graph_of(feeds, &|gb, xs| vec![build(gb, xs)]);
         // (The transpose folds and the bias fold start from an op of the family already.)
-        let from_op = rule.starts_with("matmul-fold") || rule == "layer-norm-weight-bias";
+        let from_op = rule.starts_with("matmul-fold")
+            || rule.starts_with("conv-")
+            || rule == "layer-norm-weight-bias";
         assert!(
             from_op || !op_names(&g).contains(op),
             "{rule}: {op} already spelled"
@@ -722,6 +724,50 @@ fn attention_cases(ck: &mut Checker) {
     }
 }
 
+/// Convolution activations, 1-D (grouped, strided) and 2-D, with and without the bias.
+fn conv_cases(ck: &mut Checker) {
+    use rustytorch_compiler::ConvOpts;
+    for dtype in FLOATS {
+        let t = tol(dtype);
+        let cases: [(&[usize], &[usize], usize, usize); 2] = [
+            (&[2, 4, 9], &[6, 2, 3], 2, 2),
+            (&[1, 3, 6, 5], &[4, 3, 3, 2], 1, 1),
+        ];
+        for (s, (xd, wd, groups, stride)) in cases.into_iter().enumerate() {
+            let seed = 90 + 4 * s as u64;
+            let x = random(dtype, xd, seed, -2.0, 2.0);
+            let w = random(dtype, wd, seed + 1, -1.0, 1.0);
+            let b = random(dtype, &[wd[0]], seed + 2, -1.0, 1.0);
+            let opts = ConvOpts {
+                stride: vec![stride],
+                padding: vec![1],
+                groups,
+                ..Default::default()
+            };
+            let f = [x.clone(), w.clone(), b];
+            let o = opts.clone();
+            let cb = move |x: &[Tensor]| x[0].conv(&x[1], Some(&x[2]), &o);
+            ck.check("conv-bias-relu", "conv", &f, t, |_, x| cb(x).relu());
+            ck.check("conv-bias-gelu", "conv", &f, t, |_, x| cb(x).gelu());
+            ck.check("conv-bias-gelu_tanh", "conv", &f, t, |_, x| {
+                cb(x).gelu_tanh()
+            });
+            let f2 = [x, w];
+            let c = move |x: &[Tensor]| x[0].conv(&x[1], None, &opts);
+            ck.check("conv-relu", "conv", &f2, t, |_, x| c(x).relu());
+            ck.check("conv-gelu", "conv", &f2, t, |_, x| c(x).gelu());
+            ck.check("conv-gelu_tanh", "conv", &f2, t, |_, x| {
+                gelu_tanh_spelled(&c(x), 0, 0, 0, false, 0.044715)
+            });
+        }
+    }
+}
+
+#[test]
+fn conv_spellings_keep_values() {
+    conv_cases(&mut Checker::default());
+}
+
 #[test]
 fn attention_spellings_keep_values() {
     attention_cases(&mut Checker::default());
@@ -740,6 +786,7 @@ fn every_recognition_rule_is_checked_on_values() {
     softmax_cases(&mut ck);
     norm_cases(&mut ck);
     epilogue_cases(&mut ck);
+    conv_cases(&mut ck);
     attention_cases(&mut ck);
     let missing: Vec<String> = recognize::rules()
         .iter()

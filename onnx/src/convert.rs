@@ -3395,6 +3395,7 @@ impl Importer {
             },
             groups,
             bias: b.is_some(),
+            act: rustytorch_ops::Activation::None,
         };
         let mut ins = vec![&xin, &w];
         if let Some(b) = &b {

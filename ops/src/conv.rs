@@ -4,16 +4,23 @@
 //! One implementation serves every rank: 1-d and 2-d problems are run as 3-d ones with leading
 //! spatial dims of size 1. f16/bf16 are computed in f32 and rounded once at the end.
 //!
+//! A convolution's activation (`act`, [`Activation`]) is applied with its bias in the kernel's own
+//! output loop, per batch while the block is in cache; its gradient goes back through the
+//! activation at the recomputed pre-activation (as the matmul epilogue's does), then through the
+//! convolution.
+//!
 //! Channels-last ops (`geom.layout`, [`Layout::ChannelsLast`]: activations `[N, *spatial, C]`,
 //! weights `[O, *kernel, C/groups]`) are inferred on their dims reordered channels-first, and the
 //! CPU runs them by transposing the operands channels-first, running the channels-first kernel
 //! and transposing the result back: the CPU has no faster channels-last kernel, and the layout
 //! exists for devices whose libraries have one (docs/architecture.md).
 
+use crate::elementwise::erfc;
 use crate::util::{arity, attr_err, dtype_err, shape_err};
+use crate::vmath::{self, VFn};
 use crate::{
-    bf16, f16, ConvGeom, DType, Data, Element, HostTensor, Layout, Op, OpError, Result, Shape,
-    TensorType, Value, VjpCtx,
+    bf16, f16, Activation, ConvGeom, DType, Data, Element, HostTensor, Layout, Op, OpError, Result,
+    Shape, TensorType, UnaryOp, Value, VjpCtx,
 };
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -46,6 +53,28 @@ pub(crate) trait Real:
     fn from_usize(n: usize) -> Self;
     /// Whether this is NaN.
     fn is_nan(self) -> bool;
+    /// Applies `act` to every element of `v` in place.
+    fn activate(v: &mut [Self], act: Activation);
+}
+
+/// max(x, 0), NaN kept.
+fn relu64(x: f64) -> f64 {
+    if x < 0.0 {
+        0.0
+    } else {
+        x
+    }
+}
+
+/// GELU, exact form x·Φ(x) = ½·x·erfc(-x/√2).
+fn gelu_erf64(x: f64) -> f64 {
+    0.5 * x * erfc(-x * std::f64::consts::FRAC_1_SQRT_2)
+}
+
+/// GELU, tanh approximation.
+fn gelu_tanh64(x: f64) -> f64 {
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
 }
 
 impl Real for f32 {
@@ -58,6 +87,17 @@ impl Real for f32 {
     fn is_nan(self) -> bool {
         f32::is_nan(self)
     }
+    /// The vectorized forms of [`crate::vmath`].
+    fn activate(v: &mut [f32], act: Activation) {
+        let f = match act {
+            Activation::None => return,
+            Activation::Relu => VFn::Relu,
+            Activation::GeluErf => VFn::GeluErf,
+            Activation::GeluTanh => VFn::GeluTanh,
+        };
+        let n = v.len();
+        vmath::bias_act(v, None, n, f);
+    }
 }
 
 impl Real for f64 {
@@ -69,6 +109,15 @@ impl Real for f64 {
     }
     fn is_nan(self) -> bool {
         f64::is_nan(self)
+    }
+    fn activate(v: &mut [f64], act: Activation) {
+        let f = match act {
+            Activation::None => return,
+            Activation::Relu => relu64,
+            Activation::GeluErf => gelu_erf64,
+            Activation::GeluTanh => gelu_tanh64,
+        };
+        v.iter_mut().for_each(|y| *y = f(*y));
     }
 }
 
@@ -292,7 +341,9 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
     let first = |geom: &ConvGeom, dims: &[usize]| geom.layout.dims_to_first(dims);
     let back = |geom: &ConvGeom, s: Shape| Shape::new(geom.layout.dims_from_first(s.dims()));
     match op {
-        Op::Conv { geom, groups, bias } => {
+        Op::Conv {
+            geom, groups, bias, ..
+        } => {
             arity(op, inputs, if *bias { 3 } else { 2 })?;
             let d = float_dtype(op, inputs)?;
             let (x, w) = (inputs[0].shape.dims(), inputs[1].shape.dims());
@@ -386,10 +437,16 @@ fn channels_first(op: &Op) -> Op {
     let first = |g: &ConvGeom| g.clone().with_layout(Layout::ChannelsFirst);
     let shape = |g: &ConvGeom, s: &Shape| Shape::new(g.layout.dims_to_first(s.dims()));
     match op {
-        Op::Conv { geom, groups, bias } => Op::Conv {
+        Op::Conv {
+            geom,
+            groups,
+            bias,
+            act,
+        } => Op::Conv {
             geom: first(geom),
             groups: *groups,
             bias: *bias,
+            act: *act,
         },
         Op::ConvGradInput {
             geom,
@@ -682,8 +739,8 @@ fn per_batch<R: Real>(
     }
 }
 
-/// The forward convolution: inputs x, w, [bias].
-struct ConvFwd(Geo);
+/// The forward convolution: inputs x, w, [bias]; the activation applied per batch.
+struct ConvFwd(Geo, Activation);
 
 impl RealKernel for ConvFwd {
     fn run<R: Real>(&self, xs: &[&[R]]) -> Vec<R> {
@@ -718,6 +775,7 @@ impl RealKernel for ConvFwd {
                     par,
                 );
             }
+            R::activate(out_b, self.1);
         });
         out
     }
@@ -839,7 +897,9 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
         }
     }
     match op {
-        Op::Conv { geom, groups, .. } => {
+        Op::Conv {
+            geom, groups, act, ..
+        } => {
             let geo = Geo::new(
                 inputs[0].dims(),
                 inputs[1].dims(),
@@ -847,7 +907,7 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
                 geom,
                 *groups,
             );
-            run_real(op, inputs, out, &ConvFwd(geo))
+            run_real(op, inputs, out, &ConvFwd(geo, *act))
         }
         Op::ConvGradInput { geom, groups, .. } => {
             let geo = Geo::new(
@@ -877,8 +937,50 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
 // Gradients
 // ---------------------------------------------------------------------------------------------
 
+/// The cotangent of a convolution's pre-activation: `cx.grad` itself without an activation,
+/// otherwise the elementwise family's rule for the activation applied at the recomputed
+/// `conv(x, w) + bias`.
+fn act_grad(
+    cx: &mut VjpCtx<'_>,
+    geom: &ConvGeom,
+    groups: usize,
+    bias: bool,
+    act: Activation,
+) -> Result<Value> {
+    let unary = match act {
+        Activation::None => return Ok(cx.grad),
+        Activation::Relu => UnaryOp::Relu,
+        Activation::GeluErf => UnaryOp::GeluErf,
+        Activation::GeluTanh => UnaryOp::GeluTanh,
+    };
+    let pre = cx.emit(
+        Op::Conv {
+            geom: geom.clone(),
+            groups,
+            bias,
+            act: Activation::None,
+        },
+        cx.inputs,
+    )?;
+    let act_op = Op::Unary(unary);
+    let ins = [pre];
+    let mut sub = VjpCtx {
+        b: &mut *cx.b,
+        op: &act_op,
+        inputs: &ins,
+        output: cx.output,
+        grad: cx.grad,
+    };
+    crate::vjp(&mut sub)?
+        .into_iter()
+        .next()
+        .flatten()
+        .ok_or_else(|| cx.not_differentiable(0, "activation has no gradient"))
+}
+
 /// Gradient rules (the gradients of a channels-last op are channels-last ops). The three ops are
-/// linear in each input:
+/// linear in each input (a convolution's activation first takes the cotangent back to the
+/// pre-activation, [`act_grad`]):
 /// - `conv(x, w, b)`: dx = conv_grad_input(g, w), dw = conv_grad_weight(x, g), db = Σ g over all
 ///   dims but the channels;
 /// - `conv_grad_input(g, w)`, cotangent c: d/dg = conv(c, w), d/dw = conv_grad_weight(c, g);
@@ -887,8 +989,14 @@ pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
     let op = cx.op;
     let grad = cx.grad;
     match op {
-        Op::Conv { geom, groups, bias } => {
+        Op::Conv {
+            geom,
+            groups,
+            bias,
+            act,
+        } => {
             let (x, w) = (cx.inputs[0], cx.inputs[1]);
+            let grad = act_grad(cx, geom, *groups, *bias, *act)?;
             let dx = cx.emit(
                 Op::ConvGradInput {
                     geom: geom.clone(),
@@ -921,6 +1029,7 @@ pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
                     geom: geom.clone(),
                     groups: *groups,
                     bias: false,
+                    act: Activation::None,
                 },
                 &[grad, w],
             )?;
@@ -949,6 +1058,7 @@ pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
                     geom: geom.clone(),
                     groups: *groups,
                     bias: false,
+                    act: Activation::None,
                 },
                 &[x, grad],
             )?;

@@ -238,10 +238,13 @@ pub enum Reduction {
     None,
 }
 
-/// The activation of a matmul epilogue.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+/// The activation of a matmul epilogue or of a convolution.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
 pub enum Activation {
     /// Identity.
+    #[default]
     None,
     /// ReLU.
     Relu,
@@ -585,7 +588,7 @@ pub enum Op {
 
     // ---- convolution and pooling ----
     /// N-d convolution (NCW / NCHW / NCDHW, or channels-last by `geom.layout`), inputs x, w,
-    /// [bias].
+    /// [bias]; `act(conv(x, w) + bias)`.
     Conv {
         /// Geometry.
         geom: ConvGeom,
@@ -593,6 +596,10 @@ pub enum Op {
         groups: usize,
         /// Whether a bias input follows.
         bias: bool,
+        /// The activation applied after the bias. Not part of the serde encoding: graph files
+        /// from version 5 keep it in a table of their own, so older files read as `None`.
+        #[serde(skip, default)]
+        act: Activation,
     },
     /// Gradient of a convolution with respect to its input; inputs grad_out, w.
     ConvGradInput {
@@ -1042,6 +1049,7 @@ impl Op {
                     geom: geom2.clone(),
                     groups: 1,
                     bias: true,
+                    act: Activation::GeluErf,
                 },
                 vec![f32t(&[1, 2, 4, 5]), f32t(&[3, 2, 3, 3]), f32t(&[3])],
             ),

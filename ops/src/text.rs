@@ -437,10 +437,18 @@ fn attrs_of(op: &Op) -> AttrOut {
             a.kv("eps", format_f64(*eps));
             a.flag("weight", *weight);
         }
-        Op::Conv { geom, groups, bias } => {
+        Op::Conv {
+            geom,
+            groups,
+            bias,
+            act,
+        } => {
             a.geom(geom);
             a.kv("groups", groups);
             a.flag("bias", *bias);
+            if *act != Activation::None {
+                a.kv("act", act_text(*act));
+            }
         }
         Op::ConvGradInput {
             geom,
@@ -629,6 +637,10 @@ struct Attrs<'a> {
 type PResult<T> = std::result::Result<T, String>;
 
 impl<'a> Attrs<'a> {
+    /// Whether `key` is present and not yet consumed (for optional attributes).
+    fn has(&self, key: &str) -> bool {
+        self.kv.iter().any(|(k, _, used)| *k == key && !*used)
+    }
     fn take(&mut self, key: &str) -> Option<Option<&'a str>> {
         self.kv
             .iter_mut()
@@ -940,6 +952,12 @@ fn parse_nested(text: &str, depth: usize) -> PResult<Op> {
                 geom: a.geom()?,
                 groups: a.usize("groups")?,
                 bias: a.flag("bias")?,
+                // Optional: a convolution without an activation prints none.
+                act: if a.has("act") {
+                    a.val("act", "an activation", |v| parse_enum(v, &ACTS))?
+                } else {
+                    Activation::None
+                },
             },
             "conv_grad_input" => Op::ConvGradInput {
                 geom: a.geom()?,
@@ -1231,6 +1249,13 @@ mod tests {
                 geom: geom(),
                 groups: 2,
                 bias: true,
+                act: Activation::None,
+            },
+            Op::Conv {
+                geom: geom(),
+                groups: 1,
+                bias: false,
+                act: Activation::Relu,
             },
             Op::ConvGradInput {
                 geom: geom(),

@@ -36,6 +36,7 @@ impl Case {
             geom: self.geom(),
             groups: self.groups,
             bias: self.bias,
+            act: rustytorch_ops::Activation::None,
         }
     }
     fn x_dims(&self) -> Vec<usize> {
@@ -493,6 +494,7 @@ fn conv2d(groups: usize, bias: bool) -> Op {
         geom: geom(&[1, 1], &[0, 0], &[1, 1]),
         groups,
         bias,
+        act: rustytorch_ops::Activation::None,
     }
 }
 
@@ -551,6 +553,7 @@ fn conv_shape_errors_name_op_and_shapes() {
             geom: geom(&[1], &[0], &[1]),
             groups: 1,
             bias: false,
+            act: rustytorch_ops::Activation::None,
         },
         &[ty(DType::F32, &[4, 5]), ty(DType::F32, &[3, 4, 2])],
         is_shape,
@@ -572,6 +575,7 @@ fn conv_shape_errors_name_op_and_shapes() {
             geom: geom(&[1, 1], &[0, 0], &[usize::MAX, 1]),
             groups: 1,
             bias: false,
+            act: rustytorch_ops::Activation::None,
         },
         &[x.clone(), ty(DType::F32, &[3, 4, 2, 2])],
         |e| matches!(e, OpError::Shape { .. } | OpError::Attribute { .. }),
@@ -652,6 +656,7 @@ fn conv_attribute_and_arity_errors() {
                 geom: g,
                 groups: 1,
                 bias: false,
+                act: rustytorch_ops::Activation::None,
             },
             &ins,
             is_attr,
@@ -698,6 +703,7 @@ fn channels_last_conv_ops_match_reference() {
                 geom: geom.clone(),
                 groups: c.groups,
                 bias: c.bias,
+                act: rustytorch_ops::Activation::None,
             };
             let got = eval_cpu(&op, &args).unwrap();
             assert_eq!(got.shape(), &last_dims(&c.out_dims()), "{c:?}");
@@ -779,6 +785,7 @@ fn channels_last_conv_gradcheck() {
             geom: geom.clone(),
             groups: c.groups,
             bias: true,
+            act: rustytorch_ops::Activation::None,
         };
         gradcheck(&op, &[x.clone(), w.clone(), b], &[0, 1, 2], 1300 + i as u64)
             .unwrap_or_else(|e| panic!("{c:?}: {e}"));
@@ -812,6 +819,7 @@ fn channels_last_shape_errors() {
         geom: geom(&[1, 1], &[0, 0], &[1, 1]).with_layout(Layout::ChannelsLast),
         groups: 1,
         bias: false,
+        act: rustytorch_ops::Activation::None,
     };
     // x [1, 5, 5, 4] (NHWC, C = 4), w as OIHW [8, 4, 3, 3]: read as OHWI, C/groups = 3.
     let e = err_text(
@@ -829,4 +837,149 @@ fn channels_last_shape_errors() {
     )
     .unwrap();
     assert_eq!(ok.shape.dims(), &[1, 3, 3, 8]);
+}
+
+/// `act` in float64.
+fn act_ref(act: rustytorch_ops::Activation, x: f64) -> f64 {
+    use rustytorch_ops::Activation;
+    match act {
+        Activation::None => x,
+        Activation::Relu => x.max(0.0),
+        Activation::GeluErf => 0.5 * x * erfc_ref(-x / std::f64::consts::SQRT_2),
+        Activation::GeluTanh => {
+            let c = (2.0 / std::f64::consts::PI).sqrt();
+            0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+        }
+    }
+}
+
+/// erfc in float64: its Taylor series (1 - erf) below 1.5, Laplace's continued fraction above.
+fn erfc_ref(x: f64) -> f64 {
+    if x < 0.0 {
+        return 2.0 - erfc_ref(-x);
+    }
+    if x < 1.5 {
+        let (mut sum, mut term) = (0.0, x);
+        for n in 0..200 {
+            sum += term / (2 * n + 1) as f64;
+            term *= -x * x / (n + 1) as f64;
+        }
+        1.0 - 2.0 / std::f64::consts::PI.sqrt() * sum
+    } else {
+        let mut f = x;
+        for k in (1..200).rev() {
+            f = x + (k as f64 / 2.0) / f;
+        }
+        (-x * x).exp() / std::f64::consts::PI.sqrt() / f
+    }
+}
+
+const ACTS: [rustytorch_ops::Activation; 3] = [
+    rustytorch_ops::Activation::Relu,
+    rustytorch_ops::Activation::GeluErf,
+    rustytorch_ops::Activation::GeluTanh,
+];
+
+/// A convolution with an activation (both layouts) against the float64 loops followed by the
+/// activation in float64.
+#[test]
+fn conv_act_matches_reference() {
+    for (i, c) in cases().iter().enumerate() {
+        for (j, act) in ACTS.into_iter().enumerate() {
+            for dtype in FLOATS {
+                let seed = 1500 + 10 * i as u64 + j as u64;
+                let ins = c.inputs(dtype, seed);
+                let f: Vec<Vec<f64>> = ins.iter().map(|t| t.to_f64_vec()).collect();
+                let want: Vec<f64> = c
+                    .reference(&f[0], &f[1], f.get(2).map(|v| &v[..]))
+                    .into_iter()
+                    .map(|v| act_ref(act, v))
+                    .collect();
+                // The activation really changes the values (the test can fail).
+                assert!(want
+                    .iter()
+                    .zip(&c.reference(&f[0], &f[1], f.get(2).map(|v| &v[..])))
+                    .any(|(a, b)| a != b));
+                let op = Op::Conv {
+                    geom: c.geom(),
+                    groups: c.groups,
+                    bias: c.bias,
+                    act,
+                };
+                let refs: Vec<&HostTensor> = ins.iter().collect();
+                let got = eval_cpu(&op, &refs).unwrap();
+                let what = format!("conv[{act:?}] {dtype} {c:?}");
+                assert_close(&got.to_f64_vec(), &want, tolerance(dtype), &what);
+                // Channels-last.
+                let (x, w) = (to_last(&ins[0]), to_last(&ins[1]));
+                let mut args = vec![&x, &w];
+                args.extend(ins.get(2));
+                let op = Op::Conv {
+                    geom: c.geom().with_layout(Layout::ChannelsLast),
+                    groups: c.groups,
+                    bias: c.bias,
+                    act,
+                };
+                let got = eval_cpu(&op, &args).unwrap();
+                assert_close(
+                    &got.to_f64_vec(),
+                    &reference_last(want, &c.out_dims()),
+                    tolerance(dtype),
+                    &format!("channels-last {what}"),
+                );
+            }
+        }
+    }
+}
+
+/// The activation's gradient goes through the recomputed pre-activation, then the convolution.
+#[test]
+fn conv_act_gradcheck() {
+    let checks = [
+        case(2, 4, 2, 2, &[9], &[3], &[2], &[1], &[2], true),
+        case(
+            1,
+            2,
+            4,
+            1,
+            &[6, 5],
+            &[3, 2],
+            &[2, 1],
+            &[1, 1],
+            &[1, 2],
+            true,
+        ),
+        case(
+            1,
+            2,
+            2,
+            1,
+            &[4, 5, 3],
+            &[2, 3, 2],
+            &[2, 1, 1],
+            &[1, 1, 0],
+            &[1, 2, 1],
+            false,
+        ),
+    ];
+    for (i, c) in checks.iter().enumerate() {
+        for (j, act) in ACTS.into_iter().enumerate() {
+            for layout in [Layout::ChannelsFirst, Layout::ChannelsLast] {
+                let mut ins = c.inputs(DType::F64, 2000 + 10 * i as u64 + j as u64);
+                if layout == Layout::ChannelsLast {
+                    ins[0] = to_last(&ins[0]);
+                    ins[1] = to_last(&ins[1]);
+                }
+                let op = Op::Conv {
+                    geom: c.geom().with_layout(layout),
+                    groups: c.groups,
+                    bias: c.bias,
+                    act,
+                };
+                let all: Vec<usize> = (0..ins.len()).collect();
+                gradcheck(&op, &ins, &all, 2100 + i as u64)
+                    .unwrap_or_else(|e| panic!("{act:?} {layout:?} {c:?}: {e}"));
+            }
+        }
+    }
 }

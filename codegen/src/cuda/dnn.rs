@@ -13,6 +13,15 @@
 //! (NDHWC) descriptors over its operands directly, with no copies. A channels-first one is
 //! staged: the step transposes its operands into NHWC buffers in its scratch with tiled
 //! shared-memory transposes, calls cuDNN on those, and transposes the result back.
+//!
+//! A convolution's bias and activation (`Op::Conv { act, .. }`) are applied where they cost no
+//! extra pass when possible: a staged step's transpose back adds the bias and applies the
+//! activation in the same kernel; an unstaged step leaves a ReLU on its descriptor with the bias
+//! (the runtime applies both on every cuDNN: fused into the convolution where a cuDNN graph
+//! engine has the pattern, else after it); an unstaged GELU (which cuDNN applies only through
+//! graph engines that a given shape may lack) gets one generated kernel after the call that adds
+//! the bias and applies the activation in place (16-byte vectors along the channels when they
+//! tile), and its descriptor then carries neither.
 
 use super::ir::*;
 use super::{finish, grid_for, ArgRef, Launch, MAX_GRID};
@@ -44,7 +53,7 @@ pub fn is_channels_last(op: &Op) -> bool {
 /// What a [`DnnDesc`] computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DnnKind {
-    /// `y = conv(x, w) [+ bias]`; operands x, w, [bias].
+    /// `y = act(conv(x, w) [+ bias])`; operands x, w, [bias].
     ConvForward,
     /// `dx = conv_grad_input(dy, w)`; operands dy, w.
     ConvBackwardData,
@@ -89,10 +98,15 @@ pub struct DnnDesc {
     pub dilation: Vec<i32>,
     /// Convolution groups (1 for pooling).
     pub groups: i32,
-    /// cuDNN adds a bias `[K]` (operand 2) to the convolution's output (channels-last steps add
-    /// it in their transpose back instead, and clear this).
+    /// The runtime adds a bias `[K]` (operand 2) to the convolution's output (staged
+    /// channels-first steps add it in their transpose back instead, and steps whose activation
+    /// runs in a generated kernel add it there: both clear this).
     pub bias: bool,
-    /// Activation applied after the bias (convolution forward only; `None` elsewhere).
+    /// Activation applied after the bias (convolution forward only; `None` elsewhere). After
+    /// [`lower_step`] it is `None` or an activation [`runtime_applies`] (ReLU), set only on
+    /// unstaged steps: the runtime applies the bias and then this activation to `y` (fused into
+    /// cuDNN's call where it can, else after it). Other activations run in the step's own
+    /// launches.
     pub act: Activation,
     /// Pooling mode and window (pooling only).
     pub pool: Option<(DnnPoolMode, Vec<i32>)>,
@@ -143,14 +157,15 @@ impl DnnDesc {
 const TILE: i64 = 32;
 const TBLOCK: u32 = 256;
 
-/// `out[b][c][r] = in[b][r][c]` (`+ bias[c]` with `bias`) for `batch` matrices of `rows × cols`,
-/// through 32×32 shared-memory tiles so that both the reads and the writes are coalesced.
+/// `out[b][c][r] = act(in[b][r][c] [+ bias[c]])` for `batch` matrices of `rows × cols`, through
+/// 32×32 shared-memory tiles so that both the reads and the writes are coalesced.
 pub fn transpose_kernel(
     dt: DType,
     batch: usize,
     rows: usize,
     cols: usize,
     bias: bool,
+    act: Activation,
 ) -> Result<Kernel> {
     let (el, ty) = (CTy::storage(dt), CTy::compute(dt));
     let (r, c) = (rows as i64, cols as i64);
@@ -219,14 +234,18 @@ pub fn transpose_kernel(
         if bias {
             v = add(v, load("bias", el, var(&co)));
         }
+        let vk = format!("v{k}");
         per_tile.push(if_(
             and(lt(var(&ro), i64c(r)), lt(var(&co), i64c(c))),
-            vec![store(
-                "out",
-                el,
-                add(var("base"), add(mul(var(&co), i64c(r)), var(&ro))),
-                v,
-            )],
+            vec![
+                let_(&vk, ty, v),
+                store(
+                    "out",
+                    el,
+                    add(var("base"), add(mul(var(&co), i64c(r)), var(&ro))),
+                    activation(act, var(&vk), ty),
+                ),
+            ],
         ));
     }
     per_tile.push(Stmt::SyncThreads);
@@ -256,12 +275,14 @@ pub fn transpose_kernel(
     finish("transpose", k)
 }
 
-/// A launch of [`transpose_kernel`] from `src` to `dst`, adding the per-column `bias` if given.
+/// A launch of [`transpose_kernel`] from `src` to `dst`, adding the per-column `bias` if given
+/// and applying `act`.
 fn transpose(
     dt: DType,
     (batch, rows, cols): (usize, usize, usize),
     src: ArgRef,
     bias: Option<ArgRef>,
+    act: Activation,
     dst: ArgRef,
 ) -> Result<Launch> {
     let tiles = batch as u64 * (rows as u64).div_ceil(32) * (cols as u64).div_ceil(32);
@@ -269,10 +290,141 @@ fn transpose(
     args.extend(bias);
     args.push(dst);
     Ok(Launch {
-        kernel: transpose_kernel(dt, batch, rows, cols, bias.is_some())?,
+        kernel: transpose_kernel(dt, batch, rows, cols, bias.is_some(), act)?,
         args,
         grid: grid_for(tiles, 1).min(MAX_GRID as u32),
     })
+}
+
+/// `act(x)` for a variable `x` of compute type `ct`, as the CPU kernel computes it (ReLU keeps
+/// NaN; GELU's exact form through `erfc`).
+fn activation(act: Activation, x: Expr, ct: CTy) -> Expr {
+    let half = || lit(0.5, ct);
+    match act {
+        Activation::None => x,
+        Activation::Relu => select(lt(x.clone(), lit(0.0, ct)), lit(0.0, ct), x),
+        // 0.5·x·erfc(−x/√2).
+        Activation::GeluErf => mul(
+            mul(half(), x.clone()),
+            un(
+                UnFn::Erfc,
+                mul(un(UnFn::Neg, x), lit(std::f64::consts::FRAC_1_SQRT_2, ct)),
+            ),
+        ),
+        Activation::GeluTanh => {
+            let c = lit(0.044_715, ct);
+            let s = lit((2.0 / std::f64::consts::PI).sqrt(), ct);
+            let u = mul(
+                s,
+                add(x.clone(), mul(mul(mul(c, x.clone()), x.clone()), x.clone())),
+            );
+            mul(mul(half(), x), add(lit(1.0, ct), un(UnFn::Tanh, u)))
+        }
+    }
+}
+
+/// `y = act(y [+ bias[channel]])` in place over a convolution's output `y` of `dims` (cuDNN's
+/// `[N, C, spatial...]`), stored channels-last when `nhwc`. In 16-byte vectors when they tile
+/// the layout's inner run (the channels channels-last, the spatial extent channels-first: then
+/// one vector has one channel), else one element a thread.
+pub fn bias_act_kernel(
+    dt: DType,
+    dims: &[usize],
+    nhwc: bool,
+    bias: bool,
+    act: Activation,
+) -> Result<Kernel> {
+    let (st, ct) = (CTy::storage(dt), CTy::compute(dt));
+    let numel: usize = dims.iter().product();
+    let c = dims.get(1).copied().unwrap_or(1) as i64;
+    let sp = dims.iter().skip(2).product::<usize>() as i64;
+    // The channel of flat element `i`.
+    let channel = |i: Expr| {
+        if nhwc {
+            rem(i, i64c(c))
+        } else {
+            rem(div(i, i64c(sp)), i64c(c))
+        }
+    };
+    let mut params = vec![Param {
+        name: "y".into(),
+        elem: st,
+        writes: true,
+    }];
+    if bias {
+        params.push(Param {
+            name: "bias".into(),
+            elem: st,
+            writes: false,
+        });
+    }
+    let w = 16 / elem_bytes(st);
+    let inner = if nhwc { c } else { sp };
+    let body = if w > 1 && inner % w as i64 == 0 {
+        let names = |p: &str| (0..w).map(|k| format!("{p}{k}")).collect::<Vec<_>>();
+        let mut b = vec![
+            let_("i", CTy::I64, mul(var("j"), i64c(w as i64))),
+            load_vec("y", st, var("i"), names("v")),
+        ];
+        if bias && nhwc {
+            b.push(load_vec("bias", st, channel(var("i")), names("b")));
+        } else if bias {
+            b.push(let_("b", ct, load("bias", st, channel(var("i")))));
+        }
+        let values = (0..w)
+            .map(|k| {
+                let mut x = var(&format!("v{k}"));
+                if bias {
+                    x = add(x, var(&if nhwc { format!("b{k}") } else { "b".into() }));
+                }
+                b.push(let_(&format!("x{k}"), ct, x));
+                activation(act, var(&format!("x{k}")), ct)
+            })
+            .collect();
+        b.push(store_vec("y", st, var("i"), values));
+        vec![grid_stride("j", (numel / w) as i64, b)]
+    } else {
+        let mut b = vec![let_("v", ct, load("y", st, var("i")))];
+        if bias {
+            b.push(assign(
+                "v",
+                add(var("v"), load("bias", st, channel(var("i")))),
+            ));
+        }
+        b.push(store("y", st, var("i"), activation(act, var("v"), ct)));
+        vec![grid_stride("i", numel as i64, b)]
+    };
+    finish(
+        "conv_bias_act",
+        Kernel {
+            name: String::new(),
+            params,
+            block: 256,
+            body,
+        },
+    )
+}
+
+/// A launch of [`bias_act_kernel`] over the step's output (bias: operand 2).
+fn bias_act(d: &DnnDesc, dims: &[usize]) -> Result<Launch> {
+    let numel: usize = dims.iter().product();
+    let w = 16 / elem_bytes(CTy::storage(d.dtype));
+    let mut args = vec![ArgRef::Output];
+    if d.bias {
+        args.push(ArgRef::Input(2));
+    }
+    Ok(Launch {
+        kernel: bias_act_kernel(d.dtype, dims, d.nhwc, d.bias, d.act)?,
+        args,
+        grid: grid_for(numel.div_ceil(w) as u64, u64::from(TBLOCK)),
+    })
+}
+
+/// Whether the runtime applies `act` after a convolution forward's bias on every cuDNN (the
+/// contract of the runtime's `fused_act_supported`): ReLU, by the fused graph or cuDNN's own
+/// activation call. GELU is left to generated kernels.
+pub fn runtime_applies(act: Activation) -> bool {
+    matches!(act, Activation::None | Activation::Relu)
 }
 
 /// Whether a convolution runs channels-last: half precision, 2-D or 3-D (1-D convolutions are as
@@ -292,10 +444,21 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<D
     let spatial_in = inputs[0].shape.rank().saturating_sub(2);
     // Channels-last ops are described on their own operands: nothing to stage.
     if d.nhwc || !wants_nhwc(&d, spatial_in) {
+        let mut after = vec![];
+        // An activation the runtime does not apply (and the bias before it) is one generated
+        // pass over the output.
+        if !runtime_applies(d.act) {
+            let dims: Vec<usize> = d.y.iter().map(|&v| v as usize).collect();
+            if dims.iter().product::<usize>() > 0 {
+                after.push(bias_act(&d, &dims)?);
+            }
+            d.bias = false;
+            d.act = Activation::None;
+        }
         return Ok(DnnStep {
             desc: d,
             before: vec![],
-            after: vec![],
+            after,
         });
     }
     let n = |v: &[i32]| v.iter().map(|&x| x as usize).product::<usize>();
@@ -313,13 +476,31 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<D
     // NC·S → N·S·C: batch N, rows C, cols S (the spatial extent); back is the reverse.
     let to_last = |t: &[i32], src: ArgRef, dst: ArgRef| {
         let sp = n(&t[2..]);
-        transpose(d.dtype, (t[0] as usize, t[1] as usize, sp), src, None, dst)
+        let none = Activation::None;
+        transpose(
+            d.dtype,
+            (t[0] as usize, t[1] as usize, sp),
+            src,
+            None,
+            none,
+            dst,
+        )
     };
-    // The forward's bias is added by the transpose back, not by a separate pass over y.
-    let bias = (d.kind == DnnKind::ConvForward && d.bias).then_some(ArgRef::Input(2));
+    // The forward's bias and activation are applied by the transpose back, not by separate
+    // passes over y.
+    let fwd = d.kind == DnnKind::ConvForward;
+    let bias = (fwd && d.bias).then_some(ArgRef::Input(2));
+    let act = if fwd { d.act } else { Activation::None };
     let to_first = |t: &[i32], src: ArgRef, dst: ArgRef| {
         let sp = n(&t[2..]);
-        transpose(d.dtype, (t[0] as usize, sp, t[1] as usize), src, bias, dst)
+        transpose(
+            d.dtype,
+            (t[0] as usize, sp, t[1] as usize),
+            src,
+            bias,
+            act,
+            dst,
+        )
     };
     let (before, after) = match d.kind {
         DnnKind::ConvForward => (
@@ -349,6 +530,7 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<D
     d.w_at = sw;
     d.y_at = sy;
     d.bias = false;
+    d.act = Activation::None;
     Ok(DnnStep {
         desc: d,
         before,
@@ -447,7 +629,10 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<DnnDes
                 dilation,
                 groups: *groups as i32,
                 bias: matches!(op, Op::Conv { bias: true, .. }),
-                act: Activation::None,
+                act: match op {
+                    Op::Conv { act, .. } => *act,
+                    _ => Activation::None,
+                },
                 pool: None,
                 nhwc: geom.layout == Layout::ChannelsLast,
                 x_at,
@@ -529,6 +714,7 @@ mod tests {
             geom: geom(1, 2, 1, 3),
             groups: 2,
             bias: true,
+            act: Activation::None,
         };
         let (x, w) = (t(DType::F16, &[4, 6, 50]), t(DType::F16, &[8, 3, 3]));
         let b = t(DType::F16, &[8]);
@@ -556,6 +742,7 @@ mod tests {
             geom: g.clone(),
             groups: 1,
             bias: false,
+            act: Activation::None,
         };
         let y = rustytorch_ops::infer(&fwd, &[&x, &w]).unwrap();
         let gi = Op::ConvGradInput {
@@ -631,9 +818,15 @@ mod tests {
             let x = rand_tensor(&t(dt, &[b, r, c]), 5, -2.0, 2.0);
             let out = t(dt, &[b, c, r]);
             let step = StepKernels {
-                launches: vec![
-                    transpose(dt, (b, r, c), ArgRef::Input(0), None, ArgRef::Output).unwrap(),
-                ],
+                launches: vec![transpose(
+                    dt,
+                    (b, r, c),
+                    ArgRef::Input(0),
+                    None,
+                    Activation::None,
+                    ArgRef::Output,
+                )
+                .unwrap()],
                 scratch_bytes: 0,
             };
             let got = interp::run_step(&step, &[&x], &out, None)
@@ -667,6 +860,7 @@ mod tests {
                 (b, r, c),
                 ArgRef::Input(0),
                 Some(ArgRef::Input(1)),
+                Activation::None,
                 ArgRef::Output,
             )
             .unwrap()],
@@ -694,6 +888,7 @@ mod tests {
             geom: g.clone(),
             groups: 1,
             bias: true,
+            act: Activation::None,
         };
         let (x, w, b) = (
             t(DType::F16, &[2, 16, 9, 7]),
@@ -724,6 +919,7 @@ mod tests {
                 geom: g.clone(),
                 groups,
                 bias: false,
+                act: Activation::None,
             };
             let x = t(dt, &[2, c, 9, 7]);
             let w = t(dt, &[8, c / groups, 3, 3]);
@@ -744,6 +940,7 @@ mod tests {
             geom: g.clone(),
             groups: 1,
             bias: true,
+            act: Activation::None,
         };
         // NHWC x [2, 9, 7, 16], KRSC w [8, 3, 3, 16].
         let (x, w, b) = (
@@ -792,6 +989,197 @@ mod tests {
             (&vec![2, 16, 9, 7], &vec![2, 16, 4, 3])
         );
         assert!(is_channels_last(&pool) && !is_channels_last(&Op::Where));
+    }
+
+    const ACTS: [Activation; 3] = [Activation::Relu, Activation::GeluErf, Activation::GeluTanh];
+
+    /// `act(v)` in float64 through the CPU's unary kernel.
+    fn act_f64(act: Activation, v: Vec<f64>) -> Vec<f64> {
+        use rustytorch_ops::{eval_cpu, HostTensor, UnaryOp};
+        let u = match act {
+            Activation::None => return v,
+            Activation::Relu => UnaryOp::Relu,
+            Activation::GeluErf => UnaryOp::GeluErf,
+            Activation::GeluTanh => UnaryOp::GeluTanh,
+        };
+        let n = v.len();
+        let t = HostTensor::from_vec(v, [n]).unwrap();
+        eval_cpu(&Op::Unary(u), &[&t]).unwrap().to_f64_vec()
+    }
+
+    #[test]
+    fn transpose_back_applies_the_activation() {
+        use crate::cuda::{interp, StepKernels};
+        use rustytorch_ops::testing::{assert_close, rand_tensor, tolerance};
+        let (b, r, c) = (2, 40, 24);
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            for act in ACTS {
+                let x = rand_tensor(&t(dt, &[b, r, c]), 18, -2.0, 2.0);
+                let bias = rand_tensor(&t(dt, &[c]), 19, -1.0, 1.0);
+                let step = StepKernels {
+                    launches: vec![transpose(
+                        dt,
+                        (b, r, c),
+                        ArgRef::Input(0),
+                        Some(ArgRef::Input(1)),
+                        act,
+                        ArgRef::Output,
+                    )
+                    .unwrap()],
+                    scratch_bytes: 0,
+                };
+                let out = t(dt, &[b, c, r]);
+                let got = interp::run_step(&step, &[&x, &bias], &out, None)
+                    .unwrap()
+                    .to_f64_vec();
+                let (xv, bv) = (x.to_f64_vec(), bias.to_f64_vec());
+                let mut pre = vec![0.0; b * r * c];
+                for bi in 0..b {
+                    for ri in 0..r {
+                        for ci in 0..c {
+                            pre[(bi * c + ci) * r + ri] = xv[(bi * r + ri) * c + ci] + bv[ci];
+                        }
+                    }
+                }
+                let want = act_f64(act, pre);
+                assert_close(&got, &want, tolerance(dt), &format!("{dt:?} {act:?}"));
+            }
+        }
+    }
+
+    /// An unstaged step with a GELU (which the runtime does not apply) gets one bias+activation
+    /// kernel after the call, over the output in place (channels-first and channels-last, vectors
+    /// and single elements); a ReLU stays on the descriptor.
+    #[test]
+    fn bias_and_activation_run_after_the_call() {
+        use crate::cuda::{interp, StepKernels};
+        use rustytorch_ops::testing::{assert_close, rand_tensor, tolerance};
+        // (dtype, channels, spatial, layout, groups): vector and scalar paths in both layouts.
+        let cases = [
+            (DType::F32, 16, [8, 8], Layout::ChannelsFirst, 1),
+            (DType::F32, 6, [9, 7], Layout::ChannelsFirst, 1),
+            (DType::F64, 16, [4, 5], Layout::ChannelsLast, 1),
+            (DType::F32, 6, [4, 5], Layout::ChannelsLast, 1),
+            (DType::F16, 16, [8, 8], Layout::ChannelsFirst, 2),
+            (DType::BF16, 6, [9, 7], Layout::ChannelsFirst, 1),
+        ];
+        for (k, (dt, ch, sp, layout, groups)) in cases.into_iter().enumerate() {
+            for (j, act) in ACTS.into_iter().enumerate() {
+                for bias in [true, false] {
+                    let op = Op::Conv {
+                        geom: geom(2, 1, 1, 1).with_layout(layout),
+                        groups,
+                        bias,
+                        act,
+                    };
+                    let first = |d: &[usize]| t(dt, &layout.dims_from_first(d));
+                    let x = first(&[2, 8, sp[0], sp[1]]);
+                    let w = first(&[ch, 8 / groups, 3, 3]);
+                    let bt = t(dt, &[ch]);
+                    let mut ins = vec![&x, &w];
+                    if bias {
+                        ins.push(&bt);
+                    }
+                    let y = rustytorch_ops::infer(&op, &ins).unwrap();
+                    let s = lower_step(&op, &ins, &y).unwrap();
+                    if act == Activation::Relu {
+                        // The runtime applies the bias and the ReLU.
+                        assert_eq!((s.desc.bias, s.desc.act), (bias, act));
+                        assert!(s.after.is_empty());
+                        continue;
+                    }
+                    assert_eq!(
+                        (s.desc.bias, s.desc.act, s.after.len()),
+                        (false, Activation::None, 1),
+                        "{dt:?} {layout:?}"
+                    );
+                    let seed = 100 * k as u64 + 10 * j as u64;
+                    let pre = rand_tensor(&y, seed, -2.0, 2.0);
+                    let bv = rand_tensor(&bt, seed + 1, -1.0, 1.0);
+                    let (xs, ws) = (rand_tensor(&x, 1, -1.0, 1.0), rand_tensor(&w, 2, -1.0, 1.0));
+                    let mut args = vec![&xs, &ws];
+                    if bias {
+                        args.push(&bv);
+                    }
+                    let step = StepKernels {
+                        launches: s.after.clone(),
+                        scratch_bytes: 0,
+                    };
+                    let got = interp::run_step(&step, &args, &y, Some(&pre))
+                        .unwrap()
+                        .to_f64_vec();
+                    let (pv, b64) = (pre.to_f64_vec(), bv.to_f64_vec());
+                    let rank = y.shape.rank();
+                    let c_axis = layout.channel_axis(rank);
+                    let dims = y.shape.dims();
+                    let inner: usize = dims[c_axis + 1..].iter().product();
+                    let with_bias: Vec<f64> = pv
+                        .iter()
+                        .enumerate()
+                        .map(|(i, v)| v + if bias { b64[(i / inner) % ch] } else { 0.0 })
+                        .collect();
+                    let want = act_f64(act, with_bias);
+                    let what = format!("{dt:?} {layout:?} {act:?} bias={bias}");
+                    assert_close(&got, &want, tolerance(dt), &what);
+                }
+            }
+        }
+    }
+
+    /// Channels-last half precision leaves a ReLU and the bias to the runtime and runs a GELU
+    /// itself; a staged step applies both in its transpose back.
+    #[test]
+    fn half_precision_activation_placement() {
+        let (x, w, b) = (
+            t(DType::BF16, &[2, 9, 7, 16]),
+            t(DType::BF16, &[8, 3, 3, 16]),
+            t(DType::BF16, &[8]),
+        );
+        let op = Op::Conv {
+            geom: geom(2, 1, 1, 1).with_layout(Layout::ChannelsLast),
+            groups: 1,
+            bias: true,
+            act: Activation::GeluErf,
+        };
+        let y = rustytorch_ops::infer(&op, &[&x, &w, &b]).unwrap();
+        let s = lower_step(&op, &[&x, &w, &b], &y).unwrap();
+        assert!(s.desc.nhwc && s.after.len() == 1);
+        assert_eq!((s.desc.bias, s.desc.act), (false, Activation::None));
+        let relu = Op::Conv {
+            geom: geom(2, 1, 1, 1).with_layout(Layout::ChannelsLast),
+            groups: 1,
+            bias: true,
+            act: Activation::Relu,
+        };
+        let s = lower_step(&relu, &[&x, &w, &b], &y).unwrap();
+        assert!(s.desc.nhwc && s.after.is_empty());
+        assert_eq!((s.desc.bias, s.desc.act), (true, Activation::Relu));
+        // Staged channels-first.
+        let op = Op::Conv {
+            geom: geom(2, 1, 1, 1),
+            groups: 1,
+            bias: true,
+            act: Activation::Relu,
+        };
+        let (x, w) = (t(DType::F16, &[2, 16, 9, 7]), t(DType::F16, &[8, 16, 3, 3]));
+        let b = t(DType::F16, &[8]);
+        let y = rustytorch_ops::infer(&op, &[&x, &w, &b]).unwrap();
+        let s = lower_step(&op, &[&x, &w, &b], &y).unwrap();
+        assert!(s.desc.nhwc && s.after.len() == 1);
+        assert_eq!((s.desc.bias, s.desc.act), (false, Activation::None));
+        let plain = transpose_kernel(DType::F16, 2, 63, 8, true, Activation::None).unwrap();
+        assert_ne!(
+            s.after[0].kernel.name, plain.name,
+            "the transpose back applies the relu"
+        );
+        // The gradients never carry an activation.
+        let gi = Op::ConvGradInput {
+            geom: geom(2, 1, 1, 1),
+            groups: 1,
+            input_shape: x.shape.clone(),
+        };
+        let d = lower(&gi, &[&y, &w], &x).unwrap();
+        assert_eq!(d.act, Activation::None);
     }
 
     #[test]

@@ -23,6 +23,9 @@
 //!   last dim → `matmul_epilogue[bias]`; then `relu`, `gelu` or `gelu_tanh` of that (or of a
 //!   plain matmul) → `matmul_epilogue[act=...]`. The transposes of backward graphs (`a·gᵀ`,
 //!   `aᵀ·g`) are folded into matmul flags by the layout rules and carried over.
+//! - Convolution activations: `relu`, `gelu` or `gelu_tanh` of a convolution without one (with
+//!   or without its bias, any layout) → `conv[..., act=...]`; the convolution's own result must
+//!   have no other user (the extractor's check of absorbed values).
 //! - Matmul through an activation's derivative: `matmul(a, b) · gelu_tanh'(x)`, with the
 //!   derivative spelled as the tanh GELU's gradient rule spells it —
 //!   `½(1 + t) + x·(1 − t²)·(1 + 3c·x²)·½k`, `t = tanh(x·(1 + c·x²)·k)`, `c = 0.044715`,
@@ -237,6 +240,30 @@ fn epilogue_act(cx: &mut Ctx<'_>, act: Activation) -> Option<Id> {
             vec![a, b, cx.id("?c")],
         ),
         _ => return None,
+    };
+    cx.fuse(op, &ins)
+}
+
+/// `act(conv(x, w[, b]))` → `conv[act](x, w[, b])` for a convolution without an activation.
+fn conv_act(cx: &mut Ctx<'_>, act: Activation) -> Option<Id> {
+    let Op::Conv {
+        geom,
+        groups,
+        bias,
+        act: Activation::None,
+    } = cx.op("conv")?.clone()
+    else {
+        return None;
+    };
+    let mut ins = vec![cx.id("?x"), cx.id("?w")];
+    if bias {
+        ins.push(cx.id("?b"));
+    }
+    let op = Op::Conv {
+        geom,
+        groups,
+        bias,
+        act,
     };
     cx.fuse(op, &ins)
 }
@@ -593,6 +620,26 @@ pub fn rules() -> Vec<Rw> {
             format!("epilogue-{name}"),
             &format!("({name} (matmul* ?a ?b))"),
             move |cx| epilogue_act(cx, act),
+        ));
+    }
+
+    // Convolution activations.
+    for (name, act) in [
+        ("relu", Activation::Relu),
+        ("gelu", Activation::GeluErf),
+        ("gelu_tanh", Activation::GeluTanh),
+    ] {
+        // act(conv[bias](x, w, b)) == conv[bias, act](x, w, b).
+        r.push(build(
+            format!("conv-bias-{name}"),
+            &format!("({name} (conv* ?x ?w ?b))"),
+            move |cx| conv_act(cx, act),
+        ));
+        // act(conv(x, w)) == conv[act](x, w).
+        r.push(build(
+            format!("conv-{name}"),
+            &format!("({name} (conv* ?x ?w))"),
+            move |cx| conv_act(cx, act),
         ));
     }
 
