@@ -25,8 +25,9 @@
 //!
 //! The pass runs before the e-graph (a global choice over whole stacks; the e-graph's extraction
 //! chooses class by class and would see each transpose pair's cost only locally), so the
-//! optimizer and fusion then work on the channels-last graph: the bias add and activation after a
-//! channels-last convolution fuse into one elementwise kernel as before.
+//! optimizer and fusion then work on the channels-last graph: the recognizer folds an activation
+//! into the convolution before it (`conv[..., act]`, whatever its layout; the rebuilt op keeps its
+//! `act`), and a separate bias add and activation fuse into one elementwise kernel as before.
 
 use crate::graph::{Graph, NodeId};
 use crate::Result;
