@@ -595,7 +595,32 @@ fn epilogue_cases(ck: &mut Checker) {
         ck.check("matmul-fold-trans-b", "matmul", &[a, w], t, |_, x| {
             x[0].transpose(-2, -1).matmul(&x[1].transpose(-2, -1))
         });
+        // The MLP backward: (dy·W2ᵀ) ⊙ gelu_tanh'(pre), the derivative as autodiff spells it.
+        let dy = random(dtype, &[4, 8], 62, -2.0, 2.0);
+        let w2 = random(dtype, &[16, 8], 63, -1.0, 1.0);
+        let pre = random(dtype, &[4, 16], 64, -3.0, 3.0);
+        let f = [dy, w2, pre];
+        ck.check("matmul-dgelu-tanh", "matmul_act_grad", &f, t, |_, x| {
+            x[0].matmul(&x[1].t()).mul(&dgelu_tanh_spelled(&x[2]))
+        });
+        ck.check("matmul-dgelu-tanh-rev", "matmul_act_grad", &f, t, |_, x| {
+            dgelu_tanh_spelled(&x[2]).mul(&x[0].matmul(&x[1].t()))
+        });
     }
+}
+
+/// `gelu_tanh'(x)` as the elementwise family's gradient rule spells it:
+/// `0.5(1 + t) + 0.5k·x(1 − t²)(1 + 3c·x²)`, `t = tanh(k·x(1 + c·x²))`.
+fn dgelu_tanh_spelled(x: &Tensor) -> Tensor {
+    let one = || x.scalar_like(1.0);
+    let x2 = x.mul(x);
+    let inner = one().add(&x2.mul_scalar(0.044715));
+    let t = x.mul(&inner).mul_scalar(SQRT_2_OVER_PI).tanh();
+    let a = one().add(&t).mul_scalar(0.5);
+    let sech2 = one().sub(&t.mul(&t));
+    let p = one().add(&x2.mul_scalar(3.0 * 0.044715));
+    let b = x.mul(&sech2).mul(&p).mul_scalar(0.5 * SQRT_2_OVER_PI);
+    a.add(&b)
 }
 
 fn transpose2(v: &[f64], rows: usize, cols: usize) -> Vec<f64> {
