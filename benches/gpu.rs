@@ -330,6 +330,84 @@ fn conv_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     );
 }
 
+/// cuDNN's graph API against its legacy `Find` path on channels-last f16 forward convolutions
+/// (`RUSTYTORCH_CUDNN_GRAPH=0` set for the legacy rows: the runtime reads it when it prepares a
+/// step), and a channels-last conv2d + bias + ReLU, the bias and ReLU pointwise nodes of the
+/// convolution's cuDNN graph, against `benches/gpu_conv_peer.py` (eager and `torch.compile`).
+fn conv_graph_api_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
+    let f16 = DType::F16;
+    let tflops = |fl: f64, ms: f64| fl / (ms * 1e-3) / 1e12;
+    let cl_opts = || passes::Options {
+        channels_last: Some(rustytorch::codegen::cuda::dnn::channels_last()),
+        ..cuda_opts()
+    };
+    let timed = |g: &Graph, iters: usize, graph_api: bool| {
+        if graph_api {
+            std::env::remove_var("RUSTYTORCH_CUDNN_GRAPH");
+        } else {
+            std::env::set_var("RUSTYTORCH_CUDNN_GRAPH", "0");
+        }
+        let t = time_graph_with(g, iters, true, cl_opts());
+        std::env::remove_var("RUSTYTORCH_CUDNN_GRAPH");
+        t
+    };
+    type Row<'a> = (&'a str, &'a [usize], &'a [usize], usize);
+    let rows: [Row; 2] = [
+        (
+            "conv2d 3x3 64c 56x56 b64",
+            &[64, 64, 56, 56],
+            &[64, 64, 3, 3],
+            10,
+        ),
+        (
+            "conv3d 3x3x3 64c 16x56x56 b8",
+            &[8, 64, 16, 56, 56],
+            &[64, 64, 3, 3, 3],
+            5,
+        ),
+    ];
+    for (label, x, w, iters) in rows {
+        let fl = 2.0
+            * (x[0] * x[2..].iter().product::<usize>()) as f64
+            * w.iter().product::<usize>() as f64;
+        let g = conv_graph_nhwc(x, w, 1, f16, false);
+        for (api, name) in [(true, "graph API"), (false, "legacy")] {
+            let t = timed(&g, iters, api);
+            push(
+                &format!("{label} f16 channels-last fwd {name}"),
+                t,
+                "TFLOP/s",
+                tflops(fl, t.0),
+            );
+        }
+    }
+    // conv2d + bias + ReLU on NHWC tensors (the op's own layout: no transposes).
+    let (x, w) = ([64usize, 56, 56, 64], [64usize, 3, 3, 64]);
+    let mut g = Graph::new();
+    let xi = g.add_input("x", tt(f16, &x)).expect("x");
+    let wi = g.add_input("w", tt(f16, &w)).expect("w");
+    let bi = g.add_input("b", tt(f16, &[64])).expect("b");
+    let conv = Op::Conv {
+        geom: ConvGeom::new(vec![1; 2], vec![1; 2], vec![1; 2])
+            .with_layout(rustytorch::ops::Layout::ChannelsLast),
+        groups: 1,
+        bias: true,
+        act: rustytorch_ops::Activation::Relu,
+    };
+    let y = g.add(conv, &[xi, wi, bi]).expect("conv");
+    g.add_output("y", y).expect("y");
+    let fl = 2.0 * (64 * 56 * 56) as f64 * (64 * 64 * 9) as f64;
+    for (api, name) in [(true, "graph API"), (false, "legacy")] {
+        let t = timed(&g, 10, api);
+        push(
+            &format!("conv2d+bias+relu 3x3 64c 56x56 b64 f16 channels-last fwd {name}"),
+            t,
+            "TFLOP/s",
+            tflops(fl, t.0),
+        );
+    }
+}
+
 /// SpGEMM through cuSPARSE on device CSR matrices (f32, i32 indices, random square matrices; the
 /// wall time of `DeviceCsr::matmul`, which waits for the result: its size is data-dependent), and
 /// SpMM in a graph (a constant pattern, values and x as inputs). The same shapes as
@@ -815,6 +893,7 @@ fn main() {
     let (only_conv, only_sparse) = (only_conv || lone, only_sparse || lone);
     if !only_sparse {
         conv_rows(&mut push);
+        conv_graph_api_rows(&mut push);
     }
     if !only_conv {
         sparse_rows(&mut push);
