@@ -16,7 +16,7 @@
 //! `__syncthreads` reached by only part of the live threads of a block.
 
 use super::ir::{add, elem_bytes, i64c, load, BinFn, CTy, Expr, Kernel, Lit, Special, Stmt, UnFn};
-use super::{ArgRef, StepKernels};
+use super::{ArgRef, CudaStep, StepKernels};
 use crate::CodegenError;
 use rustytorch_ops::{bf16, f16, DType, Data, HostTensor, TensorType};
 use std::borrow::Cow;
@@ -84,6 +84,15 @@ impl From<InterpError> for CodegenError {
 }
 
 type Result<T, E = InterpError> = std::result::Result<T, E>;
+
+/// The generated kernels of `step` that [`run_step`] can run: a kernel step's, or the flash half
+/// of an attention step (its cuDNN half is a library call); `None` for other library calls.
+pub fn host_kernels(step: &CudaStep) -> Option<&StepKernels> {
+    match step {
+        CudaStep::Kernels(k) | CudaStep::Attention { flash: k, .. } => Some(k),
+        _ => None,
+    }
+}
 
 /// Runs the launches of one step on the host, as a GPU would: `inputs` bind to
 /// [`ArgRef::Input`]`(i)`, the output buffer (of type `out`) to [`ArgRef::Output`], a scratch

@@ -6,6 +6,7 @@
 //! Nothing here touches a GPU: the runtime compiles the sources with NVRTC and launches them.
 
 pub mod attention;
+pub mod attention_cudnn;
 pub mod dnn;
 pub mod elementwise;
 pub mod emit;
@@ -19,6 +20,7 @@ pub mod reduce;
 pub mod rows;
 pub mod sparse;
 
+pub use attention_cudnn::AttnDnnDesc;
 pub use dnn::{DnnDesc, DnnStep};
 pub use matmul::MatmulDesc;
 pub use sparse::SpmmDesc;
@@ -92,6 +94,15 @@ pub enum CudaStep {
     Dnn(DnnStep),
     /// A cuSPARSE SpMM (its workspace in the step's scratch, sized by the runtime).
     Spmm(SpmmDesc),
+    /// Attention forward that runs either cuDNN's fused attention or the flash kernel: the
+    /// runtime times both once per shape at prepare (or takes the one `RUSTYTORCH_ATTENTION`
+    /// forces) and keeps the faster; cuDNN's workspace lives in the step's scratch.
+    Attention {
+        /// The cuDNN call.
+        cudnn: AttnDnnDesc,
+        /// The flash kernel (operands q, k, v, the output).
+        flash: StepKernels,
+    },
     /// cuBLASLt GEMMs and generated kernels in order over the operands, the output and the
     /// step's scratch (attention and its gradients as GEMMs).
     Composite(Composite),
@@ -112,6 +123,7 @@ impl CudaStep {
     pub fn launches(&self) -> Vec<&Launch> {
         match self {
             CudaStep::Kernels(k) => k.launches.iter().collect(),
+            CudaStep::Attention { flash, .. } => flash.launches.iter().collect(),
             CudaStep::Matmul { after, .. } => after.launches.iter().collect(),
             CudaStep::Dnn(d) => d.before.iter().chain(&d.after).collect(),
             CudaStep::Composite(c) => c
@@ -280,7 +292,18 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         Op::AttentionGrad { .. } => attention::lower_grad(op, inputs, out).map(CudaStep::Kernels),
         Op::CumSum { .. } | Op::TopK { .. } => unsupported(),
         Op::Attention { .. } if flash::supported(inputs) => {
-            flash::lower(op, inputs, out).map(CudaStep::Kernels)
+            let flash = flash::lower(op, inputs, out)?;
+            match (
+                attention_cudnn::Choice::from_env(),
+                AttnDnnDesc::of(op, inputs, out),
+            ) {
+                (attention_cudnn::Choice::Flash, _) => Ok(CudaStep::Kernels(flash)),
+                (_, Some(cudnn)) => Ok(CudaStep::Attention { cudnn, flash }),
+                (attention_cudnn::Choice::Cudnn, None) if out.shape.numel() > 0 => {
+                    attention_cudnn::forced_error(op, inputs)
+                }
+                _ => Ok(CudaStep::Kernels(flash)),
+            }
         }
         Op::Attention { .. } if attention::gemm_path(inputs) => {
             attention::lower_gemm(op, inputs, out)

@@ -101,7 +101,7 @@ struct Prepared {
 
 /// cuDNN state of one device.
 pub struct Dnn {
-    handle: sys::cudnnHandle_t,
+    pub(crate) handle: sys::cudnnHandle_t,
     /// Per descriptor and whether the graph API may be used (whether TF32 is allowed is fixed
     /// for the handle's life).
     cache: HashMap<(DnnDesc, bool), Prepared>,
@@ -756,12 +756,12 @@ fn algo_name(a: Algo) -> String {
 
 /// Device buffers for timing candidates (freed when dropped), filled with ones of the data type
 /// so that the timed kernels read finite values.
-struct Buffers {
-    ptrs: Vec<u64>,
+pub(crate) struct Buffers {
+    pub(crate) ptrs: Vec<u64>,
 }
 
 impl Buffers {
-    fn new(bytes: &[usize], dtype: DType, stream: ds::CUstream) -> Result<Buffers> {
+    pub(crate) fn new(bytes: &[usize], dtype: DType, stream: ds::CUstream) -> Result<Buffers> {
         let mut b = Buffers { ptrs: vec![] };
         // 1.0 in f16 and bf16; each f32 becomes 0x3F803F80 (about 1.004).
         let pattern: u16 = if dtype == DType::F16 { 0x3C00 } else { 0x3F80 };
@@ -811,7 +811,7 @@ impl Drop for Event {
 
 /// Milliseconds per call of `f` on `stream`: after a few untimed calls, the mean of a few timed
 /// ones between two events.
-fn time(stream: ds::CUstream, mut f: impl FnMut() -> Result<()>) -> Result<f32> {
+pub(crate) fn time(stream: ds::CUstream, mut f: impl FnMut() -> Result<()>) -> Result<f32> {
     for _ in 0..WARMUP_RUNS {
         f()?;
     }

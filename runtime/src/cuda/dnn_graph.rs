@@ -111,7 +111,7 @@ unsafe impl Send for Desc {}
 unsafe impl Sync for Desc {}
 
 impl Desc {
-    fn new(ty: D, what: &'static str) -> Result<Desc> {
+    pub(crate) fn new(ty: D, what: &'static str) -> Result<Desc> {
         let api = api()?;
         let mut raw: Raw = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer; `ty` is a descriptor type of this cuDNN.
@@ -121,7 +121,7 @@ impl Desc {
     }
 
     /// Sets attribute `name` to the `vals.len()` elements of `vals`, which are of type `ty`.
-    fn set<V: Copy>(&self, name: A, ty: T, vals: &[V]) -> Result<()> {
+    pub(crate) fn set<V: Copy>(&self, name: A, ty: T, vals: &[V]) -> Result<()> {
         // SAFETY: the descriptor is live; `vals` holds `vals.len()` elements of the C type that
         // `ty` names (the callers pair them).
         let st = unsafe {
@@ -141,20 +141,20 @@ impl Desc {
         )
     }
 
-    fn set_i64(&self, name: A, vals: &[i64]) -> Result<()> {
+    pub(crate) fn set_i64(&self, name: A, vals: &[i64]) -> Result<()> {
         self.set(name, T::CUDNN_TYPE_INT64, vals)
     }
 
-    fn set_descs(&self, name: A, ds: &[&Desc]) -> Result<()> {
+    pub(crate) fn set_descs(&self, name: A, ds: &[&Desc]) -> Result<()> {
         let raws: Vec<Raw> = ds.iter().map(|d| d.raw).collect();
         self.set(name, T::CUDNN_TYPE_BACKEND_DESCRIPTOR, &raws)
     }
 
-    fn set_handle(&self, name: A, handle: sys::cudnnHandle_t) -> Result<()> {
+    pub(crate) fn set_handle(&self, name: A, handle: sys::cudnnHandle_t) -> Result<()> {
         self.set(name, T::CUDNN_TYPE_HANDLE, &[handle])
     }
 
-    fn finalize(&self) -> Result<()> {
+    pub(crate) fn finalize(&self) -> Result<()> {
         // SAFETY: the descriptor is live.
         let st = unsafe { (self.api.finalize)(self.raw) };
         check(self.api, st, "cudnnBackendFinalize", self.what)
@@ -305,7 +305,7 @@ pub(crate) fn covers(d: &DnnDesc) -> bool {
         && d.pool.is_none()
 }
 
-fn data_type(d: DType) -> sys::cudnnDataType_t {
+pub(crate) fn data_type(d: DType) -> sys::cudnnDataType_t {
     match d {
         DType::F16 => sys::cudnnDataType_t::CUDNN_DATA_HALF,
         DType::BF16 => sys::cudnnDataType_t::CUDNN_DATA_BFLOAT16,
@@ -315,9 +315,37 @@ fn data_type(d: DType) -> sys::cudnnDataType_t {
 
 /// The operation graph of one [`DnnDesc`] with every descriptor it references (kept alive as
 /// long as a plan made from it).
-struct OpGraph {
+pub(crate) struct OpGraph {
     graph: Desc,
     _parts: Vec<Desc>,
+}
+
+impl OpGraph {
+    /// An operation graph of `handle` over `ops` (in order), keeping `parts` (tensors, node
+    /// descriptors, the operations) alive with it.
+    pub(crate) fn new(
+        handle: sys::cudnnHandle_t,
+        ops: &[&Desc],
+        parts: Vec<Desc>,
+    ) -> Result<OpGraph> {
+        let graph = Desc::new(
+            D::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR,
+            "operation graph",
+        )?;
+        graph.set_handle(A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, handle)?;
+        graph.set_descs(A::CUDNN_ATTR_OPERATIONGRAPH_OPS, ops)?;
+        graph.finalize()?;
+        Ok(OpGraph {
+            graph,
+            _parts: parts,
+        })
+    }
+
+    /// The graph keeping `parts` alive (descriptors made before the graph).
+    pub(crate) fn with_parts(mut self, parts: Vec<Desc>) -> OpGraph {
+        self._parts = parts;
+        self
+    }
 }
 
 fn tensor(d: &DnnDesc, id: i64) -> Result<Desc> {
@@ -447,24 +475,144 @@ fn op_graph(handle: sys::cudnnHandle_t, d: &DnnDesc) -> Result<OpGraph> {
         modes.push(pw);
     }
 
-    let graph = Desc::new(
-        D::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR,
-        "operation graph",
-    )?;
-    graph.set_handle(A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, handle)?;
-    graph.set_descs(
-        A::CUDNN_ATTR_OPERATIONGRAPH_OPS,
-        &ops.iter().collect::<Vec<_>>(),
-    )?;
-    graph.finalize()?;
+    let graph = OpGraph::new(handle, &ops.iter().collect::<Vec<_>>(), vec![])?;
     let mut parts: Vec<Desc> = tensors.into_iter().map(|(_, t)| t).collect();
     parts.push(conv);
     parts.extend(ops);
     parts.extend(modes);
-    Ok(OpGraph {
-        graph,
-        _parts: parts,
-    })
+    Ok(graph.with_parts(parts))
+}
+
+/// A tensor descriptor: uid `id` of type `dt` with `dims` and `strides`; `is_virtual` for an
+/// intermediate that never reaches memory, `by_value` for a scalar the variant pack passes as a
+/// host value.
+pub(crate) fn tensor_desc(
+    id: i64,
+    dt: sys::cudnnDataType_t,
+    dims: &[i64],
+    strides: &[i64],
+    is_virtual: bool,
+    by_value: bool,
+) -> Result<Desc> {
+    let t = Desc::new(D::CUDNN_BACKEND_TENSOR_DESCRIPTOR, "tensor")?;
+    t.set(
+        A::CUDNN_ATTR_TENSOR_DATA_TYPE,
+        T::CUDNN_TYPE_DATA_TYPE,
+        &[dt],
+    )?;
+    t.set_i64(A::CUDNN_ATTR_TENSOR_DIMENSIONS, dims)?;
+    t.set_i64(A::CUDNN_ATTR_TENSOR_STRIDES, strides)?;
+    t.set_i64(A::CUDNN_ATTR_TENSOR_UNIQUE_ID, &[id])?;
+    t.set_i64(A::CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, &[ALIGNMENT as i64])?;
+    t.set(
+        A::CUDNN_ATTR_TENSOR_IS_VIRTUAL,
+        T::CUDNN_TYPE_BOOLEAN,
+        &[is_virtual],
+    )?;
+    if by_value {
+        t.set(
+            A::CUDNN_ATTR_TENSOR_IS_BY_VALUE,
+            T::CUDNN_TYPE_BOOLEAN,
+            &[true],
+        )?;
+    }
+    t.finalize()?;
+    Ok(t)
+}
+
+/// A pointwise operation `y = mode(x[, b][, t])` computed in `prec` (`t`: the condition of a
+/// binary select; `axis`: the axis of a GEN_INDEX). Returns the operation and its mode
+/// descriptor (both to be kept alive with the graph).
+pub(crate) fn pointwise_node(
+    mode: Pw,
+    prec: sys::cudnnDataType_t,
+    axis: Option<i64>,
+    x: &Desc,
+    b: Option<&Desc>,
+    t: Option<&Desc>,
+    y: &Desc,
+) -> Result<[Desc; 2]> {
+    let pw = Desc::new(D::CUDNN_BACKEND_POINTWISE_DESCRIPTOR, "pointwise")?;
+    pw.set(
+        A::CUDNN_ATTR_POINTWISE_MODE,
+        T::CUDNN_TYPE_POINTWISE_MODE,
+        &[mode],
+    )?;
+    pw.set(
+        A::CUDNN_ATTR_POINTWISE_MATH_PREC,
+        T::CUDNN_TYPE_DATA_TYPE,
+        &[prec],
+    )?;
+    if let Some(a) = axis {
+        pw.set_i64(A::CUDNN_ATTR_POINTWISE_AXIS, &[a])?;
+    }
+    pw.finalize()?;
+    let op = Desc::new(
+        D::CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR,
+        "pointwise operation",
+    )?;
+    op.set_descs(A::CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, &[&pw])?;
+    op.set_descs(A::CUDNN_ATTR_OPERATION_POINTWISE_XDESC, &[x])?;
+    if let Some(b) = b {
+        op.set_descs(A::CUDNN_ATTR_OPERATION_POINTWISE_BDESC, &[b])?;
+    }
+    if let Some(t) = t {
+        op.set_descs(A::CUDNN_ATTR_OPERATION_POINTWISE_TDESC, &[t])?;
+    }
+    op.set_descs(A::CUDNN_ATTR_OPERATION_POINTWISE_YDESC, &[y])?;
+    op.finalize()?;
+    Ok([op, pw])
+}
+
+/// A batched matmul operation `c = a·b` computed in f32 (and its matmul descriptor).
+pub(crate) fn matmul_node(a: &Desc, b: &Desc, c: &Desc) -> Result<[Desc; 2]> {
+    let mm = Desc::new(D::CUDNN_BACKEND_MATMUL_DESCRIPTOR, "matmul")?;
+    mm.set(
+        A::CUDNN_ATTR_MATMUL_COMP_TYPE,
+        T::CUDNN_TYPE_DATA_TYPE,
+        &[sys::cudnnDataType_t::CUDNN_DATA_FLOAT],
+    )?;
+    mm.finalize()?;
+    let op = Desc::new(
+        D::CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR,
+        "matmul operation",
+    )?;
+    op.set_descs(A::CUDNN_ATTR_OPERATION_MATMUL_ADESC, &[a])?;
+    op.set_descs(A::CUDNN_ATTR_OPERATION_MATMUL_BDESC, &[b])?;
+    op.set_descs(A::CUDNN_ATTR_OPERATION_MATMUL_CDESC, &[c])?;
+    op.set_descs(A::CUDNN_ATTR_OPERATION_MATMUL_DESC, &[&mm])?;
+    op.finalize()?;
+    Ok([op, mm])
+}
+
+/// A reduction operation `y = reduce(x)` over the dims where `y` has extent 1, in f32 (and its
+/// reduction descriptor).
+pub(crate) fn reduction_node(
+    how: sys::cudnnReduceTensorOp_t,
+    x: &Desc,
+    y: &Desc,
+) -> Result<[Desc; 2]> {
+    let red = Desc::new(D::CUDNN_BACKEND_REDUCTION_DESCRIPTOR, "reduction")?;
+    red.set(
+        A::CUDNN_ATTR_REDUCTION_OPERATOR,
+        T::CUDNN_TYPE_REDUCTION_OPERATOR_TYPE,
+        &[how],
+    )?;
+    red.set(
+        A::CUDNN_ATTR_REDUCTION_COMP_TYPE,
+        T::CUDNN_TYPE_DATA_TYPE,
+        &[sys::cudnnDataType_t::CUDNN_DATA_FLOAT],
+    )?;
+    red.finalize()?;
+    let op = Desc::new(
+        D::CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR,
+        "reduction operation",
+    )?;
+    op.set_descs(A::CUDNN_ATTR_OPERATION_REDUCTION_XDESC, &[x])?;
+    op.set_descs(A::CUDNN_ATTR_OPERATION_REDUCTION_YDESC, &[y])?;
+    op.set_descs(A::CUDNN_ATTR_OPERATION_REDUCTION_DESC, &[&red])?;
+    op.finalize()?;
+    Ok([op, red])
 }
 
 /// Numerical notes that rule an engine out: inputs converted down always; tensor cores for f32
@@ -483,6 +631,8 @@ pub(crate) struct GraphPlan {
     /// cuDNN's global index of the engine (for logs).
     pub engine: i64,
     uids: Vec<i64>,
+    /// By-value scalars: uid and the host copy the variant pack points to.
+    scalars: Vec<(i64, Box<f32>)>,
     /// The variant pack of the last call, reused while the pointers stay the same.
     pack: Option<(Vec<u64>, u64, Desc)>,
     _graph: Arc<OpGraph>,
@@ -554,8 +704,35 @@ pub(crate) fn plans(
     tf32: bool,
     max: usize,
 ) -> Result<Vec<GraphPlan>> {
-    let graph = Arc::new(op_graph(handle, d)?);
-    let uids = variant_uids(d.bias);
+    let graph = op_graph(handle, d)?;
+    plans_of(
+        handle,
+        graph,
+        variant_uids(d.bias),
+        vec![],
+        d.dtype,
+        tf32,
+        max,
+        &format!("{d:?}"),
+    )
+}
+
+/// Plans of any operation graph (see [`plans`]): `uids` are the tensors a call binds to device
+/// pointers, `scalars` the by-value ones with their values (bound to host copies the plan keeps);
+/// `what` names the graph in logs.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn plans_of(
+    handle: sys::cudnnHandle_t,
+    graph: OpGraph,
+    uids: Vec<i64>,
+    scalars: Vec<(i64, f32)>,
+    dtype: DType,
+    tf32: bool,
+    max: usize,
+    what: &str,
+) -> Result<Vec<GraphPlan>> {
+    let graph = Arc::new(graph);
+    let d = what;
     let mut out: Vec<GraphPlan> = vec![];
     let mut seen = vec![];
     for mode in [
@@ -565,7 +742,7 @@ pub(crate) fn plans(
         let cfgs = match heuristics(&graph.graph, mode) {
             Ok(c) => c,
             Err(e) => {
-                tracing::debug!("cuDNN heuristics {mode:?} for {d:?}: {e}");
+                tracing::debug!("cuDNN heuristics {mode:?} for {d}: {e}");
                 continue;
             }
         };
@@ -573,7 +750,7 @@ pub(crate) fn plans(
             if out.len() >= max {
                 return Ok(out);
             }
-            let Ok((engine, ok)) = engine_of(&cfg, d.dtype, tf32) else {
+            let Ok((engine, ok)) = engine_of(&cfg, dtype, tf32) else {
                 continue;
             };
             // The fallback list repeats engines that mode A returned (with default knobs).
@@ -587,7 +764,7 @@ pub(crate) fn plans(
             plan.set_handle(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, handle)?;
             plan.set_descs(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &[&cfg])?;
             if let Err(e) = plan.finalize() {
-                tracing::trace!("cuDNN engine {engine} refused {d:?}: {e}");
+                tracing::trace!("cuDNN engine {engine} refused {d}: {e}");
                 continue;
             }
             let ws = plan.get_i64(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE)?;
@@ -600,6 +777,7 @@ pub(crate) fn plans(
                 workspace: ws as usize,
                 engine,
                 uids: uids.clone(),
+                scalars: scalars.iter().map(|&(u, v)| (u, Box::new(v))).collect(),
                 pack: None,
                 _graph: graph.clone(),
             });
@@ -632,8 +810,14 @@ impl GraphPlan {
         let fresh = !matches!(&self.pack, Some((p, w, _)) if p == ptrs && *w == workspace);
         if fresh {
             let pack = Desc::new(D::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, "variant pack")?;
-            let data: Vec<*mut c_void> = ptrs.iter().map(|&p| p as *mut c_void).collect();
-            pack.set_i64(A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, &self.uids)?;
+            let mut data: Vec<*mut c_void> = ptrs.iter().map(|&p| p as *mut c_void).collect();
+            let mut uids = self.uids.clone();
+            for (u, v) in &self.scalars {
+                uids.push(*u);
+                // The boxed value lives (at a fixed address) as long as the plan and its pack.
+                data.push(&**v as *const f32 as *mut c_void);
+            }
+            pack.set_i64(A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, &uids)?;
             pack.set(
                 A::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS,
                 T::CUDNN_TYPE_VOID_PTR,

@@ -12,6 +12,7 @@
 pub mod blas;
 pub mod compile;
 pub mod dnn;
+mod dnn_attention;
 mod dnn_graph;
 pub mod nccl;
 mod session;

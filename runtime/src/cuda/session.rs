@@ -3,6 +3,8 @@
 //! updates with device-to-device copies when every guard passed.
 
 use super::dnn::DnnPtrs;
+use super::dnn_attention;
+use super::dnn_graph::GraphPlan;
 use super::sparse::SpmmCall;
 use super::GpuDevice;
 use crate::device::{DeviceInput, DeviceMemory, DeviceOutput, DeviceRunOutput, IoSlot};
@@ -65,6 +67,15 @@ enum Exec {
         graph: bool,
     },
     Spmm(SpmmCall),
+    /// Attention: the cuDNN plan chosen at prepare, or the flash kernel (no plan, or pointers
+    /// less aligned than the plan was made for).
+    Attention {
+        plan: Option<std::sync::Mutex<GraphPlan>>,
+        /// q, k, v and the output: addresses and values.
+        ptrs: [(u64, Option<usize>); 4],
+        workspace: u64,
+        flash: Vec<Resolved>,
+    },
     /// GEMMs and launches in order (see `Composite`).
     Composite(Vec<ExecPart>),
     /// `all_reduce` from `src` into `dst` (addresses and values) over the joined group, or a
@@ -449,6 +460,9 @@ impl CudaSession {
         let dnn_graph = super::dnn::graph_enabled();
         let mut scratch_bytes = 0;
         let mut spmm_calls: Vec<Option<SpmmCall>> = Vec::with_capacity(steps.len());
+        let attn_choice = rustytorch_codegen::cuda::attention_cudnn::Choice::from_env();
+        let mut attn_prep: Vec<Option<dnn_attention::Prepared>> =
+            (0..steps.len()).map(|_| None).collect();
         for (i, st) in steps.iter().enumerate() {
             if let Some(c) = PatternCheck::of(&plan, i)? {
                 if c.reads_inputs() {
@@ -471,6 +485,37 @@ impl CudaSession {
                 CudaStep::Composite(c) => c.scratch_bytes,
                 CudaStep::Kernels(k) => k.scratch_bytes,
                 CudaStep::Matmul { after, .. } => after.scratch_bytes,
+                CudaStep::Attention { cudnn, flash } => {
+                    use rustytorch_codegen::cuda::attention_cudnn::Choice;
+                    dev.ctx.bind_to_thread().map_err(|e| {
+                        RuntimeError::Device(format!("binding the CUDA context: {e}"))
+                    })?;
+                    let p = match attn_choice {
+                        Choice::Flash => Ok(dnn_attention::Prepared {
+                            plans: vec![],
+                            decided: true,
+                        }),
+                        _ => {
+                            dev.with_dnn(|dn| dnn_attention::prepare(dn.handle, cudnn, attn_choice))
+                        }
+                    };
+                    let p = match p {
+                        Ok(p) => p,
+                        Err(e) if attn_choice == Choice::Cudnn => {
+                            return Err(RuntimeError::Device(format!("step {i} (attention): {e}")))
+                        }
+                        Err(e) => {
+                            tracing::debug!("step {i}: attention runs the flash kernel: {e}");
+                            dnn_attention::Prepared {
+                                plans: vec![],
+                                decided: true,
+                            }
+                        }
+                    };
+                    let ws = p.workspace();
+                    attn_prep[i] = Some(p);
+                    flash.scratch_bytes.max(ws)
+                }
                 CudaStep::Dnn(d) => {
                     // Timing the graph API's plans allocates buffers in the device's context.
                     dev.ctx.bind_to_thread().map_err(|e| {
@@ -526,6 +571,41 @@ impl CudaSession {
             };
             let e = match st {
                 CudaStep::Kernels(k) => Exec::Kernels(resolve(&k)),
+                CudaStep::Attention { cudnn, flash } => {
+                    let flash = resolve(&flash);
+                    let p = attn_prep[i].take().expect("prepared above");
+                    let plan = if p.plans.is_empty() {
+                        None
+                    } else {
+                        let fl = flash.first().map(|r| dnn_attention::FlashLaunch {
+                            func: &r.func,
+                            grid: r.grid,
+                            block: r.block,
+                        });
+                        dev.with_dnn(|dn| {
+                            dnn_attention::choose(
+                                dn.handle,
+                                &cudnn,
+                                p,
+                                attn_choice,
+                                fl,
+                                stream as _,
+                            )
+                        })
+                        .map_err(|e| RuntimeError::Device(format!("step {i} (attention): {e}")))?
+                    };
+                    Exec::Attention {
+                        plan: plan.map(std::sync::Mutex::new),
+                        ptrs: [
+                            at_val(ArgRef::Input(0)),
+                            at_val(ArgRef::Input(1)),
+                            at_val(ArgRef::Input(2)),
+                            at_val(ArgRef::Output),
+                        ],
+                        workspace: scratch,
+                        flash,
+                    }
+                }
                 CudaStep::Matmul { desc, after } => Exec::Matmul {
                     a: ins[1],
                     b: ins[0],
@@ -788,6 +868,39 @@ impl CudaSession {
                                     ))
                                 })?,
                             ExecPart::Launch(l) => self.launch(l, i, stream, io)?,
+                        }
+                    }
+                }
+                Exec::Attention {
+                    plan,
+                    ptrs,
+                    workspace,
+                    flash,
+                } => {
+                    let at: Vec<u64> = ptrs.iter().map(|&(a, v)| pick(a, v, io)).collect();
+                    match plan {
+                        Some(m) if GraphPlan::aligned(&at, *workspace) => {
+                            let mut g = m.lock().expect("attention plan lock");
+                            self.dev
+                                .with_dnn(|dn| {
+                                    // SAFETY: the handle is live (under the device's lock) and
+                                    // the stream belongs to the device's context.
+                                    unsafe {
+                                        cudarc::cudnn::result::set_stream(dn.handle, stream as _)
+                                    }
+                                    .map_err(|e| {
+                                        RuntimeError::Device(format!("cuDNN set stream: {e:?}"))
+                                    })?;
+                                    g.execute(dn.handle, &at, *workspace)
+                                })
+                                .map_err(|e| {
+                                    RuntimeError::Device(format!("step {i} (attention): {e}"))
+                                })?;
+                        }
+                        _ => {
+                            for l in flash {
+                                self.launch(l, i, stream, io)?;
+                            }
                         }
                     }
                 }

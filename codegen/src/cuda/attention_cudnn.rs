@@ -1,0 +1,291 @@
+//! Attention forward through cuDNN's fused attention (SDPA) as a second implementation beside the
+//! flash kernel: [`AttnDnnDesc`] is the plain-data description of one call (sizes, element type,
+//! scale, causal masking and the strides of q, k, v and the output in the op's layout), from
+//! which the runtime builds cuDNN's operation graph (`Q·Kᵀ`, the scale, the causal mask, the
+//! softmax, `·V`), times its plans against the flash kernel once per shape and keeps the faster.
+//!
+//! Both layouts are strides of the same `[B, H, S, D]` dims: `[B, S, H, D]` (Bshd) needs no copy.
+//! Only shapes the GPU tests cover are eligible ([`AttnDnnDesc::of`]): f16/bf16, head sizes 32,
+//! 64, 80 or 128 (equal for q/k and v), no mask operand, no causal mask or the top-left one (a
+//! bottom-right mask with more queries than keys leaves rows fully masked, whose zeros cuDNN does
+//! not give). Everything else keeps the flash kernel.
+//!
+//! `RUSTYTORCH_ATTENTION=flash` or `=cudnn` forces one implementation (see [`Choice::from_env`]).
+
+use crate::{CodegenError, Result};
+use rustytorch_ops::{AttnLayout, AttnMask, Causal, DType, Op, TensorType};
+
+/// Head sizes the cuDNN path takes (those its GPU test covers).
+pub const HEAD_SIZES: [usize; 4] = [32, 64, 80, 128];
+
+/// Which attention forward runs on CUDA for shapes both implementations cover.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Choice {
+    /// Time both once per shape at prepare and keep the faster (the default).
+    Auto,
+    /// The generated flash kernel only.
+    Flash,
+    /// cuDNN's fused attention only (a shape it cannot take is an error).
+    Cudnn,
+}
+
+impl Choice {
+    /// From `RUSTYTORCH_ATTENTION` (`flash`, `cudnn`; anything else is [`Choice::Auto`]).
+    pub fn from_env() -> Choice {
+        Choice::parse(std::env::var("RUSTYTORCH_ATTENTION").ok().as_deref())
+    }
+
+    /// The choice a value of `RUSTYTORCH_ATTENTION` names.
+    pub fn parse(v: Option<&str>) -> Choice {
+        match v {
+            Some("flash") => Choice::Flash,
+            Some("cudnn") => Choice::Cudnn,
+            _ => Choice::Auto,
+        }
+    }
+}
+
+/// One cuDNN attention forward call; every tensor described as `[B, H, S, D]` dims with strides
+/// in elements.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct AttnDnnDesc {
+    /// f16 or bf16 (q, k, v and the output).
+    pub dtype: DType,
+    /// Batch.
+    pub b: usize,
+    /// Heads.
+    pub h: usize,
+    /// Query rows.
+    pub sq: usize,
+    /// Keys.
+    pub sk: usize,
+    /// Head size (q, k and v).
+    pub d: usize,
+    /// Causal masking (none or top-left).
+    pub causal: Causal,
+    /// The score scale as f32 bits (cuDNN takes it by value as an f32).
+    pub scale_bits: u32,
+    /// The operands' and result's layout.
+    pub layout: AttnLayout,
+}
+
+impl AttnDnnDesc {
+    /// The description of `op` over `inputs` when cuDNN's path covers it (see the module docs),
+    /// else `None`.
+    pub fn of(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Option<AttnDnnDesc> {
+        let Op::Attention {
+            causal,
+            mask,
+            scale,
+            layout,
+        } = op
+        else {
+            return None;
+        };
+        if inputs.len() != 3 || *mask != AttnMask::None || *causal == Causal::BottomRight {
+            return None;
+        }
+        let dt = inputs[0].dtype;
+        if !matches!(dt, DType::F16 | DType::BF16)
+            || inputs.iter().any(|t| t.dtype != dt || t.shape.rank() != 4)
+            || out.dtype != dt
+            || out.shape.numel() == 0
+        {
+            return None;
+        }
+        let q = layout.to_bhsd(inputs[0].shape.dims());
+        let k = layout.to_bhsd(inputs[1].shape.dims());
+        let v = layout.to_bhsd(inputs[2].shape.dims());
+        let o = layout.to_bhsd(out.shape.dims());
+        let (b, h, sq, d, sk) = (q[0], q[1], q[2], q[3], k[2]);
+        let ok = k == [b, h, sk, d] && v == [b, h, sk, d] && o == [b, h, sq, d];
+        let scale = scale.get() as f32;
+        (ok && HEAD_SIZES.contains(&d) && scale.is_finite()).then(|| AttnDnnDesc {
+            dtype: dt,
+            b,
+            h,
+            sq,
+            sk,
+            d,
+            causal: *causal,
+            scale_bits: scale.to_bits(),
+            layout: *layout,
+        })
+    }
+
+    /// The scale as cuDNN gets it.
+    pub fn scale(&self) -> f32 {
+        f32::from_bits(self.scale_bits)
+    }
+
+    /// The `[B, H, S, D]` dims and strides of a tensor of `rows` rows of this head size (q and
+    /// the output: `sq`; k and v: `sk`) in the desc's layout.
+    pub fn dims_strides(&self, rows: usize) -> ([i64; 4], [i64; 4]) {
+        let (b, h, s, d) = (self.b as i64, self.h as i64, rows as i64, self.d as i64);
+        let st = match self.layout {
+            AttnLayout::Bhsd => [h * s * d, s * d, d, 1],
+            AttnLayout::Bshd => [s * h * d, d, h * d, 1],
+        };
+        ([b, h, s, d], st)
+    }
+
+    /// Kᵀ as cuDNN's first product reads it: `[B, H, D, Sk]`, the strides of k's last two dims
+    /// swapped (no copy).
+    pub fn k_transposed(&self) -> ([i64; 4], [i64; 4]) {
+        let (d, s) = self.dims_strides(self.sk);
+        ([d[0], d[1], d[3], d[2]], [s[0], s[1], s[3], s[2]])
+    }
+
+    /// Bytes of one `[B, H, rows, D]` tensor.
+    pub fn bytes(&self, rows: usize) -> usize {
+        self.b * self.h * rows * self.d * self.dtype.size_bytes()
+    }
+}
+
+/// The error of a forced cuDNN attention over a shape it does not cover.
+pub fn not_covered(op: &Op, inputs: &[&TensorType]) -> CodegenError {
+    let shapes: Vec<String> = inputs.iter().map(|t| t.to_string()).collect();
+    CodegenError::Unsupported {
+        op: op.name(),
+        device: "cuda",
+        reason: format!(
+            "RUSTYTORCH_ATTENTION=cudnn: cuDNN's fused attention here takes f16/bf16 q, k, v of \
+             equal head sizes {HEAD_SIZES:?}, no mask operand and no bottom-right causal mask; \
+             got {} ({op:?}); unset the variable to use the flash kernel",
+            shapes.join(", ")
+        ),
+    }
+}
+
+/// [`not_covered`] as a result, for lowering.
+pub fn forced_error<T>(op: &Op, inputs: &[&TensorType]) -> Result<T> {
+    Err(not_covered(op, inputs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustytorch_ops::F64Bits;
+
+    fn op(causal: Causal, mask: AttnMask, layout: AttnLayout) -> Op {
+        Op::Attention {
+            causal,
+            mask,
+            scale: F64Bits::new(0.125),
+            layout,
+        }
+    }
+
+    fn tys(
+        dt: DType,
+        layout: AttnLayout,
+        b: usize,
+        h: usize,
+        sq: usize,
+        sk: usize,
+        d: usize,
+    ) -> (Vec<TensorType>, TensorType) {
+        let t = |s: usize| TensorType::new(dt, layout.from_bhsd([b, h, s, d]));
+        (vec![t(sq), t(sk), t(sk)], t(sq))
+    }
+
+    fn desc(op: &Op, ins: &[TensorType], out: &TensorType) -> Option<AttnDnnDesc> {
+        let refs: Vec<&TensorType> = ins.iter().collect();
+        AttnDnnDesc::of(op, &refs, out)
+    }
+
+    #[test]
+    fn strides_of_both_layouts() {
+        let (ins, out) = tys(DType::BF16, AttnLayout::Bhsd, 2, 3, 5, 7, 64);
+        let d = desc(
+            &op(Causal::None, AttnMask::None, AttnLayout::Bhsd),
+            &ins,
+            &out,
+        )
+        .unwrap();
+        assert_eq!(d.dims_strides(5), ([2, 3, 5, 64], [960, 320, 64, 1]));
+        assert_eq!(d.dims_strides(7), ([2, 3, 7, 64], [1344, 448, 64, 1]));
+        assert_eq!(d.k_transposed(), ([2, 3, 64, 7], [1344, 448, 1, 64]));
+        assert_eq!(d.bytes(7), 2 * 3 * 7 * 64 * 2);
+        assert_eq!(d.scale(), 0.125);
+
+        let (ins, out) = tys(DType::F16, AttnLayout::Bshd, 2, 3, 5, 7, 128);
+        let d = desc(
+            &op(Causal::TopLeft, AttnMask::None, AttnLayout::Bshd),
+            &ins,
+            &out,
+        )
+        .unwrap();
+        assert_eq!((d.b, d.h, d.sq, d.sk, d.d), (2, 3, 5, 7, 128));
+        // [B, S, H, D] memory: a head's rows are H·D apart, heads D apart.
+        assert_eq!(d.dims_strides(5), ([2, 3, 5, 128], [1920, 128, 384, 1]));
+        assert_eq!(d.k_transposed(), ([2, 3, 128, 7], [2688, 128, 1, 384]));
+    }
+
+    #[test]
+    fn eligible_shapes() {
+        let l = AttnLayout::Bhsd;
+        for d in HEAD_SIZES {
+            let (ins, out) = tys(DType::F16, l, 1, 2, 1, 9, d);
+            assert!(desc(&op(Causal::TopLeft, AttnMask::None, l), &ins, &out).is_some());
+        }
+        // Other head sizes, f32, masks and bottom-right causal keep the flash kernel.
+        for d in [16, 48, 96, 256] {
+            let (ins, out) = tys(DType::F16, l, 1, 2, 4, 9, d);
+            assert!(desc(&op(Causal::None, AttnMask::None, l), &ins, &out).is_none());
+        }
+        let (ins, out) = tys(DType::F32, l, 1, 2, 4, 9, 64);
+        assert!(desc(&op(Causal::None, AttnMask::None, l), &ins, &out).is_none());
+        let (ins, out) = tys(DType::BF16, l, 1, 2, 4, 9, 64);
+        assert!(desc(&op(Causal::BottomRight, AttnMask::None, l), &ins, &out).is_none());
+        let mut with_mask = ins.clone();
+        with_mask.push(TensorType::new(DType::BF16, [4, 9]));
+        assert!(desc(&op(Causal::None, AttnMask::Additive, l), &with_mask, &out).is_none());
+        // Different head sizes for v, and empty results.
+        let mut odd = ins.clone();
+        odd[2] = TensorType::new(DType::BF16, [1, 2, 9, 128]);
+        let o2 = TensorType::new(DType::BF16, [1, 2, 4, 128]);
+        assert!(desc(&op(Causal::None, AttnMask::None, l), &odd, &o2).is_none());
+        let (ins, out) = tys(DType::BF16, l, 0, 2, 4, 9, 64);
+        assert!(desc(&op(Causal::None, AttnMask::None, l), &ins, &out).is_none());
+        // Not attention at all.
+        assert!(desc(&Op::Where, &ins, &out).is_none());
+    }
+
+    #[test]
+    fn lowering_carries_both_halves() {
+        if std::env::var_os("RUSTYTORCH_ATTENTION").is_some() {
+            return;
+        }
+        let l = AttnLayout::Bshd;
+        let (ins, out) = tys(DType::F16, l, 2, 2, 3, 70, 64);
+        let refs: Vec<&TensorType> = ins.iter().collect();
+        let o = op(Causal::TopLeft, AttnMask::None, l);
+        let step = super::super::lower_step(&o, &refs, &out).unwrap();
+        let super::super::CudaStep::Attention { cudnn, flash } = &step else {
+            panic!("{step:?}");
+        };
+        assert_eq!(cudnn, &AttnDnnDesc::of(&o, &refs, &out).unwrap());
+        assert_eq!(flash, &super::super::flash::lower(&o, &refs, &out).unwrap());
+        assert_eq!(step.launches().len(), 1);
+        assert!(step.launches()[0]
+            .kernel
+            .name
+            .starts_with("flash_attention"));
+        assert_eq!(super::super::interp::host_kernels(&step), Some(flash));
+        // A shape cuDNN's path leaves out stays a plain kernel step.
+        let o = op(Causal::BottomRight, AttnMask::None, l);
+        assert!(matches!(
+            super::super::lower_step(&o, &refs, &out).unwrap(),
+            super::super::CudaStep::Kernels(_)
+        ));
+    }
+
+    #[test]
+    fn choice_from_env_values() {
+        assert_eq!(Choice::parse(Some("flash")), Choice::Flash);
+        assert_eq!(Choice::parse(Some("cudnn")), Choice::Cudnn);
+        assert_eq!(Choice::parse(Some("gemm")), Choice::Auto);
+        assert_eq!(Choice::parse(None), Choice::Auto);
+    }
+}
