@@ -274,3 +274,53 @@ fn mlp_training_on_device_matches_cpu() {
         assert_close(&wg, &wc, 1e-4, &format!("w1 {dims:?}"));
     }
 }
+
+/// The forward epilogues' lowering run on the host as well: cuBLASLt's bias/ReLU/tanh-GELU
+/// through the interpreter's model of the call, the erf GELU (and every f64 epilogue) through the
+/// generated bias + activation kernel after it, against the CPU kernel.
+#[test]
+fn forward_epilogues_run_on_the_host_as_the_cpu_kernel() {
+    let mut seed = 500;
+    for dt in FLOATS {
+        for act in [Activation::None, ACTS[0], ACTS[1], ACTS[2]] {
+            for bias in [false, true] {
+                // N a multiple of 8 (vector epilogue kernel) and not (one element a thread).
+                for (m, k, n) in [(24, 40, 64), (9, 7, 20)] {
+                    seed += 3;
+                    let a = rand_tensor(&TensorType::new(dt, vec![m, k]), seed, -1.0, 1.0);
+                    let b = rand_tensor(&TensorType::new(dt, vec![k, n]), seed + 1, -1.0, 1.0);
+                    let c = rand_tensor(&TensorType::new(dt, vec![n]), seed + 2, -1.0, 1.0);
+                    let op = Op::MatmulEpilogue {
+                        trans_a: false,
+                        trans_b: false,
+                        bias,
+                        act,
+                    };
+                    let mut ins = vec![a, b];
+                    if bias {
+                        ins.push(c);
+                    }
+                    let tys: Vec<TensorType> = ins.iter().map(|t| t.ty()).collect();
+                    let refs: Vec<&TensorType> = tys.iter().collect();
+                    let out = infer(&op, &refs).unwrap();
+                    let CudaStep::Matmul { desc, after } = lower_step(&op, &refs, &out).unwrap()
+                    else {
+                        panic!("{op}: a matmul step");
+                    };
+                    let kernel = dt == DType::F64 && (bias || act != Activation::None)
+                        || act == Activation::GeluErf;
+                    assert_eq!(after.launches.len(), kernel as usize, "{dt} {op}");
+                    let ins_ref: Vec<&HostTensor> = ins.iter().collect();
+                    let got = interp::run_matmul_step(&desc, &after, &ins_ref, &out).unwrap();
+                    let want = eval_cpu(&op, &ins_ref).unwrap();
+                    assert_close(
+                        &got.to_f64_vec(),
+                        &want.to_f64_vec(),
+                        tol(dt, k),
+                        &format!("{dt} {op} [{m}, {k}, {n}]"),
+                    );
+                }
+            }
+        }
+    }
+}

@@ -15,7 +15,6 @@
 //! and transposing the result back: the CPU has no faster channels-last kernel, and the layout
 //! exists for devices whose libraries have one (docs/architecture.md).
 
-use crate::elementwise::erfc;
 use crate::util::{arity, attr_err, dtype_err, shape_err};
 use crate::vmath::{self, VFn};
 use crate::{
@@ -57,26 +56,6 @@ pub(crate) trait Real:
     fn activate(v: &mut [Self], act: Activation);
 }
 
-/// max(x, 0), NaN kept.
-fn relu64(x: f64) -> f64 {
-    if x < 0.0 {
-        0.0
-    } else {
-        x
-    }
-}
-
-/// GELU, exact form x·Φ(x) = ½·x·erfc(-x/√2).
-fn gelu_erf64(x: f64) -> f64 {
-    0.5 * x * erfc(-x * std::f64::consts::FRAC_1_SQRT_2)
-}
-
-/// GELU, tanh approximation.
-fn gelu_tanh64(x: f64) -> f64 {
-    let c = (2.0 / std::f64::consts::PI).sqrt();
-    0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
-}
-
 impl Real for f32 {
     const ZERO: f32 = 0.0;
     const ONE: f32 = 1.0;
@@ -113,9 +92,9 @@ impl Real for f64 {
     fn activate(v: &mut [f64], act: Activation) {
         let f = match act {
             Activation::None => return,
-            Activation::Relu => relu64,
-            Activation::GeluErf => gelu_erf64,
-            Activation::GeluTanh => gelu_tanh64,
+            Activation::Relu => crate::matmul::relu,
+            Activation::GeluErf => crate::matmul::gelu_erf,
+            Activation::GeluTanh => crate::matmul::gelu_tanh,
         };
         v.iter_mut().for_each(|y| *y = f(*y));
     }

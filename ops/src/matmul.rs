@@ -380,7 +380,7 @@ fn epilogue<T: GemmFloat>(out: &mut [T], bias: Option<&[T]>, act: Activation, n:
 const EPILOGUE_BLOCK: usize = 1 << 14;
 
 /// max(x, 0), NaN kept.
-fn relu(x: f64) -> f64 {
+pub(crate) fn relu(x: f64) -> f64 {
     if x < 0.0 {
         0.0
     } else {
@@ -389,12 +389,12 @@ fn relu(x: f64) -> f64 {
 }
 
 /// GELU, exact form x·Φ(x) = ½·x·erfc(-x/√2) (erfc keeps the left tail accurate).
-fn gelu_erf(x: f64) -> f64 {
+pub(crate) fn gelu_erf(x: f64) -> f64 {
     0.5 * x * erfc(-x * std::f64::consts::FRAC_1_SQRT_2)
 }
 
 /// GELU, tanh approximation.
-fn gelu_tanh(x: f64) -> f64 {
+pub(crate) fn gelu_tanh(x: f64) -> f64 {
     let c = (2.0 / std::f64::consts::PI).sqrt();
     0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
 }

@@ -298,7 +298,7 @@ fn transpose(
 
 /// `act(x)` for a variable `x` of compute type `ct`, as the CPU kernel computes it (ReLU keeps
 /// NaN; GELU's exact form through `erfc`).
-fn activation(act: Activation, x: Expr, ct: CTy) -> Expr {
+pub(super) fn activation(act: Activation, x: Expr, ct: CTy) -> Expr {
     let half = || lit(0.5, ct);
     match act {
         Activation::None => x,
@@ -328,6 +328,7 @@ fn activation(act: Activation, x: Expr, ct: CTy) -> Expr {
 /// the layout's inner run (the channels channels-last, the spatial extent channels-first: then
 /// one vector has one channel), else one element a thread.
 pub fn bias_act_kernel(
+    prefix: &str,
     dt: DType,
     dims: &[usize],
     nhwc: bool,
@@ -395,7 +396,7 @@ pub fn bias_act_kernel(
         vec![grid_stride("i", numel as i64, b)]
     };
     finish(
-        "conv_bias_act",
+        prefix,
         Kernel {
             name: String::new(),
             params,
@@ -414,7 +415,7 @@ fn bias_act(d: &DnnDesc, dims: &[usize]) -> Result<Launch> {
         args.push(ArgRef::Input(2));
     }
     Ok(Launch {
-        kernel: bias_act_kernel(d.dtype, dims, d.nhwc, d.bias, d.act)?,
+        kernel: bias_act_kernel("conv_bias_act", d.dtype, dims, d.nhwc, d.bias, d.act)?,
         args,
         grid: grid_for(numel.div_ceil(w) as u64, u64::from(TBLOCK)),
     })

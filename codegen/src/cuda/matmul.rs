@@ -237,102 +237,21 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaSt
     Ok(CudaStep::Matmul { desc, after })
 }
 
-/// `act(x)` for a variable `x` of compute type `ct`, as the CPU computes it.
-fn activation(act: Activation, x: Expr, ct: CTy) -> Expr {
-    let half = || lit(0.5, ct);
-    match act {
-        Activation::None => x,
-        Activation::Relu => select(bin(BinFn::Gt, x.clone(), lit(0.0, ct)), x, lit(0.0, ct)),
-        // 0.5·x·erfc(−x/√2).
-        Activation::GeluErf => mul(
-            mul(half(), x.clone()),
-            un(
-                UnFn::Erfc,
-                mul(un(UnFn::Neg, x), lit(std::f64::consts::FRAC_1_SQRT_2, ct)),
-            ),
-        ),
-        Activation::GeluTanh => {
-            let c = lit(0.044_715, ct);
-            let s = lit((2.0 / std::f64::consts::PI).sqrt(), ct);
-            let u = mul(
-                s,
-                add(x.clone(), mul(mul(mul(c, x.clone()), x.clone()), x.clone())),
-            );
-            mul(mul(half(), x), add(lit(1.0, ct), un(UnFn::Tanh, u)))
-        }
-    }
-}
-
-/// `out = act(out + bias)` in place over the GEMM's output (bias along the last dim of `n`): in
-/// 16-byte vectors when `n` is a whole number of them (the bias then lines up with each vector),
-/// else one element a thread.
+/// `out = act(out + bias)` in place over the GEMM's output `[.., n]` (bias along the last dim):
+/// the convolutions' bias + activation kernel over the output as `m` rows of `n` channels,
+/// channels last.
 fn epilogue_kernel(out: &TensorType, n: usize, bias: bool, act: Activation) -> Result<Launch> {
-    let st = CTy::storage(out.dtype);
-    let ct = CTy::compute(out.dtype);
     let numel = out.shape.numel();
-    let mut params = vec![Param {
-        name: "out".into(),
-        elem: st,
-        writes: true,
-    }];
+    let dims = [numel / n.max(1), n];
     let mut args = vec![ArgRef::Output];
     if bias {
-        params.push(Param {
-            name: "bias".into(),
-            elem: st,
-            writes: false,
-        });
         args.push(ArgRef::Input(2));
     }
-    let w = 16 / elem_bytes(st);
-    let vector = w > 1 && n.is_multiple_of(w) && numel / w >= 256;
-    let (body, items) = if vector {
-        let names = |p: &str| (0..w).map(|k| format!("{p}{k}")).collect::<Vec<_>>();
-        let mut b = vec![
-            let_("i", CTy::I64, mul(var("j"), i64c(w as i64))),
-            load_vec("out", st, var("i"), names("v")),
-        ];
-        if bias {
-            b.push(load_vec(
-                "bias",
-                st,
-                rem(var("i"), i64c(n as i64)),
-                names("b"),
-            ));
-        }
-        let values = (0..w)
-            .map(|k| {
-                let mut x = var(&format!("v{k}"));
-                if bias {
-                    x = add(x, var(&format!("b{k}")));
-                }
-                b.push(let_(&format!("x{k}"), ct, x));
-                activation(act, var(&format!("x{k}")), ct)
-            })
-            .collect();
-        b.push(store_vec("out", st, var("i"), values));
-        (vec![grid_stride("j", (numel / w) as i64, b)], numel / w)
-    } else {
-        let mut b = vec![let_("v", ct, load("out", st, var("i")))];
-        if bias {
-            b.push(assign(
-                "v",
-                add(var("v"), load("bias", st, rem(var("i"), i64c(n as i64)))),
-            ));
-        }
-        b.push(store("out", st, var("i"), activation(act, var("v"), ct)));
-        (vec![grid_stride("i", numel as i64, b)], numel)
-    };
-    let k = Kernel {
-        name: String::new(),
-        params,
-        block: 256,
-        body,
-    };
+    let w = 16 / elem_bytes(CTy::storage(out.dtype));
     Ok(Launch {
-        kernel: super::finish("matmul_epilogue", k)?,
+        kernel: super::dnn::bias_act_kernel("matmul_epilogue", out.dtype, &dims, true, bias, act)?,
         args,
-        grid: super::grid_for(items as u64, 256),
+        grid: super::grid_for(numel.div_ceil(w) as u64, 256),
     })
 }
 
