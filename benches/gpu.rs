@@ -462,6 +462,77 @@ fn sparse_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
 /// Attention forward on the shapes PyTorch's SDPA is compared on (bf16; TFLOP/s counted as
 /// 4·B·H·Sq·Sk·D, halved for causal; the decoding row also in TB/s of K and V read).
 fn attention_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
+    // These rows are the flash kernel's (the cuDNN and auto rows follow in
+    // `attention_cudnn_rows`), unless the variable already picks an implementation.
+    let pinned = std::env::var_os("RUSTYTORCH_ATTENTION").is_none();
+    if pinned {
+        std::env::set_var("RUSTYTORCH_ATTENTION", "flash");
+    }
+    attention_flash_rows(push);
+    if pinned {
+        std::env::remove_var("RUSTYTORCH_ATTENTION");
+    }
+}
+
+/// The forward of the attention shapes through cuDNN's fused attention forced
+/// (`RUSTYTORCH_ATTENTION=cudnn`) and in the default mode, which times cuDNN against the flash
+/// kernel once per shape and keeps the faster; both layouts.
+fn attention_cudnn_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
+    use rustytorch::ops::{AttnLayout, AttnMask, Causal, F64Bits};
+    let bf = DType::BF16;
+    let shapes: [(usize, usize, usize, usize, usize, bool); 8] = [
+        (4, 32, 4096, 4096, 128, false),
+        (4, 32, 4096, 4096, 128, true),
+        (16, 16, 1024, 1024, 64, false),
+        (16, 16, 1024, 1024, 64, true),
+        (4, 32, 4096, 4096, 64, true),
+        (2, 16, 8192, 8192, 128, true),
+        (8, 32, 512, 8192, 128, false),
+        (8, 32, 1, 8192, 128, false),
+    ];
+    let before = std::env::var_os("RUSTYTORCH_ATTENTION");
+    for (mode, env) in [("cudnn", Some("cudnn")), ("auto", None)] {
+        match env {
+            Some(v) => std::env::set_var("RUSTYTORCH_ATTENTION", v),
+            None => std::env::remove_var("RUSTYTORCH_ATTENTION"),
+        }
+        for (b, h, sq, sk, d, causal) in shapes {
+            for layout in [AttnLayout::Bhsd, AttnLayout::Bshd] {
+                let dims = |s: usize| layout.from_bhsd([b, h, s, d]);
+                let mut graph = Graph::new();
+                let q = graph.add_input("q", tt(bf, &dims(sq))).expect("q");
+                let k = graph.add_input("k", tt(bf, &dims(sk))).expect("k");
+                let v = graph.add_input("v", tt(bf, &dims(sk))).expect("v");
+                let op = Op::Attention {
+                    causal: if causal {
+                        Causal::TopLeft
+                    } else {
+                        Causal::None
+                    },
+                    mask: AttnMask::None,
+                    scale: F64Bits::new(1.0 / (d as f64).sqrt()),
+                    layout,
+                };
+                let y = graph.add(op, &[q, k, v]).expect("attention");
+                graph.add_output("y", y).expect("y");
+                let t = time_graph(&graph, 10, true);
+                let flops = 4.0 * (b * h * sq * sk * d) as f64 * if causal { 0.5 } else { 1.0 };
+                let name = format!(
+                    "{mode} attention bf16 {layout:?} B{b} H{h} Sq{sq} Sk{sk} D{d} {}",
+                    if causal { "causal" } else { "full" }
+                );
+                push(&name, t, "TFLOP/s", flops / (t.0 * 1e-3) / 1e12);
+            }
+        }
+    }
+    match before {
+        Some(v) => std::env::set_var("RUSTYTORCH_ATTENTION", v),
+        None => std::env::remove_var("RUSTYTORCH_ATTENTION"),
+    }
+}
+
+/// The flash kernel's rows of [`attention_rows`].
+fn attention_flash_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     use rustytorch::ops::{AttnMask, Causal, F64Bits};
     let bf = DType::BF16;
     let shapes: [(usize, usize, usize, usize, usize, bool); 8] = [
@@ -866,6 +937,7 @@ fn main() {
     }
     if only("attention") {
         attention_rows(&mut push);
+        attention_cudnn_rows(&mut push);
         return;
     }
     if only("gpt2") {

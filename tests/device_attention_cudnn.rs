@@ -102,7 +102,7 @@ fn cases(head_sizes: &[usize]) -> Vec<(String, Op, Vec<HostTensor>)> {
             let shapes = [(2, 3, 70, 70, hd), (1, 2, 33, 130, hd), (2, 4, 1, 77, hd)];
             for (si, &shape) in shapes.iter().enumerate() {
                 for causal in [Causal::None, Causal::TopLeft] {
-                    let layout = if (si + causal as usize + hd / 16) % 2 == 0 {
+                    let layout = if (si + causal as usize + hd / 16).is_multiple_of(2) {
                         AttnLayout::Bhsd
                     } else {
                         AttnLayout::Bshd

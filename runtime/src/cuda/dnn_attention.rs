@@ -369,6 +369,8 @@ pub(crate) fn choose(
     if p.decided && p.plans.len() == 1 {
         return Ok(p.plans.pop());
     }
+    // A forced cuDNN needs only the fastest plan.
+    let flash = flash.filter(|_| choice != Choice::Cudnn);
     let timed = time_all(handle, d, &mut p.plans, flash, stream);
     let (best, flash_ms) = match timed {
         Ok(t) => t,
