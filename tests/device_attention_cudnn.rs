@@ -1,7 +1,7 @@
 //! Attention forward through cuDNN's fused attention on CUDA (`RUSTYTORCH_ATTENTION=cudnn`
 //! forces it; a shape it cannot take is an error) against a float64 reference of the same
-//! inputs: f16 and bf16, head sizes 32, 64, 80 and 128, Sq = Sk, Sq ≠ Sk and Sq = 1, no causal
-//! mask and the top-left one, both layouts, two scales. Then the default (auto) mode, which times
+//! inputs: f16 and bf16, head sizes 32, 64, 80 and 128, Sq = Sk, Sq < Sk and Sq = 1, no causal
+//! mask, the top-left and the bottom-right one, both layouts, two scales. Then the default (auto) mode, which times
 //! cuDNN against the flash kernel and keeps the faster, over the same shapes; and the shapes the
 //! cuDNN path leaves to the flash kernel (an additive mask, a bottom-right causal mask) are an
 //! error when cuDNN is forced and equal to the reference in auto mode.
@@ -101,7 +101,7 @@ fn cases(head_sizes: &[usize]) -> Vec<(String, Op, Vec<HostTensor>)> {
         for &hd in head_sizes {
             let shapes = [(2, 3, 70, 70, hd), (1, 2, 33, 130, hd), (2, 4, 1, 77, hd)];
             for (si, &shape) in shapes.iter().enumerate() {
-                for causal in [Causal::None, Causal::TopLeft] {
+                for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
                     let layout = if (si + causal as usize + hd / 16).is_multiple_of(2) {
                         AttnLayout::Bhsd
                     } else {
@@ -126,7 +126,8 @@ fn cases(head_sizes: &[usize]) -> Vec<(String, Op, Vec<HostTensor>)> {
 }
 
 /// The shapes the cuDNN path leaves to the flash kernel: an additive mask (row 0 fully masked,
-/// every fifth key masked) and a bottom-right causal mask with more queries than keys.
+/// every fifth key masked) and a bottom-right causal mask with more queries than keys (rows
+/// fully masked, which the op defines as zeros).
 fn flash_only() -> Vec<(String, Op, Vec<HostTensor>)> {
     let (d, l) = (DType::BF16, AttnLayout::Bhsd);
     let (sq, sk) = (40, 24);

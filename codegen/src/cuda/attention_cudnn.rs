@@ -6,9 +6,9 @@
 //!
 //! Both layouts are strides of the same `[B, H, S, D]` dims: `[B, S, H, D]` (Bshd) needs no copy.
 //! Only shapes the GPU tests cover are eligible ([`AttnDnnDesc::of`]): f16/bf16, head sizes 32,
-//! 64, 80 or 128 (equal for q/k and v), no mask operand, no causal mask or the top-left one (a
-//! bottom-right mask with more queries than keys leaves rows fully masked, whose zeros cuDNN does
-//! not give). Everything else keeps the flash kernel.
+//! 64, 80 or 128 (equal for q/k and v), no mask operand, any causal mask except a bottom-right
+//! one with more queries than keys (it leaves rows fully masked, whose zeros cuDNN does not
+//! give). Everything else keeps the flash kernel.
 //!
 //! `RUSTYTORCH_ATTENTION=flash` or `=cudnn` forces one implementation (see [`Choice::from_env`]).
 
@@ -61,7 +61,7 @@ pub struct AttnDnnDesc {
     pub sk: usize,
     /// Head size (q, k and v).
     pub d: usize,
-    /// Causal masking (none or top-left).
+    /// Causal masking (bottom-right only with `sq <= sk`).
     pub causal: Causal,
     /// The score scale as f32 bits (cuDNN takes it by value as an f32).
     pub scale_bits: u32,
@@ -82,7 +82,7 @@ impl AttnDnnDesc {
         else {
             return None;
         };
-        if inputs.len() != 3 || *mask != AttnMask::None || *causal == Causal::BottomRight {
+        if inputs.len() != 3 || *mask != AttnMask::None {
             return None;
         }
         let dt = inputs[0].dtype;
@@ -98,7 +98,10 @@ impl AttnDnnDesc {
         let v = layout.to_bhsd(inputs[2].shape.dims());
         let o = layout.to_bhsd(out.shape.dims());
         let (b, h, sq, d, sk) = (q[0], q[1], q[2], q[3], k[2]);
-        let ok = k == [b, h, sk, d] && v == [b, h, sk, d] && o == [b, h, sq, d];
+        let ok = k == [b, h, sk, d]
+            && v == [b, h, sk, d]
+            && o == [b, h, sq, d]
+            && (*causal != Causal::BottomRight || sq <= sk);
         let scale = scale.get() as f32;
         (ok && HEAD_SIZES.contains(&d) && scale.is_finite()).then(|| AttnDnnDesc {
             dtype: dt,
@@ -150,7 +153,8 @@ pub fn not_covered(op: &Op, inputs: &[&TensorType]) -> CodegenError {
         device: "cuda",
         reason: format!(
             "RUSTYTORCH_ATTENTION=cudnn: cuDNN's fused attention here takes f16/bf16 q, k, v of \
-             equal head sizes {HEAD_SIZES:?}, no mask operand and no bottom-right causal mask; \
+             equal head sizes {HEAD_SIZES:?}, no mask operand and no bottom-right causal mask \
+             with more queries than keys; \
              got {} ({op:?}); unset the variable to use the flash kernel",
             shapes.join(", ")
         ),
@@ -237,7 +241,9 @@ mod tests {
         let (ins, out) = tys(DType::F32, l, 1, 2, 4, 9, 64);
         assert!(desc(&op(Causal::None, AttnMask::None, l), &ins, &out).is_none());
         let (ins, out) = tys(DType::BF16, l, 1, 2, 4, 9, 64);
-        assert!(desc(&op(Causal::BottomRight, AttnMask::None, l), &ins, &out).is_none());
+        assert!(desc(&op(Causal::BottomRight, AttnMask::None, l), &ins, &out).is_some());
+        let (more_q, out_q) = tys(DType::BF16, l, 1, 2, 10, 9, 64);
+        assert!(desc(&op(Causal::BottomRight, AttnMask::None, l), &more_q, &out_q).is_none());
         let mut with_mask = ins.clone();
         with_mask.push(TensorType::new(DType::BF16, [4, 9]));
         assert!(desc(&op(Causal::None, AttnMask::Additive, l), &with_mask, &out).is_none());
@@ -275,6 +281,8 @@ mod tests {
         assert_eq!(super::super::interp::host_kernels(&step), Some(flash));
         // A shape cuDNN's path leaves out stays a plain kernel step.
         let o = op(Causal::BottomRight, AttnMask::None, l);
+        let (ins, out) = tys(DType::F16, l, 2, 2, 71, 70, 64);
+        let refs: Vec<&TensorType> = ins.iter().collect();
         assert!(matches!(
             super::super::lower_step(&o, &refs, &out).unwrap(),
             super::super::CudaStep::Kernels(_)

@@ -6,9 +6,11 @@
 //!
 //! 1. `S = Q·Kᵀ` (MATMUL; Kᵀ is k's descriptor with its last two strides swapped);
 //! 2. `S ·= scale` (POINTWISE MUL by a by-value f32);
-//! 3. causal (top-left): `row = GEN_INDEX(S, 2)`, `col = GEN_INDEX(S, 3)` (int32),
-//!    `keep = row >= col` (CMP_GE, boolean), `S = keep ? S : lowest f32` (BINARY_SELECT); a
-//!    top-left mask always leaves key 0 visible, so no row is fully masked;
+//! 3. causal: `row = GEN_INDEX(S, 2)`, `col = GEN_INDEX(S, 3)` (int32), for bottom-right
+//!    alignment `row = row + Sk − Sq` (an ADD of Sk then a SUB of Sq, by-value int32s, as the
+//!    frontend spells it), `keep = row >= col` (CMP_GE, boolean), `S = keep ? S : lowest f32`
+//!    (BINARY_SELECT); a top-left mask, and a bottom-right one with `Sq <= Sk` (the only one
+//!    eligible), leave key 0 visible to every row, so no row is fully masked;
 //! 4. softmax: `m = max_j S` (REDUCTION MAX), `E = exp(S − m)`, `l = Σ_j E` (REDUCTION ADD), the
 //!    statistics `m + log l` (a virtual output, as the frontend's inference graph keeps it), and
 //!    `P = E / l` in the operands' type (the second product's A must be f16/bf16);
@@ -54,7 +56,11 @@ pub(crate) mod uid {
     pub const SCALE: i64 = 5;
     /// The masked-score fill (by value).
     pub const FILL: i64 = 6;
-    /// Virtual intermediates from here on.
+    /// Sk, added to the row index for bottom-right alignment (by value, int32).
+    pub const SK: i64 = 7;
+    /// Sq, subtracted from it (by value, int32).
+    pub const SQ: i64 = 8;
+    /// Virtual intermediates take the ids after this one.
     pub const S: i64 = 10;
 }
 
@@ -111,8 +117,8 @@ fn op_graph(handle: sys::cudnnHandle_t, d: &AttnDnnDesc, p_io: bool) -> Result<O
     ];
     let mut scores = scaled;
     let mut tensors = vec![q, k, scale, s];
-    if d.causal == Causal::TopLeft {
-        let row = virt(Dt::CUDNN_DATA_INT32, &s_dims, &s_st)?;
+    if d.causal != Causal::None {
+        let mut row = virt(Dt::CUDNN_DATA_INT32, &s_dims, &s_st)?;
         let col = virt(Dt::CUDNN_DATA_INT32, &s_dims, &s_st)?;
         let keep = virt(Dt::CUDNN_DATA_BOOLEAN, &s_dims, &s_st)?;
         let fill = tensor_desc(uid::FILL, f, &one, &one, false, true)?;
@@ -127,6 +133,26 @@ fn op_graph(handle: sys::cudnnHandle_t, d: &AttnDnnDesc, p_io: bool) -> Result<O
             None,
             &row,
         )?);
+        if d.causal == Causal::BottomRight {
+            for (id, mode) in [
+                (uid::SK, Pw::CUDNN_POINTWISE_ADD),
+                (uid::SQ, Pw::CUDNN_POINTWISE_SUB),
+            ] {
+                let c = tensor_desc(id, int, &one, &one, false, true)?;
+                let shifted = virt(int, &s_dims, &s_st)?;
+                ops.push(pointwise_node(
+                    mode,
+                    int,
+                    None,
+                    &row,
+                    Some(&c),
+                    None,
+                    &shifted,
+                )?);
+                tensors.push(std::mem::replace(&mut row, shifted));
+                tensors.push(c);
+            }
+        }
         ops.push(pointwise_node(
             Pw::CUDNN_POINTWISE_GEN_INDEX,
             int,
@@ -262,12 +288,17 @@ fn p_name(p_io: bool) -> &'static str {
     }
 }
 
-/// The by-value scalars of `d`'s graph: the scale, and the fill of masked scores (the lowest
-/// finite f32, as the frontend uses) when causal.
-pub(crate) fn scalars(d: &AttnDnnDesc) -> Vec<(i64, f32)> {
-    let mut v = vec![(uid::SCALE, d.scale())];
-    if d.causal == Causal::TopLeft {
-        v.push((uid::FILL, f32::MIN));
+/// The by-value scalars of `d`'s graph as 32-bit patterns: the scale (f32), and when causal the
+/// fill of masked scores (the lowest finite f32, as the frontend uses), and for bottom-right
+/// alignment Sk and Sq (int32).
+pub(crate) fn scalars(d: &AttnDnnDesc) -> Vec<(i64, u32)> {
+    let mut v = vec![(uid::SCALE, d.scale().to_bits())];
+    if d.causal != Causal::None {
+        v.push((uid::FILL, f32::MIN.to_bits()));
+    }
+    if d.causal == Causal::BottomRight {
+        v.push((uid::SK, d.sk as i32 as u32));
+        v.push((uid::SQ, d.sq as i32 as u32));
     }
     v
 }
@@ -480,10 +511,20 @@ mod tests {
 
     #[test]
     fn scalars_per_causal_kind() {
-        assert_eq!(scalars(&desc(Causal::None)), vec![(uid::SCALE, 0.125)]);
+        let (scale, fill) = (0.125f32.to_bits(), f32::MIN.to_bits());
+        assert_eq!(scalars(&desc(Causal::None)), vec![(uid::SCALE, scale)]);
         assert_eq!(
             scalars(&desc(Causal::TopLeft)),
-            vec![(uid::SCALE, 0.125), (uid::FILL, f32::MIN)]
+            vec![(uid::SCALE, scale), (uid::FILL, fill)]
+        );
+        assert_eq!(
+            scalars(&desc(Causal::BottomRight)),
+            vec![
+                (uid::SCALE, scale),
+                (uid::FILL, fill),
+                (uid::SK, 5),
+                (uid::SQ, 3)
+            ]
         );
     }
 

@@ -631,8 +631,8 @@ pub(crate) struct GraphPlan {
     /// cuDNN's global index of the engine (for logs).
     pub engine: i64,
     uids: Vec<i64>,
-    /// By-value scalars: uid and the host copy the variant pack points to.
-    scalars: Vec<(i64, Box<f32>)>,
+    /// By-value scalars: uid and the host copy (32 bits) the variant pack points to.
+    scalars: Vec<(i64, Box<u32>)>,
     /// The variant pack of the last call, reused while the pointers stay the same.
     pack: Option<(Vec<u64>, u64, Desc)>,
     _graph: Arc<OpGraph>,
@@ -718,14 +718,15 @@ pub(crate) fn plans(
 }
 
 /// Plans of any operation graph (see [`plans`]): `uids` are the tensors a call binds to device
-/// pointers, `scalars` the by-value ones with their values (bound to host copies the plan keeps);
+/// pointers, `scalars` the by-value ones with their values' 32 bits (an f32's or an i32's, as
+/// their descriptors say; bound to host copies the plan keeps);
 /// `what` names the graph in logs.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn plans_of(
     handle: sys::cudnnHandle_t,
     graph: OpGraph,
     uids: Vec<i64>,
-    scalars: Vec<(i64, f32)>,
+    scalars: Vec<(i64, u32)>,
     dtype: DType,
     tf32: bool,
     max: usize,
@@ -815,7 +816,7 @@ impl GraphPlan {
             for (u, v) in &self.scalars {
                 uids.push(*u);
                 // The boxed value lives (at a fixed address) as long as the plan and its pack.
-                data.push(&**v as *const f32 as *mut c_void);
+                data.push(&**v as *const u32 as *mut c_void);
             }
             pack.set_i64(A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, &uids)?;
             pack.set(
