@@ -647,7 +647,42 @@ fn gpt2_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
         );
         let t = time_graph_with(&graph, 10, true, opts);
         push(&format!("gpt2-small {label} b8 s1024"), t, "ms", t.0);
+        if train && typed && std::env::var_os("GPT2_PROFILE").is_some() {
+            gpt2_train_profile(&graph);
+        }
     }
+}
+
+/// Where the GPT-2 training step's time goes, per op (`GPT2_PROFILE=1 bench-gpu gpt2`): the
+/// same graph through `Executable` with an event around every step of eager runs.
+fn gpt2_train_profile(graph: &Graph) {
+    let opts = CompileOptions {
+        graph_replay: false,
+        ..CompileOptions::default()
+    };
+    let mut exe = rustytorch::compile_graph(graph, Device::Cuda(0), &opts).expect("compile");
+    let inputs: Vec<(String, HostTensor)> = exe
+        .input_types()
+        .into_iter()
+        .map(|(name, ty)| {
+            let t = rustytorch::ops::testing::rand_tensor(ty, 1, -1.0, 1.0);
+            (name.to_string(), t)
+        })
+        .collect();
+    let ins: Vec<(&str, HostTensor)> = inputs
+        .iter()
+        .map(|(n, t)| (n.as_str(), t.clone()))
+        .collect();
+    let popts = rustytorch::profile::ProfileOptions {
+        runs: 5,
+        warmup: 2,
+        group_by: rustytorch::profile::GroupBy::Op,
+        limits: None,
+    };
+    println!(
+        "{}",
+        rustytorch::profile::profile(&mut exe, &ins, &popts).expect("profile")
+    );
 }
 
 /// One MLP block's forward and backward in bf16 (`x [8192, 768] → linear 3072 → GELU tanh →

@@ -324,3 +324,27 @@ fn forward_epilogues_run_on_the_host_as_the_cpu_kernel() {
         }
     }
 }
+
+/// A linear layer over [B, S, D] (a broadcast weight, rows stored back to back) is one GEMM over
+/// B·S rows, not a batch of B; a transposed A or a batched weight keeps the batch.
+#[test]
+fn a_broadcast_weight_folds_the_batch_into_the_rows() {
+    let f = |d: &[usize]| TensorType::new(DType::BF16, d.to_vec());
+    let desc = |op: &Op, a: TensorType, b: TensorType| {
+        let out = infer(op, &[&a, &b]).unwrap();
+        match lower_step(op, &[&a, &b], &out).unwrap() {
+            CudaStep::Matmul { desc, .. } => (desc.batch, desc.n, desc.calls.len()),
+            other => panic!("{other:?}"),
+        }
+    };
+    let mm = |trans_a| Op::Matmul {
+        trans_a,
+        trans_b: false,
+    };
+    assert_eq!(desc(&mm(false), f(&[8, 16, 32]), f(&[32, 24])), (1, 128, 1));
+    assert_eq!(desc(&mm(true), f(&[8, 32, 16]), f(&[32, 24])), (8, 16, 1));
+    assert_eq!(
+        desc(&mm(false), f(&[8, 16, 32]), f(&[8, 32, 24])),
+        (8, 16, 1)
+    );
+}
