@@ -3,9 +3,10 @@
 //!
 //! Row-major `C[M,N] = A[M,K]·B[K,N]` is computed as the column-major product
 //! `Cᵀ[N,M] = Bᵀ·Aᵀ`, so cuBLASLt's "A" is our B and its bias (one value per row of its D) runs
-//! along our last dim, as the op's bias does. Batches that one strided-batch call can express
-//! (equal strides, broadcast as stride 0) are one call; any other batch broadcast is one call per
-//! matrix.
+//! along our last dim, as the op's bias does. A batch of row-major A matrices stored back to back
+//! against one broadcast B (a linear layer over `[B, S, D]`) is one GEMM over all their rows.
+//! Other batches that one strided-batch call can express (equal strides, broadcast as stride 0)
+//! are one call; any other batch broadcast is one call per matrix.
 //!
 //! Epilogues: bias, ReLU and tanh-GELU are cuBLASLt's own (`BIAS`, `RELU_BIAS`, `GELU_BIAS`).
 //! cuBLASLt's GELU is the tanh approximation, so the erf GELU is never handed to it: the GEMM
