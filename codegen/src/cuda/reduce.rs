@@ -207,9 +207,11 @@ fn parts_for(strat: Strat, outputs: usize, n: usize) -> usize {
         Strat::Block if outputs < 128 && n >= 32_768 => {
             n.div_ceil(8192).min(512usize.div_ceil(outputs))
         }
-        // Chunks of 256 (32 elements a thread), up to ~64 blocks of 32 rows in all.
-        Strat::Cols if outputs.div_ceil(32) < 64 && n >= 4096 => {
-            n.div_ceil(256).min((64 * 32usize).div_ceil(outputs))
+        // Chunks of 256 (32 elements a thread), up to ~1024 blocks of 32 rows in all: a bias
+        // gradient (the sum over 8192 rows of [8192, 768]) is only 24 blocks of columns, far
+        // too few to reach the memory's bandwidth (0.53 TB/s measured with up to 64 blocks).
+        Strat::Cols if outputs.div_ceil(32) < 1024 && n >= 4096 => {
+            n.div_ceil(256).min(1024usize.div_ceil(outputs.div_ceil(32)))
         }
         _ => 1,
     }
