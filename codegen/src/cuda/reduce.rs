@@ -210,9 +210,9 @@ fn parts_for(strat: Strat, outputs: usize, n: usize) -> usize {
         // Chunks of 256 (32 elements a thread), up to ~1024 blocks of 32 rows in all: a bias
         // gradient (the sum over 8192 rows of [8192, 768]) is only 24 blocks of columns, far
         // too few to reach the memory's bandwidth (0.53 TB/s measured with up to 64 blocks).
-        Strat::Cols if outputs.div_ceil(32) < 1024 && n >= 4096 => {
-            n.div_ceil(256).min(1024usize.div_ceil(outputs.div_ceil(32)))
-        }
+        Strat::Cols if outputs.div_ceil(32) < 1024 && n >= 4096 => n
+            .div_ceil(256)
+            .min(1024usize.div_ceil(outputs.div_ceil(32))),
         _ => 1,
     }
 }
