@@ -9,52 +9,17 @@
 
 use rustytorch::codegen::cuda::{lower_step, source, CudaStep};
 use rustytorch::compiler::{grad, ConvOpts, Graph, GraphBuilder, Init, NodeId};
-use rustytorch::ops::testing::{assert_close, rand_tensor};
+use rustytorch::ops::testing::assert_close;
 use rustytorch::ops::{eval_cpu, Activation, BinaryOp, ConvGeom, Layout, Op};
 use rustytorch::prelude::*;
 use rustytorch::runtime::cuda::compile::KernelCompiler;
 
-fn cuda() -> bool {
-    std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
-}
-
-fn device() -> Device {
-    if cuda() {
-        Device::Cuda(0)
-    } else {
-        Device::Cpu
-    }
-}
+#[path = "common/conv_check.rs"]
+mod conv_check;
+use conv_check::{cuda, device, rnd, scaled_close};
 
 const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 const ACTS: [Activation; 3] = [Activation::Relu, Activation::GeluErf, Activation::GeluTanh];
-
-/// Tolerance against the output's largest magnitude (at least 1), as in `device_conv_layout`:
-/// convolutions sum many products and some cuDNN algorithms round partial sums to the storage
-/// type; the activation adds one rounding of its own.
-fn tol(d: DType) -> f64 {
-    match d {
-        DType::F32 => 1e-4,
-        DType::F16 => 4e-3,
-        _ => 2e-2,
-    }
-}
-
-fn scaled_close(got: &[f64], want: &[f64], d: DType, what: &str) {
-    let scale = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-    let g: Vec<f64> = got.iter().map(|v| v / scale).collect();
-    let w: Vec<f64> = want.iter().map(|v| v / scale).collect();
-    assert_close(&g, &w, tol(d), what);
-}
-
-fn rnd(d: DType, dims: &[usize], seed: u64) -> HostTensor {
-    rand_tensor(
-        &TensorType::new(d, Shape::new(dims.to_vec())),
-        seed,
-        -1.0,
-        1.0,
-    )
-}
 
 /// Every output of `g` node by node with the CPU kernels.
 fn cpu_values(g: &Graph, inputs: &[(String, HostTensor)]) -> Vec<HostTensor> {

@@ -5,42 +5,16 @@
 //! `RUSTYTORCH_TEST_CUDA=1` (the GPU machine); elsewhere it prints a notice and returns.
 
 use rustytorch::compiler::Graph;
-use rustytorch::ops::testing::{assert_close, rand_tensor};
+
 use rustytorch::ops::{eval_cpu, Activation, ConvGeom, Layout, Op};
 use rustytorch::prelude::*;
 use rustytorch::runtime::cuda::dnn::{fused_act_supported, graph_stats};
 
-fn cuda() -> bool {
-    std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
-}
+#[path = "common/conv_check.rs"]
+mod conv_check;
+use conv_check::{cuda, rnd, scaled_close};
 
 const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
-
-/// Tolerance against the output's largest magnitude (at least 1): the device rounds inputs and
-/// the result to the storage type, and sums in its own order (as in `device_conv_layout`).
-fn tol(d: DType) -> f64 {
-    match d {
-        DType::F32 => 1e-4,
-        DType::F16 => 4e-3,
-        _ => 2e-2,
-    }
-}
-
-fn scaled_close(got: &[f64], want: &[f64], d: DType, what: &str) {
-    let scale = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-    let g: Vec<f64> = got.iter().map(|v| v / scale).collect();
-    let w: Vec<f64> = want.iter().map(|v| v / scale).collect();
-    assert_close(&g, &w, tol(d), what);
-}
-
-fn rnd(d: DType, dims: &[usize], seed: u64) -> HostTensor {
-    rand_tensor(
-        &TensorType::new(d, Shape::new(dims.to_vec())),
-        seed,
-        -1.0,
-        1.0,
-    )
-}
 
 /// Runs `op` alone (unoptimized) on cuda:0 with the graph API on or off, twice (the second run
 /// may replay a captured CUDA graph); returns the second result.

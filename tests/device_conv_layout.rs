@@ -7,40 +7,15 @@
 //! every case valid.
 
 use rustytorch::compiler::{grad, ConvOpts, Graph, GraphBuilder, Init, NodeId};
-use rustytorch::ops::testing::{assert_close, rand_tensor};
+
 use rustytorch::ops::{eval_cpu, ConvGeom, Layout, Op, PoolKind};
 use rustytorch::prelude::*;
 
-fn cuda() -> bool {
-    std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
-}
-
-fn device() -> Device {
-    if cuda() {
-        Device::Cuda(0)
-    } else {
-        Device::Cpu
-    }
-}
+#[path = "common/conv_check.rs"]
+mod conv_check;
+use conv_check::{cuda, device, rnd, scaled_close};
 
 const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
-
-/// Tolerance against the output's largest magnitude (at least 1): convolutions sum many products
-/// and some cuDNN algorithms round partial sums to the storage type (as in `device_ops`).
-fn tol(d: DType) -> f64 {
-    match d {
-        DType::F32 => 1e-4,
-        DType::F16 => 4e-3,
-        _ => 2e-2,
-    }
-}
-
-fn scaled_close(got: &[f64], want: &[f64], d: DType, what: &str) {
-    let scale = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-    let g: Vec<f64> = got.iter().map(|v| v / scale).collect();
-    let w: Vec<f64> = want.iter().map(|v| v / scale).collect();
-    assert_close(&g, &w, tol(d), what);
-}
 
 /// Runs `g` compiled for the test device (default options: optimized, and on CUDA with the
 /// channels-last pass) and its node-by-node CPU evaluation; compares every output.
@@ -114,15 +89,6 @@ fn check_op(what: &str, op: Op, inputs: Vec<HostTensor>, d: DType) {
         .unwrap_or_else(|e| panic!("{what}: run: {e}"));
     assert_eq!(got[0].ty(), want.ty(), "{what}");
     scaled_close(&got[0].to_f64_vec(), &want.to_f64_vec(), d, what);
-}
-
-fn rnd(d: DType, dims: &[usize], seed: u64) -> HostTensor {
-    rand_tensor(
-        &TensorType::new(d, Shape::new(dims.to_vec())),
-        seed,
-        -1.0,
-        1.0,
-    )
 }
 
 /// Channels-last convolutions and their gradients (NHWC / NDHWC, KRSC filters), with and
