@@ -28,7 +28,10 @@ use crate::{
     Value, VjpCtx,
 };
 use gemm::Parallelism;
+use packed::{AView, PackedB};
 use rayon::prelude::*;
+
+pub mod packed;
 
 /// The geometry of one matmul: matrix sizes and the broadcast batch shape.
 struct Geom {
@@ -360,6 +363,151 @@ fn gemm_batched<T: GemmFloat>(
     out
 }
 
+/// The activation as the vectorized f32 function.
+fn vfn(act: Activation) -> VFn {
+    match act {
+        Activation::None => VFn::Identity,
+        Activation::Relu => VFn::Relu,
+        Activation::GeluErf => VFn::GeluErf,
+        Activation::GeluTanh => VFn::GeluTanh,
+    }
+}
+
+/// Batched f32 `act(op(A[b])·op(B[b]) + bias)` through the packed-B kernel ([`packed`]), B
+/// packed once when every batch shares it; `None` when the kernel does not run on this CPU.
+#[allow(clippy::too_many_arguments)]
+fn packed_f32(
+    a: &[f32],
+    b: &[f32],
+    a_offs: &[usize],
+    b_offs: &[usize],
+    g: &Geom,
+    ta: bool,
+    tb: bool,
+    bias: Option<&[f32]>,
+    act: Activation,
+) -> Option<Vec<f32>> {
+    if !packed::available() {
+        return None;
+    }
+    let (m, n, k) = (g.m, g.n, g.k);
+    let pack = |off: usize| {
+        let (rs, cs) = if tb { (1, k) } else { (n, 1) };
+        PackedB::new(&b[off..off + k * n], k, n, rs, cs)
+    };
+    let shared = b_offs.windows(2).all(|w| w[0] == w[1]);
+    let one_b = if shared && !b_offs.is_empty() {
+        Some(pack(b_offs[0])?)
+    } else {
+        None
+    };
+    let mut out = vec![0f32; a_offs.len() * m * n];
+    let one = |bi: usize, dst: &mut [f32], parallel: bool| -> bool {
+        let (rs, cs) = if ta { (1, m) } else { (k, 1) };
+        let av = AView {
+            a: &a[a_offs[bi]..a_offs[bi] + m * k],
+            m,
+            rs,
+            cs,
+        };
+        match &one_b {
+            Some(pb) => packed::gemm_f32(av, pb, bias, vfn(act), dst, parallel),
+            None => pack(b_offs[bi])
+                .is_some_and(|pb| packed::gemm_f32(av, &pb, bias, vfn(act), dst, parallel)),
+        }
+    };
+    if m * n == 0 {
+        return Some(out);
+    }
+    let work = m * n * k;
+    let ok = if a_offs.len() > 1 && work < (1 << 18) && a_offs.len() * work >= PAR_THRESHOLD {
+        out.par_chunks_mut(m * n)
+            .enumerate()
+            .all(|(bi, dst)| one(bi, dst, false))
+    } else {
+        let par = work >= PAR_THRESHOLD;
+        out.chunks_mut(m * n)
+            .enumerate()
+            .all(|(bi, dst)| one(bi, dst, par))
+    };
+    ok.then_some(out)
+}
+
+/// `act(A·B + bias)` for an f32 matmul (`Matmul` or `MatmulEpilogue`, no batch dims on B) whose
+/// B was packed ahead ([`PackedB`], e.g. a parameter packed once by a session). `None` when the
+/// op or operands do not fit this path (then [`cpu`] computes it); `Some(Err)` for bad operands.
+pub fn cpu_prepacked(
+    op: &Op,
+    inputs: &[&HostTensor],
+    out: &TensorType,
+    b: &PackedB,
+) -> Option<Result<HostTensor>> {
+    let (ta, tb, has_bias, act) = flags(op)?;
+    if matches!(op, Op::MatmulActGrad { .. }) || out.dtype != crate::DType::F32 {
+        return None;
+    }
+    let tys: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+    let refs: Vec<&TensorType> = tys.iter().collect();
+    let g = match geom(op, &refs, ta, tb) {
+        Ok(g) => g,
+        Err(e) => return Some(Err(e)),
+    };
+    if inputs[1].dims().len() != 2 || g.k != b.k() || g.n != b.n() || !packed::available() {
+        return None;
+    }
+    let (Data::F32(x), bias) = (inputs[0].data(), has_bias.then(|| inputs[2])) else {
+        return None;
+    };
+    let bias = match bias.map(|t| t.as_slice::<f32>()).transpose() {
+        Ok(v) => v,
+        Err(e) => return Some(Err(e)),
+    };
+    let a_offs = batch_offsets(
+        &inputs[0].dims()[..inputs[0].dims().len() - 2],
+        &g.batch,
+        g.m * g.k,
+    );
+    let (m, n, k) = (g.m, g.n, g.k);
+    let (rs, cs) = if ta { (1, m) } else { (k, 1) };
+    let mut y = vec![0f32; a_offs.len() * m * n];
+    let ok = m * n == 0
+        || y.chunks_mut(m * n).zip(&a_offs).all(|(dst, &off)| {
+            let av = AView {
+                a: &x[off..off + m * k],
+                m,
+                rs,
+                cs,
+            };
+            packed::gemm_f32(av, b, bias, vfn(act), dst, m * n * k >= PAR_THRESHOLD)
+        });
+    if !ok {
+        return None;
+    }
+    Some(HostTensor::from_data(
+        Data::F32(y.into()),
+        out.shape.clone(),
+    ))
+}
+
+/// Packs a 2-D f32 B operand of `op` (a matmul) for [`cpu_prepacked`]; `None` for other ops,
+/// dtypes or ranks.
+pub fn prepack_b(op: &Op, b: &HostTensor) -> Option<PackedB> {
+    let (_, tb, _, _) = flags(op)?;
+    if matches!(op, Op::MatmulActGrad { .. }) || b.dims().len() != 2 {
+        return None;
+    }
+    let Data::F32(v) = b.data() else {
+        return None;
+    };
+    let (r, c) = (b.dims()[0], b.dims()[1]);
+    // op(B) is k×n: B stored [k, n], or [n, k] when transposed.
+    if tb {
+        PackedB::new(v, c, r, 1, c)
+    } else {
+        PackedB::new(v, r, c, c, 1)
+    }
+}
+
 /// Adds the bias to every row and applies the activation, in place (blocks of rows in parallel
 /// when the tensor is big).
 fn epilogue<T: GemmFloat>(out: &mut [T], bias: Option<&[T]>, act: Activation, n: usize) {
@@ -449,8 +597,14 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
         _ => None,
     };
     let run32 = |a: &[f32], b: &[f32], bias: Option<Vec<f32>>, pre: Option<Vec<f32>>| {
-        let mut y = gemm_batched(a, b, &a_offs, &b_offs, &g, ta, tb);
-        epilogue(&mut y, bias.as_deref(), act, g.n);
+        let mut y = match packed_f32(a, b, &a_offs, &b_offs, &g, ta, tb, bias.as_deref(), act) {
+            Some(y) => y,
+            None => {
+                let mut y = gemm_batched(a, b, &a_offs, &b_offs, &g, ta, tb);
+                epilogue(&mut y, bias.as_deref(), act, g.n);
+                y
+            }
+        };
         if let (Some(pre), Some((_, ga))) = (pre, grad) {
             act_grad(&mut y, &pre, ga);
         }
