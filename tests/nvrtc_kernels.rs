@@ -155,3 +155,61 @@ fn flash_attention_gradients_compile() {
     }
     compile_all(&compilers, sources);
 }
+
+/// The grouped gradient kernels (dQ, and dK with dV in one kernel up to head size 64, else
+/// apart), both element types and layouts, the causal kinds, unmasked and additive-masked.
+#[test]
+fn flash_attention_group_gradients_compile() {
+    let Some(compilers) = compilers() else { return };
+    let mut sources = vec![];
+    // Kept short (NVRTC takes seconds a kernel): f16 with one causal kind.
+    for d in [DType::F16, DType::BF16] {
+        for &(sq, sk, hd, hv) in &[(100, 37, 64, 64), (7, 9, 128, 128)] {
+            for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+                if d == DType::F16 && causal != Causal::TopLeft {
+                    continue;
+                }
+                for (mask, mt, layout) in layouts(causal).into_iter().flat_map(|l| {
+                    [
+                        (AttnMask::None, None, l),
+                        (AttnMask::Additive, Some(t(d, &[sq, sk])), l),
+                    ]
+                }) {
+                    let mut ins = vec![
+                        heads(d, layout, [2, 3, sq, hd]),
+                        heads(d, layout, [2, 3, sk, hd]),
+                        heads(d, layout, [2, 3, sk, hv]),
+                    ];
+                    ins.extend(mt);
+                    ins.push(heads(d, layout, [2, 3, sq, hv]));
+                    let refs: Vec<&TensorType> = ins.iter().collect();
+                    let ops: Vec<Op> = (0..3u8)
+                        .map(|wrt| Op::AttentionGrad {
+                            causal,
+                            mask,
+                            scale: F64Bits::new(0.125),
+                            wrt,
+                            layout,
+                        })
+                        .collect();
+                    let outs: Vec<TensorType> = ops
+                        .iter()
+                        .map(|op| rustytorch::ops::infer(op, &refs).expect("infer"))
+                        .collect();
+                    let step = flash::lower_grad_group(
+                        &ops.iter().collect::<Vec<_>>(),
+                        &refs,
+                        &outs.iter().collect::<Vec<_>>(),
+                    )
+                    .expect("lower");
+                    let joint = hd.max(hv) <= flash::KV_BOTH_HEAD;
+                    assert_eq!(step.launches.len(), if joint { 3 } else { 4 });
+                    for l in &step.launches {
+                        sources.push((l.kernel.name.clone(), source(&l.kernel).expect("source")));
+                    }
+                }
+            }
+        }
+    }
+    compile_all(&compilers, sources);
+}

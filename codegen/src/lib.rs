@@ -64,6 +64,12 @@ pub struct Step {
     pub output: ValueId,
     /// Values whose last use is this step (free them after it).
     pub frees: Vec<ValueId>,
+    /// The other members of this step's sibling group when it is the group's first step
+    /// ([`MemoryPlan::groups`]: values a backend may compute here, together with `output`), in
+    /// the group's order; their bytes are live from this step on. Empty for most steps.
+    pub with: Vec<ValueId>,
+    /// The group's first step when this step's result is in another step's `with`.
+    pub sibling_of: Option<usize>,
 }
 
 /// Where a value's bytes live on a device with an arena (from the compiler's memory plan).
@@ -158,6 +164,8 @@ pub fn lower(graph: &Graph, memory: &MemoryPlan) -> Result<Plan> {
                     inputs,
                     output: plan.types.len(),
                     frees: vec![],
+                    with: vec![],
+                    sibling_of: None,
                 });
                 Source::Step(plan.steps.len() - 1)
             }
@@ -182,6 +190,23 @@ pub fn lower(graph: &Graph, memory: &MemoryPlan) -> Result<Plan> {
         plan.types.push(node.ty.clone());
         plan.sources.push(src);
         plan.storage.push(storage);
+    }
+    for (first, members) in &memory.groups {
+        let Source::Step(s0) = plan.sources[ids[first]] else {
+            return Err(CodegenError::Invalid(format!(
+                "memory plan: group of {first:?} does not start at a step"
+            )));
+        };
+        for m in &members[1..] {
+            let v = ids[m];
+            let Source::Step(s) = plan.sources[v] else {
+                return Err(CodegenError::Invalid(format!(
+                    "memory plan: group member {m:?} is not a step"
+                )));
+            };
+            plan.steps[s0].with.push(v);
+            plan.steps[s].sibling_of = Some(s0);
+        }
     }
     plan.outputs = graph
         .outputs

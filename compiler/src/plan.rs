@@ -20,6 +20,12 @@
 //!   arena; after the step, the groups whose lifetime ends there are freed and neighboring free
 //!   blocks coalesce. A value is placed before its dying inputs are freed, so a kernel never
 //!   writes over what it reads, except:
+//! - **Sibling groups**: ops that a backend may compute in one step (the gradients of one
+//!   attention with respect to q, k and v: `attention_grad` ops over the same operands that
+//!   differ only in `wrt`) are scheduled next to each other at the first one's place (their
+//!   operands are all computed by then) and every member's slot is placed at that first step, so
+//!   the first step may write all of them ([`MemoryPlan::groups`]). Backends that compute each
+//!   member on its own still may: the slots are merely live a step or two earlier.
 //! - **In place**: an elementwise op (`Unary`, `Binary`, `Where`, `Cast`, `Fused`) may write its
 //!   result over the bytes of an operand (or of the storage root the operand aliases) whose
 //!   whole group dies at this step, that has exactly as many elements and the same element width
@@ -86,6 +92,10 @@ pub struct MemoryPlan {
     /// The sum of every computed value's aligned size, aliases included (what one buffer per
     /// value would take).
     pub naive_bytes: usize,
+    /// Sibling groups (see the module docs): the member scheduled first → every member in the
+    /// group's order (for attention gradients, by `wrt`), itself included. Each member's slot is
+    /// defined at the first member's step.
+    pub groups: BTreeMap<NodeId, Vec<NodeId>>,
 }
 
 /// Free blocks of the arena below its current top, sorted by offset and coalesced.
@@ -167,11 +177,78 @@ fn is_alias(graph: &Graph, node: &Node) -> bool {
     }
 }
 
+/// The key under which ops may be computed together, and the op's place in its group: the
+/// gradients of one attention (`attention_grad` differing only in `wrt`).
+fn sibling_key(op: &Op) -> Option<(Op, u8)> {
+    match op {
+        Op::AttentionGrad { wrt, .. } => {
+            let mut key = op.clone();
+            if let Op::AttentionGrad { wrt: w, .. } = &mut key {
+                *w = 0;
+            }
+            Some((key, *wrt))
+        }
+        _ => None,
+    }
+}
+
+/// Reorders `schedule` so that the members of each sibling group (same key, same operands) run
+/// back to back, in group order, where the first of them was; returns the groups of two or
+/// more, keyed by the member now scheduled first.
+fn group_siblings(
+    graph: &Graph,
+    schedule: Vec<NodeId>,
+) -> Result<(Vec<NodeId>, BTreeMap<NodeId, Vec<NodeId>>)> {
+    let mut by_key: Vec<((Op, Vec<NodeId>), Vec<(u8, NodeId)>)> = vec![];
+    for &n in &schedule {
+        let node = graph.node(n)?;
+        if let Some((key, place)) = sibling_key(&node.op) {
+            let k = (key, node.inputs.clone());
+            match by_key.iter_mut().find(|(kk, _)| *kk == k) {
+                Some((_, members)) if !members.iter().any(|&(p, _)| p == place) => {
+                    members.push((place, n))
+                }
+                // A duplicate of a member (not merged by the optimizer) stays on its own.
+                Some(_) => {}
+                None => by_key.push((k, vec![(place, n)])),
+            }
+        }
+    }
+    let mut groups = BTreeMap::new();
+    let mut member_of: HashMap<NodeId, NodeId> = HashMap::new();
+    for (_, mut members) in by_key {
+        if members.len() < 2 {
+            continue;
+        }
+        let first = members[0].1;
+        members.sort_by_key(|&(p, _)| p);
+        let ids: Vec<NodeId> = members.iter().map(|&(_, n)| n).collect();
+        for &m in &ids {
+            member_of.insert(m, first);
+        }
+        groups.insert(first, ids);
+    }
+    if groups.is_empty() {
+        return Ok((schedule, groups));
+    }
+    let mut order = Vec::with_capacity(schedule.len());
+    for n in schedule {
+        match member_of.get(&n) {
+            Some(&first) if first == n => order.extend(groups[&first].iter().copied()),
+            Some(_) => {}
+            None => order.push(n),
+        }
+    }
+    // The member now scheduled first (the lowest place) keys its group.
+    let groups = groups.into_values().map(|ids| (ids[0], ids)).collect();
+    Ok((order, groups))
+}
+
 /// Schedules the live nodes of `graph` and places every intermediate value in one arena (see
 /// the module docs).
 pub fn plan(graph: &Graph) -> Result<MemoryPlan> {
     let _span = tracing::debug_span!("plan").entered();
-    let schedule = graph.live_order();
+    let (schedule, by_first) = group_siblings(graph, graph.live_order())?;
     // Roots are read after the final step (by the caller).
     let end = schedule.len();
     let roots: HashSet<NodeId> = graph.roots().into_iter().collect();
@@ -229,7 +306,9 @@ pub fn plan(graph: &Graph) -> Result<MemoryPlan> {
         dying.sort();
         dying.dedup();
         let mut donor = None;
-        if !aliases.contains_key(&n) {
+        if slots.contains_key(&n) {
+            // A sibling, placed at its group's first step.
+        } else if !aliases.contains_key(&n) {
             if node.op.is_elementwise() && size > 0 {
                 // An alias has its storage root's element count and dtype.
                 donor = dying.iter().copied().find(|&d| {
@@ -253,6 +332,20 @@ pub fn plan(graph: &Graph) -> Result<MemoryPlan> {
                     inplace_of: donor,
                 },
             );
+            for &m in by_first.get(&n).into_iter().flatten().filter(|&&m| m != n) {
+                let size = align_up(graph.ty(m).size_bytes());
+                let offset = free.alloc(size);
+                slots.insert(
+                    m,
+                    Slot {
+                        offset,
+                        size,
+                        first: t,
+                        last: group_last[&m].max(t),
+                        inplace_of: None,
+                    },
+                );
+            }
         }
         for d in dying {
             if Some(d) != donor {
@@ -272,6 +365,7 @@ pub fn plan(graph: &Graph) -> Result<MemoryPlan> {
         aliases,
         arena_bytes: free.peak,
         naive_bytes: naive,
+        groups: by_first,
     };
     tracing::debug!("{plan}");
     Ok(plan)
@@ -422,6 +516,25 @@ impl MemoryPlan {
     pub fn check_uses(&self, graph: &Graph) -> Result<()> {
         let bad = |m: String| Err(CompileError::Invalid(format!("memory plan: {m}")));
         let end = self.schedule.len();
+        // The step of each sibling's group (its first member's), where its slot begins; the
+        // members must be scheduled back to back with identical operands.
+        let mut group_step: HashMap<NodeId, usize> = HashMap::new();
+        for (first, members) in &self.groups {
+            let Some(t0) = self.schedule.iter().position(|n| n == first) else {
+                return bad(format!("group of %{} is not scheduled", first.index()));
+            };
+            let ops = graph.node(*first)?.inputs.clone();
+            for (k, &m) in members.iter().enumerate() {
+                if self.schedule.get(t0 + k) != Some(&m) || graph.node(m)?.inputs != ops {
+                    return bad(format!(
+                        "group of %{}: %{} is not scheduled with it over the same operands",
+                        first.index(),
+                        m.index()
+                    ));
+                }
+                group_step.insert(m, t0);
+            }
+        }
         let live = |v: NodeId, t: usize| -> Result<()> {
             let root = self.storage_root(v);
             match self.slots.get(&root) {
@@ -452,7 +565,7 @@ impl MemoryPlan {
                 ));
             }
             if let Some(s) = self.slots.get(&n) {
-                if s.first != t {
+                if s.first != t && group_step.get(&n) != Some(&s.first) {
                     return bad(format!(
                         "%{} is defined at step {t}, its slot at step {}",
                         n.index(),

@@ -263,18 +263,60 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
 /// `dQ` and `dK` end scaled by the attention scale. Masked pairs have `P = 0`; a fully masked
 /// query row has an infinite log-sum-exp, so it contributes nothing.
 pub fn lower_grad(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKernels> {
-    let Some(sp) = Spec::new(op, inputs, out)? else {
-        return Ok(StepKernels::default());
-    };
     let Op::AttentionGrad { wrt, .. } = op else {
         return Err(crate::CodegenError::Invalid(format!(
             "{} is not an attention gradient",
             op.name()
         )));
     };
+    let Some(sp) = Spec::new(op, inputs, out)? else {
+        return Ok(StepKernels::default());
+    };
+    grad_kernels(&sp, inputs.len(), &[(*wrt, ArgRef::Output)])
+}
+
+/// Lowers a group of `AttentionGrad` siblings (the same attention's gradients, `ops[i]` with
+/// result type `outs[i]`, in increasing `wrt`) to one step: the statistics kernel once, then
+/// `dK` and `dV` together in one kernel per key tile (for head sizes up to [`KV_BOTH_HEAD`],
+/// else one kernel each) and `dQ` per query tile. Result `i` binds to [`ArgRef::Output`] for the
+/// first member and [`ArgRef::With`]`(i - 1)` for the others. The caller checks [`supported`].
+pub fn lower_grad_group(
+    ops: &[&Op],
+    inputs: &[&TensorType],
+    outs: &[&TensorType],
+) -> Result<StepKernels> {
+    let mut wanted = vec![];
+    for (i, (op, out)) in ops.iter().zip(outs).enumerate() {
+        let Op::AttentionGrad { wrt, .. } = op else {
+            return Err(crate::CodegenError::Invalid(format!(
+                "{} is not an attention gradient",
+                op.name()
+            )));
+        };
+        // Each member's type is checked against its own op.
+        super::attention::check_result(op, inputs, out)?;
+        let at = if i == 0 {
+            ArgRef::Output
+        } else {
+            ArgRef::With(i - 1)
+        };
+        wanted.push((*wrt, at));
+    }
+    let Some(sp) = Spec::new(ops[0], inputs, outs[0])? else {
+        return Ok(StepKernels::default());
+    };
+    grad_kernels(&sp, inputs.len(), &wanted)
+}
+
+/// Head sizes up to which one kernel computes `dK` and `dV` together (their fragments and
+/// accumulators must fit a thread's registers).
+pub const KV_BOTH_HEAD: usize = 64;
+
+/// The statistics kernel, then the gradient kernels of `wanted` (`wrt` and where its result
+/// goes).
+fn grad_kernels(sp: &Spec, n_in: usize, wanted: &[(u8, ArgRef)]) -> Result<StepKernels> {
     let rows = sp.bsz * sp.heads * sp.sq;
     let delta_at = (rows * 4).next_multiple_of(256);
-    let n_in = inputs.len();
     let mut base = sp.params.clone();
     base.push(param("dout", sp.e, false));
     let stats_params: Vec<Param> = base
@@ -282,14 +324,13 @@ pub fn lower_grad(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<S
         .cloned()
         .chain([param("lse", CTy::F32, true), param("delta", CTy::F32, true)])
         .collect();
-    let mut grad_params: Vec<Param> = base
+    let grad_params: Vec<Param> = base
         .into_iter()
         .chain([
             param("lse", CTy::F32, false),
             param("delta", CTy::F32, false),
         ])
         .collect();
-    grad_params.push(param("out", sp.e, true));
     let stats = finish(
         "flash_attention_stats",
         Kernel {
@@ -299,39 +340,61 @@ pub fn lower_grad(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<S
             body: vec![Stmt::Verbatim(sp.forward(true))],
         },
     )?;
-    let (body, tiles) = match wrt {
-        0 => (grad_q(&sp), sp.tiles(sp.sq)),
-        1 | 2 => (grad_kv(&sp, *wrt == 1), sp.tiles(sp.sk)),
-        w => {
-            return Err(crate::CodegenError::Invalid(format!(
-                "attention gradient with respect to operand {w}"
-            )))
-        }
-    };
-    let grad = finish(
-        "flash_attention_grad",
-        Kernel {
-            name: String::new(),
-            params: grad_params,
-            block: THREADS,
-            body: vec![Stmt::Verbatim(body)],
-        },
-    )?;
     let ins = || (0..n_in).map(ArgRef::Input);
     let scratch = [ArgRef::ScratchAt(0), ArgRef::ScratchAt(delta_at)];
+    let mut launches = vec![Launch {
+        kernel: stats,
+        args: ins().chain(scratch).collect(),
+        grid: grid_for(sp.tiles(sp.sq) as u64, 1),
+    }];
+    let at = |w: u8| wanted.iter().find(|(x, _)| *x == w).map(|(_, a)| *a);
+    if let Some(w) = wanted.iter().map(|(w, _)| *w).find(|&w| w > 2) {
+        return Err(crate::CodegenError::Invalid(format!(
+            "attention gradient with respect to operand {w}"
+        )));
+    }
+    // (body, its outputs' names and places, tiles)
+    let mut grads: Vec<(String, Vec<(&str, ArgRef)>, usize)> = vec![];
+    if let Some(q) = at(0) {
+        grads.push((grad_q(sp), vec![("out", q)], sp.tiles(sp.sq)));
+    }
+    match (at(1), at(2)) {
+        (Some(k), Some(v)) if sp.d <= KV_BOTH_HEAD && sp.dv <= KV_BOTH_HEAD => grads.push((
+            grad_kv(sp, Kv::Both),
+            vec![("out_k", k), ("out_v", v)],
+            sp.tiles(sp.sk),
+        )),
+        (k, v) => {
+            for (which, a) in [(Kv::K, k), (Kv::V, v)] {
+                if let Some(a) = a {
+                    grads.push((grad_kv(sp, which), vec![("out", a)], sp.tiles(sp.sk)));
+                }
+            }
+        }
+    }
+    for (body, outs, tiles) in grads {
+        let mut params = grad_params.clone();
+        params.extend(outs.iter().map(|(name, _)| param(name, sp.e, true)));
+        let kernel = finish(
+            "flash_attention_grad",
+            Kernel {
+                name: String::new(),
+                params,
+                block: THREADS,
+                body: vec![Stmt::Verbatim(body)],
+            },
+        )?;
+        launches.push(Launch {
+            kernel,
+            args: ins()
+                .chain(scratch)
+                .chain(outs.iter().map(|(_, a)| *a))
+                .collect(),
+            grid: grid_for(tiles as u64, 1),
+        });
+    }
     Ok(StepKernels {
-        launches: vec![
-            Launch {
-                kernel: stats,
-                args: ins().chain(scratch).collect(),
-                grid: grid_for(sp.tiles(sp.sq) as u64, 1),
-            },
-            Launch {
-                kernel: grad,
-                args: ins().chain(scratch).chain([ArgRef::Output]).collect(),
-                grid: grid_for(tiles as u64, 1),
-            },
-        ],
+        launches,
         scratch_bytes: delta_at + rows * 4,
     })
 }
@@ -842,9 +905,19 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
     c
 }
 
-/// The gradient with respect to k (`wrt_k`) or v (see [`lower_grad`]).
-fn grad_kv(sp: &Spec, wrt_k: bool) -> String {
+/// Which key-side gradients a kernel computes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kv {
+    K,
+    V,
+    /// Both, into `out_k` and `out_v`.
+    Both,
+}
+
+/// The gradient with respect to k, v or both (see [`lower_grad`]).
+fn grad_kv(sp: &Spec, which: Kv) -> String {
     let (sq, sk, d, dv) = (sp.sq, sp.sk, sp.d, sp.dv);
+    let (wk, wv) = (which != Kv::V, which != Kv::K);
     let (qs, gs) = (d + 8, dv + 8);
     let (qrs, grs) = (sp.stride(d), sp.stride(dv));
     let (qt, kt) = (sq.div_ceil(BR), sk.div_ceil(BC));
@@ -872,11 +945,13 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
         tiles = sp.tiles(sk)
     );
     c += &a_frags("ka", "kp", "j0", sk, d, sp.stride(d));
-    if wrt_k {
+    if wk {
         c += &a_frags("va", "vp", "j0", sk, dv, sp.stride(dv));
+        c += &zeros("acck", d / 8);
     }
-    let width = if wrt_k { d } else { dv };
-    c += &zeros("acc", width / 8);
+    if wv {
+        c += &zeros("accv", dv / 8);
+    }
     c += &format!(
         r#"  const int it0 = ({first}) / 64;
   for (int it = it0; it < {qt}; ++it) {{
@@ -893,17 +968,20 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
     );
     c += &zeros("s", 8);
     c += &mma_abt("s", "ka", "qs_base", qs, d / 16);
-    if wrt_k {
+    if wk {
         c += &zeros("dpt", 8);
         c += &mma_abt("dpt", "va", "gs_base", gs, dv / 16);
     }
-    let value = if wrt_k {
-        "p * (dpt[n][e] - dls[local])"
-    } else {
-        "p"
+    if which == Kv::Both {
+        c += "    float pt[8][4];\n";
+    }
+    let value = match which {
+        Kv::K => "p * (dpt[n][e] - dls[local])",
+        Kv::V => "p",
+        Kv::Both => "p * (dpt[n][e] - dls[local]);\n        pt[n][e] = p",
     };
     c += &format!(
-        r#"    // Pᵀ (or dSᵀ) for this warp's keys and the tile's queries; masked pairs 0.
+        r#"    // Pᵀ (and/or dSᵀ) for this warp's keys and the tile's queries; masked pairs 0.
     #pragma unroll
     for (int n = 0; n < 8; ++n) {{
       #pragma unroll
@@ -922,18 +1000,33 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
     }}
 "#
     );
-    if wrt_k {
-        c += &mma_pb("acc", "s", "qs_base", qs, d);
-    } else {
-        c += &mma_pb("acc", "s", "gs_base", gs, dv);
+    match which {
+        Kv::K => c += &mma_pb("acck", "s", "qs_base", qs, d),
+        Kv::V => c += &mma_pb("accv", "s", "gs_base", gs, dv),
+        Kv::Both => {
+            c += &mma_pb("accv", "pt", "gs_base", gs, dv);
+            c += &mma_pb("acck", "s", "qs_base", qs, d);
+        }
     }
     c += "    __syncthreads();\n  }\n";
-    c += &format!(
-        "  unsigned short* op = (unsigned short*)out + {};\n",
-        sp.head(sk, width)
-    );
-    let scale = if wrt_k { sp.scale as f32 } else { 1.0 };
-    c += &store_rows("acc", "op", "j0", sk, width, sp.stride(width), scale);
+    let (ko, vo) = match which {
+        Kv::Both => ("out_k", "out_v"),
+        _ => ("out", "out"),
+    };
+    if wk {
+        c += &format!(
+            "  unsigned short* okp = (unsigned short*){ko} + {};\n",
+            sp.head(sk, d)
+        );
+        c += &store_rows("acck", "okp", "j0", sk, d, sp.stride(d), sp.scale as f32);
+    }
+    if wv {
+        c += &format!(
+            "  unsigned short* ovp = (unsigned short*){vo} + {};\n",
+            sp.head(sk, dv)
+        );
+        c += &store_rows("accv", "ovp", "j0", sk, dv, sp.stride(dv), 1.0);
+    }
     c += "}\n";
     c
 }

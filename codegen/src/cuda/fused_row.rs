@@ -126,6 +126,7 @@ fn rebind(
                 ArgRef::Output => output,
                 ArgRef::Scratch => ArgRef::ScratchAt(scratch),
                 ArgRef::ScratchAt(o) => ArgRef::ScratchAt(scratch + o),
+                ArgRef::With(k) => ArgRef::With(k),
             };
         }
         launches.push(l);

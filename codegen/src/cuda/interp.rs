@@ -165,6 +165,16 @@ pub fn run_step(
                     (i, Some(t.dtype()))
                 }
                 ArgRef::Output => (out_buf, Some(out.dtype)),
+                ArgRef::With(_) => {
+                    return Err(invalid(
+                        k,
+                        format!(
+                            "parameter `{}` binds a sibling's result; steps of one result only \
+                             are interpreted",
+                            p.name
+                        ),
+                    ))
+                }
                 ArgRef::Scratch | ArgRef::ScratchAt(0) => (scratch_buf, None),
                 // Each offset is a region of its own from there to the scratch's end: steps
                 // place disjoint values at distinct offsets (a kernel reaching past its region

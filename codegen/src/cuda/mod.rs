@@ -43,6 +43,9 @@ pub enum ArgRef {
     Scratch,
     /// The step's scratch buffer at a byte offset (a multiple of 256).
     ScratchAt(usize),
+    /// The result of the `i`-th other member of the step's sibling group
+    /// ([`crate::Step::with`]), which the step computes with its own.
+    With(usize),
 }
 
 /// One kernel launch of a step.
@@ -109,6 +112,9 @@ pub enum CudaStep {
     /// Nothing to run: the output aliases its operand's bytes (a reshape placed as an alias by
     /// the memory plan).
     Alias,
+    /// Nothing to run: the first step of the result's sibling group computed it (see
+    /// [`crate::Step::with`]).
+    Sibling,
     /// `all_reduce` of the operand into the output: an NCCL all-reduce over the group the
     /// session joined (the mean through NCCL's average when `mean`), or a device copy when it
     /// runs alone (a group of one).
@@ -134,7 +140,12 @@ impl CudaStep {
                     Part::Gemm { .. } => None,
                 })
                 .collect(),
-            CudaStep::Spmm(_) | CudaStep::Alias | CudaStep::AllReduce { .. } => vec![],
+            CudaStep::Spmm(_)
+            | CudaStep::Alias
+            | CudaStep::Sibling
+            | CudaStep::AllReduce { .. } => {
+                vec![]
+            }
         }
     }
 }
@@ -197,15 +208,37 @@ pub fn source(k: &Kernel) -> Result<String> {
 }
 
 /// Lowers every step of a plan for CUDA (in step order). A step whose result aliases its
-/// operand's bytes in the memory plan runs nothing.
+/// operand's bytes in the memory plan runs nothing. A sibling group of attention gradients
+/// that the flash kernels take is one step at its first member (the others run nothing); other
+/// groups run member by member.
 pub fn lower_plan(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
+    let grouped = |s: &crate::Step| {
+        let ins: Vec<&TensorType> = s.inputs.iter().map(|&v| &plan.types[v]).collect();
+        !s.with.is_empty() && matches!(s.op, Op::AttentionGrad { .. }) && flash::supported(&ins)
+    };
     plan.steps
         .iter()
         .map(|s| {
             if matches!(plan.storage[s.output], crate::Storage::Alias(_)) {
                 return Ok(CudaStep::Alias);
             }
+            if s.sibling_of.is_some_and(|f| grouped(&plan.steps[f])) {
+                return Ok(CudaStep::Sibling);
+            }
             let ins: Vec<&TensorType> = s.inputs.iter().map(|&v| &plan.types[v]).collect();
+            if grouped(s) {
+                let ops: Vec<&Op> = std::iter::once(&s.op)
+                    .chain(s.with.iter().map(|&v| match plan.sources[v] {
+                        crate::Source::Step(i) => &plan.steps[i].op,
+                        _ => &s.op,
+                    }))
+                    .collect();
+                let outs: Vec<&TensorType> = std::iter::once(s.output)
+                    .chain(s.with.iter().copied())
+                    .map(|v| &plan.types[v])
+                    .collect();
+                return flash::lower_grad_group(&ops, &ins, &outs).map(CudaStep::Kernels);
+            }
             lower_step(&s.op, &ins, &plan.types[s.output])
         })
         .collect()

@@ -530,7 +530,7 @@ impl CudaSession {
                         d.desc.staging_bytes
                     }
                 }
-                CudaStep::Alias | CudaStep::AllReduce { .. } => 0,
+                CudaStep::Alias | CudaStep::Sibling | CudaStep::AllReduce { .. } => 0,
             });
         }
         let scratch = s.alloc(scratch_bytes)?;
@@ -556,6 +556,7 @@ impl CudaSession {
                 ArgRef::Output => (out, Some(step.output)),
                 ArgRef::Scratch => (scratch, None),
                 ArgRef::ScratchAt(off) => (scratch + off as u64, None),
+                ArgRef::With(k) => (s.ptrs[step.with[k]], Some(step.with[k])),
             };
             let mut resolve = |k: &StepKernels| -> Vec<Resolved> {
                 k.launches
@@ -689,7 +690,7 @@ impl CudaSession {
                     }
                     Exec::Composite(parts)
                 }
-                CudaStep::Alias => Exec::Nothing,
+                CudaStep::Alias | CudaStep::Sibling => Exec::Nothing,
                 CudaStep::AllReduce { mean } => Exec::AllReduce {
                     mean,
                     src: at_val(ArgRef::Input(0)),
