@@ -10,13 +10,23 @@
 //! one with more queries than keys (it leaves rows fully masked, whose zeros cuDNN does not
 //! give). Everything else keeps the flash kernel.
 //!
-//! `RUSTYTORCH_ATTENTION=flash` or `=cudnn` forces one implementation (see [`Choice::from_env`]).
+//! The gradient ([`AttnDnnDesc::of_grad`]): the three gradients of one attention (dQ, dK, dV
+//! from q, k, v and dO) through cuDNN's fused backward, which needs the forward's output and
+//! softmax statistics; the runtime recomputes both with a forward that writes them, then runs the
+//! backward graph. Eligible as the forward, for head sizes [`GRAD_HEAD_SIZES`].
+//!
+//! `RUSTYTORCH_ATTENTION=flash` or `=cudnn` forces one implementation (see [`Choice::from_env`]),
+//! for the forward and the gradient alike.
 
 use crate::{CodegenError, Result};
 use rustytorch_ops::{AttnLayout, AttnMask, Causal, DType, Op, TensorType};
 
 /// Head sizes the cuDNN path takes (those its GPU test covers).
 pub const HEAD_SIZES: [usize; 4] = [32, 64, 80, 128];
+
+/// Head sizes cuDNN's fused backward takes for [`Op::AttentionGrad`] (those the runtime's GPU
+/// unit test of the gradient covers).
+pub const GRAD_HEAD_SIZES: [usize; 2] = [64, 128];
 
 /// Which attention forward runs on CUDA for shapes both implementations cover.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -85,34 +95,78 @@ impl AttnDnnDesc {
         if inputs.len() != 3 || *mask != AttnMask::None {
             return None;
         }
-        let dt = inputs[0].dtype;
+        let d = AttnDnnDesc::common(*causal, scale.get(), *layout, inputs, out, out)?;
+        HEAD_SIZES.contains(&d.d).then_some(d)
+    }
+
+    /// The description of the gradient op `op` (an [`Op::AttentionGrad`] of any `wrt`) over q,
+    /// k, v and dO when cuDNN's fused backward covers it: as [`AttnDnnDesc::of`], with dO of
+    /// q's type, the result of the `wrt` operand's type and head sizes [`GRAD_HEAD_SIZES`].
+    pub fn of_grad(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Option<AttnDnnDesc> {
+        let Op::AttentionGrad {
+            causal,
+            mask,
+            scale,
+            wrt,
+            layout,
+        } = op
+        else {
+            return None;
+        };
+        if inputs.len() != 4
+            || *mask != AttnMask::None
+            || *wrt > 2
+            || inputs[*wrt as usize] != out
+            || inputs.iter().any(|t| t.shape.numel() == 0)
+        {
+            return None;
+        }
+        let d = AttnDnnDesc::common(*causal, scale.get(), *layout, &inputs[..3], inputs[3], out)?;
+        GRAD_HEAD_SIZES.contains(&d.d).then_some(d)
+    }
+
+    /// The description of q, k, v (`qkv`) and a `[B, H, Sq, D]` tensor `o` when their types and
+    /// sizes fit one call (f16/bf16 throughout, k and v of q's head size, `out` of that type, no
+    /// empty tensor, a finite scale, no bottom-right causal mask with more queries than keys).
+    fn common(
+        causal: Causal,
+        scale: f64,
+        layout: AttnLayout,
+        qkv: &[&TensorType],
+        o: &TensorType,
+        out: &TensorType,
+    ) -> Option<AttnDnnDesc> {
+        let dt = qkv[0].dtype;
         if !matches!(dt, DType::F16 | DType::BF16)
-            || inputs.iter().any(|t| t.dtype != dt || t.shape.rank() != 4)
+            || qkv
+                .iter()
+                .chain([&o])
+                .any(|t| t.dtype != dt || t.shape.rank() != 4)
             || out.dtype != dt
             || out.shape.numel() == 0
         {
             return None;
         }
-        let q = layout.to_bhsd(inputs[0].shape.dims());
-        let k = layout.to_bhsd(inputs[1].shape.dims());
-        let v = layout.to_bhsd(inputs[2].shape.dims());
-        let o = layout.to_bhsd(out.shape.dims());
+        let q = layout.to_bhsd(qkv[0].shape.dims());
+        let k = layout.to_bhsd(qkv[1].shape.dims());
+        let v = layout.to_bhsd(qkv[2].shape.dims());
+        let o = layout.to_bhsd(o.shape.dims());
         let (b, h, sq, d, sk) = (q[0], q[1], q[2], q[3], k[2]);
         let ok = k == [b, h, sk, d]
             && v == [b, h, sk, d]
             && o == [b, h, sq, d]
-            && (*causal != Causal::BottomRight || sq <= sk);
-        let scale = scale.get() as f32;
-        (ok && HEAD_SIZES.contains(&d) && scale.is_finite()).then(|| AttnDnnDesc {
+            && (causal != Causal::BottomRight || sq <= sk);
+        let scale = scale as f32;
+        (ok && scale.is_finite()).then(|| AttnDnnDesc {
             dtype: dt,
             b,
             h,
             sq,
             sk,
             d,
-            causal: *causal,
+            causal,
             scale_bits: scale.to_bits(),
-            layout: *layout,
+            layout,
         })
     }
 
@@ -287,6 +341,84 @@ mod tests {
             super::super::lower_step(&o, &refs, &out).unwrap(),
             super::super::CudaStep::Kernels(_)
         ));
+    }
+
+    fn grad_op(causal: Causal, wrt: u8, layout: AttnLayout) -> Op {
+        Op::AttentionGrad {
+            causal,
+            mask: AttnMask::None,
+            scale: F64Bits::new(0.125),
+            wrt,
+            layout,
+        }
+    }
+
+    fn grad_desc(op: &Op, ins: &[TensorType], out: &TensorType) -> Option<AttnDnnDesc> {
+        let refs: Vec<&TensorType> = ins.iter().collect();
+        AttnDnnDesc::of_grad(op, &refs, out)
+    }
+
+    #[test]
+    fn eligible_gradients() {
+        for l in [AttnLayout::Bhsd, AttnLayout::Bshd] {
+            for d in GRAD_HEAD_SIZES {
+                // q, k, v and dO; sq != sk.
+                let (mut ins, out) = tys(DType::BF16, l, 2, 3, 5, 7, d);
+                ins.push(out.clone());
+                for wrt in 0..3u8 {
+                    let o = grad_op(Causal::TopLeft, wrt, l);
+                    let want = ins[wrt as usize].clone();
+                    let g = grad_desc(&o, &ins, &want).unwrap();
+                    assert_eq!((g.b, g.h, g.sq, g.sk, g.d), (2, 3, 5, 7, d));
+                    assert_eq!((g.layout, g.causal, g.scale()), (l, Causal::TopLeft, 0.125));
+                    // The result must be the `wrt` operand's type.
+                    let wrong = ins[if wrt == 0 { 1 } else { 0 }].clone();
+                    assert!(grad_desc(&o, &ins, &wrong).is_none());
+                }
+                // The same description as the forward's.
+                let fwd = desc(&op(Causal::TopLeft, AttnMask::None, l), &ins[..3], &out);
+                assert_eq!(
+                    grad_desc(&grad_op(Causal::TopLeft, 0, l), &ins, &ins[0]),
+                    fwd
+                );
+            }
+        }
+        let l = AttnLayout::Bhsd;
+        let with_grad = |dt, sq, sk, d| {
+            let (mut ins, out) = tys(dt, l, 1, 2, sq, sk, d);
+            ins.push(out);
+            ins
+        };
+        // Head sizes the backward's test leaves out, f32, more queries than keys bottom-right.
+        for d in [32, 80, 96] {
+            let ins = with_grad(DType::F16, 4, 9, d);
+            assert!(grad_desc(&grad_op(Causal::None, 1, l), &ins, &ins[1]).is_none());
+        }
+        let ins = with_grad(DType::F32, 4, 9, 64);
+        assert!(grad_desc(&grad_op(Causal::None, 1, l), &ins, &ins[1]).is_none());
+        let ins = with_grad(DType::F16, 10, 9, 64);
+        assert!(grad_desc(&grad_op(Causal::BottomRight, 2, l), &ins, &ins[2]).is_none());
+        assert!(grad_desc(&grad_op(Causal::TopLeft, 2, l), &ins, &ins[2]).is_some());
+        // dO of another size, a wrong operand count, a mask, wrt out of range, the forward op.
+        let mut odd = with_grad(DType::F16, 4, 9, 64);
+        odd[3] = TensorType::new(DType::F16, [1, 2, 5, 64]);
+        assert!(grad_desc(&grad_op(Causal::None, 0, l), &odd, &odd[0]).is_none());
+        let ins = with_grad(DType::F16, 4, 9, 64);
+        assert!(grad_desc(&grad_op(Causal::None, 0, l), &ins[..3], &ins[0]).is_none());
+        let masked = Op::AttentionGrad {
+            causal: Causal::None,
+            mask: AttnMask::Additive,
+            scale: F64Bits::new(0.125),
+            wrt: 0,
+            layout: l,
+        };
+        assert!(grad_desc(&masked, &ins, &ins[0]).is_none());
+        assert!(grad_desc(&grad_op(Causal::None, 3, l), &ins, &ins[0]).is_none());
+        let fwd = op(Causal::None, AttnMask::None, l);
+        assert!(grad_desc(&fwd, &ins, &ins[0]).is_none());
+        // Empty operands.
+        let ins = with_grad(DType::F16, 0, 9, 64);
+        assert!(grad_desc(&grad_op(Causal::None, 1, l), &ins, &ins[1]).is_none());
     }
 
     #[test]

@@ -20,15 +20,24 @@
 //! the flash kernel on buffers of its own (filled with ones) and caches the outcome per
 //! description for the process (`RUSTYTORCH_ATTENTION=cudnn|flash` forces one).
 //!
-//! cuDNN 9.14's SDPA backward graph (dQ, dK, dV from Q, K, V, O, dO and the statistics) would
-//! cover the same shapes, but it produces the three gradients in one call while `AttentionGrad`
-//! is one op per gradient and needs the forward's statistics, which this graph keeps virtual: the
-//! gradients stay on the generated kernels.
+//! The gradient (dQ, dK, dV of one attention from q, k, v and dO, as one step): cuDNN's fused
+//! backward needs the forward's output O and its statistics, which the step does not keep, so
+//! [`prepare_grad`] builds two graphs: the forward above with the statistics written out (f32
+//! `[B, H, Sq, 1]` natural-log log-sum-exp, non-virtual, as cudnn-frontend's training forward
+//! makes them) and O, both into the step's workspace; and the SDPA backward graph node for node
+//! as cudnn-frontend's `CompositeSDPABackwardNode` builds it (see [`bwd_graph`]), trying the
+//! frontend's form first and two variants after it ([`BWD_FORMS`]). It keeps the fastest plan
+//! of each; [`GradPlans::run`] enqueues the forward then the backward. The workspace
+//! ([`GradLayout`]) holds O, the statistics, the backward's f32 row sums and dQ accumulator
+//! (zeroed before each call only for cuDNN < 9.6, as the frontend does) and the plans' shared
+//! workspace. The session times the pair against the flash kernels ([`GradPlans::time`]) and
+//! records the outcome per description ([`remember_grad`]); `RUSTYTORCH_ATTENTION` forces one
+//! as for the forward.
 
 use super::dnn::{time, Buffers};
 use super::dnn_graph::{
-    data_type, matmul_node, plans_of, pointwise_node, reduction_node, tensor_desc, Desc, GraphPlan,
-    OpGraph,
+    data_type, matmul_node, plans_of, pointwise_node, reduction_node, reshape_node, tensor_desc,
+    Desc, GraphPlan, OpGraph,
 };
 use crate::{Result, RuntimeError};
 use cudarc::cudnn::sys;
@@ -60,6 +69,23 @@ pub(crate) mod uid {
     pub const SK: i64 = 7;
     /// Sq, subtracted from it (by value, int32).
     pub const SQ: i64 = 8;
+    /// The softmax statistics `max + log Σ exp` (f32 `[B, H, Sq, 1]`; the gradient's forward
+    /// writes them, its backward reads them).
+    pub const STATS: i64 = 9;
+    /// The output's gradient dO (the backward).
+    pub const DO: i64 = 1001;
+    /// dQ.
+    pub const DQ: i64 = 1002;
+    /// dK.
+    pub const DK: i64 = 1003;
+    /// dV.
+    pub const DV: i64 = 1004;
+    /// The row sums `Σ_d dO·O` (f32 `[B, H, Sq, 1]`, in the workspace).
+    pub const SOFTMAX_SUM: i64 = 1005;
+    /// dQ accumulated in f32 (`[B, H, Sq, D]`, in the workspace).
+    pub const DQ_ACCUM: i64 = 1006;
+    /// The constant 1 (by value, f32) the frontend scales the row sums by without dropout.
+    pub const ONE: i64 = 1007;
     /// Virtual intermediates take the ids after this one.
     pub const S: i64 = 10;
 }
@@ -70,197 +96,286 @@ const MAX_PLANS: usize = 4;
 /// The uids a call binds to device pointers, in [`GraphPlan::execute`]'s order.
 pub(crate) const VARIANT: [i64; 4] = [uid::Q, uid::K, uid::V, uid::O];
 
+/// The uids the gradient's forward (with statistics) binds.
+pub(crate) const FWD_STATS_VARIANT: [i64; 5] = [uid::Q, uid::K, uid::V, uid::O, uid::STATS];
+
 fn f32_dims(dims: [i64; 4]) -> [i64; 4] {
     [dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1]
 }
 
-/// The operation graph of `d` (see the module docs); `p_io` makes `P` the operands' type (the
-/// frontend's form) rather than f32.
-fn op_graph(handle: sys::cudnnHandle_t, d: &AttnDnnDesc, p_io: bool) -> Result<OpGraph> {
+/// A tensor of a [`Builder`] (its index).
+type Tid = usize;
+
+/// An operation graph under construction: its tensors, its operations in order and the
+/// descriptors they reference, all kept alive with the finished graph.
+struct Builder {
+    tensors: Vec<Desc>,
+    ops: Vec<Desc>,
+    aux: Vec<Desc>,
+    next: i64,
+}
+
+impl Builder {
+    fn new() -> Builder {
+        Builder {
+            tensors: vec![],
+            ops: vec![],
+            aux: vec![],
+            next: uid::S,
+        }
+    }
+
+    fn add(&mut self, t: Desc) -> Tid {
+        self.tensors.push(t);
+        self.tensors.len() - 1
+    }
+
+    /// A tensor bound to memory at each call.
+    fn real(&mut self, id: i64, dt: Dt, (dims, st): ([i64; 4], [i64; 4])) -> Result<Tid> {
+        let t = tensor_desc(id, dt, &dims, &st, false, false)?;
+        Ok(self.add(t))
+    }
+
+    /// A by-value scalar (`[1, 1, 1, 1]`).
+    fn scalar(&mut self, id: i64, dt: Dt) -> Result<Tid> {
+        let one = [1i64; 4];
+        let t = tensor_desc(id, dt, &one, &one, false, true)?;
+        Ok(self.add(t))
+    }
+
+    /// A virtual intermediate (the next free uid).
+    fn virt(&mut self, dt: Dt, (dims, st): ([i64; 4], [i64; 4])) -> Result<Tid> {
+        self.next += 1;
+        let t = tensor_desc(self.next, dt, &dims, &st, true, false)?;
+        Ok(self.add(t))
+    }
+
+    fn node(&mut self, [op, aux]: [Desc; 2]) {
+        self.ops.push(op);
+        self.aux.push(aux);
+    }
+
+    fn matmul(&mut self, a: Tid, b: Tid, c: Tid) -> Result<()> {
+        let t = &self.tensors;
+        let n = matmul_node(&t[a], &t[b], &t[c])?;
+        self.node(n);
+        Ok(())
+    }
+
+    /// `y = mode(x[, b][, cond])` computed in `prec` (`axis` for GEN_INDEX).
+    #[allow(clippy::too_many_arguments)]
+    fn pointwise(
+        &mut self,
+        mode: Pw,
+        prec: Dt,
+        axis: Option<i64>,
+        x: Tid,
+        b: Option<Tid>,
+        cond: Option<Tid>,
+        y: Tid,
+    ) -> Result<()> {
+        let t = &self.tensors;
+        let n = pointwise_node(
+            mode,
+            prec,
+            axis,
+            &t[x],
+            b.map(|b| &t[b]),
+            cond.map(|c| &t[c]),
+            &t[y],
+        )?;
+        self.node(n);
+        Ok(())
+    }
+
+    /// `y = mode(x[, b])` in f32.
+    fn pw(&mut self, mode: Pw, x: Tid, b: Option<Tid>, y: Tid) -> Result<()> {
+        self.pointwise(mode, Dt::CUDNN_DATA_FLOAT, None, x, b, None, y)
+    }
+
+    fn reduce(&mut self, how: sys::cudnnReduceTensorOp_t, x: Tid, y: Tid) -> Result<()> {
+        let n = reduction_node(how, &self.tensors[x], &self.tensors[y])?;
+        self.node(n);
+        Ok(())
+    }
+
+    fn reshape(&mut self, x: Tid, y: Tid) -> Result<()> {
+        let op = reshape_node(&self.tensors[x], &self.tensors[y])?;
+        self.ops.push(op);
+        Ok(())
+    }
+
+    /// The finalized graph over the operations, in the order they were added.
+    fn finish(self, handle: sys::cudnnHandle_t) -> Result<OpGraph> {
+        let refs: Vec<&Desc> = self.ops.iter().collect();
+        let graph = OpGraph::new(handle, &refs, vec![])?;
+        let mut parts = self.ops;
+        parts.extend(self.aux);
+        parts.extend(self.tensors);
+        Ok(graph.with_parts(parts))
+    }
+}
+
+/// Dims and strides of the f32 `[B, H, Sq, Sk]` scores.
+fn score_geometry(d: &AttnDnnDesc) -> ([i64; 4], [i64; 4]) {
+    let dims = [d.b as i64, d.h as i64, d.sq as i64, d.sk as i64];
+    (dims, f32_dims(dims))
+}
+
+/// Dims and strides of the f32 per-row `[B, H, Sq, 1]` values (the statistics).
+fn row_geometry(d: &AttnDnnDesc) -> ([i64; 4], [i64; 4]) {
+    let dims = [d.b as i64, d.h as i64, d.sq as i64, 1];
+    (dims, f32_dims(dims))
+}
+
+/// Dims and strides of a transposed `[B, H, Sk, Sq]` view of the scores (what the backward's
+/// reshapes make of `P` and `dS`).
+fn transposed_score_geometry(d: &AttnDnnDesc) -> ([i64; 4], [i64; 4]) {
+    let (b, h, sq, sk) = (d.b as i64, d.h as i64, d.sq as i64, d.sk as i64);
+    ([b, h, sk, sq], [h * sq * sk, sq * sk, 1, sk])
+}
+
+/// `S = Q·Kᵀ` and `S ·= scale` (steps 1 and 2 of the module docs); returns the scaled scores.
+fn scaled_scores(g: &mut Builder, d: &AttnDnnDesc, q: Tid, kt: Tid, scale: Tid) -> Result<Tid> {
+    let f = Dt::CUDNN_DATA_FLOAT;
+    let s = g.virt(f, score_geometry(d))?;
+    let scaled = g.virt(f, score_geometry(d))?;
+    g.matmul(q, kt, s)?;
+    g.pw(Pw::CUDNN_POINTWISE_MUL, s, Some(scale), scaled)?;
+    Ok(scaled)
+}
+
+/// The causal mask on `scores` (step 3 of the module docs) when `d` has one; returns the
+/// masked scores (`scores` itself without a mask).
+fn causal_mask(g: &mut Builder, d: &AttnDnnDesc, scores: Tid) -> Result<Tid> {
+    if d.causal == Causal::None {
+        return Ok(scores);
+    }
+    let (f, int) = (Dt::CUDNN_DATA_FLOAT, Dt::CUDNN_DATA_INT32);
+    let geo = score_geometry(d);
+    let mut row = g.virt(int, geo)?;
+    let col = g.virt(int, geo)?;
+    let keep = g.virt(Dt::CUDNN_DATA_BOOLEAN, geo)?;
+    let fill = g.scalar(uid::FILL, f)?;
+    let masked = g.virt(f, geo)?;
+    g.pointwise(
+        Pw::CUDNN_POINTWISE_GEN_INDEX,
+        int,
+        Some(2),
+        scores,
+        None,
+        None,
+        row,
+    )?;
+    if d.causal == Causal::BottomRight {
+        for (id, mode) in [
+            (uid::SK, Pw::CUDNN_POINTWISE_ADD),
+            (uid::SQ, Pw::CUDNN_POINTWISE_SUB),
+        ] {
+            let c = g.scalar(id, int)?;
+            let shifted = g.virt(int, geo)?;
+            g.pointwise(mode, int, None, row, Some(c), None, shifted)?;
+            row = shifted;
+        }
+    }
+    g.pointwise(
+        Pw::CUDNN_POINTWISE_GEN_INDEX,
+        int,
+        Some(3),
+        scores,
+        None,
+        None,
+        col,
+    )?;
+    g.pointwise(
+        Pw::CUDNN_POINTWISE_CMP_GE,
+        Dt::CUDNN_DATA_BOOLEAN,
+        None,
+        row,
+        Some(col),
+        None,
+        keep,
+    )?;
+    g.pointwise(
+        Pw::CUDNN_POINTWISE_BINARY_SELECT,
+        f,
+        None,
+        scores,
+        Some(fill),
+        Some(keep),
+        masked,
+    )?;
+    Ok(masked)
+}
+
+/// The forward operation graph of `d` (see the module docs); `p_io` makes `P` the operands'
+/// type (the frontend's form) rather than f32; `stats` writes the statistics to
+/// [`uid::STATS`] (f32 `[B, H, Sq, 1]`, the frontend's training forward) instead of keeping them
+/// virtual.
+fn op_graph(
+    handle: sys::cudnnHandle_t,
+    d: &AttnDnnDesc,
+    p_io: bool,
+    stats: bool,
+) -> Result<OpGraph> {
+    use sys::cudnnReduceTensorOp_t as R;
     let io = data_type(d.dtype);
     let f = Dt::CUDNN_DATA_FLOAT;
-    let (b, h, sq, sk) = (d.b as i64, d.h as i64, d.sq as i64, d.sk as i64);
-    let s_dims = [b, h, sq, sk];
-    let s_st = f32_dims(s_dims);
-    let r_dims = [b, h, sq, 1];
-    let r_st = f32_dims(r_dims);
-    let one = [1i64; 4];
-
-    let (qd, qs) = d.dims_strides(d.sq);
-    let (kd, ks) = d.k_transposed();
-    let (vd, vs) = d.dims_strides(d.sk);
-    let mut parts: Vec<Desc> = vec![];
-    let mut next = uid::S;
-    let mut virt = |dt: Dt, dims: &[i64], st: &[i64]| {
-        next += 1;
-        tensor_desc(next, dt, dims, st, true, false)
+    let mut g = Builder::new();
+    let q = g.real(uid::Q, io, d.dims_strides(d.sq))?;
+    let k = g.real(uid::K, io, d.k_transposed())?;
+    let v = g.real(uid::V, io, d.dims_strides(d.sk))?;
+    let o = g.real(uid::O, io, d.dims_strides(d.sq))?;
+    let scale = g.scalar(uid::SCALE, f)?;
+    let scores = scaled_scores(&mut g, d, q, k, scale)?;
+    let scores = causal_mask(&mut g, d, scores)?;
+    let (sg, rg) = (score_geometry(d), row_geometry(d));
+    let max = g.virt(f, rg)?;
+    let sub = g.virt(f, sg)?;
+    let exp = g.virt(f, sg)?;
+    let sum = g.virt(f, rg)?;
+    let log = g.virt(f, rg)?;
+    let lse = if stats {
+        g.real(uid::STATS, f, rg)?
+    } else {
+        g.virt(f, rg)?
     };
-
-    let q = tensor_desc(uid::Q, io, &qd, &qs, false, false)?;
-    let k = tensor_desc(uid::K, io, &kd, &ks, false, false)?;
-    let v = tensor_desc(uid::V, io, &vd, &vs, false, false)?;
-    let o = tensor_desc(uid::O, io, &qd, &qs, false, false)?;
-    let scale = tensor_desc(uid::SCALE, f, &one, &one, false, true)?;
-    let s = virt(f, &s_dims, &s_st)?;
-    let scaled = virt(f, &s_dims, &s_st)?;
-    let mut ops: Vec<[Desc; 2]> = vec![
-        matmul_node(&q, &k, &s)?,
-        pointwise_node(
-            Pw::CUDNN_POINTWISE_MUL,
-            f,
-            None,
-            &s,
-            Some(&scale),
-            None,
-            &scaled,
-        )?,
-    ];
-    let mut scores = scaled;
-    let mut tensors = vec![q, k, scale, s];
-    if d.causal != Causal::None {
-        let mut row = virt(Dt::CUDNN_DATA_INT32, &s_dims, &s_st)?;
-        let col = virt(Dt::CUDNN_DATA_INT32, &s_dims, &s_st)?;
-        let keep = virt(Dt::CUDNN_DATA_BOOLEAN, &s_dims, &s_st)?;
-        let fill = tensor_desc(uid::FILL, f, &one, &one, false, true)?;
-        let masked = virt(f, &s_dims, &s_st)?;
-        let int = Dt::CUDNN_DATA_INT32;
-        ops.push(pointwise_node(
-            Pw::CUDNN_POINTWISE_GEN_INDEX,
-            int,
-            Some(2),
-            &scores,
-            None,
-            None,
-            &row,
-        )?);
-        if d.causal == Causal::BottomRight {
-            for (id, mode) in [
-                (uid::SK, Pw::CUDNN_POINTWISE_ADD),
-                (uid::SQ, Pw::CUDNN_POINTWISE_SUB),
-            ] {
-                let c = tensor_desc(id, int, &one, &one, false, true)?;
-                let shifted = virt(int, &s_dims, &s_st)?;
-                ops.push(pointwise_node(
-                    mode,
-                    int,
-                    None,
-                    &row,
-                    Some(&c),
-                    None,
-                    &shifted,
-                )?);
-                tensors.push(std::mem::replace(&mut row, shifted));
-                tensors.push(c);
-            }
-        }
-        ops.push(pointwise_node(
-            Pw::CUDNN_POINTWISE_GEN_INDEX,
-            int,
-            Some(3),
-            &scores,
-            None,
-            None,
-            &col,
-        )?);
-        ops.push(pointwise_node(
-            Pw::CUDNN_POINTWISE_CMP_GE,
-            Dt::CUDNN_DATA_BOOLEAN,
-            None,
-            &row,
-            Some(&col),
-            None,
-            &keep,
-        )?);
-        ops.push(pointwise_node(
-            Pw::CUDNN_POINTWISE_BINARY_SELECT,
-            f,
-            None,
-            &scores,
-            Some(&fill),
-            Some(&keep),
-            &masked,
-        )?);
-        tensors.extend([scores, row, col, keep, fill]);
-        scores = masked;
-    }
-    let max = virt(f, &r_dims, &r_st)?;
-    let sub = virt(f, &s_dims, &s_st)?;
-    let exp = virt(f, &s_dims, &s_st)?;
-    let sum = virt(f, &r_dims, &r_st)?;
-    let log = virt(f, &r_dims, &r_st)?;
-    let stats = virt(f, &r_dims, &r_st)?;
-    let p = virt(if p_io { io } else { f }, &s_dims, &s_st)?;
-    use sys::cudnnReduceTensorOp_t as R;
-    ops.push(reduction_node(R::CUDNN_REDUCE_TENSOR_MAX, &scores, &max)?);
-    ops.push(pointwise_node(
-        Pw::CUDNN_POINTWISE_SUB,
-        f,
-        None,
-        &scores,
-        Some(&max),
-        None,
-        &sub,
-    )?);
-    ops.push(pointwise_node(
-        Pw::CUDNN_POINTWISE_EXP,
-        f,
-        None,
-        &sub,
-        None,
-        None,
-        &exp,
-    )?);
-    ops.push(reduction_node(R::CUDNN_REDUCE_TENSOR_ADD, &exp, &sum)?);
-    ops.push(pointwise_node(
-        Pw::CUDNN_POINTWISE_LOG,
-        f,
-        None,
-        &sum,
-        None,
-        None,
-        &log,
-    )?);
-    ops.push(pointwise_node(
-        Pw::CUDNN_POINTWISE_ADD,
-        f,
-        None,
-        &max,
-        Some(&log),
-        None,
-        &stats,
-    )?);
-    ops.push(pointwise_node(
-        Pw::CUDNN_POINTWISE_DIV,
-        f,
-        None,
-        &exp,
-        Some(&sum),
-        None,
-        &p,
-    )?);
-    ops.push(matmul_node(&p, &v, &o)?);
-    tensors.extend([scores, max, sub, exp, sum, log, stats, p, v, o]);
-
-    let op_refs: Vec<&Desc> = ops.iter().map(|[op, _]| op).collect();
-    let graph = OpGraph::new(handle, &op_refs, vec![])?;
-    for [op, node] in ops {
-        parts.push(op);
-        parts.push(node);
-    }
-    parts.extend(tensors);
-    Ok(graph.with_parts(parts))
+    let p = g.virt(if p_io { io } else { f }, sg)?;
+    g.reduce(R::CUDNN_REDUCE_TENSOR_MAX, scores, max)?;
+    g.pw(Pw::CUDNN_POINTWISE_SUB, scores, Some(max), sub)?;
+    g.pw(Pw::CUDNN_POINTWISE_EXP, sub, None, exp)?;
+    g.reduce(R::CUDNN_REDUCE_TENSOR_ADD, exp, sum)?;
+    g.pw(Pw::CUDNN_POINTWISE_LOG, sum, None, log)?;
+    g.pw(Pw::CUDNN_POINTWISE_ADD, max, Some(log), lse)?;
+    g.pw(Pw::CUDNN_POINTWISE_DIV, exp, Some(sum), p)?;
+    g.matmul(p, v, o)?;
+    g.finish(handle)
 }
 
 /// The plans of `d`: the frontend's form of the graph first, then `P` in f32 if cuDNN refuses
 /// that one. An error when neither makes a plan.
 pub(crate) fn plans(handle: sys::cudnnHandle_t, d: &AttnDnnDesc) -> Result<Vec<GraphPlan>> {
+    forward_plans(handle, d, false)
+}
+
+/// [`plans`] of the forward graph, with the statistics written out when `stats`.
+fn forward_plans(
+    handle: sys::cudnnHandle_t,
+    d: &AttnDnnDesc,
+    stats: bool,
+) -> Result<Vec<GraphPlan>> {
+    let uids = if stats {
+        FWD_STATS_VARIANT.to_vec()
+    } else {
+        VARIANT.to_vec()
+    };
     let mut errors = vec![];
     for p_io in [true, false] {
-        let made = op_graph(handle, d, p_io).and_then(|g| {
+        let made = op_graph(handle, d, p_io, stats).and_then(|g| {
             plans_of(
                 handle,
                 g,
-                VARIANT.to_vec(),
+                uids.clone(),
                 scalars(d),
                 d.dtype,
                 false,
@@ -274,8 +389,13 @@ pub(crate) fn plans(handle: sys::cudnnHandle_t, d: &AttnDnnDesc) -> Result<Vec<G
             Err(e) => errors.push(format!("P in {}: {e}", p_name(p_io))),
         }
     }
+    let what = if stats {
+        " forward with statistics"
+    } else {
+        ""
+    };
     Err(RuntimeError::Device(format!(
-        "cuDNN fused attention for {d:?}: {}",
+        "cuDNN fused attention{what} for {d:?}: {}",
         errors.join("; ")
     )))
 }
@@ -301,6 +421,559 @@ pub(crate) fn scalars(d: &AttnDnnDesc) -> Vec<(i64, u32)> {
         v.push((uid::SQ, d.sq as i32 as u32));
     }
     v
+}
+
+/// Which form of the backward graph to build: [`BWD_FORMS`] lists them in the order tried.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct BwdForm {
+    /// The reshape of Kᵀ back to K for `dS·K` gives K in the operands' type (else in f32, the
+    /// type the frontend's reshape infers for that virtual tensor).
+    pub k_io: bool,
+    /// `dS·K` accumulates into [`uid::DQ_ACCUM`] (f32, in the workspace) and an IDENTITY
+    /// writes dQ from it (the frontend's form from cuDNN 9.0 on); else it writes dQ directly
+    /// (the form of the frontend's deterministic / dP-workspace path).
+    pub accum: bool,
+}
+
+/// The backward graph's forms, in the order [`bwd_plans`] tries them: the frontend's first.
+pub(crate) const BWD_FORMS: [BwdForm; 3] = [
+    BwdForm {
+        k_io: false,
+        accum: true,
+    },
+    BwdForm {
+        k_io: true,
+        accum: true,
+    },
+    BwdForm {
+        k_io: false,
+        accum: false,
+    },
+];
+
+/// The uids the backward of `form` binds, in [`GraphPlan::execute`]'s order.
+pub(crate) fn bwd_uids(form: BwdForm) -> Vec<i64> {
+    let mut v = vec![
+        uid::Q,
+        uid::K,
+        uid::V,
+        uid::O,
+        uid::DO,
+        uid::STATS,
+        uid::SOFTMAX_SUM,
+    ];
+    if form.accum {
+        v.push(uid::DQ_ACCUM);
+    }
+    v.extend([uid::DQ, uid::DK, uid::DV]);
+    v
+}
+
+/// The by-value scalars of the backward: the forward's ([`scalars`]) and the constant 1.
+pub(crate) fn grad_scalars(d: &AttnDnnDesc) -> Vec<(i64, u32)> {
+    let mut v = scalars(d);
+    v.push((uid::ONE, 1.0f32.to_bits()));
+    v
+}
+
+/// The SDPA backward graph of `d` in `form`, node for node as cudnn-frontend's
+/// `CompositeSDPABackwardNode` builds it without bias, dropout or padding (every intermediate
+/// virtual and f32 unless noted; K and V are bound as Kᵀ and Vᵀ, `[B, H, D, Sk]`):
+///
+/// 1. `dO·O` (POINTWISE MUL), `Σ_d` (REDUCTION ADD), `·1` (MUL by a by-value f32) into the
+///    row sums [`uid::SOFTMAX_SUM`] (non-virtual f32 `[B, H, Sq, 1]`);
+/// 2. `S = Q·Kᵀ`, `S ·= scale`, `S −= stats` (SUB of [`uid::STATS`]), the causal mask, `P =
+///    exp(S)`;
+/// 3. `Pᵀ` (RESHAPE to `[B, H, Sk, Sq]` in the operands' type), `dV = Pᵀ·dO`;
+/// 4. `dP = dO·Vᵀ`, `dS = (dP − sums)·P·scale` (SUB, MUL, MUL);
+/// 5. `dSᵀ` (RESHAPE, operands' type), `dK = dSᵀ·Q`;
+/// 6. K (RESHAPE of Kᵀ), `dQ = dS·K` (through [`uid::DQ_ACCUM`] and an IDENTITY, by `form`).
+fn bwd_graph(handle: sys::cudnnHandle_t, d: &AttnDnnDesc, form: BwdForm) -> Result<OpGraph> {
+    let io = data_type(d.dtype);
+    let f = Dt::CUDNN_DATA_FLOAT;
+    let (b, h, sq, hd) = (d.b as i64, d.h as i64, d.sq as i64, d.d as i64);
+    let mut g = Builder::new();
+    let q = g.real(uid::Q, io, d.dims_strides(d.sq))?;
+    let kt = g.real(uid::K, io, d.k_transposed())?;
+    // V has K's sizes and layout: Vᵀ is the same view.
+    let vt = g.real(uid::V, io, d.k_transposed())?;
+    let o = g.real(uid::O, io, d.dims_strides(d.sq))?;
+    let dout = g.real(uid::DO, io, d.dims_strides(d.sq))?;
+    let stats = g.real(uid::STATS, f, row_geometry(d))?;
+    let dq = g.real(uid::DQ, io, d.dims_strides(d.sq))?;
+    let dk = g.real(uid::DK, io, d.dims_strides(d.sk))?;
+    let dv = g.real(uid::DV, io, d.dims_strides(d.sk))?;
+    let scale = g.scalar(uid::SCALE, f)?;
+    let one = g.scalar(uid::ONE, f)?;
+
+    // 1. The row sums (the frontend's strides for the product, verbatim).
+    let prod = g.virt(f, ([b, h, sq, hd], [h * sq * hd, sq * hd, h * hd, 1]))?;
+    let rowsum = g.virt(f, row_geometry(d))?;
+    let sums = g.real(uid::SOFTMAX_SUM, f, row_geometry(d))?;
+    g.pw(Pw::CUDNN_POINTWISE_MUL, dout, Some(o), prod)?;
+    g.reduce(
+        sys::cudnnReduceTensorOp_t::CUDNN_REDUCE_TENSOR_ADD,
+        prod,
+        rowsum,
+    )?;
+    g.pw(Pw::CUDNN_POINTWISE_MUL, rowsum, Some(one), sums)?;
+
+    // 2. P recomputed from the statistics.
+    let scores = scaled_scores(&mut g, d, q, kt, scale)?;
+    let centered = g.virt(f, score_geometry(d))?;
+    g.pw(Pw::CUDNN_POINTWISE_SUB, scores, Some(stats), centered)?;
+    let masked = causal_mask(&mut g, d, centered)?;
+    let p = g.virt(f, score_geometry(d))?;
+    g.pw(Pw::CUDNN_POINTWISE_EXP, masked, None, p)?;
+
+    // 3. dV = Pᵀ·dO.
+    let pt = g.virt(io, transposed_score_geometry(d))?;
+    g.reshape(p, pt)?;
+    g.matmul(pt, dout, dv)?;
+
+    // 4. dS = (dO·Vᵀ − sums)·P·scale.
+    let dp = g.virt(f, score_geometry(d))?;
+    g.matmul(dout, vt, dp)?;
+    let centered_dp = g.virt(f, score_geometry(d))?;
+    g.pw(Pw::CUDNN_POINTWISE_SUB, dp, Some(sums), centered_dp)?;
+    let dsp = g.virt(f, score_geometry(d))?;
+    g.pw(Pw::CUDNN_POINTWISE_MUL, centered_dp, Some(p), dsp)?;
+    let ds = g.virt(f, score_geometry(d))?;
+    g.pw(Pw::CUDNN_POINTWISE_MUL, dsp, Some(scale), ds)?;
+
+    // 5. dK = dSᵀ·Q.
+    let dst = g.virt(io, transposed_score_geometry(d))?;
+    g.reshape(ds, dst)?;
+    g.matmul(dst, q, dk)?;
+
+    // 6. dQ = dS·K.
+    let k = g.virt(if form.k_io { io } else { f }, d.dims_strides(d.sk))?;
+    g.reshape(kt, k)?;
+    if form.accum {
+        let accum = g.real(uid::DQ_ACCUM, f, accum_geometry(d))?;
+        g.matmul(ds, k, accum)?;
+        g.pw(Pw::CUDNN_POINTWISE_IDENTITY, accum, None, dq)?;
+    } else {
+        g.matmul(ds, k, dq)?;
+    }
+    g.finish(handle)
+}
+
+/// Dims and strides of the f32 dQ accumulator: `[B, H, Sq, D]`, packed in that order.
+fn accum_geometry(d: &AttnDnnDesc) -> ([i64; 4], [i64; 4]) {
+    let dims = [d.b as i64, d.h as i64, d.sq as i64, d.d as i64];
+    (dims, f32_dims(dims))
+}
+
+/// The backward plans of `d`: those of the first form of [`BWD_FORMS`] that cuDNN makes plans
+/// for, and that form. An error naming every form's failure when none does.
+fn bwd_plans(handle: sys::cudnnHandle_t, d: &AttnDnnDesc) -> Result<(Vec<GraphPlan>, BwdForm)> {
+    let mut errors = vec![];
+    for form in BWD_FORMS {
+        let made = bwd_graph(handle, d, form).and_then(|g| {
+            plans_of(
+                handle,
+                g,
+                bwd_uids(form),
+                grad_scalars(d),
+                d.dtype,
+                false,
+                MAX_PLANS,
+                &format!("backward {d:?}"),
+            )
+        });
+        match made {
+            Ok(v) if !v.is_empty() => return Ok((v, form)),
+            Ok(_) => errors.push(format!("{form:?}: no engine made a plan")),
+            Err(e) => errors.push(format!("{form:?}: {e}")),
+        }
+    }
+    Err(RuntimeError::Device(format!(
+        "cuDNN fused attention backward for {d:?}: {}",
+        errors.join("; ")
+    )))
+}
+
+/// Where the gradient keeps its intermediates in the step's workspace (byte offsets, each
+/// aligned to [`GRAD_ALIGN`]): the recomputed output, the statistics, the row sums, the dQ
+/// accumulator (when the form has one) and the plans' own workspace (shared: the forward and
+/// the backward run one after the other).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct GradLayout {
+    /// O (`[B, H, Sq, D]` in q's type and layout).
+    pub o: usize,
+    /// The statistics (f32 `[B, H, Sq, 1]`).
+    pub stats: usize,
+    /// The row sums (f32 `[B, H, Sq, 1]`).
+    pub sums: usize,
+    /// The f32 dQ accumulator `[B, H, Sq, D]`.
+    pub accum: Option<usize>,
+    /// The plans' workspace.
+    pub plan: usize,
+    /// Bytes in all.
+    pub total: usize,
+}
+
+/// Alignment of each region of [`GradLayout`].
+pub(crate) const GRAD_ALIGN: usize = 256;
+
+impl GradLayout {
+    /// The layout for `d` with a dQ accumulator when `accum`, and `plan_workspace` bytes for the
+    /// plans.
+    pub(crate) fn new(d: &AttnDnnDesc, accum: bool, plan_workspace: usize) -> GradLayout {
+        let rows = d.b * d.h * d.sq * 4;
+        let sizes = [
+            d.bytes(d.sq),
+            rows,
+            rows,
+            if accum { d.b * d.h * d.sq * d.d * 4 } else { 0 },
+            plan_workspace,
+        ];
+        let mut at = [0usize; 5];
+        let mut next = 0;
+        for (a, n) in at.iter_mut().zip(sizes) {
+            *a = next;
+            next += n.div_ceil(GRAD_ALIGN) * GRAD_ALIGN;
+        }
+        GradLayout {
+            o: at[0],
+            stats: at[1],
+            sums: at[2],
+            accum: accum.then_some(at[3]),
+            plan: at[4],
+            total: next,
+        }
+    }
+}
+
+/// Whether the dQ accumulator must be zeroed before each backward: cudnn-frontend memsets it
+/// before cuDNN 9.6 and leaves it to cuDNN from 9.6 on (`version` as `major·10000 + minor·100
+/// + patch`).
+pub(crate) fn accum_needs_zeroing(version: usize) -> bool {
+    version < 90600
+}
+
+/// Device addresses of one gradient step's tensors (q, k, v, dO in; dQ, dK, dV out; all in
+/// the op's layout).
+// Entry point of the attention-gradient step, which the CUDA session wires.
+#[allow(dead_code)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct GradPtrs {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub dout: u64,
+    pub dq: u64,
+    pub dk: u64,
+    pub dv: u64,
+}
+
+/// The cuDNN plans of one attention gradient: the forward that writes O and the statistics into
+/// the workspace, and the backward that reads them (see [`bwd_graph`]).
+// Entry point of the attention-gradient step, which the CUDA session wires.
+#[allow(dead_code)]
+pub(crate) struct GradPlans {
+    d: AttnDnnDesc,
+    fwd: GraphPlan,
+    bwd: GraphPlan,
+    form: BwdForm,
+    layout: GradLayout,
+    zero_accum: bool,
+    /// Whether the choice is already made (forced, or cached from an earlier step): the caller
+    /// need not time it against the flash kernels.
+    pub decided: bool,
+    /// Mean ms of the chosen forward and backward plans when [`prepare_grad`] timed them.
+    pub fwd_ms: Option<f32>,
+    /// See `fwd_ms`.
+    pub bwd_ms: Option<f32>,
+}
+
+/// Outcome of the gradient's choice, cached per description for the process: the engines (forward,
+/// backward) of the cuDNN plans that won, or `None` for the flash kernels.
+fn grad_cache() -> &'static Mutex<HashMap<AttnDnnDesc, Option<(i64, i64)>>> {
+    static C: OnceLock<Mutex<HashMap<AttnDnnDesc, Option<(i64, i64)>>>> = OnceLock::new();
+    C.get_or_init(Default::default)
+}
+
+/// Builds the forward-with-statistics and backward plans of `d` under `choice`, keeping per
+/// graph the fastest plan (timed on buffers of its own, filled with ones): `None` for
+/// [`Choice::Flash`] or when the flash kernels won before; for [`Choice::Cudnn`] an error when
+/// cuDNN makes no plan; in auto mode a cuDNN failure means the flash kernels (logged and
+/// cached). In auto mode an undecided result ([`GradPlans::decided`] false) is to be timed
+/// against the flash kernels ([`GradPlans::time`]) and the outcome given to [`remember_grad`].
+// Entry point of the attention-gradient step, which the CUDA session wires.
+#[allow(dead_code)]
+pub(crate) fn prepare_grad(
+    handle: sys::cudnnHandle_t,
+    d: &AttnDnnDesc,
+    choice: Choice,
+    stream: ds::CUstream,
+) -> Result<Option<GradPlans>> {
+    let cached = grad_cache()
+        .lock()
+        .expect("attention gradient cache")
+        .get(d)
+        .copied();
+    match (choice, cached) {
+        (Choice::Flash, _) | (Choice::Auto, Some(None)) => return Ok(None),
+        _ => {}
+    }
+    let engines = cached.flatten().filter(|_| choice == Choice::Auto);
+    let made = forward_plans(handle, d, true).and_then(|fwd| {
+        let (bwd, form) = bwd_plans(handle, d)?;
+        pick(handle, d, fwd, bwd, form, engines, stream)
+    });
+    match made {
+        Ok(mut p) => {
+            p.decided |= choice == Choice::Cudnn;
+            Ok(Some(p))
+        }
+        Err(e) if choice == Choice::Cudnn => Err(RuntimeError::Device(format!(
+            "RUSTYTORCH_ATTENTION=cudnn: {e}"
+        ))),
+        Err(e) => {
+            tracing::debug!("attention gradient falls back to the flash kernels: {e}");
+            remember_grad(d, None);
+            Ok(None)
+        }
+    }
+}
+
+/// Records the outcome of the choice for `d` (auto mode): the engines of `won`, or the flash
+/// kernels for `None`. Later [`prepare_grad`] calls follow it without timing.
+// Entry point of the attention-gradient step, which the CUDA session wires.
+#[allow(dead_code)]
+pub(crate) fn remember_grad(d: &AttnDnnDesc, won: Option<&GradPlans>) {
+    grad_cache()
+        .lock()
+        .expect("attention gradient cache")
+        .insert(d.clone(), won.map(GradPlans::engines));
+}
+
+/// The plans to keep: those of the `engines` that won before when both are still proposed (no
+/// timing), else the fastest forward and the fastest backward.
+fn pick(
+    handle: sys::cudnnHandle_t,
+    d: &AttnDnnDesc,
+    mut fwd: Vec<GraphPlan>,
+    mut bwd: Vec<GraphPlan>,
+    form: BwdForm,
+    engines: Option<(i64, i64)>,
+    stream: ds::CUstream,
+) -> Result<GradPlans> {
+    let zero_accum = form.accum && accum_needs_zeroing(super::dnn::Dnn::version());
+    let make = |fwd: GraphPlan, bwd: GraphPlan, decided, fwd_ms, bwd_ms| {
+        let layout = GradLayout::new(d, form.accum, fwd.workspace.max(bwd.workspace));
+        GradPlans {
+            d: d.clone(),
+            fwd,
+            bwd,
+            form,
+            layout,
+            zero_accum,
+            decided,
+            fwd_ms,
+            bwd_ms,
+        }
+    };
+    if let Some((fe, be)) = engines {
+        let i = fwd.iter().position(|p| p.engine == fe);
+        let j = bwd.iter().position(|p| p.engine == be);
+        if let (Some(i), Some(j)) = (i, j) {
+            return Ok(make(
+                fwd.swap_remove(i),
+                bwd.swap_remove(j),
+                true,
+                None,
+                None,
+            ));
+        }
+    }
+    let ws = fwd
+        .iter()
+        .chain(&bwd)
+        .map(|p| p.workspace)
+        .max()
+        .unwrap_or(0);
+    let layout = GradLayout::new(d, form.accum, ws);
+    let (sq, sk) = (d.bytes(d.sq), d.bytes(d.sk));
+    let bufs = Buffers::new(&[sq, sk, sk, sq, sq, sk, sk, layout.total], d.dtype, stream)?;
+    let b = &bufs.ptrs;
+    let ptrs = GradPtrs {
+        q: b[0],
+        k: b[1],
+        v: b[2],
+        dout: b[3],
+        dq: b[4],
+        dk: b[5],
+        dv: b[6],
+    };
+    let ws = b[7];
+    set_stream(handle, stream)?;
+    let fwd_ptrs = fwd_pointers(&ptrs, &layout, ws);
+    let mut best_fwd: Option<(usize, f32)> = None;
+    for (i, g) in fwd.iter_mut().enumerate() {
+        match time(stream, || {
+            g.execute(handle, &fwd_ptrs, ws + layout.plan as u64)
+        }) {
+            Ok(t) if best_fwd.is_none_or(|(_, b)| t < b) => best_fwd = Some((i, t)),
+            Ok(_) => {}
+            Err(e) => tracing::trace!("cuDNN engine {} failed on {d:?}: {e}", g.engine),
+        }
+    }
+    let (i, fwd_ms) = best_fwd.ok_or_else(|| {
+        RuntimeError::Device(format!(
+            "cuDNN fused attention forward with statistics: no plan of {d:?} ran"
+        ))
+    })?;
+    // The statistics the backward reads are those of the last forward run.
+    fwd[i].execute(handle, &fwd_ptrs, ws + layout.plan as u64)?;
+    let bwd_ptrs = bwd_pointers(&ptrs, &layout, form, ws);
+    let mut best_bwd: Option<(usize, f32)> = None;
+    for (j, g) in bwd.iter_mut().enumerate() {
+        match time(stream, || {
+            zero(&layout, zero_accum, ws, d, stream)?;
+            g.execute(handle, &bwd_ptrs, ws + layout.plan as u64)
+        }) {
+            Ok(t) if best_bwd.is_none_or(|(_, b)| t < b) => best_bwd = Some((j, t)),
+            Ok(_) => {}
+            Err(e) => tracing::trace!("cuDNN engine {} failed on backward {d:?}: {e}", g.engine),
+        }
+    }
+    let (j, bwd_ms) = best_bwd.ok_or_else(|| {
+        RuntimeError::Device(format!(
+            "cuDNN fused attention backward: no plan of {d:?} ran"
+        ))
+    })?;
+    let (f, bw) = (fwd.swap_remove(i), bwd.swap_remove(j));
+    tracing::debug!(
+        "attention gradient {d:?}: forward engine {} ({fwd_ms:.4} ms), backward engine {} \
+         ({bwd_ms:.4} ms), {form:?}",
+        f.engine,
+        bw.engine
+    );
+    Ok(make(f, bw, false, Some(fwd_ms), Some(bwd_ms)))
+}
+
+fn set_stream(handle: sys::cudnnHandle_t, stream: ds::CUstream) -> Result<()> {
+    // SAFETY: the handle is live and the stream belongs to the current context.
+    unsafe { cudarc::cudnn::result::set_stream(handle, stream as _) }
+        .map_err(|e| RuntimeError::Device(format!("cuDNN set stream: {e:?}")))
+}
+
+/// The forward's pointers ([`FWD_STATS_VARIANT`] order).
+fn fwd_pointers(p: &GradPtrs, l: &GradLayout, ws: u64) -> Vec<u64> {
+    vec![p.q, p.k, p.v, ws + l.o as u64, ws + l.stats as u64]
+}
+
+/// The backward's pointers ([`bwd_uids`] order).
+fn bwd_pointers(p: &GradPtrs, l: &GradLayout, form: BwdForm, ws: u64) -> Vec<u64> {
+    let mut v = vec![
+        p.q,
+        p.k,
+        p.v,
+        ws + l.o as u64,
+        p.dout,
+        ws + l.stats as u64,
+        ws + l.sums as u64,
+    ];
+    if form.accum {
+        v.push(ws + l.accum.unwrap_or(0) as u64);
+    }
+    v.extend([p.dq, p.dk, p.dv]);
+    v
+}
+
+/// Zeroes the dQ accumulator on `stream` when the cuDNN in use needs it.
+fn zero(
+    l: &GradLayout,
+    needed: bool,
+    ws: u64,
+    d: &AttnDnnDesc,
+    stream: ds::CUstream,
+) -> Result<()> {
+    let Some(at) = l.accum.filter(|_| needed) else {
+        return Ok(());
+    };
+    // SAFETY: the accumulator region of the workspace holds B·H·Sq·D f32s (the layout's
+    // contract; the caller's workspace has `l.total` bytes); the memset is ordered on `stream`.
+    unsafe { ds::cuMemsetD32Async(ws + at as u64, 0, d.b * d.h * d.sq * d.d, stream) }
+        .result()
+        .map_err(|e| RuntimeError::Device(format!("zeroing the dQ accumulator: {e}")))
+}
+
+// Entry point of the attention-gradient step, which the CUDA session wires.
+#[allow(dead_code)]
+impl GradPlans {
+    /// Workspace bytes a call needs: O, the statistics, the row sums, the dQ accumulator and the
+    /// plans' workspace ([`GradLayout`]).
+    pub(crate) fn workspace(&self) -> usize {
+        self.layout.total
+    }
+
+    /// The engines of the forward and the backward plan.
+    pub(crate) fn engines(&self) -> (i64, i64) {
+        (self.fwd.engine, self.bwd.engine)
+    }
+
+    /// The backward graph's form.
+    pub(crate) fn form(&self) -> BwdForm {
+        self.form
+    }
+
+    /// Enqueues the gradient on `stream`: the forward with statistics into the workspace, then
+    /// the backward into dq, dk and dv. `workspace` holds at least [`GradPlans::workspace`]
+    /// bytes; every pointer must be 16-byte aligned.
+    pub(crate) fn run(
+        &mut self,
+        handle: sys::cudnnHandle_t,
+        ptrs: &GradPtrs,
+        workspace: u64,
+        stream: ds::CUstream,
+    ) -> Result<()> {
+        let all = [ptrs.q, ptrs.k, ptrs.v, ptrs.dout, ptrs.dq, ptrs.dk, ptrs.dv];
+        if !GraphPlan::aligned(&all, workspace) {
+            return Err(RuntimeError::Invalid(format!(
+                "cuDNN attention gradient of {:?}: pointers {all:x?} / workspace {workspace:#x} \
+                 are not 16-byte aligned",
+                self.d
+            )));
+        }
+        set_stream(handle, stream)?;
+        self.enqueue(handle, ptrs, workspace, stream)
+    }
+
+    fn enqueue(
+        &mut self,
+        handle: sys::cudnnHandle_t,
+        ptrs: &GradPtrs,
+        ws: u64,
+        stream: ds::CUstream,
+    ) -> Result<()> {
+        let plan_ws = ws + self.layout.plan as u64;
+        self.fwd
+            .execute(handle, &fwd_pointers(ptrs, &self.layout, ws), plan_ws)?;
+        zero(&self.layout, self.zero_accum, ws, &self.d, stream)?;
+        self.bwd.execute(
+            handle,
+            &bwd_pointers(ptrs, &self.layout, self.form, ws),
+            plan_ws,
+        )
+    }
+
+    /// Mean ms of one full gradient ([`GradPlans::run`]) on the step's own buffers, for the
+    /// choice against the flash kernels (it writes dq, dk, dv and the workspace).
+    pub(crate) fn time(
+        &mut self,
+        handle: sys::cudnnHandle_t,
+        ptrs: &GradPtrs,
+        workspace: u64,
+        stream: ds::CUstream,
+    ) -> Result<f64> {
+        self.run(handle, ptrs, workspace, stream)?;
+        let ms = time(stream, || self.enqueue(handle, ptrs, workspace, stream))?;
+        Ok(ms as f64)
+    }
 }
 
 /// Outcome of a choice, cached per description for the process: the engine of the cuDNN plan
@@ -533,5 +1206,291 @@ mod tests {
         assert_eq!(f32_dims([2, 4, 3, 5]), [60, 15, 5, 1]);
         assert_eq!(f32_dims([2, 4, 3, 1]), [12, 3, 1, 1]);
         assert_eq!(VARIANT, [uid::Q, uid::K, uid::V, uid::O]);
+    }
+
+    #[test]
+    fn backward_forms_and_bindings() {
+        // The frontend's form first: K's reshape in f32, dQ through the f32 accumulator.
+        assert_eq!(
+            BWD_FORMS[0],
+            BwdForm {
+                k_io: false,
+                accum: true
+            }
+        );
+        assert_eq!(
+            bwd_uids(BWD_FORMS[0]),
+            vec![
+                uid::Q,
+                uid::K,
+                uid::V,
+                uid::O,
+                uid::DO,
+                uid::STATS,
+                uid::SOFTMAX_SUM,
+                uid::DQ_ACCUM,
+                uid::DQ,
+                uid::DK,
+                uid::DV
+            ]
+        );
+        assert!(!bwd_uids(BWD_FORMS[2]).contains(&uid::DQ_ACCUM));
+        assert_eq!(bwd_uids(BWD_FORMS[2]).len(), 10);
+        assert_eq!(
+            FWD_STATS_VARIANT,
+            [uid::Q, uid::K, uid::V, uid::O, uid::STATS]
+        );
+        // Fixed uids never collide with each other nor with the virtual ones (from S up).
+        let mut ids = bwd_uids(BWD_FORMS[0]);
+        ids.extend([uid::SCALE, uid::FILL, uid::SK, uid::SQ, uid::ONE]);
+        let n = ids.len();
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), n);
+        assert!(ids.iter().all(|i| !(uid::S..=1000).contains(i)));
+        let one = 1.0f32.to_bits();
+        let (scale, fill) = (0.125f32.to_bits(), f32::MIN.to_bits());
+        assert_eq!(
+            grad_scalars(&desc(Causal::None)),
+            vec![(uid::SCALE, scale), (uid::ONE, one)]
+        );
+        assert_eq!(
+            grad_scalars(&desc(Causal::BottomRight)),
+            vec![
+                (uid::SCALE, scale),
+                (uid::FILL, fill),
+                (uid::SK, 5),
+                (uid::SQ, 3),
+                (uid::ONE, one)
+            ]
+        );
+    }
+
+    #[test]
+    fn gradient_workspace_layout() {
+        // b 2, h 4, sq 3, d 64, bf16: O 3072 B, rows 96 B, accumulator 6144 B.
+        let d = desc(Causal::None);
+        let l = GradLayout::new(&d, true, 1000);
+        assert_eq!(
+            l,
+            GradLayout {
+                o: 0,
+                stats: 3072,
+                sums: 3328,
+                accum: Some(3584),
+                plan: 9728,
+                total: 10752
+            }
+        );
+        let l = GradLayout::new(&d, false, 0);
+        assert_eq!((l.accum, l.plan, l.total), (None, 3584, 3584));
+        for l in [GradLayout::new(&d, true, 7), GradLayout::new(&d, false, 7)] {
+            let offs = [l.o, l.stats, l.sums, l.accum.unwrap_or(0), l.plan, l.total];
+            assert!(offs.iter().all(|o| o % GRAD_ALIGN == 0), "{l:?}");
+            assert!(l.total >= l.plan + 7);
+        }
+        // The pointers each graph binds, from the layout.
+        let p = GradPtrs {
+            q: 1,
+            k: 2,
+            v: 3,
+            dout: 4,
+            dq: 5,
+            dk: 6,
+            dv: 7,
+        };
+        let l = GradLayout::new(&d, true, 1000);
+        assert_eq!(
+            fwd_pointers(&p, &l, 1 << 20),
+            vec![1, 2, 3, 1 << 20, (1 << 20) + 3072]
+        );
+        let w = 1u64 << 20;
+        assert_eq!(
+            bwd_pointers(&p, &l, BWD_FORMS[0], w),
+            vec![1, 2, 3, w, 4, w + 3072, w + 3328, w + 3584, 5, 6, 7]
+        );
+        assert_eq!(
+            bwd_pointers(&p, &l, BWD_FORMS[2], w),
+            vec![1, 2, 3, w, 4, w + 3072, w + 3328, 5, 6, 7]
+        );
+        assert!(accum_needs_zeroing(90500));
+        assert!(!accum_needs_zeroing(90600));
+        assert!(!accum_needs_zeroing(91400));
+        assert_eq!(
+            transposed_score_geometry(&d),
+            ([2, 4, 5, 3], [60, 15, 1, 5])
+        );
+        assert_eq!(accum_geometry(&d), ([2, 4, 3, 64], [768, 192, 64, 1]));
+        assert_eq!(row_geometry(&d), ([2, 4, 3, 1], [12, 3, 1, 1]));
+    }
+
+    /// The gradient through cuDNN against the float64 CPU kernel of `AttentionGrad` (run with
+    /// `RUSTYTORCH_TEST_CUDA=1 cargo test -p rustytorch-runtime --release --lib dnn_attention
+    /// -- --nocapture` on the GPU machine); prints each shape's engines and times.
+    #[test]
+    fn gradient_matches_f64_reference_on_gpu() {
+        if std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() != Ok("1") {
+            eprintln!("skipped: set RUSTYTORCH_TEST_CUDA=1 on a CUDA machine");
+            return;
+        }
+        let dev = crate::cuda::GpuDevice::get(0).expect("CUDA device 0");
+        dev.bind().expect("bind");
+        eprintln!("cuDNN {}", super::super::dnn::Dnn::version());
+        let mut failures = vec![];
+        for (i, case) in gpu_cases().into_iter().enumerate() {
+            match check_case(&dev, &case, 100 + i as u64) {
+                Ok(line) => eprintln!("ok   {line}"),
+                Err(e) => {
+                    eprintln!("FAIL {case:?}: {e}");
+                    failures.push(format!("{case:?}: {e}"));
+                }
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// One GPU case: dtype, layout, causal, (sq, sk), head size (b 2, h 3).
+    type Case = (DType, AttnLayout, Causal, (usize, usize), usize);
+
+    fn gpu_cases() -> Vec<Case> {
+        use AttnLayout::{Bhsd, Bshd};
+        use Causal::{BottomRight as Br, None as No, TopLeft as Tl};
+        use DType::{BF16, F16};
+        vec![
+            (BF16, Bhsd, No, (64, 64), 64),
+            (F16, Bhsd, No, (64, 64), 64),
+            (BF16, Bshd, Tl, (64, 64), 128),
+            (F16, Bshd, Br, (64, 64), 64),
+            (BF16, Bhsd, Tl, (127, 127), 64),
+            (F16, Bshd, No, (127, 127), 128),
+            (BF16, Bhsd, Br, (127, 256), 128),
+            (F16, Bhsd, Tl, (256, 127), 64),
+            (BF16, Bshd, No, (64, 256), 64),
+            (F16, Bshd, Br, (64, 127), 128),
+            (BF16, Bshd, Tl, (256, 256), 128),
+            (F16, Bhsd, Br, (256, 256), 64),
+            (BF16, Bhsd, No, (256, 64), 128),
+            (F16, Bshd, Tl, (127, 64), 64),
+        ]
+    }
+
+    /// Largest |got − want| over the largest |want|.
+    fn scaled_error(got: &[f64], want: &[f64]) -> f64 {
+        let max = want.iter().fold(0f64, |m, w| m.max(w.abs()));
+        let err = got
+            .iter()
+            .zip(want)
+            .fold(0f64, |m, (g, w)| m.max((g - w).abs()));
+        if err.is_nan() || got.iter().any(|g| !g.is_finite()) {
+            return f64::INFINITY;
+        }
+        err / max.max(f64::MIN_POSITIVE)
+    }
+
+    /// Tolerance on [`scaled_error`]: P and dS are rounded to the operands' type before their
+    /// products (the frontend's reshapes), as in the flash kernels.
+    fn grad_tol(dt: DType) -> f64 {
+        match dt {
+            DType::F16 => 5e-3,
+            _ => 2e-2,
+        }
+    }
+
+    fn check_case(
+        dev: &crate::cuda::GpuDevice,
+        &(dt, layout, causal, (sq, sk), hd): &Case,
+        seed: u64,
+    ) -> std::result::Result<String, String> {
+        use rustytorch_ops::{eval_cpu, testing::rand_tensor, AttnMask, F64Bits, Op, TensorType};
+        let (b, h) = (2, 3);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let d = AttnDnnDesc {
+            dtype: dt,
+            b,
+            h,
+            sq,
+            sk,
+            d: hd,
+            causal,
+            scale_bits: scale.to_bits(),
+            layout,
+        };
+        let ty = |s| TensorType::new(dt, layout.from_bhsd([b, h, s, hd]));
+        let tys = [ty(sq), ty(sk), ty(sk), ty(sq)];
+        let host: Vec<_> = tys
+            .iter()
+            .enumerate()
+            .map(|(i, t)| rand_tensor(t, seed * 10 + i as u64, -1.0, 1.0))
+            .collect();
+        let stream = dev.stream.cu_stream();
+        let s = |e: RuntimeError| e.to_string();
+        let mut blocks = vec![];
+        for t in tys.iter().chain(&tys[..3]) {
+            blocks.push(dev.alloc(t.size_bytes()).map_err(s)?);
+        }
+        for (blk, t) in blocks.iter().zip(&host) {
+            super::super::session::htod(blk.addr, t, stream).map_err(s)?;
+        }
+        let a: Vec<u64> = blocks.iter().map(|b| b.addr).collect();
+        let ptrs = GradPtrs {
+            q: a[0],
+            k: a[1],
+            v: a[2],
+            dout: a[3],
+            dq: a[4],
+            dk: a[5],
+            dv: a[6],
+        };
+        let mut plans = dev
+            .with_dnn(|dn| prepare_grad(dn.handle, &d, Choice::Cudnn, stream))
+            .map_err(s)?
+            .ok_or("no cuDNN plans")?;
+        let ws = dev.alloc(plans.workspace()).map_err(s)?;
+        dev.with_dnn(|dn| plans.run(dn.handle, &ptrs, ws.addr, stream))
+            .map_err(s)?;
+        dev.sync().map_err(s)?;
+        let got: Vec<_> = (0..3)
+            .map(|i| super::super::session::dtoh(a[4 + i], &tys[i], stream))
+            .collect::<Result<_>>()
+            .map_err(s)?;
+        let total = dev
+            .with_dnn(|dn| plans.time(dn.handle, &ptrs, ws.addr, stream))
+            .map_err(s)?;
+        dev.free(ws);
+        for blk in blocks {
+            dev.free(blk);
+        }
+        let wide: Vec<_> = host.iter().map(|t| t.cast(DType::F64)).collect();
+        let refs: Vec<_> = wide.iter().collect();
+        let mut errs = vec![];
+        for (wrt, g) in got.iter().enumerate() {
+            let op = Op::AttentionGrad {
+                causal,
+                mask: AttnMask::None,
+                scale: F64Bits::new(scale as f64),
+                wrt: wrt as u8,
+                layout,
+            };
+            let want = eval_cpu(&op, &refs).map_err(|e| e.to_string())?;
+            errs.push(scaled_error(&g.to_f64_vec(), &want.to_f64_vec()));
+        }
+        let (fe, be) = plans.engines();
+        let line = format!(
+            "{dt:?} {layout:?} {causal:?} sq {sq} sk {sk} d {hd}: engines fwd {fe} bwd {be} \
+             {:?}; fwd-with-stats {:.4} ms, bwd {:.4} ms, full gradient {total:.4} ms; \
+             error dQ {:.2e} dK {:.2e} dV {:.2e} (tol {:.0e})",
+            plans.form(),
+            plans.fwd_ms.unwrap_or(f32::NAN),
+            plans.bwd_ms.unwrap_or(f32::NAN),
+            errs[0],
+            errs[1],
+            errs[2],
+            grad_tol(dt)
+        );
+        if errs.iter().all(|&e| e <= grad_tol(dt)) {
+            Ok(line)
+        } else {
+            Err(line)
+        }
     }
 }

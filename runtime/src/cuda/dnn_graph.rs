@@ -615,6 +615,19 @@ pub(crate) fn reduction_node(
     Ok([op, red])
 }
 
+/// A reshape operation: `y` is `x` seen through `y`'s dims, strides and type (cuDNN's
+/// RESHAPE; the fused attention backward spells its transposes of virtual tensors so).
+pub(crate) fn reshape_node(x: &Desc, y: &Desc) -> Result<Desc> {
+    let op = Desc::new(
+        D::CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR,
+        "reshape operation",
+    )?;
+    op.set_descs(A::CUDNN_ATTR_OPERATION_RESHAPE_XDESC, &[x])?;
+    op.set_descs(A::CUDNN_ATTR_OPERATION_RESHAPE_YDESC, &[y])?;
+    op.finalize()?;
+    Ok(op)
+}
+
 /// Numerical notes that rule an engine out: inputs converted down always; tensor cores for f32
 /// unless TF32 is allowed (they would compute in TF32).
 pub(crate) fn excluded_note(note: i32, dtype: DType, tf32: bool) -> bool {
