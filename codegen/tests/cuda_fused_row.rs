@@ -138,6 +138,7 @@ fn run(step: &StepKernels, inputs: &[&HostTensor], out: &TensorType) -> Vec<f64>
                 ArgRef::Output => y.clone(),
                 ArgRef::Scratch => scratch.clone(),
                 ArgRef::ScratchAt(o) => scratch[o..].to_vec(),
+                ArgRef::With(_) => panic!("{}: a row step writes one result", l.kernel.name),
             })
             .collect();
         interp::run_launch(&l.kernel, l.grid, &mut bufs)
@@ -148,6 +149,7 @@ fn run(step: &StepKernels, inputs: &[&HostTensor], out: &TensorType) -> Vec<f64>
                 ArgRef::Output => y = b,
                 ArgRef::Scratch => scratch = b,
                 ArgRef::ScratchAt(o) => scratch[o..].copy_from_slice(&b),
+                ArgRef::With(_) => unreachable!("refused above"),
             }
         }
     }
