@@ -943,6 +943,36 @@ fn fused_row_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     }
 }
 
+/// Column reductions (the kept dim unit-stride), bytes read over time: GPT-2's bias gradients
+/// `sum(dY, 0)` to f32 from bf16 [8192, 768] and [8192, 3072], an f32 one, and
+/// LayerNorm-backward's `sum(dY * x, 0)` in bf16; and one of 96 MiB, which the L2 cache cannot
+/// hold between back-to-back runs (the GPT-2 sizes, 12 to 48 MiB, may stay there).
+fn col_reduce_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
+    let bf = DType::BF16;
+    let tb = |bytes: usize, ms: f64| bytes as f64 / (ms * 1e-3) / 1e12;
+    let cases: [(&str, DType, usize, usize, usize); 5] = [
+        ("sum(f32(x), 0) bf16 8192x768", bf, 8192, 768, 0),
+        ("sum(f32(x), 0) bf16 8192x3072", bf, 8192, 3072, 0),
+        ("sum(x, 0) f32 8192x768", DType::F32, 8192, 768, 1),
+        ("fused sum(dY * x, 0) bf16 8192x768", bf, 8192, 768, 2),
+        ("sum(f32(x), 0) bf16 65536x768", bf, 65536, 768, 0),
+    ];
+    for (name, d, r, c, which) in cases {
+        let g = GraphBuilder::new();
+        let x = p(&g, "x", d, &[r, c]);
+        let (y, bytes) = match which {
+            0 => (x.cast(DType::F32).sum(&[0], false), r * c * 2),
+            1 => (x.sum(&[0], false), r * c * 4),
+            _ => {
+                let dy = p(&g, "dy", d, &[r, c]);
+                (dy.mul(&x).sum(&[0], false), 2 * r * c * 2)
+            }
+        };
+        let t = time(&g, &[&y], 50, true);
+        push(name, t, "TB/s", tb(bytes, t.0));
+    }
+}
+
 fn main() {
     if let Err(e) = rustytorch::runtime::cuda_device_count() {
         println!("gpu bench: no CUDA device here ({e}); run it on the GPU machine");
@@ -986,6 +1016,7 @@ fn main() {
     // `bench-gpu fused` the fused norm, softmax and reduction rows only.
     if only("fused") {
         fused_row_rows(&mut push);
+        col_reduce_rows(&mut push);
         return;
     }
     let (only_conv, only_sparse, only_tiny, only_bert) =

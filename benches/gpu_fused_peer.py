@@ -1,6 +1,7 @@
 # torch.compile (and eager PyTorch) on the fused norm, softmax and reduction rows of
-# `bench-gpu fused`, bf16 32768x4096, timed with triton's do_bench (median); bandwidth counts the
-# same bytes as the Rust rows (the inputs read and the output written):
+# `bench-gpu fused`, bf16 32768x4096, and its column reductions (sums over the rows of
+# [8192, C], bandwidth as bytes read), timed with triton's do_bench (median); bandwidth counts
+# the same bytes as the Rust rows (the inputs read and the output written):
 #   python3 benches/gpu_fused_peer.py
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,18 @@ CASES = [
     ("fused f32(softmax(x))", lambda: torch.softmax(x, -1).float(), 3 * PLANE),
     ("fused sum(x * y, -1)", lambda: (x * y).sum(-1), 2 * PLANE),
     ("fused sqrt(mean(x * x, -1))", lambda: (x * x).mean(-1, keepdim=True).sqrt(), PLANE),
+]
+
+# Column reductions: GPT-2's bias gradients and LayerNorm-backward's gamma sum.
+N = 8192
+dy768, x768, dy3072, big = rnd(N, 768), rnd(N, 768), rnd(N, 3072), rnd(8 * N, 768)
+f768 = dy768.float()
+CASES += [
+    ("sum(f32(x), 0) bf16 8192x768", lambda: dy768.sum(0, dtype=torch.float32), N * 768 * 2),
+    ("sum(f32(x), 0) bf16 8192x3072", lambda: dy3072.sum(0, dtype=torch.float32), N * 3072 * 2),
+    ("sum(x, 0) f32 8192x768", lambda: f768.sum(0), N * 768 * 4),
+    ("fused sum(dY * x, 0) bf16 8192x768", lambda: (dy768 * x768).sum(0), 2 * N * 768 * 2),
+    ("sum(f32(x), 0) bf16 65536x768", lambda: big.sum(0, dtype=torch.float32), 8 * N * 768 * 2),
 ]
 
 for name, fn, nbytes in CASES:

@@ -856,3 +856,164 @@ fn flash_attention_shapes() {
         }
     }
 }
+
+/// A reduction over the rows with the elementwise `prologue` (`instrs` over the inputs) fused
+/// into its loads, as the fuse pass makes it.
+fn column_sum_of(x: TensorType, instrs: Vec<rustytorch::ops::FusedInstr>, inputs: u32) -> Op {
+    Op::FusedRow(Box::new(rustytorch::ops::RowFusion {
+        core: Op::Reduce {
+            kind: ReduceKind::Sum,
+            axes: vec![0],
+            keep_dims: false,
+        },
+        prologue: Some(rustytorch::ops::FusedKernel {
+            n_inputs: inputs,
+            instrs,
+            out: x,
+        }),
+        epilogue: None,
+    }))
+}
+
+/// The column reductions of GPT-2's training step at their sizes (the bias gradient's
+/// `sum(dY, 0)` in bf16 and f32, to f32 through a cast, and LayerNorm-backward's
+/// `sum(dY · xhat, 0)`), besides odd and narrow ones: 16-byte vectors, two stages.
+#[test]
+fn reductions_over_columns_at_benchmark_sizes() {
+    use rustytorch::ops::FusedInstr;
+    let sum0 = Op::Reduce {
+        kind: ReduceKind::Sum,
+        axes: vec![0],
+        keep_dims: false,
+    };
+    for (d, dims) in [
+        (DType::BF16, [8192usize, 768]),
+        (DType::BF16, [8192, 3072]),
+        (DType::F32, [8192, 768]),
+        (DType::F16, [8192, 129]),
+        (DType::F64, [5000, 40]),
+    ] {
+        let x = rnd(d, &dims, 61, -2.0, 2.0);
+        check(&format!("sum0 {d:?} {dims:?}"), sum0.clone(), vec![x]);
+    }
+    for kind in [ReduceKind::Max, ReduceKind::Mean] {
+        let op = Op::Reduce {
+            kind,
+            axes: vec![1],
+            keep_dims: true,
+        };
+        let x = rnd(DType::BF16, &[4, 2048, 768], 62, -2.0, 2.0);
+        check(&format!("{kind:?} bf16 [4, 2048, 768] axis 1"), op, vec![x]);
+    }
+    let dims = [8192usize, 768];
+    let (f32t, bft) = (t(DType::F32, &dims), t(DType::BF16, &dims));
+    let cast = FusedInstr {
+        op: Op::Cast { to: DType::F32 },
+        args: vec![0],
+        dtype: DType::F32,
+    };
+    let dy = rnd(DType::BF16, &dims, 63, -2.0, 2.0);
+    check(
+        "sum(f32(dY), 0) bf16 [8192, 768]",
+        column_sum_of(f32t, vec![cast], 1),
+        vec![dy.clone()],
+    );
+    let mul = FusedInstr {
+        op: Op::Binary(BinaryOp::Mul),
+        args: vec![0, 1],
+        dtype: DType::BF16,
+    };
+    let xhat = rnd(DType::BF16, &dims, 64, -2.0, 2.0);
+    check(
+        "sum(dY * xhat, 0) bf16 [8192, 768]",
+        column_sum_of(bft, vec![mul], 2),
+        vec![dy, xhat],
+    );
+}
+
+/// The column-reduction kernels compile with NVRTC for sm_80 and sm_90, on any machine where
+/// NVRTC loads (`RUSTYTORCH_TEST_NVRTC=1` makes its absence a failure): every float and integer
+/// dtype, vector widths 8, 4, 2 and scalars, one and two stages, fused prologues.
+#[test]
+fn reductions_over_columns_compile_with_nvrtc() {
+    use rustytorch::codegen::cuda::{lower_step, source};
+    use rustytorch::runtime::cuda::compile::KernelCompiler;
+    let required = std::env::var("RUSTYTORCH_TEST_NVRTC").as_deref() == Ok("1");
+    let compilers: Result<Vec<_>, _> = [(8, 0), (9, 0)]
+        .into_iter()
+        .map(|cc| KernelCompiler::with_dir(cc, None))
+        .collect();
+    let compilers = match compilers {
+        Ok(c) => c,
+        Err(e) if required => panic!("RUSTYTORCH_TEST_NVRTC=1 but NVRTC is unavailable: {e}"),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            return;
+        }
+    };
+    let mut cases: Vec<(Op, Vec<TensorType>)> = vec![];
+    for d in [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::I64,
+        DType::U8,
+    ] {
+        for dims in [&[8192usize, 768][..], &[300, 13], &[7, 3, 10], &[20, 24]] {
+            for kind in [ReduceKind::Sum, ReduceKind::Max, ReduceKind::Prod] {
+                cases.push((
+                    Op::Reduce {
+                        kind,
+                        axes: vec![dims.len() - 2],
+                        keep_dims: false,
+                    },
+                    vec![t(d, dims)],
+                ));
+            }
+        }
+    }
+    for kind in [ReduceKind::Any, ReduceKind::All] {
+        let op = Op::Reduce {
+            kind,
+            axes: vec![0],
+            keep_dims: true,
+        };
+        cases.push((op, vec![t(DType::Bool, &[8192, 768])]));
+    }
+    let dims = [8192usize, 768];
+    for d in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+        let mul = rustytorch::ops::FusedInstr {
+            op: Op::Binary(BinaryOp::Mul),
+            args: vec![0, 1],
+            dtype: d,
+        };
+        let x = t(d, &dims);
+        cases.push((column_sum_of(x.clone(), vec![mul], 2), vec![x.clone(), x]));
+    }
+    let cast = rustytorch::ops::FusedInstr {
+        op: Op::Cast { to: DType::F32 },
+        args: vec![0],
+        dtype: DType::F32,
+    };
+    cases.push((
+        column_sum_of(t(DType::F32, &dims), vec![cast], 1),
+        vec![t(DType::BF16, &dims)],
+    ));
+    let mut sources = vec![];
+    for (op, ins) in cases {
+        let refs: Vec<&TensorType> = ins.iter().collect();
+        let out = rustytorch::ops::infer(&op, &refs).unwrap();
+        let step = lower_step(&op, &refs, &out).unwrap_or_else(|e| panic!("{op:?}: {e}"));
+        for l in step.launches() {
+            sources.push((l.kernel.name.clone(), source(&l.kernel).unwrap()));
+        }
+    }
+    sources.sort();
+    sources.dedup();
+    for c in &compilers {
+        c.cubins(&sources)
+            .unwrap_or_else(|e| panic!("{}: {e}", c.arch()));
+    }
+}

@@ -491,8 +491,9 @@ fn cross_entropy_grad() {
 
 #[test]
 fn placements() {
-    // The grid tells the placement apart: 8 rows per block (a warp each), a block per row, or 32
-    // rows per block (columns of a non-last axis).
+    // The grid tells the placement apart: 8 rows per block (a warp each), a block per row, or
+    // columns of a non-last axis (32 vectors of outputs a block, 8 rows at a time; 128 f32
+    // outputs when the kept extent takes 16-byte vectors).
     let grid = |op: &Op, dims: &[usize]| {
         let x = rand(DType::F32, dims, 1, -1.0, 1.0);
         let (step, _) = lower(op, &[&x]);
@@ -501,9 +502,12 @@ fn placements() {
     let sum = |axes: &[usize]| red(ReduceKind::Sum, axes, false);
     assert_eq!(grid(&sum(&[1]), &[40, 3]), [5]);
     assert_eq!(grid(&sum(&[1]), &[3, 2500]), [3]);
-    assert_eq!(grid(&sum(&[0]), &[7, 100]), [4]);
+    assert_eq!(grid(&sum(&[0]), &[7, 100]), [1]);
+    assert_eq!(grid(&sum(&[0]), &[7, 1000]), [8]);
     assert_eq!(grid(&sum(&[0, 1]), &[200, 200]), [5, 1]);
-    assert_eq!(grid(&sum(&[0]), &[5000, 3]), [2, 1]);
+    // Three scalar columns: 4 lanes a row and 64 rows at a time, 9 chunks of at least 8 rows a
+    // thread, then one block for the partials.
+    assert_eq!(grid(&sum(&[0]), &[5000, 3]), [9, 1]);
     assert_eq!(grid(&Op::Softmax { axis: 1 }, &[6, 50, 7]), [2]);
     assert_eq!(grid(&Op::Softmax { axis: 1 }, &[3, 2000]), [3]);
     // Last-axis rows that fit in registers: a block of 128 threads per row of 500 vectors.

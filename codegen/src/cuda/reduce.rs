@@ -27,8 +27,8 @@
 
 use super::ir::{
     add, assign, bin, cast, div, elem_bytes, fc, for_, global_thread, i32c, i64c, if_,
-    lane_and_warp, let_, lit, load, lt, mul, rem, select, special, store, sub, un, var,
-    warp_row_loop, BinFn, CTy, Expr, Kernel, Lit, Param, Special, Stmt, UnFn,
+    lane_and_warp, let_, lit, load, load_vec, lt, mul, rem, select, special, store, store_vec, sub,
+    un, var, warp_row_loop, BinFn, CTy, Expr, Kernel, Lit, Param, Special, Stmt, UnFn,
 };
 use super::rows::{self, RowOp};
 use super::{finish, grid_for, ArgRef, Launch, StepKernels};
@@ -135,14 +135,11 @@ pub(super) fn offset(idx: &str, dims: &[Dim]) -> Expr {
 }
 
 /// A split of every row's `0..n` into `parts` chunks of `chunk` (the first stage of a two-stage
-/// reduction): launch row `r` is output `r / parts`, chunk `r % parts` (or, with `parts_outer`,
-/// chunk `r / outputs`, output `r % outputs`).
+/// reduction): launch row `r` is output `r / parts`, chunk `r % parts`.
 #[derive(Clone, Copy, Debug)]
 struct Split {
     parts: usize,
     chunk: usize,
-    outputs: usize,
-    parts_outer: bool,
 }
 
 /// The rows of one launch.
@@ -200,19 +197,13 @@ fn choose(rows: &Rows) -> Strat {
 }
 
 /// Chunks per output of a two-stage reduction (1: one stage): enough blocks to fill the GPU when
-/// outputs are few and long.
+/// outputs are few and long (column reductions split by [`ColPlan::parts`]).
 fn parts_for(strat: Strat, outputs: usize, n: usize) -> usize {
     match strat {
         // Chunks of 8192 (32 elements a thread), up to ~512 blocks in all.
         Strat::Block if outputs < 128 && n >= 32_768 => {
             n.div_ceil(8192).min(512usize.div_ceil(outputs))
         }
-        // Chunks of 256 (32 elements a thread), up to ~1024 blocks of 32 rows in all: a bias
-        // gradient (the sum over 8192 rows of [8192, 768]) is only 24 blocks of columns, far
-        // too few to reach the memory's bandwidth (0.53 TB/s measured with up to 64 blocks).
-        Strat::Cols if outputs.div_ceil(32) < 1024 && n >= 4096 => n
-            .div_ceil(256)
-            .min(1024usize.div_ceil(outputs.div_ceil(32))),
         _ => 1,
     }
 }
@@ -588,13 +579,8 @@ impl Tpl {
         let (o, kb, ke) = match rows.split {
             None => (var("row"), i64c(0), i64c(n)),
             Some(sp) => {
-                let (o, part) = if sp.parts_outer {
-                    let m = i64c(sp.outputs as i64);
-                    (rem(var("row"), m.clone()), div(var("row"), m))
-                } else {
-                    let m = i64c(sp.parts as i64);
-                    (div(var("row"), m.clone()), rem(var("row"), m))
-                };
+                let m = i64c(sp.parts as i64);
+                let (o, part) = (div(var("row"), m.clone()), rem(var("row"), m));
                 let kb = mul(part, i64c(sp.chunk as i64));
                 let ke = bin(BinFn::Min, add(var("kb"), i64c(sp.chunk as i64)), i64c(n));
                 (o, kb, ke)
@@ -778,7 +764,13 @@ impl Prog<'_> {
                 }
             });
         }
-        let v = super::elementwise::program_value(s, tag, self.k, &args, &self.dtypes)?;
+        self.value_of(s, tag, &args, ty)
+    }
+
+    /// The program's value over the operand values `args` (each in its compute type), rounded to
+    /// [`Prog::round`] and held in `ty`; statements go to `s`.
+    fn value_of(&self, s: &mut Vec<Stmt>, tag: &str, args: &[Expr], ty: CTy) -> Result<Expr> {
+        let v = super::elementwise::program_value(s, tag, self.k, args, &self.dtypes)?;
         let c = super::elementwise::program_compute(self.k, &self.dtypes);
         Ok(rounded(v, c, self.round, ty))
     }
@@ -970,6 +962,10 @@ pub(super) fn fused_reduce(
         }
     };
     let strat = choose(&rows);
+    if strat == Strat::Cols {
+        let args = (src_args, epi_args);
+        return col_reduce(&prefix, &rows, acc, (xs, ys), &fin, pro, epi, args).map(Some);
+    }
     let parts = parts_for(strat, outputs, n);
     if parts <= 1 {
         let k = fused_reduce_kernel(
@@ -988,19 +984,12 @@ pub(super) fn fused_reduce(
         args.push(ArgRef::Output);
         return Ok(Some(single(k, args)));
     }
-    // Two stages: partials of chunks into scratch, laid out [parts, outputs] for columns (so
-    // that both stages read and write neighbouring outputs together) and [outputs, parts] else.
+    // Two stages: partials of chunks into scratch, laid out [outputs, parts].
     let chunk = n.div_ceil(parts);
     let parts = n.div_ceil(chunk);
-    let parts_outer = strat == Strat::Cols;
     let mut first = rows.clone();
     first.count = outputs * parts;
-    first.split = Some(Split {
-        parts,
-        chunk,
-        outputs,
-        parts_outer,
-    });
+    first.split = Some(Split { parts, chunk });
     let k1 = fused_reduce_kernel(
         &format!("{prefix}_partial"),
         &first,
@@ -1012,12 +1001,12 @@ pub(super) fn fused_reduce(
         pro,
         None,
     )?;
-    let (kept2, red2) = if parts_outer {
-        (vec![(outputs, 1)], vec![(parts, outputs)])
-    } else {
-        (vec![(outputs, parts)], vec![(parts, 1)])
-    };
-    let second = Rows::new(outputs, coalesce(kept2), coalesce(red2), parts);
+    let second = Rows::new(
+        outputs,
+        coalesce([(outputs, parts)]),
+        coalesce([(parts, 1)]),
+        parts,
+    );
     let k2 = fused_reduce_kernel(
         &prefix,
         &second,
@@ -1049,6 +1038,485 @@ pub(super) fn fused_reduce(
         ],
         scratch_bytes: outputs * parts * elem_bytes(acc.ty),
     }))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Column reductions
+
+/// Blocks a split column reduction aims for: four of 256 threads on each of an H200's 132 SMs.
+const COL_BLOCKS: usize = 4 * 132;
+/// Rows each thread reads at least in a chunk of a split column reduction, so that the partials
+/// stay a small fraction of the input.
+const COL_MIN_ROWS: usize = 8;
+/// Rows a thread loads before it accumulates them (independent loads in flight).
+const COL_UNROLL: usize = 4;
+
+/// The placement of a column reduction (one that keeps the unit-stride dim): each thread owns
+/// `vec` adjacent outputs (one 16-byte vector of the input where the kept extent and the strides
+/// allow, else a shorter one or a scalar), `lanes` neighbouring threads cover `lanes · vec`
+/// outputs of a row (a warp reads 512 contiguous bytes when `lanes` is 32), and a block's
+/// `slots = 256 / lanes` groups of lanes walk different rows, accumulating in registers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ColPlan {
+    vec: usize,
+    lanes: usize,
+    slots: usize,
+    /// Blocks of `lanes · vec` outputs.
+    col_blocks: usize,
+}
+
+impl ColPlan {
+    /// The plan for `rows` (the kept dims end with a unit-stride one) read from buffers whose
+    /// narrowest element is `elem` bytes wide.
+    fn new(rows: &Rows, elem: usize) -> ColPlan {
+        let (unit, outer) = rows
+            .kept
+            .split_last()
+            .map_or((1, &[][..]), |(last, outer)| (last.0, outer));
+        let mut vec = (16 / elem.max(1)).clamp(1, 8);
+        let fits = |v: usize| unit % v == 0 && outer.iter().chain(&rows.red).all(|d| d.1 % v == 0);
+        while vec > 1 && !fits(vec) {
+            vec /= 2;
+        }
+        let nv = rows.count / vec;
+        let lanes = nv.next_power_of_two().min(WARP as usize);
+        ColPlan {
+            vec,
+            lanes,
+            slots: BLOCK as usize / lanes,
+            col_blocks: nv.div_ceil(lanes),
+        }
+    }
+
+    /// Chunks of the `n` rows for the first of two stages (1: one stage): enough blocks for
+    /// [`COL_BLOCKS`], each thread reading at least [`COL_MIN_ROWS`] rows.
+    fn parts(&self, n: usize) -> usize {
+        if self.col_blocks >= COL_BLOCKS / 2 {
+            return 1;
+        }
+        COL_BLOCKS
+            .div_ceil(self.col_blocks)
+            .min(n / (self.slots * COL_MIN_ROWS))
+            .max(1)
+    }
+}
+
+/// How a prologue operand's `vec` elements at a vector's flat indices are read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Access {
+    /// One vector access (contiguous and aligned).
+    Vector,
+    /// One element for all (broadcast along the vector).
+    Same,
+    /// An element each.
+    Scalar,
+}
+
+/// The access of an operand with offset space `dims` over `vec`-aligned runs of `vec` flat
+/// indices.
+fn access(dims: &[Dim], vec: usize) -> Access {
+    let Some((&(size, stride), outer)) = dims.split_last() else {
+        return Access::Same;
+    };
+    if vec == 1 || size % vec != 0 {
+        Access::Scalar
+    } else if stride == 0 {
+        Access::Same
+    } else if stride == 1 && outer.iter().all(|d| d.1 % vec == 0) {
+        Access::Vector
+    } else {
+        Access::Scalar
+    }
+}
+
+/// Loads `names.len()` consecutive elements of `buf` from `index` (aligned to their count) in
+/// accesses of at most 16 bytes, declaring `names` in the element's compute type.
+fn load_run(s: &mut Vec<Stmt>, buf: &str, elem: CTy, index: Expr, names: &[String]) {
+    if names.len() == 1 {
+        s.push(let_(&names[0], elem.compute_of(), load(buf, elem, index)));
+        return;
+    }
+    let w = (16 / elem_bytes(elem)).min(names.len());
+    for (c, part) in names.chunks(w).enumerate() {
+        let at = add(index.clone(), i64c((c * w) as i64));
+        s.push(load_vec(buf, elem, at, part.to_vec()));
+    }
+}
+
+/// Stores `values` to consecutive elements of `buf` from `index` (aligned to their count) in
+/// accesses of at most 16 bytes.
+fn store_run(s: &mut Vec<Stmt>, buf: &str, elem: CTy, index: Expr, values: Vec<Expr>) {
+    if values.len() == 1 {
+        s.push(store(buf, elem, index, values[0].clone()));
+        return;
+    }
+    let w = (16 / elem_bytes(elem)).min(values.len());
+    for (c, part) in values.chunks(w).enumerate() {
+        let at = add(index.clone(), i64c((c * w) as i64));
+        s.push(store_vec(buf, elem, at, part.to_vec()));
+    }
+}
+
+/// The `plan.vec` values (in `acc.ty`) of the input row at `at` (the element offset of the
+/// thread's first output in that row): its loads go to `loads`, the prologue's arithmetic to
+/// `math`, so that a thread issues the loads of several rows before it needs them.
+#[allow(clippy::too_many_arguments)]
+fn col_values(
+    loads: &mut Vec<Stmt>,
+    math: &mut Vec<Stmt>,
+    tag: &str,
+    at: Expr,
+    vec: usize,
+    src: (&str, CTy),
+    pro: Option<&Prog>,
+    ty: CTy,
+) -> Result<Vec<Expr>> {
+    let names = |op: &str| -> Vec<String> { (0..vec).map(|j| format!("{tag}{op}_{j}")).collect() };
+    let Some(p) = pro else {
+        let n = names("x");
+        load_run(loads, src.0, src.1, at, &n);
+        return Ok(n
+            .iter()
+            .map(|v| {
+                if src.1.compute_of() == ty {
+                    var(v)
+                } else {
+                    cast(ty, var(v))
+                }
+            })
+            .collect());
+    };
+    let xi = format!("{tag}i");
+    loads.push(let_(&xi, CTy::I64, at));
+    // Per operand, the variable holding each of the vector's elements.
+    let mut per_op: Vec<Vec<Expr>> = Vec::new();
+    for (o, (name, elem, dims)) in p.ops.iter().flatten().enumerate() {
+        let n = names(&format!("a{o}"));
+        match access(dims, vec) {
+            Access::Vector => {
+                load_run(loads, name, *elem, offset(&xi, dims), &n);
+                per_op.push(n.iter().map(|v| var(v)).collect());
+            }
+            Access::Same => {
+                loads.push(let_(
+                    &n[0],
+                    elem.compute_of(),
+                    load(name, *elem, offset(&xi, dims)),
+                ));
+                per_op.push(vec![var(&n[0]); vec]);
+            }
+            Access::Scalar => {
+                for (j, v) in n.iter().enumerate() {
+                    let ij = format!("{v}i");
+                    loads.push(let_(&ij, CTy::I64, add(var(&xi), i64c(j as i64))));
+                    loads.push(let_(
+                        v,
+                        elem.compute_of(),
+                        load(name, *elem, offset(&ij, dims)),
+                    ));
+                }
+                per_op.push(n.iter().map(|v| var(v)).collect());
+            }
+        }
+    }
+    (0..vec)
+        .map(|j| {
+            let args: Vec<Expr> = per_op.iter().map(|a| a[j].clone()).collect();
+            p.value_of(math, &format!("{tag}p{j}_"), &args, ty)
+        })
+        .collect()
+}
+
+/// A column-reduction kernel placed by `plan` (see [`ColPlan`]) over `rows` (`count` outputs):
+/// stores `fin` of output `o`'s result at `dst[o]` or, with `split` (parts, chunk), the partial
+/// of chunk `c` at `dst[c · outputs + o]`. Loads go through the prologue `pro` and stores through
+/// the epilogue `epi` (not with `split`).
+#[allow(clippy::too_many_arguments)]
+fn col_kernel(
+    prefix: &str,
+    rows: &Rows,
+    plan: ColPlan,
+    split: Option<(usize, usize)>,
+    acc: Acc,
+    src: (&str, CTy),
+    dst: (&str, CTy),
+    fin: &dyn Fn(Expr) -> Expr,
+    pro: Option<&Prog>,
+    epi: Option<&Prog>,
+) -> Result<(Kernel, u32)> {
+    let ColPlan {
+        vec,
+        lanes,
+        slots,
+        col_blocks,
+    } = plan;
+    let n = rows.n;
+    let outputs = rows.count;
+    let nv = (outputs / vec) as i64;
+    let (parts, chunk) = split.unwrap_or((1, n));
+    let total = col_blocks * parts;
+    let a = |j: usize| format!("a{j}");
+    let cb = i64c(col_blocks as i64);
+    let mut body = vec![
+        let_(
+            "cv",
+            CTy::I64,
+            add(
+                mul(rem(var("blk"), cb.clone()), i64c(lanes as i64)),
+                var("lane"),
+            ),
+        ),
+        let_("act", CTy::Bool, lt(var("cv"), i64c(nv))),
+        // Threads past the last vector read it without storing.
+        let_(
+            "o",
+            CTy::I64,
+            mul(bin(BinFn::Min, var("cv"), i64c(nv - 1)), i64c(vec as i64)),
+        ),
+        let_("kb", CTy::I64, mul(div(var("blk"), cb), i64c(chunk as i64))),
+        let_(
+            "ke",
+            CTy::I64,
+            select(
+                var("act"),
+                bin(
+                    BinFn::Min,
+                    add(var("kb"), i64c(chunk as i64)),
+                    i64c(n as i64),
+                ),
+                var("kb"),
+            ),
+        ),
+        let_("base", CTy::I64, offset("o", &rows.kept)),
+    ];
+    for j in 0..vec {
+        body.extend(acc.init(&a(j)));
+    }
+    // The rows of this thread: `COL_UNROLL` at a time while whole groups remain, then one at a
+    // time.
+    let group = (slots * COL_UNROLL) as i64;
+    body.push(let_(
+        "kf",
+        CTy::I64,
+        add(
+            var("kb"),
+            mul(div(sub(var("ke"), var("kb")), i64c(group)), i64c(group)),
+        ),
+    ));
+    for (start, end, unroll) in [("kb", "kf", COL_UNROLL), ("kf", "ke", 1)] {
+        let (mut loads, mut math) = (Vec::new(), Vec::new());
+        let mut xs = Vec::new();
+        for u in 0..unroll {
+            let ku = format!("k{u}");
+            loads.push(let_(&ku, CTy::I64, add(var("k"), i64c((u * slots) as i64))));
+            let at = add(var("base"), offset(&ku, &rows.red));
+            let tag = format!("u{u}");
+            xs.push(col_values(
+                &mut loads, &mut math, &tag, at, vec, src, pro, acc.ty,
+            )?);
+        }
+        for x in xs {
+            for (j, v) in x.into_iter().enumerate() {
+                math.extend(acc.merge(&a(j), &[v], "take"));
+            }
+        }
+        loads.extend(math);
+        body.push(for_(
+            "k",
+            add(var(start), var("slot")),
+            var(end),
+            i64c(if unroll > 1 { group } else { slots as i64 }),
+            loads,
+        ));
+    }
+    // Combine the slots' states through shared memory, halving the slots each step.
+    let sh = "sh";
+    let at = |j: usize, s: Expr| {
+        add(
+            mul(add(i64c((j * slots) as i64), s), i64c(lanes as i64)),
+            var("lane"),
+        )
+    };
+    for j in 0..vec {
+        body.push(store(sh, acc.ty, at(j, var("slot")), var(&a(j))));
+    }
+    body.push(Stmt::SyncThreads);
+    let mut h = slots / 2;
+    while h >= 1 {
+        let mut then = Vec::new();
+        for j in 0..vec {
+            let other = load(sh, acc.ty, at(j, add(var("slot"), i64c(h as i64))));
+            then.extend(acc.merge(&a(j), &[other], "take"));
+            then.push(store(sh, acc.ty, at(j, var("slot")), var(&a(j))));
+        }
+        body.push(if_(lt(var("slot"), i64c(h as i64)), then));
+        body.push(Stmt::SyncThreads);
+        h /= 2;
+    }
+    // The results.
+    let mut last = Vec::new();
+    let oi = match split {
+        Some(_) => add(
+            mul(
+                div(var("blk"), i64c(col_blocks as i64)),
+                i64c(outputs as i64),
+            ),
+            var("o"),
+        ),
+        None => var("o"),
+    };
+    match epi {
+        None => {
+            let ys = (0..vec).map(|j| fin(acc.result(&a(j)))).collect();
+            store_run(&mut last, dst.0, dst.1, oi, ys);
+        }
+        Some(p) => {
+            for j in 0..vec {
+                let (r0, oj) = (format!("r{j}"), format!("o{j}"));
+                last.push(let_(&r0, acc.ty, fin(acc.result(&a(j)))));
+                last.push(let_(&oj, CTy::I64, add(var("o"), i64c(j as i64))));
+                let y = p.value(
+                    &mut last,
+                    &format!("e{j}_"),
+                    &oj,
+                    Some(var(&r0)),
+                    dst.1.compute_of(),
+                )?;
+                last.push(store(dst.0, dst.1, var(&oj), y));
+            }
+        }
+    }
+    body.push(if_(and(eq(var("slot"), i64c(0)), var("act")), last));
+    let tid = || special(Special::ThreadIdx);
+    let all = vec![
+        Stmt::Shared {
+            name: sh.into(),
+            elem: acc.ty,
+            len: BLOCK * vec as u32,
+        },
+        let_("lane", CTy::I64, rem(tid(), i64c(lanes as i64))),
+        let_("slot", CTy::I64, div(tid(), i64c(lanes as i64))),
+        for_(
+            "blk",
+            special(Special::BlockIdx),
+            i64c(total as i64),
+            special(Special::GridDim),
+            body,
+        ),
+    ];
+    let mut params = match pro {
+        Some(p) => p.params(),
+        None => vec![param(src.0, src.1, false)],
+    };
+    if let Some(p) = epi {
+        params.extend(p.params());
+    }
+    params.push(param(dst.0, dst.1, true));
+    let k = finish(
+        prefix,
+        Kernel {
+            name: String::new(),
+            params,
+            block: BLOCK,
+            body: all,
+        },
+    )?;
+    Ok((k, grid_for(total as u64, 1)))
+}
+
+/// A column reduction (see [`ColPlan`]) of `rows` with storage types `(x, y)`: one kernel, or
+/// partials of chunks of rows into scratch (laid out [parts, outputs], so that both stages read
+/// and write neighbouring outputs together) and a second column reduction of the partials.
+#[allow(clippy::too_many_arguments)]
+fn col_reduce(
+    prefix: &str,
+    rows: &Rows,
+    acc: Acc,
+    (xs, ys): (CTy, CTy),
+    fin: &dyn Fn(Expr) -> Expr,
+    pro: Option<&Prog>,
+    epi: Option<&Prog>,
+    (src_args, epi_args): (Vec<ArgRef>, Vec<ArgRef>),
+) -> Result<StepKernels> {
+    // Vectors as wide as 16 bytes of the narrowest buffer read (a bf16 operand of an f32
+    // prologue reads 8 elements at a time).
+    let narrowest = match pro {
+        Some(p) => p.ops.iter().flatten().map(|o| elem_bytes(o.1)).min(),
+        None => Some(elem_bytes(xs)),
+    };
+    let plan = ColPlan::new(rows, narrowest.unwrap_or(elem_bytes(xs)));
+    let (n, outputs) = (rows.n, rows.count);
+    let parts = plan.parts(n);
+    if parts <= 1 {
+        let k = col_kernel(
+            prefix,
+            rows,
+            plan,
+            None,
+            acc,
+            ("x", xs),
+            ("y", ys),
+            fin,
+            pro,
+            epi,
+        )?;
+        let mut args = src_args;
+        args.extend(epi_args);
+        args.push(ArgRef::Output);
+        return Ok(single(k, args));
+    }
+    let chunk = n.div_ceil(parts);
+    let parts = n.div_ceil(chunk);
+    let k1 = col_kernel(
+        &format!("{prefix}_partial"),
+        rows,
+        plan,
+        Some((parts, chunk)),
+        acc,
+        ("x", xs),
+        ("part", acc.ty),
+        &|e| e,
+        pro,
+        None,
+    )?;
+    let second = Rows::new(
+        outputs,
+        coalesce([(outputs, 1)]),
+        coalesce([(parts, outputs)]),
+        parts,
+    );
+    let k2 = col_kernel(
+        prefix,
+        &second,
+        ColPlan::new(&second, elem_bytes(acc.ty)),
+        None,
+        acc,
+        ("part", acc.ty),
+        ("y", ys),
+        fin,
+        None,
+        epi,
+    )?;
+    let mut args1 = src_args;
+    args1.push(ArgRef::Scratch);
+    let mut args2 = vec![ArgRef::Scratch];
+    args2.extend(epi_args);
+    args2.push(ArgRef::Output);
+    Ok(StepKernels {
+        launches: vec![
+            Launch {
+                kernel: k1.0,
+                args: args1,
+                grid: k1.1,
+            },
+            Launch {
+                kernel: k2.0,
+                args: args2,
+                grid: k2.1,
+            },
+        ],
+        scratch_bytes: outputs * parts * elem_bytes(acc.ty),
+    })
 }
 
 fn arg_reduce(op: &Op, kind: ArgKind, axis: usize, x: &TensorType) -> Result<StepKernels> {
