@@ -10,6 +10,7 @@
 //! (the reference accumulates the softmax denominator in f64; both agree to a few f32 ulps,
 //! checked in the tests against an f64 reference).
 
+use crate::matmul::packed::small_gemm;
 use crate::util::PAR_THRESHOLD;
 use crate::vmath;
 use crate::{AttnMask, Causal, Data, HostTensor, Op, Result, Shape, TensorType};
@@ -110,7 +111,8 @@ pub fn forward_f32(
 /// Heads `first..` of the block whose outputs `o` holds (whole heads).
 fn heads_block(geo: &Geo<'_>, first: usize, q: &[f32], k: &[f32], v: &[f32], o: &mut [f32]) {
     let mut kt = vec![0f32; geo.d * geo.sk];
-    let mut p = vec![0f32; geo.sk];
+    // Room for the head's whole score matrix (the register-tiled path).
+    let mut p = vec![0f32; geo.sq.max(1) * geo.sk];
     let per_head = geo.sq * geo.dv;
     for (i, oh) in o.chunks_exact_mut(per_head).enumerate() {
         let bh = first + i;
@@ -134,8 +136,11 @@ crate::vmath::dispatch! {
     }
 }
 
-/// One head: `o [Sq, Dv] = softmax(scale·q·kᵀ + mask) · v`.
+/// One head: `o [Sq, Dv] = softmax(scale·q·kᵀ + mask) · v`. With AVX-512 both products run
+/// through the register-tiled kernel of [`crate::matmul::packed::small_gemm`] over the head's whole
+/// score matrix; otherwise row by row.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn head_body(
     geo: &Geo<'_>,
     bh: usize,
@@ -158,13 +163,26 @@ fn head_body(
             kt[t * sk + j] = kh[j * d + t];
         }
     }
-    for (i, orow) in o.chunks_exact_mut(dv.max(1)).enumerate().take(sq) {
-        let limit = match geo.causal {
-            Causal::None => sk as i64,
-            Causal::TopLeft => i as i64 + 1,
-            Causal::BottomRight => i as i64 + 1 + sk as i64 - sq as i64,
+    let scores = &mut p[..sq * sk];
+    if sk > 0 && small_gemm(qh, d, kt, sk, scores, sk, (sq, sk, d)) {
+        for (i, row) in scores.chunks_exact_mut(sk).enumerate() {
+            if !finish_row(geo, b, hh, i, row) {
+                row.iter_mut().for_each(|x| *x = 0.0);
+            }
         }
-        .clamp(0, sk as i64) as usize;
+        if small_gemm(scores, sk, vh, dv, o, dv, (sq, dv, sk)) {
+            // A row of probabilities is all zeros only where every key was masked: its output
+            // is zeros whatever V holds.
+            for (orow, prow) in o.chunks_exact_mut(dv.max(1)).zip(scores.chunks_exact(sk)) {
+                if prow.iter().all(|&x| x == 0.0) {
+                    orow.iter_mut().for_each(|x| *x = 0.0);
+                }
+            }
+            return;
+        }
+    }
+    let p = &mut p[..sk];
+    for (i, orow) in o.chunks_exact_mut(dv.max(1)).enumerate().take(sq) {
         p.iter_mut().for_each(|x| *x = 0.0);
         let qi = &qh[i * d..(i + 1) * d];
         for (t, &x) in qi.iter().enumerate() {
@@ -172,44 +190,61 @@ fn head_body(
                 *s = x.mul_add(kv, *s);
             }
         }
-        p.iter_mut().for_each(|s| *s *= geo.scale);
-        match &geo.mask {
-            Mask::None => {}
-            Mask::Add(m, st) => {
-                let base = b * st[0] + hh * st[1] + i * st[2];
-                if st[3] == 1 {
-                    for (s, &a) in p.iter_mut().zip(&m[base..base + sk]) {
-                        *s += a;
-                    }
-                } else {
-                    for (j, s) in p.iter_mut().enumerate() {
-                        *s += m[base + j * st[3]];
-                    }
-                }
-            }
-            Mask::Keep(m, st) => {
-                let base = b * st[0] + hh * st[1] + i * st[2];
-                for (j, s) in p.iter_mut().enumerate() {
-                    if !m[base + j * st[3]] {
-                        *s = f32::NEG_INFINITY;
-                    }
-                }
-            }
-        }
-        p[limit..].iter_mut().for_each(|s| *s = f32::NEG_INFINITY);
         orow.iter_mut().for_each(|x| *x = 0.0);
-        let mx = p.iter().fold(f32::NEG_INFINITY, |a, &s| a.max(s));
-        if mx == f32::NEG_INFINITY && !p.iter().any(|s| s.is_nan()) {
-            // Every key masked: the row stays zero.
+        if !finish_row(geo, b, hh, i, p) {
             continue;
         }
-        vmath::softmax_row(p);
         for (j, &pj) in p.iter().enumerate() {
             for (y, &x) in orow.iter_mut().zip(&vh[j * dv..(j + 1) * dv]) {
                 *y = pj.mul_add(x, *y);
             }
         }
     }
+}
+
+/// Score row `i` of head (`b`, `hh`) to probabilities in place: scale, mask, causal limit,
+/// softmax. `false` (the row left as it is) when every key is masked and no score is NaN: the
+/// output row is then zeros.
+#[inline(always)]
+fn finish_row(geo: &Geo<'_>, b: usize, hh: usize, i: usize, p: &mut [f32]) -> bool {
+    let (sq, sk) = (geo.sq, geo.sk);
+    let limit = match geo.causal {
+        Causal::None => sk as i64,
+        Causal::TopLeft => i as i64 + 1,
+        Causal::BottomRight => i as i64 + 1 + sk as i64 - sq as i64,
+    }
+    .clamp(0, sk as i64) as usize;
+    p.iter_mut().for_each(|s| *s *= geo.scale);
+    match &geo.mask {
+        Mask::None => {}
+        Mask::Add(m, st) => {
+            let base = b * st[0] + hh * st[1] + i * st[2];
+            if st[3] == 1 {
+                for (s, &a) in p.iter_mut().zip(&m[base..base + sk]) {
+                    *s += a;
+                }
+            } else {
+                for (j, s) in p.iter_mut().enumerate() {
+                    *s += m[base + j * st[3]];
+                }
+            }
+        }
+        Mask::Keep(m, st) => {
+            let base = b * st[0] + hh * st[1] + i * st[2];
+            for (j, s) in p.iter_mut().enumerate() {
+                if !m[base + j * st[3]] {
+                    *s = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+    p[limit..].iter_mut().for_each(|s| *s = f32::NEG_INFINITY);
+    let mx = p.iter().fold(f32::NEG_INFINITY, |a, &s| a.max(s));
+    if mx == f32::NEG_INFINITY && !p.iter().any(|s| s.is_nan()) {
+        return false;
+    }
+    vmath::softmax_row(p);
+    true
 }
 
 #[cfg(test)]

@@ -258,3 +258,55 @@ fn prepacked_equals_the_kernel() {
     let w64 = HostTensor::from_vec(vec![1.0f64; 6], [2, 3]).unwrap();
     assert!(prepack_b(&op, &w64).is_none());
 }
+
+/// The in-place small GEMM (attention's products) against f64 with strides wider than the
+/// matrices, at sizes around the tile; bad geometry refused.
+#[test]
+fn small_gemm_against_f64() {
+    if !packed::available() {
+        return;
+    }
+    for &(m, n, k) in &[
+        (1, 1, 1),
+        (32, 32, 32),
+        (7, 17, 3),
+        (9, 49, 64),
+        (33, 100, 5),
+    ] {
+        let (lda, ldb, ldc) = (k + 3, n + 5, n + 1);
+        let a = rand32(m * lda, (m * n + k) as u64);
+        let b = rand32(k * ldb, (m + n * k) as u64);
+        let mut c = vec![7f32; m * ldc];
+        assert!(packed::small_gemm(&a, lda, &b, ldb, &mut c, ldc, (m, n, k)));
+        for i in 0..m {
+            for j in 0..ldc {
+                let got = c[i * ldc + j] as f64;
+                if j >= n {
+                    assert_eq!(got, 7.0, "({i},{j}) outside the product was written");
+                    continue;
+                }
+                let (mut s, mut abs) = (0f64, 0f64);
+                for p in 0..k {
+                    let t = a[i * lda + p] as f64 * b[p * ldb + j] as f64;
+                    s += t;
+                    abs += t.abs();
+                }
+                let tol = 1.2 * (k as f64 + 1.0) * 1.2e-7 * abs + 1e-7;
+                assert!(
+                    (got - s).abs() <= tol,
+                    "m={m} n={n} k={k}: ({i},{j}) {got} vs {s}"
+                );
+            }
+        }
+    }
+    let mut c = [0f32; 4];
+    assert!(!packed::small_gemm(
+        &[1.0; 3],
+        2,
+        &[1.0; 4],
+        2,
+        &mut c,
+        2,
+        (2, 2, 2)
+    ));
+}

@@ -213,6 +213,7 @@ unsafe fn run_block(
                             a_rs: a.rs,
                             a_cs: a.cs,
                             b: panel.as_ptr(),
+                            ldb: NR,
                             kc,
                             c: c.0.add(i * n + j0),
                             ldc: n,
@@ -224,16 +225,7 @@ unsafe fn run_block(
                                 None
                             },
                         };
-                        match mr {
-                            8 => tile::<8>(&t),
-                            7 => tile::<7>(&t),
-                            6 => tile::<6>(&t),
-                            5 => tile::<5>(&t),
-                            4 => tile::<4>(&t),
-                            3 => tile::<3>(&t),
-                            2 => tile::<2>(&t),
-                            _ => tile::<1>(&t),
-                        }
+                        tile_rows::<3, true>(mr, &t);
                         if last && act != VFn::Identity {
                             for r in 0..mr {
                                 let row =
@@ -264,6 +256,138 @@ unsafe fn run_block(
 ) {
 }
 
+/// [`tile`] for `r` rows (1..=8).
+///
+/// # Safety
+/// As [`tile`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+#[inline]
+unsafe fn tile_rows<const V: usize, const PACKED: bool>(r: usize, t: &Tile) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match r {
+            8 => tile::<8, V, PACKED>(t),
+            7 => tile::<7, V, PACKED>(t),
+            6 => tile::<6, V, PACKED>(t),
+            5 => tile::<5, V, PACKED>(t),
+            4 => tile::<4, V, PACKED>(t),
+            3 => tile::<3, V, PACKED>(t),
+            2 => tile::<2, V, PACKED>(t),
+            _ => tile::<1, V, PACKED>(t),
+        }
+    }
+}
+
+/// `c = a·b` for small row-major f32 operands read in place: `a` is `m×k` (row stride `lda`),
+/// `b` is `k×n` (row stride `ldb`), `c` is `m×n` (row stride `ldc`), through the register tile
+/// with B unpacked (masked loads at its right edge). One thread. Returns `false` (leaving `c`
+/// untouched) without AVX-512 or when an operand is too short for its geometry.
+pub fn small_gemm(
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    c: &mut [f32],
+    ldc: usize,
+    (m, n, k): (usize, usize, usize),
+) -> bool {
+    let fits = |len: usize, rows: usize, ld: usize, cols: usize| {
+        rows == 0 || cols == 0 || (rows - 1) * ld + cols <= len
+    };
+    if !available()
+        || !fits(a.len(), m, lda, k)
+        || !fits(b.len(), k, ldb, n)
+        || !fits(c.len(), m, ldc, n)
+    {
+        return false;
+    }
+    if m == 0 || n == 0 {
+        return true;
+    }
+    if k == 0 {
+        for i in 0..m {
+            c[i * ldc..i * ldc + n].iter_mut().for_each(|v| *v = 0.0);
+        }
+        return true;
+    }
+    // SAFETY: AVX-512F was detected and the three operands hold their geometry (checked above).
+    unsafe {
+        small_gemm_x86(
+            a.as_ptr(),
+            lda,
+            b.as_ptr(),
+            ldb,
+            c.as_mut_ptr(),
+            ldc,
+            (m, n, k),
+        )
+    };
+    true
+}
+
+/// The loops of [`small_gemm`]: tiles of 8 rows × 48 columns (fewer at the edges).
+///
+/// # Safety
+/// AVX-512F and FMA are available; the pointers hold the geometry [`small_gemm`] checks, `k > 0`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn small_gemm_x86(
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    (m, n, k): (usize, usize, usize),
+) {
+    let mut i = 0;
+    while i < m {
+        let mr = MR.min(m - i);
+        let mut j = 0;
+        while j < n {
+            let w = NR.min(n - j);
+            // SAFETY: rows `i..i + mr` and columns `j..j + w` are inside A's, B's and C's
+            // geometry (the caller's contract); unpacked tiles read B with masked loads.
+            unsafe {
+                let t = Tile {
+                    a: a.add(i * lda),
+                    a_rs: lda,
+                    a_cs: 1,
+                    b: b.add(j),
+                    ldb,
+                    kc: k,
+                    c: c.add(i * ldc + j),
+                    ldc,
+                    w,
+                    acc: false,
+                    bias: None,
+                };
+                match w.div_ceil(16) {
+                    3 => tile_rows::<3, false>(mr, &t),
+                    2 => tile_rows::<2, false>(mr, &t),
+                    _ => tile_rows::<1, false>(mr, &t),
+                }
+            }
+            j += w;
+        }
+        i += mr;
+    }
+}
+
+/// Off x86-64 the kernel never runs ([`available`] is false).
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn small_gemm_x86(
+    _: *const f32,
+    _: usize,
+    _: *const f32,
+    _: usize,
+    _: *mut f32,
+    _: usize,
+    _: (usize, usize, usize),
+) {
+}
+
 /// One register tile's operands: `kc` steps of A (`MR` rows from `a`) against a packed panel
 /// block `b`, into C at `c` (row stride `ldc`, `w <= NR` valid columns).
 struct Tile {
@@ -271,6 +395,8 @@ struct Tile {
     a_rs: usize,
     a_cs: usize,
     b: *const f32,
+    /// B's row stride ([`NR`] in a packed panel).
+    ldb: usize,
     kc: usize,
     c: *mut f32,
     ldc: usize,
@@ -281,43 +407,49 @@ struct Tile {
     bias: Option<*const f32>,
 }
 
-/// The micro-kernel: an `R×48` block of C from `kc` rank-1 updates held in 3·R zmm registers.
+/// The micro-kernel: an `R×16V` block of C from `kc` rank-1 updates held in `V·R` zmm registers
+/// (B from a packed panel with aligned loads, or in place with masked ones).
 ///
 /// # Safety
 /// AVX-512F and FMA are available; `t.a` reaches `R` rows × `kc` columns by its strides, `t.b`
-/// holds `kc·NR` floats 64-byte aligned, `t.c` reaches `R` rows × `t.w` columns by `t.ldc`, and
+/// holds `kc` rows of `t.ldb` (64-byte aligned when `PACKED`; `t.w` valid columns when not),
+/// `t.c` reaches `R` rows × `t.w` columns by `t.ldc`, and
 /// `t.bias` (if any) `t.w` floats.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
 #[inline]
-unsafe fn tile<const R: usize>(t: &Tile) {
+unsafe fn tile<const R: usize, const V: usize, const PACKED: bool>(t: &Tile) {
     use std::arch::x86_64::*;
     // SAFETY: the caller's contract: every pointer read or written below is inside the operand it
-    // describes (masked lanes beyond `t.w` are neither read nor written), `t.b` is aligned for
-    // `_mm512_load_ps`, and the CPU has AVX-512F.
+    // describes (masked lanes beyond `t.w` are neither read nor written), a packed `t.b` is
+    // aligned for `_mm512_load_ps`, and the CPU has AVX-512F.
     unsafe {
-        let mut acc = [[_mm512_setzero_ps(); 3]; R];
-        let (mut a, mut b) = (t.a, t.b);
-        for _ in 0..t.kc {
-            let b0 = _mm512_load_ps(b);
-            let b1 = _mm512_load_ps(b.add(16));
-            let b2 = _mm512_load_ps(b.add(32));
-            for (r, row) in acc.iter_mut().enumerate() {
-                let x = _mm512_set1_ps(*a.add(r * t.a_rs));
-                row[0] = _mm512_fmadd_ps(x, b0, row[0]);
-                row[1] = _mm512_fmadd_ps(x, b1, row[1]);
-                row[2] = _mm512_fmadd_ps(x, b2, row[2]);
-            }
-            // Wrapping: after the last step these point past the operands and are not read.
-            a = a.wrapping_add(t.a_cs);
-            b = b.wrapping_add(NR);
-        }
         let mask = |v: usize| -> __mmask16 {
             let lanes = t.w.saturating_sub(16 * v).min(16);
             ((1u32 << lanes) - 1) as __mmask16
         };
-        let masks = [mask(0), mask(1), mask(2)];
-        let mut bv = [_mm512_setzero_ps(); 3];
+        let masks: [__mmask16; V] = std::array::from_fn(mask);
+        let mut acc = [[_mm512_setzero_ps(); V]; R];
+        let (mut a, mut b) = (t.a, t.b);
+        for _ in 0..t.kc {
+            let bv: [__m512; V] = std::array::from_fn(|v| {
+                if PACKED {
+                    _mm512_load_ps(b.wrapping_add(16 * v))
+                } else {
+                    _mm512_maskz_loadu_ps(masks[v], b.wrapping_add(16 * v))
+                }
+            });
+            for (r, row) in acc.iter_mut().enumerate() {
+                let x = _mm512_set1_ps(*a.add(r * t.a_rs));
+                for v in 0..V {
+                    row[v] = _mm512_fmadd_ps(x, bv[v], row[v]);
+                }
+            }
+            // Wrapping: after the last step these point past the operands and are not read.
+            a = a.wrapping_add(t.a_cs);
+            b = b.wrapping_add(t.ldb);
+        }
+        let mut bv = [_mm512_setzero_ps(); V];
         if let Some(bias) = t.bias {
             for (v, x) in bv.iter_mut().enumerate() {
                 if masks[v] != 0 {
@@ -327,7 +459,7 @@ unsafe fn tile<const R: usize>(t: &Tile) {
         }
         for (r, row) in acc.iter().enumerate() {
             let cr = t.c.add(r * t.ldc);
-            for v in 0..3 {
+            for v in 0..V {
                 if masks[v] == 0 {
                     continue;
                 }
