@@ -101,7 +101,8 @@ impl AttnDnnDesc {
 
     /// The description of the gradient op `op` (an [`Op::AttentionGrad`] of any `wrt`) over q,
     /// k, v and dO when cuDNN's fused backward covers it: as [`AttnDnnDesc::of`], with dO of
-    /// q's type, the result of the `wrt` operand's type and head sizes [`GRAD_HEAD_SIZES`].
+    /// q's type, the result of the `wrt` operand's type, head sizes [`GRAD_HEAD_SIZES`] and not
+    /// Sq = Sk = 1.
     pub fn of_grad(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Option<AttnDnnDesc> {
         let Op::AttentionGrad {
             causal,
@@ -122,7 +123,8 @@ impl AttnDnnDesc {
             return None;
         }
         let d = AttnDnnDesc::common(*causal, scale.get(), *layout, &inputs[..3], inputs[3], out)?;
-        GRAD_HEAD_SIZES.contains(&d.d).then_some(d)
+        // cudnn-frontend refuses the backward of one query over one key.
+        (GRAD_HEAD_SIZES.contains(&d.d) && (d.sq, d.sk) != (1, 1)).then_some(d)
     }
 
     /// The description of q, k, v (`qkv`) and a `[B, H, Sq, D]` tensor `o` when their types and
@@ -416,9 +418,13 @@ mod tests {
         assert!(grad_desc(&grad_op(Causal::None, 3, l), &ins, &ins[0]).is_none());
         let fwd = op(Causal::None, AttnMask::None, l);
         assert!(grad_desc(&fwd, &ins, &ins[0]).is_none());
-        // Empty operands.
+        // Empty operands; one query over one key.
         let ins = with_grad(DType::F16, 0, 9, 64);
         assert!(grad_desc(&grad_op(Causal::None, 1, l), &ins, &ins[1]).is_none());
+        let ins = with_grad(DType::F16, 1, 1, 64);
+        assert!(grad_desc(&grad_op(Causal::None, 1, l), &ins, &ins[1]).is_none());
+        let ins = with_grad(DType::F16, 1, 2, 64);
+        assert!(grad_desc(&grad_op(Causal::None, 1, l), &ins, &ins[1]).is_some());
     }
 
     #[test]

@@ -26,7 +26,9 @@
 //! `[B, H, Sq, 1]` natural-log log-sum-exp, non-virtual, as cudnn-frontend's training forward
 //! makes them) and O, both into the step's workspace; and the SDPA backward graph node for node
 //! as cudnn-frontend's `CompositeSDPABackwardNode` builds it (see [`bwd_graph`]), trying the
-//! frontend's form first and two variants after it ([`BWD_FORMS`]). It keeps the fastest plan
+//! frontend's form first and two variants after it ([`bwd_forms`]; with cuDNN <= 9.15 and Sk
+//! not a multiple of 128 all with the padding mask of full lengths the frontend adds there,
+//! [`needs_padding`]). It keeps the fastest plan
 //! of each; [`GradPlans::run`] enqueues the forward then the backward. The workspace
 //! ([`GradLayout`]) holds O, the statistics, the backward's f32 row sums and dQ accumulator
 //! (zeroed before each call only for cuDNN < 9.6, as the frontend does) and the plans' shared
@@ -36,8 +38,8 @@
 
 use super::dnn::{time, Buffers};
 use super::dnn_graph::{
-    data_type, matmul_node, plans_of, pointwise_node, reduction_node, reshape_node, tensor_desc,
-    Desc, GraphPlan, OpGraph,
+    data_type, matmul_node, matmul_node_with, plans_of, pointwise_node, reduction_node,
+    reshape_node, tensor_desc, Desc, GraphPlan, OpGraph,
 };
 use crate::{Result, RuntimeError};
 use cudarc::cudnn::sys;
@@ -86,6 +88,12 @@ pub(crate) mod uid {
     pub const DQ_ACCUM: i64 = 1006;
     /// The constant 1 (by value, f32) the frontend scales the row sums by without dropout.
     pub const ONE: i64 = 1007;
+    /// Sq per batch (int32 `[B, 1, 1, 1]`, in the workspace) for the backward's padding form.
+    pub const SEQ_LEN_Q: i64 = 1008;
+    /// Sk per batch, likewise.
+    pub const SEQ_LEN_KV: i64 = 1009;
+    /// The padding mask's fill (by value, f32 −∞ as the frontend gives it from cuDNN 9.10 on).
+    pub const PAD_FILL: i64 = 1010;
     /// Virtual intermediates take the ids after this one.
     pub const S: i64 = 10;
 }
@@ -158,6 +166,14 @@ impl Builder {
     fn matmul(&mut self, a: Tid, b: Tid, c: Tid) -> Result<()> {
         let t = &self.tensors;
         let n = matmul_node(&t[a], &t[b], &t[c])?;
+        self.node(n);
+        Ok(())
+    }
+
+    /// `c = a·b` with the GEMM's M, N, K overridden by the tensors `mnk` (when given).
+    fn matmul_with(&mut self, a: Tid, b: Tid, c: Tid, mnk: [Option<Tid>; 3]) -> Result<()> {
+        let t = &self.tensors;
+        let n = matmul_node_with(&t[a], &t[b], &t[c], mnk.map(|o| o.map(|i| &t[i])))?;
         self.node(n);
         Ok(())
     }
@@ -246,8 +262,15 @@ fn scaled_scores(g: &mut Builder, d: &AttnDnnDesc, q: Tid, kt: Tid, scale: Tid) 
 }
 
 /// The causal mask on `scores` (step 3 of the module docs) when `d` has one; returns the
-/// masked scores (`scores` itself without a mask).
-fn causal_mask(g: &mut Builder, d: &AttnDnnDesc, scores: Tid) -> Result<Tid> {
+/// masked scores (`scores` itself without a mask). `seq` (Sq and Sk per batch, as tensors)
+/// replaces the by-value Sq and Sk of bottom-right alignment, as the frontend does when the
+/// graph has a padding mask.
+fn causal_mask(
+    g: &mut Builder,
+    d: &AttnDnnDesc,
+    scores: Tid,
+    seq: Option<(Tid, Tid)>,
+) -> Result<Tid> {
     if d.causal == Causal::None {
         return Ok(scores);
     }
@@ -268,11 +291,17 @@ fn causal_mask(g: &mut Builder, d: &AttnDnnDesc, scores: Tid) -> Result<Tid> {
         row,
     )?;
     if d.causal == Causal::BottomRight {
-        for (id, mode) in [
+        for (i, (id, mode)) in [
             (uid::SK, Pw::CUDNN_POINTWISE_ADD),
             (uid::SQ, Pw::CUDNN_POINTWISE_SUB),
-        ] {
-            let c = g.scalar(id, int)?;
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let c = match seq {
+                Some((sq, sk)) => [sk, sq][i],
+                None => g.scalar(id, int)?,
+            };
             let shifted = g.virt(int, geo)?;
             g.pointwise(mode, int, None, row, Some(c), None, shifted)?;
             row = shifted;
@@ -328,7 +357,7 @@ fn op_graph(
     let o = g.real(uid::O, io, d.dims_strides(d.sq))?;
     let scale = g.scalar(uid::SCALE, f)?;
     let scores = scaled_scores(&mut g, d, q, k, scale)?;
-    let scores = causal_mask(&mut g, d, scores)?;
+    let scores = causal_mask(&mut g, d, scores, None)?;
     let (sg, rg) = (score_geometry(d), row_geometry(d));
     let max = g.virt(f, rg)?;
     let sub = g.virt(f, sg)?;
@@ -423,7 +452,7 @@ pub(crate) fn scalars(d: &AttnDnnDesc) -> Vec<(i64, u32)> {
     v
 }
 
-/// Which form of the backward graph to build: [`BWD_FORMS`] lists them in the order tried.
+/// Which form of the backward graph to build ([`bwd_forms`] lists them in the order tried).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct BwdForm {
     /// The reshape of Kᵀ back to K for `dS·K` gives K in the operands' type (else in f32, the
@@ -433,23 +462,26 @@ pub(crate) struct BwdForm {
     /// writes dQ from it (the frontend's form from cuDNN 9.0 on); else it writes dQ directly
     /// (the form of the frontend's deterministic / dP-workspace path).
     pub accum: bool,
+    /// The padding mask the frontend adds for cuDNN <= 9.15 when Sk is not a multiple of 128
+    /// ([`needs_padding`]): Sq and Sk per batch as int32 tensors in the workspace, overriding
+    /// the products' M, N, K, and a padding select on the scaled scores.
+    pub pad: bool,
 }
 
-/// The backward graph's forms, in the order [`bwd_plans`] tries them: the frontend's first.
-pub(crate) const BWD_FORMS: [BwdForm; 3] = [
-    BwdForm {
-        k_io: false,
-        accum: true,
-    },
-    BwdForm {
-        k_io: true,
-        accum: true,
-    },
-    BwdForm {
-        k_io: false,
-        accum: false,
-    },
-];
+/// Whether cudnn-frontend gives the backward a padding mask (of the full lengths): for cuDNN up
+/// to 9.15.0 when Sk is not a multiple of 128 (its workaround of a cuDNN fault in that case;
+/// `version` as `major·10000 + minor·100 + patch`).
+pub(crate) fn needs_padding(version: usize, sk: usize) -> bool {
+    version <= 91500 && !sk.is_multiple_of(128)
+}
+
+/// The backward graph's forms, in the order [`bwd_plans`] tries them: the frontend's first (K
+/// reshaped to f32, dQ through the accumulator), then K in the operands' type, then dQ
+/// written directly; all with the frontend's padding choice `pad`.
+pub(crate) fn bwd_forms(pad: bool) -> [BwdForm; 3] {
+    let form = |k_io, accum| BwdForm { k_io, accum, pad };
+    [form(false, true), form(true, true), form(false, false)]
+}
 
 /// The uids the backward of `form` binds, in [`GraphPlan::execute`]'s order.
 pub(crate) fn bwd_uids(form: BwdForm) -> Vec<i64> {
@@ -466,28 +498,91 @@ pub(crate) fn bwd_uids(form: BwdForm) -> Vec<i64> {
         v.push(uid::DQ_ACCUM);
     }
     v.extend([uid::DQ, uid::DK, uid::DV]);
+    if form.pad {
+        v.extend([uid::SEQ_LEN_Q, uid::SEQ_LEN_KV]);
+    }
     v
 }
 
-/// The by-value scalars of the backward: the forward's ([`scalars`]) and the constant 1.
-pub(crate) fn grad_scalars(d: &AttnDnnDesc) -> Vec<(i64, u32)> {
+/// The by-value scalars of the backward in `form`: the forward's ([`scalars`]; without Sq and
+/// Sk when the padding form takes them from its tensors), the constant 1, and the padding fill.
+pub(crate) fn grad_scalars(d: &AttnDnnDesc, form: BwdForm) -> Vec<(i64, u32)> {
     let mut v = scalars(d);
+    if form.pad {
+        v.retain(|&(id, _)| id != uid::SK && id != uid::SQ);
+    }
     v.push((uid::ONE, 1.0f32.to_bits()));
+    if form.pad {
+        v.push((uid::PAD_FILL, f32::NEG_INFINITY.to_bits()));
+    }
     v
+}
+
+/// The padding mask on `scores`, node for node as cudnn-frontend's `padding_mask` score
+/// modifier: `row < Sq ∧ col < Sk` (GEN_INDEX, CMP_LT against the per-batch lengths `seq_q` and
+/// `seq_kv`, LOGICAL_AND) selects the score, else −∞.
+fn padding_mask(
+    g: &mut Builder,
+    d: &AttnDnnDesc,
+    scores: Tid,
+    seq_q: Tid,
+    seq_kv: Tid,
+) -> Result<Tid> {
+    let (f, int, boolean) = (
+        Dt::CUDNN_DATA_FLOAT,
+        Dt::CUDNN_DATA_INT32,
+        Dt::CUDNN_DATA_BOOLEAN,
+    );
+    let geo = score_geometry(d);
+    let row = g.virt(int, geo)?;
+    let col = g.virt(int, geo)?;
+    let row_in = g.virt(boolean, geo)?;
+    let col_in = g.virt(boolean, geo)?;
+    let keep = g.virt(boolean, geo)?;
+    let fill = g.scalar(uid::PAD_FILL, f)?;
+    let masked = g.virt(f, geo)?;
+    let gen = Pw::CUDNN_POINTWISE_GEN_INDEX;
+    g.pointwise(gen, int, Some(2), scores, None, None, row)?;
+    g.pointwise(gen, int, Some(3), scores, None, None, col)?;
+    let lt = Pw::CUDNN_POINTWISE_CMP_LT;
+    g.pointwise(lt, boolean, None, row, Some(seq_q), None, row_in)?;
+    g.pointwise(lt, boolean, None, col, Some(seq_kv), None, col_in)?;
+    g.pointwise(
+        Pw::CUDNN_POINTWISE_LOGICAL_AND,
+        boolean,
+        None,
+        row_in,
+        Some(col_in),
+        None,
+        keep,
+    )?;
+    g.pointwise(
+        Pw::CUDNN_POINTWISE_BINARY_SELECT,
+        f,
+        None,
+        scores,
+        Some(fill),
+        Some(keep),
+        masked,
+    )?;
+    Ok(masked)
 }
 
 /// The SDPA backward graph of `d` in `form`, node for node as cudnn-frontend's
-/// `CompositeSDPABackwardNode` builds it without bias, dropout or padding (every intermediate
-/// virtual and f32 unless noted; K and V are bound as Kᵀ and Vᵀ, `[B, H, D, Sk]`):
+/// `CompositeSDPABackwardNode` builds it without bias, dropout or a user's padding mask (every
+/// intermediate virtual and f32 unless noted; K and V are bound as Kᵀ and Vᵀ, `[B, H, D, Sk]`):
 ///
 /// 1. `dO·O` (POINTWISE MUL), `Σ_d` (REDUCTION ADD), `·1` (MUL by a by-value f32) into the
 ///    row sums [`uid::SOFTMAX_SUM`] (non-virtual f32 `[B, H, Sq, 1]`);
-/// 2. `S = Q·Kᵀ`, `S ·= scale`, `S −= stats` (SUB of [`uid::STATS`]), the causal mask, `P =
-///    exp(S)`;
+/// 2. `S = Q·Kᵀ`, `S ·= scale`, in the padding form the padding mask, `S −= stats` (SUB of
+///    [`uid::STATS`]), the causal mask, `P = exp(S)`;
 /// 3. `Pᵀ` (RESHAPE to `[B, H, Sk, Sq]` in the operands' type), `dV = Pᵀ·dO`;
 /// 4. `dP = dO·Vᵀ`, `dS = (dP − sums)·P·scale` (SUB, MUL, MUL);
 /// 5. `dSᵀ` (RESHAPE, operands' type), `dK = dSᵀ·Q`;
 /// 6. K (RESHAPE of Kᵀ), `dQ = dS·K` (through [`uid::DQ_ACCUM`] and an IDENTITY, by `form`).
+///
+/// In the padding form every product's M, N and K over Sq or Sk are overridden by the length
+/// tensors, and a bottom-right causal mask shifts by them instead of by-value lengths.
 fn bwd_graph(handle: sys::cudnnHandle_t, d: &AttnDnnDesc, form: BwdForm) -> Result<OpGraph> {
     let io = data_type(d.dtype);
     let f = Dt::CUDNN_DATA_FLOAT;
@@ -505,6 +600,17 @@ fn bwd_graph(handle: sys::cudnnHandle_t, d: &AttnDnnDesc, form: BwdForm) -> Resu
     let dv = g.real(uid::DV, io, d.dims_strides(d.sk))?;
     let scale = g.scalar(uid::SCALE, f)?;
     let one = g.scalar(uid::ONE, f)?;
+    let seq = if form.pad {
+        let geo = ([b, 1, 1, 1], [1, 1, 1, 1]);
+        let int = Dt::CUDNN_DATA_INT32;
+        Some((
+            g.real(uid::SEQ_LEN_Q, int, geo)?,
+            g.real(uid::SEQ_LEN_KV, int, geo)?,
+        ))
+    } else {
+        None
+    };
+    let (lq, lk) = (seq.map(|s| s.0), seq.map(|s| s.1));
 
     // 1. The row sums (the frontend's strides for the product, verbatim).
     let prod = g.virt(f, ([b, h, sq, hd], [h * sq * hd, sq * hd, h * hd, 1]))?;
@@ -519,21 +625,27 @@ fn bwd_graph(handle: sys::cudnnHandle_t, d: &AttnDnnDesc, form: BwdForm) -> Resu
     g.pw(Pw::CUDNN_POINTWISE_MUL, rowsum, Some(one), sums)?;
 
     // 2. P recomputed from the statistics.
-    let scores = scaled_scores(&mut g, d, q, kt, scale)?;
+    let s = g.virt(f, score_geometry(d))?;
+    g.matmul_with(q, kt, s, [lq, lk, None])?;
+    let mut scores = g.virt(f, score_geometry(d))?;
+    g.pw(Pw::CUDNN_POINTWISE_MUL, s, Some(scale), scores)?;
+    if let Some((sq_t, sk_t)) = seq {
+        scores = padding_mask(&mut g, d, scores, sq_t, sk_t)?;
+    }
     let centered = g.virt(f, score_geometry(d))?;
     g.pw(Pw::CUDNN_POINTWISE_SUB, scores, Some(stats), centered)?;
-    let masked = causal_mask(&mut g, d, centered)?;
+    let masked = causal_mask(&mut g, d, centered, seq)?;
     let p = g.virt(f, score_geometry(d))?;
     g.pw(Pw::CUDNN_POINTWISE_EXP, masked, None, p)?;
 
     // 3. dV = Pᵀ·dO.
     let pt = g.virt(io, transposed_score_geometry(d))?;
     g.reshape(p, pt)?;
-    g.matmul(pt, dout, dv)?;
+    g.matmul_with(pt, dout, dv, [lk, None, lq])?;
 
     // 4. dS = (dO·Vᵀ − sums)·P·scale.
     let dp = g.virt(f, score_geometry(d))?;
-    g.matmul(dout, vt, dp)?;
+    g.matmul_with(dout, vt, dp, [lq, lk, None])?;
     let centered_dp = g.virt(f, score_geometry(d))?;
     g.pw(Pw::CUDNN_POINTWISE_SUB, dp, Some(sums), centered_dp)?;
     let dsp = g.virt(f, score_geometry(d))?;
@@ -544,17 +656,17 @@ fn bwd_graph(handle: sys::cudnnHandle_t, d: &AttnDnnDesc, form: BwdForm) -> Resu
     // 5. dK = dSᵀ·Q.
     let dst = g.virt(io, transposed_score_geometry(d))?;
     g.reshape(ds, dst)?;
-    g.matmul(dst, q, dk)?;
+    g.matmul_with(dst, q, dk, [lk, None, lq])?;
 
     // 6. dQ = dS·K.
     let k = g.virt(if form.k_io { io } else { f }, d.dims_strides(d.sk))?;
     g.reshape(kt, k)?;
     if form.accum {
         let accum = g.real(uid::DQ_ACCUM, f, accum_geometry(d))?;
-        g.matmul(ds, k, accum)?;
+        g.matmul_with(ds, k, accum, [lq, None, lk])?;
         g.pw(Pw::CUDNN_POINTWISE_IDENTITY, accum, None, dq)?;
     } else {
-        g.matmul(ds, k, dq)?;
+        g.matmul_with(ds, k, dq, [lq, None, lk])?;
     }
     g.finish(handle)
 }
@@ -565,17 +677,22 @@ fn accum_geometry(d: &AttnDnnDesc) -> ([i64; 4], [i64; 4]) {
     (dims, f32_dims(dims))
 }
 
-/// The backward plans of `d`: those of the first form of [`BWD_FORMS`] that cuDNN makes plans
-/// for, and that form. An error naming every form's failure when none does.
-fn bwd_plans(handle: sys::cudnnHandle_t, d: &AttnDnnDesc) -> Result<(Vec<GraphPlan>, BwdForm)> {
+/// The backward plans of `d`: those of the first form of [`bwd_forms`] (with the padding the
+/// frontend would give cuDNN `version`) that cuDNN makes plans for, and that form. An error
+/// naming every form's failure when none does.
+fn bwd_plans(
+    handle: sys::cudnnHandle_t,
+    d: &AttnDnnDesc,
+    version: usize,
+) -> Result<(Vec<GraphPlan>, BwdForm)> {
     let mut errors = vec![];
-    for form in BWD_FORMS {
+    for form in bwd_forms(needs_padding(version, d.sk)) {
         let made = bwd_graph(handle, d, form).and_then(|g| {
             plans_of(
                 handle,
                 g,
                 bwd_uids(form),
-                grad_scalars(d),
+                grad_scalars(d, form),
                 d.dtype,
                 false,
                 MAX_PLANS,
@@ -596,8 +713,8 @@ fn bwd_plans(handle: sys::cudnnHandle_t, d: &AttnDnnDesc) -> Result<(Vec<GraphPl
 
 /// Where the gradient keeps its intermediates in the step's workspace (byte offsets, each
 /// aligned to [`GRAD_ALIGN`]): the recomputed output, the statistics, the row sums, the dQ
-/// accumulator (when the form has one) and the plans' own workspace (shared: the forward and
-/// the backward run one after the other).
+/// accumulator and the length tensors (when the form has them) and the plans' own workspace
+/// (shared: the forward and the backward run one after the other).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct GradLayout {
     /// O (`[B, H, Sq, D]` in q's type and layout).
@@ -608,6 +725,8 @@ pub(crate) struct GradLayout {
     pub sums: usize,
     /// The f32 dQ accumulator `[B, H, Sq, D]`.
     pub accum: Option<usize>,
+    /// Sq and Sk per batch (int32 `[B]` each) of the padding form.
+    pub seq: Option<(usize, usize)>,
     /// The plans' workspace.
     pub plan: usize,
     /// Bytes in all.
@@ -618,18 +737,13 @@ pub(crate) struct GradLayout {
 pub(crate) const GRAD_ALIGN: usize = 256;
 
 impl GradLayout {
-    /// The layout for `d` with a dQ accumulator when `accum`, and `plan_workspace` bytes for the
-    /// plans.
-    pub(crate) fn new(d: &AttnDnnDesc, accum: bool, plan_workspace: usize) -> GradLayout {
+    /// The layout for `d` in `form` with `plan_workspace` bytes for the plans.
+    pub(crate) fn new(d: &AttnDnnDesc, form: BwdForm, plan_workspace: usize) -> GradLayout {
         let rows = d.b * d.h * d.sq * 4;
-        let sizes = [
-            d.bytes(d.sq),
-            rows,
-            rows,
-            if accum { d.b * d.h * d.sq * d.d * 4 } else { 0 },
-            plan_workspace,
-        ];
-        let mut at = [0usize; 5];
+        let accum = if form.accum { rows * d.d } else { 0 };
+        let seq = if form.pad { d.b * 4 } else { 0 };
+        let sizes = [d.bytes(d.sq), rows, rows, accum, seq, seq, plan_workspace];
+        let mut at = [0usize; 7];
         let mut next = 0;
         for (a, n) in at.iter_mut().zip(sizes) {
             *a = next;
@@ -639,8 +753,9 @@ impl GradLayout {
             o: at[0],
             stats: at[1],
             sums: at[2],
-            accum: accum.then_some(at[3]),
-            plan: at[4],
+            accum: form.accum.then_some(at[3]),
+            seq: form.pad.then_some((at[4], at[5])),
+            plan: at[6],
             total: next,
         }
     }
@@ -720,7 +835,7 @@ pub(crate) fn prepare_grad(
     }
     let engines = cached.flatten().filter(|_| choice == Choice::Auto);
     let made = forward_plans(handle, d, true).and_then(|fwd| {
-        let (bwd, form) = bwd_plans(handle, d)?;
+        let (bwd, form) = bwd_plans(handle, d, super::dnn::Dnn::version())?;
         pick(handle, d, fwd, bwd, form, engines, stream)
     });
     match made {
@@ -763,7 +878,7 @@ fn pick(
 ) -> Result<GradPlans> {
     let zero_accum = form.accum && accum_needs_zeroing(super::dnn::Dnn::version());
     let make = |fwd: GraphPlan, bwd: GraphPlan, decided, fwd_ms, bwd_ms| {
-        let layout = GradLayout::new(d, form.accum, fwd.workspace.max(bwd.workspace));
+        let layout = GradLayout::new(d, form, fwd.workspace.max(bwd.workspace));
         GradPlans {
             d: d.clone(),
             fwd,
@@ -795,7 +910,7 @@ fn pick(
         .map(|p| p.workspace)
         .max()
         .unwrap_or(0);
-    let layout = GradLayout::new(d, form.accum, ws);
+    let layout = GradLayout::new(d, form, ws);
     let (sq, sk) = (d.bytes(d.sq), d.bytes(d.sk));
     let bufs = Buffers::new(&[sq, sk, sk, sq, sq, sk, sk, layout.total], d.dtype, stream)?;
     let b = &bufs.ptrs;
@@ -828,11 +943,11 @@ fn pick(
     })?;
     // The statistics the backward reads are those of the last forward run.
     fwd[i].execute(handle, &fwd_ptrs, ws + layout.plan as u64)?;
-    let bwd_ptrs = bwd_pointers(&ptrs, &layout, form, ws);
+    let bwd_ptrs = bwd_pointers(&ptrs, &layout, ws);
     let mut best_bwd: Option<(usize, f32)> = None;
     for (j, g) in bwd.iter_mut().enumerate() {
         match time(stream, || {
-            zero(&layout, zero_accum, ws, d, stream)?;
+            fill_workspace(&layout, zero_accum, ws, d, stream)?;
             g.execute(handle, &bwd_ptrs, ws + layout.plan as u64)
         }) {
             Ok(t) if best_bwd.is_none_or(|(_, b)| t < b) => best_bwd = Some((j, t)),
@@ -867,39 +982,43 @@ fn fwd_pointers(p: &GradPtrs, l: &GradLayout, ws: u64) -> Vec<u64> {
 }
 
 /// The backward's pointers ([`bwd_uids`] order).
-fn bwd_pointers(p: &GradPtrs, l: &GradLayout, form: BwdForm, ws: u64) -> Vec<u64> {
-    let mut v = vec![
-        p.q,
-        p.k,
-        p.v,
-        ws + l.o as u64,
-        p.dout,
-        ws + l.stats as u64,
-        ws + l.sums as u64,
-    ];
-    if form.accum {
-        v.push(ws + l.accum.unwrap_or(0) as u64);
-    }
+fn bwd_pointers(p: &GradPtrs, l: &GradLayout, ws: u64) -> Vec<u64> {
+    let at = |off: usize| ws + off as u64;
+    let mut v = vec![p.q, p.k, p.v, at(l.o), p.dout, at(l.stats), at(l.sums)];
+    v.extend(l.accum.map(at));
     v.extend([p.dq, p.dk, p.dv]);
+    if let Some((sq, sk)) = l.seq {
+        v.extend([at(sq), at(sk)]);
+    }
     v
 }
 
-/// Zeroes the dQ accumulator on `stream` when the cuDNN in use needs it.
-fn zero(
+/// Prepares the backward's workspace tensors on `stream`: Sq and Sk in the length tensors (the
+/// padding form; the frontend writes them before each call), and zeroes the dQ accumulator when
+/// `zero_accum`.
+fn fill_workspace(
     l: &GradLayout,
-    needed: bool,
+    zero_accum: bool,
     ws: u64,
     d: &AttnDnnDesc,
     stream: ds::CUstream,
 ) -> Result<()> {
-    let Some(at) = l.accum.filter(|_| needed) else {
-        return Ok(());
-    };
-    // SAFETY: the accumulator region of the workspace holds B·H·Sq·D f32s (the layout's
-    // contract; the caller's workspace has `l.total` bytes); the memset is ordered on `stream`.
-    unsafe { ds::cuMemsetD32Async(ws + at as u64, 0, d.b * d.h * d.sq * d.d, stream) }
-        .result()
-        .map_err(|e| RuntimeError::Device(format!("zeroing the dQ accumulator: {e}")))
+    let mut fills = vec![];
+    if let Some((sq, sk)) = l.seq {
+        fills.push((sq, d.sq as u32, d.b));
+        fills.push((sk, d.sk as u32, d.b));
+    }
+    if let Some(at) = l.accum.filter(|_| zero_accum) {
+        fills.push((at, 0, d.b * d.h * d.sq * d.d));
+    }
+    for (at, value, n) in fills {
+        // SAFETY: each region of the workspace holds `n` 32-bit values (the layout's contract;
+        // the caller's workspace has `l.total` bytes); the memset is ordered on `stream`.
+        unsafe { ds::cuMemsetD32Async(ws + at as u64, value, n, stream) }
+            .result()
+            .map_err(|e| RuntimeError::Device(format!("filling the gradient's workspace: {e}")))?;
+    }
+    Ok(())
 }
 
 // Entry point of the attention-gradient step, which the CUDA session wires.
@@ -953,12 +1072,9 @@ impl GradPlans {
         let plan_ws = ws + self.layout.plan as u64;
         self.fwd
             .execute(handle, &fwd_pointers(ptrs, &self.layout, ws), plan_ws)?;
-        zero(&self.layout, self.zero_accum, ws, &self.d, stream)?;
-        self.bwd.execute(
-            handle,
-            &bwd_pointers(ptrs, &self.layout, self.form, ws),
-            plan_ws,
-        )
+        fill_workspace(&self.layout, self.zero_accum, ws, &self.d, stream)?;
+        self.bwd
+            .execute(handle, &bwd_pointers(ptrs, &self.layout, ws), plan_ws)
     }
 
     /// Mean ms of one full gradient ([`GradPlans::run`]) on the step's own buffers, for the
@@ -1211,38 +1327,61 @@ mod tests {
     #[test]
     fn backward_forms_and_bindings() {
         // The frontend's form first: K's reshape in f32, dQ through the f32 accumulator.
+        for pad in [false, true] {
+            let forms = bwd_forms(pad);
+            assert_eq!(
+                forms[0],
+                BwdForm {
+                    k_io: false,
+                    accum: true,
+                    pad
+                }
+            );
+            assert!(forms.iter().all(|f| f.pad == pad));
+            assert!(forms[1].k_io && forms[1].accum);
+            assert!(!forms[2].k_io && !forms[2].accum);
+        }
+        let [plain, _, direct] = bwd_forms(false);
+        let padded = bwd_forms(true)[0];
+        let head = [
+            uid::Q,
+            uid::K,
+            uid::V,
+            uid::O,
+            uid::DO,
+            uid::STATS,
+            uid::SOFTMAX_SUM,
+        ];
+        let tail = [uid::DQ, uid::DK, uid::DV];
         assert_eq!(
-            BWD_FORMS[0],
-            BwdForm {
-                k_io: false,
-                accum: true
-            }
+            bwd_uids(plain),
+            [&head[..], &[uid::DQ_ACCUM], &tail].concat()
         );
+        assert_eq!(bwd_uids(direct), [&head[..], &tail].concat());
         assert_eq!(
-            bwd_uids(BWD_FORMS[0]),
-            vec![
-                uid::Q,
-                uid::K,
-                uid::V,
-                uid::O,
-                uid::DO,
-                uid::STATS,
-                uid::SOFTMAX_SUM,
-                uid::DQ_ACCUM,
-                uid::DQ,
-                uid::DK,
-                uid::DV
+            bwd_uids(padded),
+            [
+                &head[..],
+                &[uid::DQ_ACCUM],
+                &tail,
+                &[uid::SEQ_LEN_Q, uid::SEQ_LEN_KV]
             ]
+            .concat()
         );
-        assert!(!bwd_uids(BWD_FORMS[2]).contains(&uid::DQ_ACCUM));
-        assert_eq!(bwd_uids(BWD_FORMS[2]).len(), 10);
         assert_eq!(
             FWD_STATS_VARIANT,
             [uid::Q, uid::K, uid::V, uid::O, uid::STATS]
         );
         // Fixed uids never collide with each other nor with the virtual ones (from S up).
-        let mut ids = bwd_uids(BWD_FORMS[0]);
-        ids.extend([uid::SCALE, uid::FILL, uid::SK, uid::SQ, uid::ONE]);
+        let mut ids = bwd_uids(padded);
+        ids.extend([
+            uid::SCALE,
+            uid::FILL,
+            uid::SK,
+            uid::SQ,
+            uid::ONE,
+            uid::PAD_FILL,
+        ]);
         let n = ids.len();
         ids.sort_unstable();
         ids.dedup();
@@ -1250,12 +1389,13 @@ mod tests {
         assert!(ids.iter().all(|i| !(uid::S..=1000).contains(i)));
         let one = 1.0f32.to_bits();
         let (scale, fill) = (0.125f32.to_bits(), f32::MIN.to_bits());
+        let inf = f32::NEG_INFINITY.to_bits();
         assert_eq!(
-            grad_scalars(&desc(Causal::None)),
+            grad_scalars(&desc(Causal::None), plain),
             vec![(uid::SCALE, scale), (uid::ONE, one)]
         );
         assert_eq!(
-            grad_scalars(&desc(Causal::BottomRight)),
+            grad_scalars(&desc(Causal::BottomRight), plain),
             vec![
                 (uid::SCALE, scale),
                 (uid::FILL, fill),
@@ -1264,13 +1404,31 @@ mod tests {
                 (uid::ONE, one)
             ]
         );
+        // The padding form shifts the bottom-right mask by its length tensors.
+        assert_eq!(
+            grad_scalars(&desc(Causal::BottomRight), padded),
+            vec![
+                (uid::SCALE, scale),
+                (uid::FILL, fill),
+                (uid::ONE, one),
+                (uid::PAD_FILL, inf)
+            ]
+        );
+        // The frontend pads for cuDNN <= 9.15.0 when Sk is not a multiple of 128.
+        assert!(needs_padding(91400, 127));
+        assert!(needs_padding(91500, 64));
+        assert!(!needs_padding(91400, 256));
+        assert!(!needs_padding(91501, 127));
+        assert!(!needs_padding(92000, 127));
     }
 
     #[test]
     fn gradient_workspace_layout() {
-        // b 2, h 4, sq 3, d 64, bf16: O 3072 B, rows 96 B, accumulator 6144 B.
+        // b 2, h 4, sq 3, d 64, bf16: O 3072 B, rows 96 B, accumulator 6144 B, lengths 8 B.
         let d = desc(Causal::None);
-        let l = GradLayout::new(&d, true, 1000);
+        let [plain, _, direct] = bwd_forms(false);
+        let padded = bwd_forms(true)[0];
+        let l = GradLayout::new(&d, plain, 1000);
         assert_eq!(
             l,
             GradLayout {
@@ -1278,15 +1436,24 @@ mod tests {
                 stats: 3072,
                 sums: 3328,
                 accum: Some(3584),
+                seq: None,
                 plan: 9728,
                 total: 10752
             }
         );
-        let l = GradLayout::new(&d, false, 0);
-        assert_eq!((l.accum, l.plan, l.total), (None, 3584, 3584));
-        for l in [GradLayout::new(&d, true, 7), GradLayout::new(&d, false, 7)] {
-            let offs = [l.o, l.stats, l.sums, l.accum.unwrap_or(0), l.plan, l.total];
-            assert!(offs.iter().all(|o| o % GRAD_ALIGN == 0), "{l:?}");
+        let l = GradLayout::new(&d, direct, 0);
+        assert_eq!((l.accum, l.seq, l.plan, l.total), (None, None, 3584, 3584));
+        let l = GradLayout::new(&d, padded, 0);
+        assert_eq!(
+            (l.accum, l.seq, l.plan, l.total),
+            (Some(3584), Some((9728, 9984)), 10240, 10240)
+        );
+        for form in [plain, direct, padded] {
+            let l = GradLayout::new(&d, form, 7);
+            let (sq, sk) = l.seq.unwrap_or_default();
+            let offs = [l.o, l.stats, l.sums, l.accum.unwrap_or(0), sq, sk, l.plan];
+            assert!(offs.iter().chain([&l.total]).all(|o| o % GRAD_ALIGN == 0));
+            assert!(offs.windows(2).all(|w| w[0] <= w[1] || w[1] == 0), "{l:?}");
             assert!(l.total >= l.plan + 7);
         }
         // The pointers each graph binds, from the layout.
@@ -1299,20 +1466,38 @@ mod tests {
             dk: 6,
             dv: 7,
         };
-        let l = GradLayout::new(&d, true, 1000);
-        assert_eq!(
-            fwd_pointers(&p, &l, 1 << 20),
-            vec![1, 2, 3, 1 << 20, (1 << 20) + 3072]
-        );
         let w = 1u64 << 20;
+        let l = GradLayout::new(&d, plain, 1000);
+        assert_eq!(fwd_pointers(&p, &l, w), vec![1, 2, 3, w, w + 3072]);
         assert_eq!(
-            bwd_pointers(&p, &l, BWD_FORMS[0], w),
+            bwd_pointers(&p, &l, w),
             vec![1, 2, 3, w, 4, w + 3072, w + 3328, w + 3584, 5, 6, 7]
         );
+        let l = GradLayout::new(&d, direct, 1000);
         assert_eq!(
-            bwd_pointers(&p, &l, BWD_FORMS[2], w),
+            bwd_pointers(&p, &l, w),
             vec![1, 2, 3, w, 4, w + 3072, w + 3328, 5, 6, 7]
         );
+        let l = GradLayout::new(&d, padded, 1000);
+        assert_eq!(
+            bwd_pointers(&p, &l, w),
+            vec![
+                1,
+                2,
+                3,
+                w,
+                4,
+                w + 3072,
+                w + 3328,
+                w + 3584,
+                5,
+                6,
+                7,
+                w + 9728,
+                w + 9984
+            ]
+        );
+        assert_eq!(bwd_pointers(&p, &l, w).len(), bwd_uids(padded).len());
         assert!(accum_needs_zeroing(90500));
         assert!(!accum_needs_zeroing(90600));
         assert!(!accum_needs_zeroing(91400));

@@ -566,6 +566,17 @@ pub(crate) fn pointwise_node(
 
 /// A batched matmul operation `c = a·b` computed in f32 (and its matmul descriptor).
 pub(crate) fn matmul_node(a: &Desc, b: &Desc, c: &Desc) -> Result<[Desc; 2]> {
+    matmul_node_with(a, b, c, [None; 3])
+}
+
+/// [`matmul_node`] with the GEMM's M, N and K overridden per batch by int32 tensors (`[m, n,
+/// k]`, each optional; the padding form of cudnn-frontend's attention matmuls).
+pub(crate) fn matmul_node_with(
+    a: &Desc,
+    b: &Desc,
+    c: &Desc,
+    overrides: [Option<&Desc>; 3],
+) -> Result<[Desc; 2]> {
     let mm = Desc::new(D::CUDNN_BACKEND_MATMUL_DESCRIPTOR, "matmul")?;
     mm.set(
         A::CUDNN_ATTR_MATMUL_COMP_TYPE,
@@ -581,6 +592,16 @@ pub(crate) fn matmul_node(a: &Desc, b: &Desc, c: &Desc) -> Result<[Desc; 2]> {
     op.set_descs(A::CUDNN_ATTR_OPERATION_MATMUL_BDESC, &[b])?;
     op.set_descs(A::CUDNN_ATTR_OPERATION_MATMUL_CDESC, &[c])?;
     op.set_descs(A::CUDNN_ATTR_OPERATION_MATMUL_DESC, &[&mm])?;
+    let names = [
+        A::CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC,
+        A::CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC,
+        A::CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC,
+    ];
+    for (name, t) in names.into_iter().zip(overrides) {
+        if let Some(t) = t {
+            op.set_descs(name, &[t])?;
+        }
+    }
     op.finalize()?;
     Ok([op, mm])
 }
