@@ -201,16 +201,24 @@ impl AttnDnnDesc {
     }
 }
 
-/// The error of a forced cuDNN attention over a shape it does not cover.
+/// The error of a forced cuDNN attention (forward or gradient) over a shape it does not cover.
 pub fn not_covered(op: &Op, inputs: &[&TensorType]) -> CodegenError {
     let shapes: Vec<String> = inputs.iter().map(|t| t.to_string()).collect();
+    let (what, heads, extra) = match op {
+        Op::AttentionGrad { .. } => (
+            "fused attention backward",
+            &GRAD_HEAD_SIZES[..],
+            ", not Sq = Sk = 1",
+        ),
+        _ => ("fused attention", &HEAD_SIZES[..], ""),
+    };
     CodegenError::Unsupported {
         op: op.name(),
         device: "cuda",
         reason: format!(
-            "RUSTYTORCH_ATTENTION=cudnn: cuDNN's fused attention here takes f16/bf16 q, k, v of \
-             equal head sizes {HEAD_SIZES:?}, no mask operand and no bottom-right causal mask \
-             with more queries than keys; \
+            "RUSTYTORCH_ATTENTION=cudnn: cuDNN's {what} here takes f16/bf16 q, k, v of \
+             equal head sizes {heads:?}, no mask operand and no bottom-right causal mask \
+             with more queries than keys{extra}; \
              got {} ({op:?}); unset the variable to use the flash kernel",
             shapes.join(", ")
         ),
@@ -425,6 +433,20 @@ mod tests {
         assert!(grad_desc(&grad_op(Causal::None, 1, l), &ins, &ins[1]).is_none());
         let ins = with_grad(DType::F16, 1, 2, 64);
         assert!(grad_desc(&grad_op(Causal::None, 1, l), &ins, &ins[1]).is_some());
+    }
+
+    #[test]
+    fn forced_errors_name_the_covered_head_sizes() {
+        let l = AttnLayout::Bhsd;
+        let (ins, _) = tys(DType::F16, l, 1, 2, 4, 9, 96);
+        let refs: Vec<&TensorType> = ins.iter().collect();
+        let fwd = not_covered(&op(Causal::None, AttnMask::None, l), &refs).to_string();
+        assert!(fwd.contains("[32, 64, 80, 128]"), "{fwd}");
+        let grad = not_covered(&grad_op(Causal::None, 0, l), &refs).to_string();
+        assert!(
+            grad.contains("backward") && grad.contains("[64, 128]"),
+            "{grad}"
+        );
     }
 
     #[test]

@@ -816,6 +816,8 @@ fn grad_cache() -> &'static Mutex<HashMap<AttnDnnDesc, Option<(i64, i64)>>> {
 /// cuDNN makes no plan; in auto mode a cuDNN failure means the flash kernels (logged and
 /// cached). In auto mode an undecided result ([`GradPlans::decided`] false) is to be timed
 /// against the flash kernels ([`GradPlans::time`]) and the outcome given to [`remember_grad`].
+/// It runs plans on `stream` (on buffers of its own), so it must not be called during stream
+/// capture; the context must be bound.
 // Entry point of the attention-gradient step, which the CUDA session wires.
 #[allow(dead_code)]
 pub(crate) fn prepare_grad(
