@@ -505,9 +505,9 @@ fn placements() {
     assert_eq!(grid(&sum(&[0]), &[7, 100]), [1]);
     assert_eq!(grid(&sum(&[0]), &[7, 1000]), [8]);
     assert_eq!(grid(&sum(&[0, 1]), &[200, 200]), [5, 1]);
-    // Three scalar columns: 4 lanes a row and 64 rows at a time, 9 chunks of at least 8 rows a
-    // thread, then one block for the partials.
-    assert_eq!(grid(&sum(&[0]), &[5000, 3]), [9, 1]);
+    // Three scalar columns: 4 lanes a row and 64 rows at a time, 5 chunks of 1024 rows (8
+    // groups of 64 rows 8 times), then one block for the partials.
+    assert_eq!(grid(&sum(&[0]), &[5000, 3]), [5, 1]);
     assert_eq!(grid(&Op::Softmax { axis: 1 }, &[6, 50, 7]), [2]);
     assert_eq!(grid(&Op::Softmax { axis: 1 }, &[3, 2000]), [3]);
     // Last-axis rows that fit in registers: a block of 128 threads per row of 500 vectors.

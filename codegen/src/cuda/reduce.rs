@@ -1048,27 +1048,30 @@ const COL_BLOCKS: usize = 4 * 132;
 /// Rows each thread reads at least in a chunk of a split column reduction, so that the partials
 /// stay a small fraction of the input.
 const COL_MIN_ROWS: usize = 8;
-/// Rows a thread loads before it accumulates them (independent loads in flight).
-const COL_UNROLL: usize = 4;
+/// Bytes a thread loads before it accumulates them (independent loads in flight: eight 16-byte
+/// vectors of one input, four of each of two).
+const COL_BYTES_IN_FLIGHT: usize = 128;
 
 /// The placement of a column reduction (one that keeps the unit-stride dim): each thread owns
 /// `vec` adjacent outputs (one 16-byte vector of the input where the kept extent and the strides
 /// allow, else a shorter one or a scalar), `lanes` neighbouring threads cover `lanes · vec`
 /// outputs of a row (a warp reads 512 contiguous bytes when `lanes` is 32), and a block's
-/// `slots = 256 / lanes` groups of lanes walk different rows, accumulating in registers.
+/// `slots = 256 / lanes` groups of lanes walk different rows, `unroll` rows at a time,
+/// accumulating in registers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct ColPlan {
     vec: usize,
     lanes: usize,
     slots: usize,
+    unroll: usize,
     /// Blocks of `lanes · vec` outputs.
     col_blocks: usize,
 }
 
 impl ColPlan {
     /// The plan for `rows` (the kept dims end with a unit-stride one) read from buffers whose
-    /// narrowest element is `elem` bytes wide.
-    fn new(rows: &Rows, elem: usize) -> ColPlan {
+    /// narrowest element is `elem` bytes wide and whose elements take `per_elem` bytes together.
+    fn new(rows: &Rows, elem: usize, per_elem: usize) -> ColPlan {
         let (unit, outer) = rows
             .kept
             .split_last()
@@ -1080,24 +1083,33 @@ impl ColPlan {
         }
         let nv = rows.count / vec;
         let lanes = nv.next_power_of_two().min(WARP as usize);
+        let unroll = (COL_BYTES_IN_FLIGHT / (vec * per_elem).max(1)).clamp(1, 8);
         ColPlan {
             vec,
             lanes,
             slots: BLOCK as usize / lanes,
+            // A power of two.
+            unroll: 1 << unroll.ilog2(),
             col_blocks: nv.div_ceil(lanes),
         }
     }
 
-    /// Chunks of the `n` rows for the first of two stages (1: one stage): enough blocks for
-    /// [`COL_BLOCKS`], each thread reading at least [`COL_MIN_ROWS`] rows.
-    fn parts(&self, n: usize) -> usize {
+    /// (parts, chunk): chunks of the `n` rows for the first of two stages, or `None` for one
+    /// stage: enough blocks for [`COL_BLOCKS`], each thread reading at least [`COL_MIN_ROWS`]
+    /// rows, and every chunk but the last whole groups of `slots · unroll` rows.
+    fn split(&self, n: usize) -> Option<(usize, usize)> {
         if self.col_blocks >= COL_BLOCKS / 2 {
-            return 1;
+            return None;
         }
-        COL_BLOCKS
+        let parts = COL_BLOCKS
             .div_ceil(self.col_blocks)
-            .min(n / (self.slots * COL_MIN_ROWS))
-            .max(1)
+            .min(n / (self.slots * COL_MIN_ROWS));
+        if parts <= 1 {
+            return None;
+        }
+        let chunk = n.div_ceil(parts).next_multiple_of(self.slots * self.unroll);
+        let parts = n.div_ceil(chunk);
+        (parts > 1).then_some((parts, chunk))
     }
 }
 
@@ -1248,6 +1260,7 @@ fn col_kernel(
         vec,
         lanes,
         slots,
+        unroll,
         col_blocks,
     } = plan;
     let n = rows.n;
@@ -1292,9 +1305,10 @@ fn col_kernel(
     for j in 0..vec {
         body.extend(acc.init(&a(j)));
     }
-    // The rows of this thread: `COL_UNROLL` at a time while whole groups remain, then one at a
-    // time.
-    let group = (slots * COL_UNROLL) as i64;
+    // The rows of this thread: `unroll` at a time (their loads first) while whole groups
+    // remain, then the rest of the chunk once, `unroll` at a time as well, rows past its end
+    // reading the first one again and not counting it.
+    let group = (slots * unroll) as i64;
     body.push(let_(
         "kf",
         CTy::I64,
@@ -1303,31 +1317,47 @@ fn col_kernel(
             mul(div(sub(var("ke"), var("kb")), i64c(group)), i64c(group)),
         ),
     ));
-    for (start, end, unroll) in [("kb", "kf", COL_UNROLL), ("kf", "ke", 1)] {
+    for tail in [false, true] {
+        let k = if tail { "kt" } else { "k" };
         let (mut loads, mut math) = (Vec::new(), Vec::new());
         let mut xs = Vec::new();
         for u in 0..unroll {
-            let ku = format!("k{u}");
-            loads.push(let_(&ku, CTy::I64, add(var("k"), i64c((u * slots) as i64))));
+            let (ku, valid) = (format!("k{u}"), format!("v{u}"));
+            let at = add(var(k), i64c((u * slots) as i64));
+            if tail && u > 0 {
+                loads.push(let_(&valid, CTy::Bool, lt(at.clone(), var("ke"))));
+                loads.push(let_(&ku, CTy::I64, select(var(&valid), at, var(k))));
+            } else {
+                loads.push(let_(&ku, CTy::I64, at));
+            }
             let at = add(var("base"), offset(&ku, &rows.red));
             let tag = format!("u{u}");
-            xs.push(col_values(
-                &mut loads, &mut math, &tag, at, vec, src, pro, acc.ty,
-            )?);
+            let x = col_values(&mut loads, &mut math, &tag, at, vec, src, pro, acc.ty)?;
+            xs.push((tail && u > 0, valid, x));
         }
-        for x in xs {
+        for (guarded, valid, x) in xs {
             for (j, v) in x.into_iter().enumerate() {
-                math.extend(acc.merge(&a(j), &[v], "take"));
+                let m = acc.merge(&a(j), &[v], "take");
+                math.extend(if guarded {
+                    vec![if_(var(&valid), m)]
+                } else {
+                    m
+                });
             }
         }
         loads.extend(math);
-        body.push(for_(
-            "k",
-            add(var(start), var("slot")),
-            var(end),
-            i64c(if unroll > 1 { group } else { slots as i64 }),
-            loads,
-        ));
+        if tail {
+            body.push(let_(k, CTy::I64, add(var("kf"), var("slot"))));
+            body.push(if_(lt(var(k), var("ke")), loads));
+        } else {
+            body.push(for_(
+                k,
+                add(var("kb"), var("slot")),
+                var("kf"),
+                i64c(group),
+                loads,
+            ));
+        }
     }
     // Combine the slots' states through shared memory, halving the slots each step.
     let sh = "sh";
@@ -1444,10 +1474,13 @@ fn col_reduce(
         Some(p) => p.ops.iter().flatten().map(|o| elem_bytes(o.1)).min(),
         None => Some(elem_bytes(xs)),
     };
-    let plan = ColPlan::new(rows, narrowest.unwrap_or(elem_bytes(xs)));
+    let per_elem = match pro {
+        Some(p) => p.ops.iter().flatten().map(|o| elem_bytes(o.1)).sum(),
+        None => elem_bytes(xs),
+    };
+    let plan = ColPlan::new(rows, narrowest.unwrap_or(elem_bytes(xs)), per_elem);
     let (n, outputs) = (rows.n, rows.count);
-    let parts = plan.parts(n);
-    if parts <= 1 {
+    let Some((parts, chunk)) = plan.split(n) else {
         let k = col_kernel(
             prefix,
             rows,
@@ -1464,9 +1497,7 @@ fn col_reduce(
         args.extend(epi_args);
         args.push(ArgRef::Output);
         return Ok(single(k, args));
-    }
-    let chunk = n.div_ceil(parts);
-    let parts = n.div_ceil(chunk);
+    };
     let k1 = col_kernel(
         &format!("{prefix}_partial"),
         rows,
@@ -1488,7 +1519,7 @@ fn col_reduce(
     let k2 = col_kernel(
         prefix,
         &second,
-        ColPlan::new(&second, elem_bytes(acc.ty)),
+        ColPlan::new(&second, elem_bytes(acc.ty), elem_bytes(acc.ty)),
         None,
         acc,
         ("part", acc.ty),
