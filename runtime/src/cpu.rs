@@ -4,6 +4,11 @@
 //! [`rustytorch_ops::host_alloc`]). Parameters and state stay host tensors owned by the session; a step's
 //! updates replace them only when every guard passed.
 //!
+//! A matmul whose B operand is a parameter or a constant (a weight) multiplies against a copy of
+//! B packed once for the f32 kernel ([`rustytorch_ops::matmul::packed`]) instead of packing it on
+//! every call; a parameter replaced by an update or [`Session::write_param`] is packed again
+//! before the next run.
+//!
 //! In anomaly mode ([`CpuBackend::prepare_with`]) every step's result is checked for NaN and
 //! infinite elements as it is produced, and the run stops at the first one with a
 //! [`RuntimeError::NonFinite`]; for a fused kernel, the kernel's instructions are then evaluated
@@ -14,6 +19,7 @@ use crate::{
     Session, StepClock, StepTime, StepTimes, TransferStats,
 };
 use rustytorch_codegen::{Plan, Source};
+use rustytorch_ops::matmul::{self, packed::PackedB};
 use rustytorch_ops::{eval_cpu, Data, FusedKernel, HostTensor, Op, TensorType};
 use std::fmt;
 use std::sync::Arc;
@@ -55,14 +61,17 @@ impl CpuBackend {
         }
         // Kernel outputs are reused heap memory instead of fresh page-faulted mappings.
         rustytorch_ops::host_alloc::tune_for_tensors();
-        Ok(CpuSession {
+        let mut session = CpuSession {
+            packed: vec![None; plan.steps.len()],
             plan,
             params,
             anomaly,
             timing: false,
             times: None,
             group: None,
-        })
+        };
+        session.pack_weights();
+        Ok(session)
     }
 }
 
@@ -163,9 +172,65 @@ pub struct CpuSession {
     times: Option<StepTimes>,
     /// The data-parallel group whose ranks the `all_reduce` steps exchange with.
     group: Option<Arc<dyn Communicator>>,
+    /// Per step: the B operand of a matmul whose B is a parameter or constant, packed for the
+    /// f32 kernel.
+    packed: Vec<Option<Packed>>,
+}
+
+/// A matmul's `trans_b` flag (how its B is packed).
+fn trans_b(op: &Op) -> Option<bool> {
+    match op {
+        Op::Matmul { trans_b, .. } | Op::MatmulEpilogue { trans_b, .. } => Some(*trans_b),
+        _ => None,
+    }
+}
+
+/// A weight packed for the f32 matmul kernel, with the tensor it was packed from.
+#[derive(Clone, Debug)]
+struct Packed {
+    from: Arc<HostTensor>,
+    b: Arc<PackedB>,
 }
 
 impl CpuSession {
+    /// Packs the B operand of every matmul step whose B is a parameter or constant, unless the
+    /// packed copy is of the same tensor already (parameters replaced since are packed again).
+    fn pack_weights(&mut self) {
+        if !matmul::packed::available() {
+            return;
+        }
+        let plan = &*self.plan;
+        for (s, step) in plan.steps.iter().enumerate() {
+            if !matches!(step.op, Op::Matmul { .. } | Op::MatmulEpilogue { .. }) {
+                continue;
+            }
+            let b = match step.inputs.get(1).map(|&v| &plan.sources[v]) {
+                Some(Source::Param(i)) => self.params.get(*i),
+                Some(Source::Const(t)) => Some(t),
+                _ => None,
+            };
+            let Some(b) = b else { continue };
+            if self.packed[s]
+                .as_ref()
+                .is_some_and(|p| Arc::ptr_eq(&p.from, b))
+            {
+                continue;
+            }
+            // The same tensor with the same flags, packed for an earlier step, is shared.
+            let same = (0..s).find_map(|e| {
+                let p = self.packed[e].as_ref()?;
+                (Arc::ptr_eq(&p.from, b) && trans_b(&plan.steps[e].op) == trans_b(&step.op))
+                    .then(|| p.clone())
+            });
+            self.packed[s] = same.or_else(|| {
+                matmul::prepack_b(&step.op, b).map(|pb| Packed {
+                    from: b.clone(),
+                    b: Arc::new(pb),
+                })
+            });
+        }
+    }
+
     /// Executes every step; returns the values the caller reads after the run (outputs, updates,
     /// guards), indexed by value id, and with step timing on, each step's wall time.
     #[allow(clippy::type_complexity)]
@@ -211,8 +276,20 @@ impl CpuSession {
                     .map(|&v| vals[v].as_deref().expect("operand computed before use"))
                     .collect();
                 let _span = tracing::trace_span!("kernel", step = s, op = step.op.name()).entered();
+                let prepacked = self.packed[s].as_ref().and_then(|p| {
+                    matmul::cpu_prepacked(&step.op, &ins, &plan.types[step.output], &p.b)
+                });
                 let out = match (&step.op, &self.group) {
                     (Op::AllReduce { mean }, Some(group)) => group.all_reduce(ins[0], *mean)?,
+                    _ if prepacked.is_some() => {
+                        prepacked
+                            .expect("checked")
+                            .map_err(|source| RuntimeError::Kernel {
+                                step: s,
+                                op: step.op.name(),
+                                source,
+                            })?
+                    }
                     _ => eval_cpu(&step.op, &ins).map_err(|source| RuntimeError::Kernel {
                         step: s,
                         op: step.op.name(),
@@ -268,6 +345,7 @@ impl Session for CpuSession {
 
     fn run(&mut self, inputs: &[Arc<HostTensor>]) -> Result<RunOutput> {
         self.times = None;
+        self.pack_weights();
         let (vals, times) = self.execute(inputs)?;
         self.times = times;
         let get = |v: usize| vals[v].clone().expect("root values are kept");
