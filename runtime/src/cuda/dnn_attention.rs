@@ -1,6 +1,7 @@
-//! Attention forward through cuDNN's fused attention: the operation graph of one
+//! Attention through cuDNN's fused attention: the forward's operation graph of one
 //! [`AttnDnnDesc`] in the form cudnn-frontend gives its SDPA node (the form cuDNN's fused
-//! attention engines recognize), its plans, and the choice between them and the flash kernel.
+//! attention engines recognize), its plans, and the choice between them and the flash kernel;
+//! and the gradient's two graphs (see below).
 //!
 //! The graph, every intermediate virtual (f32 unless noted):
 //!
@@ -28,11 +29,10 @@
 //! as cudnn-frontend's `CompositeSDPABackwardNode` builds it (see [`bwd_graph`]), trying the
 //! frontend's form first and two variants after it ([`bwd_forms`]; with cuDNN <= 9.15 and Sk
 //! not a multiple of 128 all with the padding mask of full lengths the frontend adds there,
-//! [`needs_padding`]). It keeps the fastest plan
-//! of each; [`GradPlans::run`] enqueues the forward then the backward. The workspace
-//! ([`GradLayout`]) holds O, the statistics, the backward's f32 row sums and dQ accumulator
-//! (zeroed before each call only for cuDNN < 9.6, as the frontend does) and the plans' shared
-//! workspace. The session times the pair against the flash kernels ([`GradPlans::time`]) and
+//! [`needs_padding`]). It keeps the fastest plan of each; [`GradPlans::run`] enqueues the
+//! forward then the backward. The workspace ([`GradLayout`]) holds O, the statistics, the
+//! backward's f32 row sums and dQ accumulator (zeroed before each call only for cuDNN < 9.6, as
+//! the frontend does), the padding form's length tensors and the plans' shared workspace. The session times the pair against the flash kernels ([`GradPlans::time`]) and
 //! records the outcome per description ([`remember_grad`]); `RUSTYTORCH_ATTENTION` forces one
 //! as for the forward.
 
