@@ -1050,6 +1050,23 @@ fn algebra_table() -> Vec<Entry> {
         );
         m.rtol = 1e-5;
         t.push(m);
+        // A batched weight gradient: Σ_b x_bᵀ·y_b as one matmul over the stacked rows.
+        for keep in [false, true] {
+            let mut m = entry(
+                Some("matmul-batch-sum"),
+                d,
+                &[&[2, 3, 4, 3], &[2, 3, 4, 5]],
+                move |_, x| {
+                    one(x[0]
+                        .minimum_scalar(1e4)
+                        .transpose(-1, -2)
+                        .matmul(&x[1].maximum_scalar(-1e4))
+                        .sum(&[0, 1], keep))
+                },
+            );
+            m.rtol = 1e-5;
+            t.push(m);
+        }
         // Broadcasts pushed past elementwise ops.
         for (name, u) in UNARY {
             let u = *u;

@@ -663,7 +663,31 @@ fn matmul_grads(
         (true, false) => cx.emit(mm(false, true), &[b, g])?,
         (true, true) => cx.emit(mm(true, true), &[b, g])?,
     };
-    // dB: with B stored [K,N]: op(A)ᵀ·G; stored [N,K]: Gᵀ·op(A).
+    // dB: with B stored [K,N]: op(A)ᵀ·G; stored [N,K]: Gᵀ·op(A). A 2-D B broadcast over A's
+    // batch (a linear layer's weight) takes one product over the batch's rows stacked rather
+    // than one per batch element summed afterwards.
+    let (ra, rb) = (cx.ty(a).shape.rank(), cx.ty(b).shape.rank());
+    if !ta && rb == 2 && ra >= 3 {
+        let (ad, gd) = (cx.ty(a).shape, cx.ty(g).shape);
+        let rows: usize = ad.dims()[..ra - 1].iter().product();
+        let flat = |cx: &mut VjpCtx<'_>, v: Value, cols: usize| {
+            cx.emit(
+                Op::Reshape {
+                    shape: Shape::new([rows, cols]),
+                },
+                &[v],
+            )
+        };
+        let a2 = flat(cx, a, ad.dims()[ra - 1])?;
+        let g2 = flat(cx, g, gd.dims()[gd.rank() - 1])?;
+        let db = if tb {
+            cx.emit(mm(true, false), &[g2, a2])?
+        } else {
+            cx.emit(mm(true, false), &[a2, g2])?
+        };
+        let sa = cx.ty(a).shape;
+        return Ok((cx.sum_to(da, &sa)?, db));
+    }
     let db = match (ta, tb) {
         (false, false) => cx.emit(mm(true, false), &[a, g])?,
         (true, false) => cx.emit(mm(false, false), &[a, g])?,

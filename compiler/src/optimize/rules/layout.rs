@@ -4,7 +4,7 @@
 
 use super::{build, Ctx, Rw, ARITH_BINARY, FLOAT_UNARY};
 use egg::Id;
-use rustytorch_ops::{Op, Shape};
+use rustytorch_ops::{Op, ReduceKind, Shape};
 
 /// Whether `perm` swaps the last two dims and keeps the others.
 pub fn swaps_last_two(perm: &[usize]) -> bool {
@@ -54,9 +54,70 @@ fn push_expand(cx: &mut Ctx<'_>, vars: &[&str]) -> Option<Id> {
     cx.add(Op::Expand { shape: out }, &[small])
 }
 
+/// `reduce_sum` over every batch axis of `matmul[trans_a](a, b)` (a `[..., K, M]`, b `[..., K, N]`
+/// with the same batch dims) is one matmul over the batch's rows stacked:
+/// `matmul[trans_a](reshape(a, [B·K, M]), reshape(b, [B·K, N]))` (the reshapes of contiguous
+/// operands cost nothing). This is a weight's gradient in a batched linear layer: the GEMM then
+/// runs with the whole batch as its inner dimension instead of one product per batch element
+/// and a reduction of their `[B, M, N]` results.
+fn batch_sum_matmul(cx: &mut Ctx<'_>) -> Option<Id> {
+    let Op::Reduce {
+        kind: ReduceKind::Sum,
+        axes,
+        ..
+    } = cx.top().clone()
+    else {
+        return None;
+    };
+    let Op::Matmul {
+        trans_a: true,
+        trans_b: false,
+    } = *cx.op("matmul")?
+    else {
+        return None;
+    };
+    let (at, bt) = (cx.ty("?a")?.clone(), cx.ty("?b")?.clone());
+    let (ad, bd) = (at.shape.dims(), bt.shape.dims());
+    let r = ad.len();
+    if r < 3 || bd.len() != r || ad[..r - 1] != bd[..r - 1] || !at.dtype.is_float() {
+        return None;
+    }
+    if axes != (0..r - 2).collect::<Vec<_>>() {
+        return None;
+    }
+    let rows: usize = ad[..r - 1].iter().product();
+    let out = cx.root_ty()?.clone();
+    let a = cx.add(
+        Op::Reshape {
+            shape: Shape::new([rows, ad[r - 1]]),
+        },
+        &[cx.id("?a")],
+    )?;
+    let b = cx.add(
+        Op::Reshape {
+            shape: Shape::new([rows, bd[r - 1]]),
+        },
+        &[cx.id("?b")],
+    )?;
+    let m = cx.add(
+        Op::Matmul {
+            trans_a: true,
+            trans_b: false,
+        },
+        &[a, b],
+    )?;
+    cx.add(Op::Reshape { shape: out.shape }, &[m])
+}
+
 /// The layout rules.
 pub fn rules() -> Vec<Rw> {
     let mut r = vec![
+        // Σ_batch matmul[trans_a](a, b) == matmul[trans_a] over the stacked rows.
+        build(
+            "matmul-batch-sum",
+            "(reduce_sum* (matmul* ?a ?b))",
+            batch_sum_matmul,
+        ),
         // matmul(transpose(a), b) == matmul[trans_a](a, b).
         build("matmul-fold-trans-a", "(matmul* (permute* ?a) ?b)", |cx| {
             fold_trans(cx, 0)
