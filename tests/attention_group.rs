@@ -60,7 +60,12 @@ fn case(
             }
             inputs.push(HostTensor::from_f64_slice(&t(d, &[sq, sk]), &m).unwrap());
         }
-        AttnMask::Bool => inputs.push(rand_tensor(&t(DType::Bool, &[b, 1, 1, sk]), seed + 3, 0.0, 1.0)),
+        AttnMask::Bool => inputs.push(rand_tensor(
+            &t(DType::Bool, &[b, 1, 1, sk]),
+            seed + 3,
+            0.0,
+            1.0,
+        )),
     }
     inputs.push(rand_tensor(&t(d, &dims(sq, hv)), seed + 4, -1.0, 1.0));
     let ops = wrts
