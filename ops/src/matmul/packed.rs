@@ -27,6 +27,8 @@ pub const NR: usize = 48;
 pub const KC: usize = 192;
 /// Rows of an A block kept in L2 while the panels stream past.
 pub const MC: usize = 256;
+/// Jobs per pool thread when the work is split.
+const JOBS_PER_THREAD: usize = 4;
 
 /// B (`k×n`) packed into panels of [`NR`] columns, each `k`-major, zero-padded, 64-byte aligned.
 #[derive(Clone, Debug)]
@@ -146,13 +148,15 @@ pub fn gemm_f32(
         // (checked above) and B's inside the packed panels; AVX-512F was detected above.
         unsafe { run_block(a, b, bias, act, cp, rows, pans) }
     };
+    // A few jobs per thread, so that a core slowed by other work hands its share to the other.
+    let jobs = threads * JOBS_PER_THREAD;
     if threads > 1 && panels >= threads {
-        let per = panels.div_ceil(threads);
+        let per = panels.div_ceil(jobs);
         (0..panels.div_ceil(per))
             .into_par_iter()
             .for_each(|t| job((0, m), (t * per, ((t + 1) * per).min(panels))));
     } else if threads > 1 && m >= 2 * MR {
-        let per = m.div_ceil(threads).div_ceil(MR) * MR;
+        let per = m.div_ceil(jobs).div_ceil(MR) * MR;
         (0..m.div_ceil(per))
             .into_par_iter()
             .for_each(|t| job((t * per, ((t + 1) * per).min(m)), (0, panels)));
@@ -226,13 +230,6 @@ unsafe fn run_block(
                             },
                         };
                         tile_rows::<3, true>(mr, &t);
-                        if last && act != VFn::Identity {
-                            for r in 0..mr {
-                                let row =
-                                    std::slice::from_raw_parts_mut(c.0.add((i + r) * n + j0), w);
-                                vmath::bias_act(row, None, w, act);
-                            }
-                        }
                     }
                     i += mr;
                 }
@@ -240,6 +237,15 @@ unsafe fn run_block(
             m0 += mc;
         }
         k0 += kc;
+    }
+    if act != VFn::Identity {
+        // The activation over the block's rows (in L2), one vectorized call per row.
+        let (j0, j1) = (pans.0 * NR, (pans.1 * NR).min(n));
+        for i in rows.0..rows.1 {
+            // SAFETY: row `i`, columns `j0..j1` are this job's block of C (the caller's contract).
+            let row = unsafe { std::slice::from_raw_parts_mut(c.0.add(i * n + j0), j1 - j0) };
+            vmath::bias_act(row, None, j1 - j0, act);
+        }
     }
 }
 
