@@ -106,6 +106,16 @@ pub enum CudaStep {
         /// The flash kernel (operands q, k, v, the output).
         flash: StepKernels,
     },
+    /// The three gradients of one attention (a sibling group, see [`crate::Step::with`]): cuDNN's
+    /// SDPA backward (after its forward writes O and the statistics into the workspace) or the
+    /// flash kernels, chosen like [`CudaStep::Attention`]; the workspace lives in the step's
+    /// scratch.
+    AttentionGrad {
+        /// The cuDNN calls' description (the forward's).
+        cudnn: AttnDnnDesc,
+        /// The flash kernels (operands q, k, v, dO; results dQ, then dK and dV as `With`).
+        flash: StepKernels,
+    },
     /// cuBLASLt GEMMs and generated kernels in order over the operands, the output and the
     /// step's scratch (attention and its gradients as GEMMs).
     Composite(Composite),
@@ -129,7 +139,9 @@ impl CudaStep {
     pub fn launches(&self) -> Vec<&Launch> {
         match self {
             CudaStep::Kernels(k) => k.launches.iter().collect(),
-            CudaStep::Attention { flash, .. } => flash.launches.iter().collect(),
+            CudaStep::Attention { flash, .. } | CudaStep::AttentionGrad { flash, .. } => {
+                flash.launches.iter().collect()
+            }
             CudaStep::Matmul { after, .. } => after.launches.iter().collect(),
             CudaStep::Dnn(d) => d.before.iter().chain(&d.after).collect(),
             CudaStep::Composite(c) => c
@@ -237,7 +249,26 @@ pub fn lower_plan(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
                     .chain(s.with.iter().copied())
                     .map(|v| &plan.types[v])
                     .collect();
-                return flash::lower_grad_group(&ops, &ins, &outs).map(CudaStep::Kernels);
+                let flash = flash::lower_grad_group(&ops, &ins, &outs)?;
+                let wrts: Vec<u8> = ops
+                    .iter()
+                    .filter_map(|o| match o {
+                        Op::AttentionGrad { wrt, .. } => Some(*wrt),
+                        _ => None,
+                    })
+                    .collect();
+                // cuDNN's backward writes all three gradients.
+                let desc = (wrts == [0, 1, 2])
+                    .then(|| AttnDnnDesc::of_grad(&s.op, &ins, outs[0]))
+                    .flatten();
+                return match (attention_cudnn::Choice::from_env(), desc) {
+                    (attention_cudnn::Choice::Flash, _) => Ok(CudaStep::Kernels(flash)),
+                    (_, Some(cudnn)) => Ok(CudaStep::AttentionGrad { cudnn, flash }),
+                    (attention_cudnn::Choice::Cudnn, None) if outs[0].shape.numel() > 0 => {
+                        attention_cudnn::forced_error(&s.op, &ins)
+                    }
+                    _ => Ok(CudaStep::Kernels(flash)),
+                };
             }
             lower_step(&s.op, &ins, &plan.types[s.output])
         })

@@ -76,6 +76,15 @@ enum Exec {
         workspace: u64,
         flash: Vec<Resolved>,
     },
+    /// The three gradients of one attention: cuDNN's plans chosen at prepare, or the flash
+    /// kernels (no plans, or pointers less aligned than the plans need).
+    AttentionGrad {
+        plans: Option<std::sync::Mutex<dnn_attention::GradPlans>>,
+        /// q, k, v, dO, dQ, dK and dV: addresses and values.
+        ptrs: [(u64, Option<usize>); 7],
+        workspace: u64,
+        flash: Vec<Resolved>,
+    },
     /// GEMMs and launches in order (see `Composite`).
     Composite(Vec<ExecPart>),
     /// `all_reduce` from `src` into `dst` (addresses and values) over the joined group, or a
@@ -463,6 +472,8 @@ impl CudaSession {
         let attn_choice = rustytorch_codegen::cuda::attention_cudnn::Choice::from_env();
         let mut attn_prep: Vec<Option<dnn_attention::Prepared>> =
             (0..steps.len()).map(|_| None).collect();
+        let mut grad_prep: Vec<Option<dnn_attention::GradPlans>> =
+            (0..steps.len()).map(|_| None).collect();
         for (i, st) in steps.iter().enumerate() {
             if let Some(c) = PatternCheck::of(&plan, i)? {
                 if c.reads_inputs() {
@@ -514,6 +525,33 @@ impl CudaSession {
                     };
                     let ws = p.workspace();
                     attn_prep[i] = Some(p);
+                    flash.scratch_bytes.max(ws)
+                }
+                CudaStep::AttentionGrad { cudnn, flash } => {
+                    use rustytorch_codegen::cuda::attention_cudnn::Choice;
+                    dev.ctx.bind_to_thread().map_err(|e| {
+                        RuntimeError::Device(format!("binding the CUDA context: {e}"))
+                    })?;
+                    let p = match attn_choice {
+                        Choice::Flash => Ok(None),
+                        _ => dev.with_dnn(|dn| {
+                            dnn_attention::prepare_grad(dn.handle, cudnn, attn_choice, stream as _)
+                        }),
+                    };
+                    let p = match p {
+                        Ok(p) => p,
+                        Err(e) if attn_choice == Choice::Cudnn => {
+                            return Err(RuntimeError::Device(format!(
+                                "step {i} (attention gradients): {e}"
+                            )))
+                        }
+                        Err(e) => {
+                            tracing::debug!("step {i}: attention gradients run the flash kernels: {e}");
+                            None
+                        }
+                    };
+                    let ws = p.as_ref().map_or(0, |g| g.workspace());
+                    grad_prep[i] = p;
                     flash.scratch_bytes.max(ws)
                 }
                 CudaStep::Dnn(d) => {
@@ -603,6 +641,30 @@ impl CudaSession {
                             at_val(ArgRef::Input(2)),
                             at_val(ArgRef::Output),
                         ],
+                        workspace: scratch,
+                        flash,
+                    }
+                }
+                CudaStep::AttentionGrad { cudnn, flash } => {
+                    let flash = resolve(&flash);
+                    let ptrs = [
+                        at_val(ArgRef::Input(0)),
+                        at_val(ArgRef::Input(1)),
+                        at_val(ArgRef::Input(2)),
+                        at_val(ArgRef::Input(3)),
+                        at_val(ArgRef::Output),
+                        at_val(ArgRef::With(0)),
+                        at_val(ArgRef::With(1)),
+                    ];
+                    let plans = match grad_prep[i].take() {
+                        Some(g) if !g.decided => {
+                            choose_grad(&dev, &cudnn, g, &ptrs, scratch, &flash, stream, i)?
+                        }
+                        other => other,
+                    };
+                    Exec::AttentionGrad {
+                        plans: plans.map(std::sync::Mutex::new),
+                        ptrs,
                         workspace: scratch,
                         flash,
                     }
@@ -896,6 +958,32 @@ impl CudaSession {
                                 })
                                 .map_err(|e| {
                                     RuntimeError::Device(format!("step {i} (attention): {e}"))
+                                })?;
+                        }
+                        _ => {
+                            for l in flash {
+                                self.launch(l, i, stream, io)?;
+                            }
+                        }
+                    }
+                }
+                Exec::AttentionGrad {
+                    plans,
+                    ptrs,
+                    workspace,
+                    flash,
+                } => {
+                    let at: Vec<u64> = ptrs.iter().map(|&(a, v)| pick(a, v, io)).collect();
+                    match plans {
+                        Some(m) if GraphPlan::aligned(&at, *workspace) => {
+                            let mut g = m.lock().expect("attention gradient plans lock");
+                            let gp = grad_ptrs(&at);
+                            self.dev
+                                .with_dnn(|dn| g.run(dn.handle, &gp, *workspace, stream as _))
+                                .map_err(|e| {
+                                    RuntimeError::Device(format!(
+                                        "step {i} (attention gradients): {e}"
+                                    ))
                                 })?;
                         }
                         _ => {
@@ -1497,4 +1585,78 @@ impl Drop for CudaSession {
             self.dev.free(b);
         }
     }
+}
+
+/// The pointers of an attention-gradient call from the step's q, k, v, dO, dQ, dK, dV addresses.
+fn grad_ptrs(at: &[u64]) -> dnn_attention::GradPtrs {
+    dnn_attention::GradPtrs {
+        q: at[0],
+        k: at[1],
+        v: at[2],
+        dout: at[3],
+        dq: at[4],
+        dk: at[5],
+        dv: at[6],
+    }
+}
+
+/// Times cuDNN's attention gradient against the flash kernels on the step's own buffers (at
+/// prepare, when nothing in them is live yet; the operands are zeroed first so the timing does
+/// not depend on whatever the arena held) and keeps the faster, remembering the outcome per
+/// shape. A cuDNN failure in auto mode means the flash kernels (logged).
+#[allow(clippy::too_many_arguments)]
+fn choose_grad(
+    dev: &GpuDevice,
+    d: &rustytorch_codegen::cuda::AttnDnnDesc,
+    mut g: dnn_attention::GradPlans,
+    ptrs: &[(u64, Option<usize>); 7],
+    scratch: u64,
+    flash: &[Resolved],
+    stream: CUstream,
+    step: usize,
+) -> Result<Option<dnn_attention::GradPlans>> {
+    let at: Vec<u64> = ptrs.iter().map(|p| p.0).collect();
+    if !GraphPlan::aligned(&at, scratch) {
+        return Ok(None);
+    }
+    let elem = if d.dtype.size_bytes() == 2 { 2 } else { 4 };
+    let sizes = [
+        d.b * d.h * d.sq * d.d,
+        d.b * d.h * d.sk * d.d,
+        d.b * d.h * d.sk * d.d,
+        d.b * d.h * d.sq * d.d,
+    ];
+    for (a, n) in at.iter().zip(sizes) {
+        // SAFETY: operand `a` of the step holds `n` elements of `elem` bytes (the op's types);
+        // nothing in the arena is live at prepare, and the memset is ordered on `stream`.
+        unsafe { cudarc::driver::sys::cuMemsetD8Async(*a, 0, n * elem, stream) }
+            .result()
+            .map_err(|e| RuntimeError::Device(format!("zeroing for timing: {e}")))?;
+    }
+    let gp = grad_ptrs(&at);
+    let cudnn_ms = dev.with_dnn(|dn| g.time(dn.handle, &gp, scratch, stream as _));
+    let flash_ms = super::dnn::time(stream as _, || {
+        for r in flash {
+            // SAFETY: as in `CudaSession::launch`: the resolved arguments address the step's
+            // live buffers, in the kernel's parameter order.
+            unsafe { super::launch_pointers(&r.func, r.grid, r.block, &r.args, stream) }
+                .map_err(|e| RuntimeError::Device(format!("timing the flash gradients: {e}")))?;
+        }
+        Ok(())
+    })?;
+    let keep = match cudnn_ms {
+        Ok(c) => {
+            tracing::debug!(
+                "step {step}: attention gradients, cuDNN {c:.4} ms, flash {flash_ms:.4} ms"
+            );
+            c < flash_ms as f64
+        }
+        Err(e) => {
+            tracing::debug!("step {step}: attention gradients run the flash kernels: {e}");
+            false
+        }
+    };
+    let won = keep.then_some(g);
+    dnn_attention::remember_grad(d, won.as_ref());
+    Ok(won)
 }
