@@ -2,11 +2,13 @@
 //! (`(A·B) ⊙ act'(pre)`, a matmul's result taken back through an activation's derivative).
 //!
 //! Operands have rank >= 2; the last two dims are the matrix (swapped when `trans_*`), the leading
-//! batch dims broadcast (numpy). The CPU kernel calls the `gemm` crate with strides only (a
-//! transpose is a stride swap, never a copy): f32 and f64 directly, f16 and bf16 converted to f32,
-//! multiplied and rounded once after the epilogue (so the whole op rounds once, as on a GPU with
-//! f32 accumulation). Many small matrices run in parallel across the batch; a big matrix uses
-//! gemm's own rayon parallelism.
+//! batch dims broadcast (numpy). f32 (and f16 and bf16, converted to f32, multiplied and rounded
+//! once after the epilogue, so the whole op rounds once as on a GPU with f32 accumulation) runs
+//! through the packed-B AVX-512 kernel of [`packed`] with the bias and activation in its store
+//! (B packed per call here, or once by a session through [`prepack_b`] and [`cpu_prepacked`]).
+//! f64, and f32 on CPUs without AVX-512, call the `gemm` crate with strides only (a transpose is
+//! a stride swap, never a copy). Many small matrices run in parallel across the batch; a big
+//! matrix splits its own work over the pool.
 //!
 //! The epilogue (bias and activation) of f32 results runs in one vectorized pass with the f32
 //! forms of [`crate::vmath`] (the exact GELU within 1e-6 relative error); other dtypes evaluate
