@@ -1,5 +1,5 @@
 //! The packed-B f32 GEMM (`matmul::packed`) against a float64 reference on seeded random inputs:
-//! sizes on both sides of the register tile (8×48), the `k` block (192) and the row block (256),
+//! sizes on both sides of the register tile (8×48), the `k` block (384) and the row block (256),
 //! both transposes, bias and every activation, one thread and the pool; the prepacked entry
 //! (`cpu_prepacked`) with batch dims equal to the plain kernel; bad geometry refused.
 
@@ -93,7 +93,7 @@ fn tile_and_block_edges_against_f64() {
     }
     for &(m, n, k) in &[
         (1, 1, 1),
-        (8, 48, 192),
+        (8, 48, 384),
         (7, 47, 5),
         (9, 49, 193),
         (17, 96, 384),

@@ -7,7 +7,7 @@
 //! with three aligned loads and broadcasts one element of A per row of the tile (A is read in
 //! place with any strides, so a transposed A is no copy). A [`PackedB`] can be kept and reused
 //! across calls (the CPU session packs its parameters once). Loops, outer to inner: blocks of
-//! [`KC`] along `k` (a panel's block, 36 KiB, stays in L1 while the tile walks down the rows),
+//! [`KC`] along `k` (a panel's block, 72 KiB, stays in L2 while the tile walks down the rows),
 //! blocks of [`MC`] rows (A's block stays in L2), panels, tiles of [`MR`] rows. Work is split
 //! over the rayon pool by panels (by rows when there are fewer panels than threads). The first
 //! `k` block writes C, later ones add to it; the last adds the bias in registers and applies the
@@ -23,8 +23,8 @@ use rayon::prelude::*;
 pub const MR: usize = 8;
 /// Columns of the register tile and of a packed panel (three 16-lane vectors).
 pub const NR: usize = 48;
-/// Depth of a `k` block (a panel's block is `KC·NR·4` = 36 KiB).
-pub const KC: usize = 192;
+/// Depth of a `k` block (a panel's block is `KC·NR·4` = 72 KiB, read from L2 once per tile).
+pub const KC: usize = 384;
 /// Rows of an A block kept in L2 while the panels stream past.
 pub const MC: usize = 256;
 /// Jobs per pool thread when the work is split.
