@@ -474,9 +474,9 @@ fn attention_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     }
 }
 
-/// The forward of the attention shapes through cuDNN's fused attention forced
-/// (`RUSTYTORCH_ATTENTION=cudnn`) and in the default mode, which times cuDNN against the flash
-/// kernel once per shape and keeps the faster; both layouts.
+/// The forward, and the forward with the three gradients, of the attention shapes through
+/// cuDNN's fused attention forced (`RUSTYTORCH_ATTENTION=cudnn`) and in the default mode, which
+/// times cuDNN against the flash kernels once per shape and keeps the faster; both layouts.
 fn attention_cudnn_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     use rustytorch::ops::{AttnLayout, AttnMask, Causal, F64Bits};
     let bf = DType::BF16;
@@ -522,6 +522,39 @@ fn attention_cudnn_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
                     if causal { "causal" } else { "full" }
                 );
                 push(&name, t, "TFLOP/s", flops / (t.0 * 1e-3) / 1e12);
+                if sq == 1 {
+                    continue;
+                }
+                // Forward and the three gradients, one sibling group (the backward counted as
+                // 2.5× the forward, as for SDPA).
+                let dy = graph.add_input("dy", tt(bf, &dims(sq))).expect("dy");
+                for wrt in 0..3u8 {
+                    let Op::Attention {
+                        causal,
+                        mask,
+                        scale,
+                        layout,
+                    } = graph.node(y).expect("y").op.clone()
+                    else {
+                        unreachable!("the attention node")
+                    };
+                    let op = Op::AttentionGrad {
+                        causal,
+                        mask,
+                        scale,
+                        wrt,
+                        layout,
+                    };
+                    let dx = graph.add(op, &[q, k, v, dy]).expect("grad");
+                    graph.add_output(&format!("d{wrt}"), dx).expect("d");
+                }
+                let t = time_graph(&graph, 5, true);
+                push(
+                    &format!("{name} fwd+bwd"),
+                    t,
+                    "TFLOP/s",
+                    3.5 * flops / (t.0 * 1e-3) / 1e12,
+                );
             }
         }
     }

@@ -79,7 +79,7 @@ enum Exec {
     /// The three gradients of one attention: cuDNN's plans chosen at prepare, or the flash
     /// kernels (no plans, or pointers less aligned than the plans need).
     AttentionGrad {
-        plans: Option<std::sync::Mutex<dnn_attention::GradPlans>>,
+        plans: Option<Box<std::sync::Mutex<dnn_attention::GradPlans>>>,
         /// q, k, v, dO, dQ, dK and dV: addresses and values.
         ptrs: [(u64, Option<usize>); 7],
         workspace: u64,
@@ -546,7 +546,9 @@ impl CudaSession {
                             )))
                         }
                         Err(e) => {
-                            tracing::debug!("step {i}: attention gradients run the flash kernels: {e}");
+                            tracing::debug!(
+                                "step {i}: attention gradients run the flash kernels: {e}"
+                            );
                             None
                         }
                     };
@@ -663,7 +665,7 @@ impl CudaSession {
                         other => other,
                     };
                     Exec::AttentionGrad {
-                        plans: plans.map(std::sync::Mutex::new),
+                        plans: plans.map(|p| Box::new(std::sync::Mutex::new(p))),
                         ptrs,
                         workspace: scratch,
                         flash,
