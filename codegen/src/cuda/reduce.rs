@@ -1018,26 +1018,13 @@ pub(super) fn fused_reduce(
         None,
         epi,
     )?;
-    let mut args1 = src_args;
-    args1.push(ArgRef::Scratch);
-    let mut args2 = vec![ArgRef::Scratch];
-    args2.extend(epi_args);
-    args2.push(ArgRef::Output);
-    Ok(Some(StepKernels {
-        launches: vec![
-            Launch {
-                kernel: k1.0,
-                args: args1,
-                grid: k1.1,
-            },
-            Launch {
-                kernel: k2.0,
-                args: args2,
-                grid: k2.1,
-            },
-        ],
-        scratch_bytes: outputs * parts * elem_bytes(acc.ty),
-    }))
+    Ok(Some(two_stage(
+        k1,
+        k2,
+        src_args,
+        epi_args,
+        outputs * parts * elem_bytes(acc.ty),
+    )))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1528,12 +1515,30 @@ fn col_reduce(
         None,
         epi,
     )?;
+    Ok(two_stage(
+        k1,
+        k2,
+        src_args,
+        epi_args,
+        outputs * parts * elem_bytes(acc.ty),
+    ))
+}
+
+/// The two launches of a two-stage reduction: the partials of `k1` (over the sources) into the
+/// scratch, then `k2` from the scratch (and the epilogue's operands) into the output.
+fn two_stage(
+    k1: (Kernel, u32),
+    k2: (Kernel, u32),
+    src_args: Vec<ArgRef>,
+    epi_args: Vec<ArgRef>,
+    scratch_bytes: usize,
+) -> StepKernels {
     let mut args1 = src_args;
     args1.push(ArgRef::Scratch);
     let mut args2 = vec![ArgRef::Scratch];
     args2.extend(epi_args);
     args2.push(ArgRef::Output);
-    Ok(StepKernels {
+    StepKernels {
         launches: vec![
             Launch {
                 kernel: k1.0,
@@ -1546,8 +1551,8 @@ fn col_reduce(
                 grid: k2.1,
             },
         ],
-        scratch_bytes: outputs * parts * elem_bytes(acc.ty),
-    })
+        scratch_bytes,
+    }
 }
 
 fn arg_reduce(op: &Op, kind: ArgKind, axis: usize, x: &TensorType) -> Result<StepKernels> {

@@ -316,25 +316,14 @@ fn causal_mask(
         None,
         col,
     )?;
-    g.pointwise(
+    keep_or_fill(
+        g,
         Pw::CUDNN_POINTWISE_CMP_GE,
-        Dt::CUDNN_DATA_BOOLEAN,
-        None,
-        row,
-        Some(col),
-        None,
+        [row, col],
         keep,
-    )?;
-    g.pointwise(
-        Pw::CUDNN_POINTWISE_BINARY_SELECT,
-        f,
-        None,
-        scores,
-        Some(fill),
-        Some(keep),
+        [scores, fill],
         masked,
-    )?;
-    Ok(masked)
+    )
 }
 
 /// The forward operation graph of `d` (see the module docs); `p_io` makes `P` the operands'
@@ -547,18 +536,30 @@ fn padding_mask(
     let lt = Pw::CUDNN_POINTWISE_CMP_LT;
     g.pointwise(lt, boolean, None, row, Some(seq_q), None, row_in)?;
     g.pointwise(lt, boolean, None, col, Some(seq_kv), None, col_in)?;
-    g.pointwise(
+    keep_or_fill(
+        g,
         Pw::CUDNN_POINTWISE_LOGICAL_AND,
-        boolean,
-        None,
-        row_in,
-        Some(col_in),
-        None,
+        [row_in, col_in],
         keep,
-    )?;
+        [scores, fill],
+        masked,
+    )
+}
+
+/// `keep = pred(a, b)` (boolean), then `masked = keep ? scores : fill` (f32): the end of both
+/// masks.
+fn keep_or_fill(
+    g: &mut Builder,
+    pred: Pw,
+    [a, b]: [Tid; 2],
+    keep: Tid,
+    [scores, fill]: [Tid; 2],
+    masked: Tid,
+) -> Result<Tid> {
+    g.pointwise(pred, Dt::CUDNN_DATA_BOOLEAN, None, a, Some(b), None, keep)?;
     g.pointwise(
         Pw::CUDNN_POINTWISE_BINARY_SELECT,
-        f,
+        Dt::CUDNN_DATA_FLOAT,
         None,
         scores,
         Some(fill),
