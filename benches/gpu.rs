@@ -480,23 +480,13 @@ fn attention_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
 fn attention_cudnn_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     use rustytorch::ops::{AttnLayout, AttnMask, Causal, F64Bits};
     let bf = DType::BF16;
-    let shapes: [(usize, usize, usize, usize, usize, bool); 8] = [
-        (4, 32, 4096, 4096, 128, false),
-        (4, 32, 4096, 4096, 128, true),
-        (16, 16, 1024, 1024, 64, false),
-        (16, 16, 1024, 1024, 64, true),
-        (4, 32, 4096, 4096, 64, true),
-        (2, 16, 8192, 8192, 128, true),
-        (8, 32, 512, 8192, 128, false),
-        (8, 32, 1, 8192, 128, false),
-    ];
     let before = std::env::var_os("RUSTYTORCH_ATTENTION");
     for (mode, env) in [("cudnn", Some("cudnn")), ("auto", None)] {
         match env {
             Some(v) => std::env::set_var("RUSTYTORCH_ATTENTION", v),
             None => std::env::remove_var("RUSTYTORCH_ATTENTION"),
         }
-        for (b, h, sq, sk, d, causal) in shapes {
+        for (b, h, sq, sk, d, causal) in ATTN_SHAPES {
             for layout in [AttnLayout::Bhsd, AttnLayout::Bshd] {
                 let dims = |s: usize| layout.from_bhsd([b, h, s, d]);
                 let mut graph = Graph::new();
@@ -525,36 +515,8 @@ fn attention_cudnn_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
                 if sq == 1 {
                     continue;
                 }
-                // Forward and the three gradients, one sibling group (the backward counted as
-                // 2.5× the forward, as for SDPA).
-                let dy = graph.add_input("dy", tt(bf, &dims(sq))).expect("dy");
-                for wrt in 0..3u8 {
-                    let Op::Attention {
-                        causal,
-                        mask,
-                        scale,
-                        layout,
-                    } = graph.node(y).expect("y").op.clone()
-                    else {
-                        unreachable!("the attention node")
-                    };
-                    let op = Op::AttentionGrad {
-                        causal,
-                        mask,
-                        scale,
-                        wrt,
-                        layout,
-                    };
-                    let dx = graph.add(op, &[q, k, v, dy]).expect("grad");
-                    graph.add_output(&format!("d{wrt}"), dx).expect("d");
-                }
-                let t = time_graph(&graph, 5, true);
-                push(
-                    &format!("{name} fwd+bwd"),
-                    t,
-                    "TFLOP/s",
-                    3.5 * flops / (t.0 * 1e-3) / 1e12,
-                );
+                let dy = tt(bf, &dims(sq));
+                fwd_bwd_row(&mut graph, [q, k, v, y], dy, &name, flops, push);
             }
         }
     }
@@ -564,21 +526,64 @@ fn attention_cudnn_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     }
 }
 
+/// The attention shapes of the bench rows: (B, H, Sq, Sk, D, causal), as in the SDPA table.
+const ATTN_SHAPES: [(usize, usize, usize, usize, usize, bool); 8] = [
+    (4, 32, 4096, 4096, 128, false),
+    (4, 32, 4096, 4096, 128, true),
+    (16, 16, 1024, 1024, 64, false),
+    (16, 16, 1024, 1024, 64, true),
+    (4, 32, 4096, 4096, 64, true),
+    (2, 16, 8192, 8192, 128, true),
+    (8, 32, 512, 8192, 128, false),
+    (8, 32, 1, 8192, 128, false),
+];
+
+/// Adds to `graph`'s attention `y` over `q, k, v` an input `dy` of type `dy_ty` and the three
+/// gradients as outputs (one sibling group), times forward and backward together and pushes the
+/// row `{name} fwd+bwd` (the backward counted as 2.5× the forward's `flops`, as for SDPA).
+fn fwd_bwd_row(
+    graph: &mut Graph,
+    [q, k, v, y]: [rustytorch::compiler::NodeId; 4],
+    dy_ty: TensorType,
+    name: &str,
+    flops: f64,
+    push: &mut dyn FnMut(&str, (f64, usize), &str, f64),
+) {
+    let Op::Attention {
+        causal,
+        mask,
+        scale,
+        layout,
+    } = graph.node(y).expect("y").op.clone()
+    else {
+        panic!("{name}: not an attention node")
+    };
+    let dy = graph.add_input("dy", dy_ty).expect("dy");
+    for wrt in 0..3u8 {
+        let op = Op::AttentionGrad {
+            causal,
+            mask,
+            scale,
+            wrt,
+            layout,
+        };
+        let dx = graph.add(op, &[q, k, v, dy]).expect("grad");
+        graph.add_output(&format!("d{wrt}"), dx).expect("d");
+    }
+    let t = time_graph(graph, 5, true);
+    push(
+        &format!("{name} fwd+bwd"),
+        t,
+        "TFLOP/s",
+        3.5 * flops / (t.0 * 1e-3) / 1e12,
+    );
+}
+
 /// The flash kernel's rows of [`attention_rows`].
 fn attention_flash_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     use rustytorch::ops::{AttnMask, Causal, F64Bits};
     let bf = DType::BF16;
-    let shapes: [(usize, usize, usize, usize, usize, bool); 8] = [
-        (4, 32, 4096, 4096, 128, false),
-        (4, 32, 4096, 4096, 128, true),
-        (16, 16, 1024, 1024, 64, false),
-        (16, 16, 1024, 1024, 64, true),
-        (4, 32, 4096, 4096, 64, true),
-        (2, 16, 8192, 8192, 128, true),
-        (8, 32, 512, 8192, 128, false),
-        (8, 32, 1, 8192, 128, false),
-    ];
-    for (b, h, sq, sk, d, causal) in shapes {
+    for (b, h, sq, sk, d, causal) in ATTN_SHAPES {
         let mut graph = Graph::new();
         let q = graph.add_input("q", tt(bf, &[b, h, sq, d])).expect("q");
         let k = graph.add_input("k", tt(bf, &[b, h, sk, d])).expect("k");
@@ -612,29 +617,13 @@ fn attention_flash_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
             );
             continue;
         }
-        // Forward and the three gradients (the backward counted as 2.5× the forward).
-        let dy = graph.add_input("dy", tt(bf, &[b, h, sq, d])).expect("dy");
-        for wrt in 0..3u8 {
-            let op = Op::AttentionGrad {
-                causal: if causal {
-                    Causal::TopLeft
-                } else {
-                    Causal::None
-                },
-                mask: AttnMask::None,
-                scale: F64Bits::new(1.0 / (d as f64).sqrt()),
-                wrt,
-                layout: rustytorch::ops::AttnLayout::Bhsd,
-            };
-            let dx = graph.add(op, &[q, k, v, dy]).expect("grad");
-            graph.add_output(&format!("d{wrt}"), dx).expect("d");
-        }
-        let t = time_graph(&graph, 5, true);
-        push(
-            &format!("{name} fwd+bwd"),
-            t,
-            "TFLOP/s",
-            3.5 * flops / (t.0 * 1e-3) / 1e12,
+        fwd_bwd_row(
+            &mut graph,
+            [q, k, v, y],
+            tt(bf, &[b, h, sq, d]),
+            &name,
+            flops,
+            push,
         );
     }
 }
