@@ -1621,7 +1621,7 @@ fn choose_grad(
     if !GraphPlan::aligned(&at, scratch) {
         return Ok(None);
     }
-    let elem = if d.dtype.size_bytes() == 2 { 2 } else { 4 };
+    let elem = d.dtype.size_bytes();
     let sizes = [
         d.b * d.h * d.sq * d.d,
         d.b * d.h * d.sk * d.d,
