@@ -730,9 +730,11 @@ pub(crate) fn pass_options(
         // The target decides the layout of convolution stacks (channels-first on the CPU).
         channels_last: cuda.then(rustytorch_codegen::cuda::dnn::channels_last),
         autocast: opts.autocast,
-        // The CUDA attention kernels read heads in place ([B,S,H,D]); the CPU kernel would
-        // transpose them itself, so the CPU keeps the graph's transposes.
-        attention_layout: cuda,
+        // Attention reads heads in place ([B,S,H,D]) on both devices: the CUDA kernels forward
+        // and backward; on the CPU the f32 forward kernel, while the CPU's gradient kernel would
+        // transpose its operands itself, so CPU gradients keep the graph's transposes.
+        attention_layout: true,
+        attention_layout_grads: cuda,
         ..Default::default()
     }
 }
@@ -1506,7 +1508,8 @@ mod tests {
     use super::*;
 
     /// A graph placed on CUDA (asked for, or resolved from `Auto`) gets CUDA's layout passes;
-    /// the CPU, and `Auto`'s first compile (for the CPU), get neither.
+    /// the CPU, and `Auto`'s first compile (for the CPU), get channels-first convolutions and
+    /// in-place heads for the attention forward only.
     #[test]
     fn pass_options_follow_the_resolved_device() {
         let opts = CompileOptions::default();
@@ -1516,11 +1519,12 @@ mod tests {
                 o.channels_last,
                 Some(rustytorch_codegen::cuda::dnn::channels_last())
             );
-            assert!(o.attention_layout && o.optimize && o.fuse);
+            assert!(o.attention_layout && o.attention_layout_grads && o.optimize && o.fuse);
         }
         for other in [Device::Cpu, Device::Auto] {
             let o = pass_options(other, &opts);
-            assert!(o.channels_last.is_none() && !o.attention_layout, "{other}");
+            assert!(o.channels_last.is_none(), "{other}");
+            assert!(o.attention_layout && !o.attention_layout_grads, "{other}");
         }
         let o = pass_options(
             Device::Cuda(0),

@@ -128,6 +128,40 @@ fn transposes_around_attention_disappear() {
     }
 }
 
+/// With gradients left in `[B, H, S, D]` (the CPU target's choice), the forward reads its heads
+/// in place: an inference graph loses every transpose, a training graph keeps the gradients' and
+/// still loses the forward's merge of the heads.
+#[test]
+fn forward_only_rewrite_leaves_gradients_transposed() {
+    let (g, h, _) = transformer(false);
+    let fwd = with_output(&g, "h", &h);
+    let (tg, _, loss) = transformer(true);
+    let train = with_output(&tg, "loss", &loss);
+    let forward_only = |graph: &Graph| {
+        passes::run(
+            graph,
+            &passes::Options {
+                attention_layout: true,
+                attention_layout_grads: false,
+                dump: vec![],
+                ..passes::Options::default()
+            },
+        )
+        .unwrap()
+    };
+    let on = forward_only(&fwd);
+    assert_eq!(census(&on.graph), (0, 0, CFG.layers));
+    let off = run_passes(&train, None, false);
+    let on = forward_only(&train);
+    let (p_off, _, _) = census(&off.graph);
+    let (p_on, bhsd, bshd) = census(&on.graph);
+    assert_eq!((bhsd, bshd), (3 * CFG.layers, CFG.layers));
+    assert!(
+        p_on < p_off,
+        "{p_on} permutes with the forward rewritten, {p_off} without"
+    );
+}
+
 /// The optimized IR of one block's forward with the pass on, as the CUDA target compiles it.
 #[test]
 fn gpt2_block_ir_in_place() {

@@ -190,7 +190,15 @@ fn the_trace_of_a_cpu_run_has_one_event_per_step() {
         .collect();
     assert_eq!(
         passes,
-        ["verify", "optimize", "fuse", "plan", "lower", "prepare"]
+        [
+            "verify",
+            "optimize",
+            "attention_layout",
+            "fuse",
+            "plan",
+            "lower",
+            "prepare"
+        ]
     );
     assert_eq!(of("run").len(), 2);
     let infos = exe.step_infos();

@@ -75,8 +75,8 @@ fn cast_of(
 }
 
 /// Rewrites attention over transposed heads into the `[B, S, H, D]` layout (see the module
-/// docs).
-pub fn attention_layout(graph: &Graph) -> Result<(Graph, AttnLayoutReport)> {
+/// docs); attention gradients too when `grads`.
+pub fn attention_layout(graph: &Graph, grads: bool) -> Result<(Graph, AttnLayoutReport)> {
     let mut g = graph.clone();
     let mut report = AttnLayoutReport::default();
     let before = count_swaps(&g);
@@ -91,7 +91,7 @@ pub fn attention_layout(graph: &Graph) -> Result<(Graph, AttnLayoutReport)> {
             Op::AttentionGrad {
                 layout: AttnLayout::Bhsd,
                 ..
-            } => true,
+            } if grads => true,
             _ => continue,
         };
         // q, k, v and (for a gradient) grad_out; the mask stays as it is.

@@ -36,6 +36,10 @@ pub struct Options {
     /// (decided by the target: its attention must take that layout; off by default). Runs only
     /// with `optimize`.
     pub attention_layout: bool,
+    /// With `attention_layout`, whether attention gradients move to the `[B, S, H, D]` layout too
+    /// (on by default; a target whose gradient kernel would transpose its operands itself keeps
+    /// the graph's transposes, which the forward's rewrite leaves for the gradients).
+    pub attention_layout_grads: bool,
     /// Passes whose output to keep as text (`all` for every pass); defaults to `RUSTYTORCH_DUMP`.
     pub dump: Vec<String>,
 }
@@ -49,6 +53,7 @@ impl Default for Options {
             channels_last: None,
             autocast: None,
             attention_layout: false,
+            attention_layout_grads: true,
             dump: std::env::var("RUSTYTORCH_DUMP")
                 .map(|s| s.split(',').map(|p| p.trim().to_string()).collect())
                 .unwrap_or_default(),
@@ -167,7 +172,7 @@ pub fn run(graph: &Graph, opts: &Options) -> Result<Compiled> {
     if opts.optimize && opts.attention_layout {
         let mut rep = None;
         g = step(&mut report, opts, "attention_layout", g, |g| {
-            let (out, r) = attention_layout(g)?;
+            let (out, r) = attention_layout(g, opts.attention_layout_grads)?;
             rep = Some(r);
             Ok(out)
         })?;

@@ -272,9 +272,14 @@ fn matmul_tn<C: Real>(a: &[C], b: &[C], out: &mut [C], m: usize, l: usize, n: us
     }
 }
 
-/// CPU kernel. The `[B,S,H,D]` layout runs as `[B,H,S,D]` between two transposes.
+/// CPU kernel. The f32 forward reads either layout in place; otherwise the `[B,S,H,D]` layout
+/// runs as `[B,H,S,D]` between two transposes.
 pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTensor> {
     let a = attrs(op)?;
+    // f32 forward attention of many small heads has a kernel of its own.
+    if let Some(r) = crate::attention_cpu::forward_f32(op, inputs, out)? {
+        return Ok(r);
+    }
     if a.layout == AttnLayout::Bshd {
         let swap = || Op::Permute {
             perm: vec![0, 2, 1, 3],
@@ -295,10 +300,6 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
         let bhsd = TensorType::new(out.dtype, AttnLayout::Bshd.to_bhsd(out.shape.dims()));
         let r = cpu(&op.with_attn_layout(AttnLayout::Bhsd), &refs, &bhsd)?;
         return crate::eval_cpu(&swap(), &[&r]);
-    }
-    // f32 forward attention of many small heads has a kernel of its own.
-    if let Some(r) = crate::attention_cpu::forward_f32(op, inputs, out)? {
-        return Ok(r);
     }
     if out.dtype == DType::F64 {
         cpu_in::<f64>(op, inputs, out)

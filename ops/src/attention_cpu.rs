@@ -1,9 +1,11 @@
-//! A fast f32 CPU forward kernel for attention in the `[B,H,S,D]` layout, for the many small heads
-//! of encoder models (BERT's 32 tokens × 32 dims): per head, `Kᵀ` is transposed once into a
-//! scratch buffer, each score row is `Σ_t q[i,t]·Kᵀ[t,:]` (contiguous multiply-adds, no
-//! horizontal sums), the softmax is the vectorized one of [`crate::vmath`], and each output row is
-//! `Σ_j p[i,j]·V[j,:]`; the whole head runs compiled for AVX-512 or AVX2+FMA when the CPU has
-//! them. Heads run in parallel in blocks when the work is large enough.
+//! A fast f32 CPU forward kernel for attention, for the many small heads of encoder models
+//! (BERT's 32 tokens × 32 dims), in either layout: `[B,H,S,D]`, or `[B,S,H,D]` read in place (a
+//! head's rows are then `H·D` apart, so the graph needs no transposes around attention). Per head,
+//! `Kᵀ` is transposed once into a scratch buffer, the scores are `q·Kᵀ` and the output `p·V` through
+//! the register tile of [`small_gemm`] (row by row without AVX-512), with the vectorized softmax of
+//! [`crate::vmath`] between; the head's output rows are written where its layout puts them. The
+//! whole head runs compiled for AVX-512 or AVX2+FMA when the CPU has them. Heads run in parallel
+//! in blocks when the work is large enough.
 //!
 //! Semantics are the reference kernel's (`attention::cpu`): causal and mask as there, a query row
 //! whose keys are all masked gives zeros, a NaN score makes its row NaN. Accumulation is in f32
@@ -13,7 +15,7 @@
 use crate::matmul::packed::small_gemm;
 use crate::util::PAR_THRESHOLD;
 use crate::vmath;
-use crate::{AttnMask, Causal, Data, HostTensor, Op, Result, Shape, TensorType};
+use crate::{AttnLayout, AttnMask, Causal, Data, HostTensor, Op, Result, Shape, TensorType};
 use rayon::prelude::*;
 
 /// The mask as read by the kernel: additive values or keep flags, with broadcast strides over
@@ -34,10 +36,24 @@ struct Geo<'a> {
     scale: f32,
     causal: Causal,
     mask: Mask<'a>,
+    layout: AttnLayout,
 }
 
-/// The forward of `Op::Attention` on f32 `[B,H,S,D]` tensors with this kernel, or `None` when it
-/// does not apply (another op, a gradient, another dtype): the caller then runs the reference
+impl Geo<'_> {
+    /// Where head `bh`'s rows of a tensor with `s` rows of `w` elements start, and their stride.
+    fn rows(&self, bh: usize, s: usize, w: usize) -> (usize, usize) {
+        match self.layout {
+            AttnLayout::Bhsd => (bh * s * w, w),
+            AttnLayout::Bshd => {
+                let (b, hh) = (bh / self.h, bh % self.h);
+                ((b * s * self.h + hh) * w, self.h * w)
+            }
+        }
+    }
+}
+
+/// The forward of `Op::Attention` on f32 tensors (either layout) with this kernel, or `None` when
+/// it does not apply (another op, a gradient, another dtype): the caller then runs the reference
 /// kernel. `out` is the inferred output type.
 pub fn forward_f32(
     op: &Op,
@@ -48,7 +64,7 @@ pub fn forward_f32(
         causal,
         mask,
         scale,
-        ..
+        layout,
     } = op
     else {
         return Ok(None);
@@ -62,6 +78,8 @@ pub fn forward_f32(
     if qd.len() != 4 || kd.len() != 4 || vd.len() != 4 || out.shape.rank() != 4 {
         return Ok(None);
     }
+    // Every dim in the [B,H,S,D] order.
+    let (qd, kd, vd) = (layout.to_bhsd(qd), layout.to_bhsd(kd), layout.to_bhsd(vd));
     let (b, h, sq, d) = (qd[0], qd[1], qd[2], qd[3]);
     let (sk, dv) = (kd[2], vd[3]);
     let scores = Shape::new([b, h, sq, sk]);
@@ -86,37 +104,60 @@ pub fn forward_f32(
         scale: scale.get() as f32,
         causal: *causal,
         mask,
+        layout: *layout,
     };
     let heads = b * h;
     let mut res = vec![0f32; heads * sq * dv];
-    let per_head = sq * dv;
-    if per_head > 0 {
+    if sq * dv > 0 {
         let work = sq * sk * (d + dv);
         // Blocks of heads of at least PAR_THRESHOLD work each, one block per task.
         let per_task = (PAR_THRESHOLD / work.max(1)).clamp(1, heads.max(1));
-        let run = |(blk, o): (usize, &mut [f32])| {
-            heads_block(&geo, blk * per_task, q, k, v, o);
+        let o = OutPtr(res.as_mut_ptr(), res.len());
+        let run = |blk: usize| {
+            let heads = blk * per_task..((blk + 1) * per_task).min(heads);
+            heads_block(&geo, heads, q, k, v, o);
         };
         if heads * work >= 2 * PAR_THRESHOLD {
-            res.par_chunks_mut(per_task * per_head)
-                .enumerate()
-                .for_each(run);
+            (0..heads.div_ceil(per_task)).into_par_iter().for_each(run);
         } else {
-            run((0, &mut res));
+            run(0);
         }
     }
     HostTensor::from_data(Data::F32(res.into()), out.shape.clone()).map(Some)
 }
 
-/// Heads `first..` of the block whose outputs `o` holds (whole heads).
-fn heads_block(geo: &Geo<'_>, first: usize, q: &[f32], k: &[f32], v: &[f32], o: &mut [f32]) {
+/// The output buffer, shared by the tasks: each head writes only its own rows.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32, usize);
+// SAFETY: the tasks write disjoint heads' rows (see `heads_block`).
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+/// Heads `heads` (a range of `b·H + h` indices): each computed into a scratch block, then its rows
+/// written where the layout puts them.
+fn heads_block(
+    geo: &Geo<'_>,
+    heads: std::ops::Range<usize>,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: OutPtr,
+) {
     let mut kt = vec![0f32; geo.d * geo.sk];
     // Room for the head's whole score matrix (the register-tiled path).
     let mut p = vec![0f32; geo.sq.max(1) * geo.sk];
-    let per_head = geo.sq * geo.dv;
-    for (i, oh) in o.chunks_exact_mut(per_head).enumerate() {
-        let bh = first + i;
-        head(geo, bh, q, k, v, oh, &mut kt, &mut p);
+    let mut oh = vec![0f32; geo.sq * geo.dv];
+    for bh in heads {
+        head(geo, bh, q, k, v, &mut oh, &mut kt, &mut p);
+        let (base, rs) = geo.rows(bh, geo.sq, geo.dv);
+        for (i, row) in oh.chunks_exact(geo.dv).enumerate() {
+            let at = base + i * rs;
+            assert!(at + geo.dv <= out.1, "attention output row out of bounds");
+            // SAFETY: `at..at + dv` is inside the output (checked above), and row `i` of head
+            // `bh` belongs to this head alone in either layout, so no other task writes it.
+            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), out.0.add(at), geo.dv) };
+        }
     }
 }
 
@@ -155,22 +196,27 @@ fn head_body(
         sq, sk, d, dv, h, ..
     } = *geo;
     let (b, hh) = (bh / h, bh % h);
-    let qh = &q[bh * sq * d..(bh + 1) * sq * d];
-    let kh = &k[bh * sk * d..(bh + 1) * sk * d];
-    let vh = &v[bh * sk * dv..(bh + 1) * sk * dv];
+    // Each operand's head from its first row to the end of its last (rows `qs`, `ks`, `vs` apart).
+    let span = |(base, rs): (usize, usize), rows: usize, w: usize| {
+        (base..base + rows.saturating_sub(1) * rs + w, rs)
+    };
+    let (qr, qs) = span(geo.rows(bh, sq, d), sq, d);
+    let (kr, ks) = span(geo.rows(bh, sk, d), sk, d);
+    let (vr, vs) = span(geo.rows(bh, sk, dv), sk, dv);
+    let (qh, kh, vh) = (&q[qr], &k[kr], &v[vr]);
     for j in 0..sk {
         for t in 0..d {
-            kt[t * sk + j] = kh[j * d + t];
+            kt[t * sk + j] = kh[j * ks + t];
         }
     }
     let scores = &mut p[..sq * sk];
-    if sk > 0 && small_gemm(qh, d, kt, sk, scores, sk, (sq, sk, d)) {
+    if sk > 0 && small_gemm(qh, qs, kt, sk, scores, sk, (sq, sk, d)) {
         for (i, row) in scores.chunks_exact_mut(sk).enumerate() {
             if !finish_row(geo, b, hh, i, row) {
                 row.iter_mut().for_each(|x| *x = 0.0);
             }
         }
-        if small_gemm(scores, sk, vh, dv, o, dv, (sq, dv, sk)) {
+        if small_gemm(scores, sk, vh, vs, o, dv, (sq, dv, sk)) {
             // A row of probabilities is all zeros only where every key was masked: its output
             // is zeros whatever V holds.
             for (orow, prow) in o.chunks_exact_mut(dv.max(1)).zip(scores.chunks_exact(sk)) {
@@ -184,7 +230,7 @@ fn head_body(
     let p = &mut p[..sk];
     for (i, orow) in o.chunks_exact_mut(dv.max(1)).enumerate().take(sq) {
         p.iter_mut().for_each(|x| *x = 0.0);
-        let qi = &qh[i * d..(i + 1) * d];
+        let qi = &qh[i * qs..i * qs + d];
         for (t, &x) in qi.iter().enumerate() {
             for (s, &kv) in p.iter_mut().zip(&kt[t * sk..(t + 1) * sk]) {
                 *s = x.mul_add(kv, *s);
@@ -195,7 +241,7 @@ fn head_body(
             continue;
         }
         for (j, &pj) in p.iter().enumerate() {
-            for (y, &x) in orow.iter_mut().zip(&vh[j * dv..(j + 1) * dv]) {
+            for (y, &x) in orow.iter_mut().zip(&vh[j * vs..j * vs + dv]) {
                 *y = pj.mul_add(x, *y);
             }
         }
@@ -421,6 +467,67 @@ mod tests {
             &keep,
         );
         close(&got, &want);
+    }
+
+    /// `[B,H,S,D]` → `[B,S,H,D]` (the swap is its own inverse).
+    fn swap(t: &HostTensor) -> HostTensor {
+        eval_cpu(
+            &Op::Permute {
+                perm: vec![0, 2, 1, 3],
+            },
+            &[t],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn heads_read_in_place_match_the_transposed_layout() {
+        // Sq ≠ Sk and D ≠ Dv; BERT-sized batch so the heads run in parallel blocks too.
+        for (b, h, sq, sk, d, dv) in [(2, 3, 5, 7, 6, 4), (8, 12, 32, 40, 32, 24)] {
+            let (q, k, v) = (
+                t(&[b, h, sq, d], 21),
+                t(&[b, h, sk, d], 22),
+                t(&[b, h, sk, dv], 23),
+            );
+            let mask = t(&[b, 1, 1, sk], 24);
+            let bool_mask = HostTensor::from_vec(
+                (0..sq * sk).map(|x| x % 5 != 2).collect::<Vec<bool>>(),
+                [1, 1, sq, sk],
+            )
+            .unwrap();
+            for (kind, m) in [
+                (AttnMask::None, None),
+                (AttnMask::Additive, Some(&mask)),
+                (AttnMask::Bool, Some(&bool_mask)),
+            ] {
+                for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+                    let op = attention(causal, kind, 0.3);
+                    let mut ins = vec![&q, &k, &v];
+                    ins.extend(m);
+                    let want = forward_f32(&op, &ins, &TensorType::new(DType::F32, [b, h, sq, dv]))
+                        .unwrap()
+                        .unwrap();
+                    let (qs, ks, vs) = (swap(&q), swap(&k), swap(&v));
+                    let mut ins = vec![&qs, &ks, &vs];
+                    ins.extend(m);
+                    let bshd = op.with_attn_layout(AttnLayout::Bshd);
+                    let out = TensorType::new(DType::F32, [b, sq, h, dv]);
+                    let got = forward_f32(&bshd, &ins, &out).unwrap().unwrap();
+                    // The same arithmetic on the same rows: equal bit for bit.
+                    assert_eq!(
+                        got.to_vec::<f32>().unwrap(),
+                        swap(&want).to_vec::<f32>().unwrap(),
+                        "{causal:?} {kind:?} {:?}",
+                        (b, h, sq, sk, d, dv)
+                    );
+                    // The op's CPU kernel takes the same path.
+                    assert_eq!(
+                        eval_cpu(&bshd, &ins).unwrap().to_vec::<f32>().unwrap(),
+                        got.to_vec::<f32>().unwrap()
+                    );
+                }
+            }
+        }
     }
 
     #[test]
