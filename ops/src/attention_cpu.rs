@@ -16,7 +16,6 @@ use crate::matmul::packed::small_gemm;
 use crate::util::PAR_THRESHOLD;
 use crate::vmath;
 use crate::{AttnLayout, AttnMask, Causal, Data, HostTensor, Op, Result, Shape, TensorType};
-use rayon::prelude::*;
 
 /// The mask as read by the kernel: additive values or keep flags, with broadcast strides over
 /// `[B,H,Sq,Sk]`.
@@ -110,15 +109,21 @@ pub fn forward_f32(
     let mut res = vec![0f32; heads * sq * dv];
     if sq * dv > 0 {
         let work = sq * sk * (d + dv);
-        // Blocks of heads of at least PAR_THRESHOLD work each, one block per task.
-        let per_task = (PAR_THRESHOLD / work.max(1)).clamp(1, heads.max(1));
+        // Blocks of heads, one per task: a few tasks per thread (so a core slowed by other work
+        // hands its share to the others), each of at least PAR_THRESHOLD work. Every task sets
+        // up its scratch buffers once for its whole block.
+        let tasks = (4 * crate::par::threads()).clamp(1, heads.max(1));
+        let per_task = heads
+            .div_ceil(tasks)
+            .max(PAR_THRESHOLD.div_ceil(work.max(1)))
+            .clamp(1, heads.max(1));
         let o = OutPtr(res.as_mut_ptr(), res.len());
         let run = |blk: usize| {
             let heads = blk * per_task..((blk + 1) * per_task).min(heads);
             heads_block(&geo, heads, q, k, v, o);
         };
         if heads * work >= 2 * PAR_THRESHOLD {
-            (0..heads.div_ceil(per_task)).into_par_iter().for_each(run);
+            crate::par::for_each(heads.div_ceil(per_task), run);
         } else {
             run(0);
         }
@@ -285,8 +290,8 @@ fn finish_row(geo: &Geo<'_>, b: usize, hh: usize, i: usize, p: &mut [f32]) -> bo
         }
     }
     p[limit..].iter_mut().for_each(|s| *s = f32::NEG_INFINITY);
-    let mx = p.iter().fold(f32::NEG_INFINITY, |a, &s| a.max(s));
-    if mx == f32::NEG_INFINITY && !p.iter().any(|s| s.is_nan()) {
+    // Every key masked (all −∞, no NaN): the row stays zeros. Stops at the first key kept.
+    if p.iter().all(|&s| s == f32::NEG_INFINITY) {
         return false;
     }
     vmath::softmax_row(p);

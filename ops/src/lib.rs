@@ -30,6 +30,7 @@ pub mod loss;
 pub mod matmul;
 pub mod movement;
 pub mod norm;
+pub mod par;
 pub mod pool;
 pub mod reduce;
 pub mod scan;

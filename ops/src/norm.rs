@@ -5,9 +5,10 @@
 //! The softmax of f32 rows along the last axis runs in the vectorized kernel of
 //! [`crate::vmath::softmax_rows`] (exp within 2 ulp, the denominator in f64 lanes).
 //!
-//! Accuracy: every sum (softmax denominators, the norms' mean and variance) accumulates in f64
-//! ([`Real::Acc`]) in blocks summed pairwise ([`acc_sum`]), so long rows lose nothing to
-//! accumulation. LayerNorm is two-pass (mean, then the mean of squared deviations), and the
+//! Accuracy: every sum accumulates in f64 ([`Real::Acc`]), so long rows lose nothing to
+//! accumulation: softmax denominators in blocks summed pairwise ([`acc_sum`]), the norms' mean and
+//! variance in 32 lanes per block of [`SUM_BLOCK`] with the blocks added in order ([`row_sum`],
+//! vectorized with the rest of the row's loops for AVX-512 or AVX2 when the CPU has them). LayerNorm is two-pass (mean, then the mean of squared deviations), and the
 //! normalized value `(x − mean) · rstd` (with weight and bias) is formed in f64 and rounded once.
 //!
 //! This file also holds the small float-compute helpers ([`Real`], [`acc_sum`], [`compute_view`],
@@ -44,8 +45,6 @@ pub(crate) trait Real:
     fn exp(self) -> Self;
     /// ln x
     fn ln(self) -> Self;
-    /// √x
-    fn sqrt(self) -> Self;
     /// A count as a float.
     fn from_usize(n: usize) -> Self;
     /// x is NaN.
@@ -60,6 +59,34 @@ pub(crate) trait Real:
     fn softmax_rows(_y: &mut [Self], _n: usize) -> bool {
         false
     }
+    /// LayerNorm or RMSNorm of each contiguous row of `d` elements of `x` into `y`, compiled for the widest vector unit the CPU has ([`norm_row`]).
+    fn norm_rows(x: &[Self], y: &mut [Self], d: usize, aff: Affine<'_, Self>, eps: f64);
+}
+
+/// An output buffer whose disjoint ranges parallel tasks fill.
+struct SharedOut<C>(*mut C, usize);
+// SAFETY: tasks write disjoint ranges only (see `slice`), and `C` values are plain data.
+unsafe impl<C: Send> Sync for SharedOut<C> {}
+
+impl<C> SharedOut<C> {
+    /// Elements `lo..hi` as a slice.
+    ///
+    /// # Safety
+    /// `lo <= hi <= len`, and no other live slice covers any of these elements.
+    #[allow(clippy::mut_from_ref)] // exclusive by contract: disjoint ranges per task
+    unsafe fn slice(&self, lo: usize, hi: usize) -> &mut [C] {
+        assert!(lo <= hi && hi <= self.1, "range {lo}..{hi} out of {}", self.1);
+        // SAFETY: inside the buffer (checked above); exclusive by the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(lo), hi - lo) }
+    }
+}
+
+/// A norm's optional weight and bias, and whether it is centered (LayerNorm) or not (RMSNorm).
+#[derive(Clone, Copy)]
+pub(crate) struct Affine<'a, C> {
+    w: Option<&'a [C]>,
+    b: Option<&'a [C]>,
+    centered: bool,
 }
 
 macro_rules! real {
@@ -77,10 +104,6 @@ macro_rules! real {
             #[inline(always)]
             fn ln(self) -> Self {
                 <$t>::ln(self)
-            }
-            #[inline(always)]
-            fn sqrt(self) -> Self {
-                <$t>::sqrt(self)
             }
             #[inline(always)]
             fn from_usize(n: usize) -> Self {
@@ -106,8 +129,33 @@ real!(f32, {
         crate::vmath::softmax_rows(y, n);
         true
     }
+    fn norm_rows(x: &[f32], y: &mut [f32], d: usize, aff: Affine<'_, f32>, eps: f64) {
+        norm_rows_f32(x, y, d, aff, eps)
+    }
 });
-real!(f64, {});
+real!(f64, {
+    fn norm_rows(x: &[f64], y: &mut [f64], d: usize, aff: Affine<'_, f64>, eps: f64) {
+        norm_rows_f64(x, y, d, aff, eps)
+    }
+});
+
+crate::vmath::dispatch! {
+    /// [`norm_row`] over f32 rows, vectorized.
+    fn norm_rows_f32(x: &[f32], y: &mut [f32], d: usize, aff: Affine<'_, f32>, eps: f64) {
+        for (xr, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
+            norm_row(xr, yr, aff, eps);
+        }
+    }
+}
+
+crate::vmath::dispatch! {
+    /// [`norm_row`] over f64 rows, vectorized.
+    fn norm_rows_f64(x: &[f64], y: &mut [f64], d: usize, aff: Affine<'_, f64>, eps: f64) {
+        for (xr, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
+            norm_row(xr, yr, aff, eps);
+        }
+    }
+}
 
 /// Elements summed sequentially (in 8 interleaved lanes) before blocks are combined pairwise.
 pub(crate) const SUM_BLOCK: usize = 128;
@@ -258,15 +306,24 @@ fn cpu_in<C: Real>(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<
             let w = weight.then(|| compute_view::<C>(inputs[1]));
             let b = has_bias.then(|| compute_view::<C>(inputs[1 + *weight as usize]));
             let d = *dims.last().expect("rank >= 1");
-            let eps = C::Acc::from_f64(eps.get());
+            let aff = Affine {
+                w: w.as_deref(),
+                b: b.as_deref(),
+                centered,
+            };
             if d > 0 {
-                let f = |(xr, yr): (&[C], &mut [C])| {
-                    norm_row(xr, yr, w.as_deref(), b.as_deref(), eps, centered)
-                };
+                // Blocks of whole rows of about PAR_THRESHOLD elements, one per task.
+                let block = d * PAR_THRESHOLD.div_ceil(d).max(1);
                 if x.len() >= PAR_THRESHOLD {
-                    x.par_chunks(d).zip(y.par_chunks_mut(d)).for_each(f);
+                    let out = SharedOut(y.as_mut_ptr(), y.len());
+                    crate::par::for_each(x.len().div_ceil(block), |t| {
+                        let (lo, hi) = (t * block, ((t + 1) * block).min(x.len()));
+                        // SAFETY: task `t` alone writes elements `lo..hi` (whole rows), inside `y`.
+                        let yb = unsafe { out.slice(lo, hi) };
+                        C::norm_rows(&x[lo..hi], yb, d, aff, eps.get())
+                    });
                 } else {
-                    x.chunks(d).zip(y.chunks_mut(d)).for_each(f);
+                    C::norm_rows(&x, &mut y, d, aff, eps.get());
                 }
             }
         }
@@ -328,35 +385,69 @@ fn softmax_block<C: Real>(x: &[C], y: &mut [C], n: usize, inner: usize, log: boo
     }
 }
 
-/// One row of LayerNorm (`centered`) or RMSNorm, with optional weight and bias.
-fn norm_row<C: Real>(
-    x: &[C],
-    y: &mut [C],
-    w: Option<&[C]>,
-    b: Option<&[C]>,
-    eps: C::Acc,
-    centered: bool,
-) {
-    let n = C::Acc::from_usize(x.len());
-    let mean = if centered {
-        acc_sum(x, &|v: C| v.acc()) / n
+/// `Σ f(x)` over a row in the accumulator `A`, inlined into the caller's vectorized context: 32
+/// interleaved lanes within blocks of [`SUM_BLOCK`], the block sums added in order (in f64 the
+/// rounding error stays far below an f32 ulp for any row length).
+#[inline(always)]
+fn row_sum<T: Copy, A: Real>(xs: &[T], f: impl Fn(T) -> A) -> A {
+    let mut total = A::ZERO;
+    for blk in xs.chunks(SUM_BLOCK) {
+        let mut l = [A::ZERO; 32];
+        let mut chunks = blk.chunks_exact(32);
+        for c in &mut chunks {
+            for j in 0..32 {
+                l[j] += f(c[j]);
+            }
+        }
+        let mut tail = A::ZERO;
+        for &x in chunks.remainder() {
+            tail += f(x);
+        }
+        let mut w = 16;
+        while w > 0 {
+            for j in 0..w {
+                l[j] = l[j] + l[j + w];
+            }
+            w /= 2;
+        }
+        total += l[0] + tail;
+    }
+    total
+}
+
+/// One row of LayerNorm (`centered`) or RMSNorm, with optional weight and bias; sums in f64.
+#[inline(always)]
+fn norm_row<C: Real>(x: &[C], y: &mut [C], aff: Affine<'_, C>, eps: f64) {
+    let n = x.len() as f64;
+    let mean = if aff.centered {
+        row_sum(x, |v: C| v.acc().to_f64()) / n
     } else {
-        C::Acc::ZERO
+        0.0
     };
-    let var = acc_sum(x, &|v: C| {
-        let c = v.acc() - mean;
+    let var = row_sum(x, |v: C| {
+        let c = v.acc().to_f64() - mean;
         c * c
     }) / n;
-    let rstd = C::Acc::ONE / (var + eps).sqrt();
-    for (k, (yk, &v)) in y.iter_mut().zip(x).enumerate() {
-        let mut r = (v.acc() - mean) * rstd;
-        if let Some(w) = w {
-            r = r * w[k].acc();
+    let rstd = 1.0 / (var + eps).sqrt();
+    match (aff.w, aff.b) {
+        (Some(w), Some(b)) => {
+            for ((yk, &v), (&wk, &bk)) in y.iter_mut().zip(x).zip(w.iter().zip(b)) {
+                let r = (v.acc().to_f64() - mean) * rstd * wk.acc().to_f64() + bk.acc().to_f64();
+                *yk = C::from_f64(r);
+            }
         }
-        if let Some(b) = b {
-            r += b[k].acc();
+        (w, b) => {
+            for (k, (yk, &v)) in y.iter_mut().zip(x).enumerate() {
+                let mut r = (v.acc().to_f64() - mean) * rstd;
+                if let Some(w) = w {
+                    r *= w[k].acc().to_f64();
+                }
+                if let Some(b) = b {
+                    r += b[k].acc().to_f64();
+                }
+                *yk = C::from_f64(r);
+            }
         }
-        *yk = C::from_acc(r);
     }
 }
 

@@ -2,6 +2,7 @@
 
 use crate::{Buf, DType, HostElement, OpError, Result, Shape, TensorType};
 use half::{bf16, f16};
+use std::sync::Arc;
 
 /// Typed contiguous storage: one [`Buf`] (an owned `Vec` or a view of foreign memory) per dtype.
 #[derive(Clone, Debug, PartialEq)]
@@ -250,6 +251,28 @@ impl HostTensor {
             v.make_owned();
         });
         self
+    }
+
+    /// `this` under another shape of the same element count, sharing its storage (no copy): the
+    /// view keeps `this` alive, and like every shared region it is copied before a write.
+    pub fn reshaped_shared(this: &Arc<HostTensor>, shape: impl Into<Shape>) -> Result<HostTensor> {
+        let shape = shape.into();
+        if shape.numel() != this.numel() {
+            return Err(OpError::Runtime {
+                op: "reshape",
+                reason: format!("{} elements cannot be viewed as {shape}", this.numel()),
+            });
+        }
+        let owner: Arc<dyn Send + Sync> = this.clone();
+        let data = crate::with_dtype!(this.dtype(), T => {
+            let v = this.as_slice::<T>()?;
+            // SAFETY: `owner` (a clone of `this`) keeps the elements alive and initialized; a
+            // tensor behind a shared `Arc` is never written in place (writing needs `&mut`, which
+            // a shared `Arc` does not give), and `Buf` copies a foreign region before any write.
+            let b = unsafe { crate::Buf::from_foreign(v.as_ptr(), v.len(), owner) };
+            <T as HostElement>::wrap_buf(b)
+        });
+        HostTensor::from_data(data, shape)
     }
 
     /// Consumes the tensor into its storage.

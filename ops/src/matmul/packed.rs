@@ -136,11 +136,7 @@ pub fn gemm_f32(
         return true;
     }
     let panels = n.div_ceil(NR);
-    let threads = if parallel {
-        rayon::current_num_threads().max(1)
-    } else {
-        1
-    };
+    let threads = if parallel { crate::par::threads() } else { 1 };
     let cp = SendPtr(c.as_mut_ptr());
     let job = |rows: (usize, usize), pans: (usize, usize)| {
         // SAFETY: the jobs cover disjoint (row range × panel range) blocks of C, every index they
@@ -152,14 +148,14 @@ pub fn gemm_f32(
     let jobs = threads * JOBS_PER_THREAD;
     if threads > 1 && panels >= threads {
         let per = panels.div_ceil(jobs);
-        (0..panels.div_ceil(per))
-            .into_par_iter()
-            .for_each(|t| job((0, m), (t * per, ((t + 1) * per).min(panels))));
+        crate::par::for_each(panels.div_ceil(per), |t| {
+            job((0, m), (t * per, ((t + 1) * per).min(panels)))
+        });
     } else if threads > 1 && m >= 2 * MR {
         let per = m.div_ceil(jobs).div_ceil(MR) * MR;
-        (0..m.div_ceil(per))
-            .into_par_iter()
-            .for_each(|t| job((t * per, ((t + 1) * per).min(m)), (0, panels)));
+        crate::par::for_each(m.div_ceil(per), |t| {
+            job((t * per, ((t + 1) * per).min(m)), (0, panels))
+        });
     } else {
         job((0, m), (0, panels));
     }
