@@ -24,7 +24,6 @@ use crate::{
     HostTensor, Op, OpError, Result, Shape, TensorType, UnaryOp, Value, VjpCtx,
 };
 use half::{bf16, f16};
-use rayon::prelude::*;
 use std::fmt::Debug;
 use std::ops::{Add, Div, Mul, Neg, Sub};
 
@@ -1197,14 +1196,39 @@ fn for_chunks<O: Send, S>(
     body: impl Fn(&mut S, usize, &mut [O]) + Sync + Send,
 ) {
     if out.len() >= PAR_THRESHOLD {
-        out.par_chunks_mut(CHUNK)
-            .enumerate()
-            .for_each_init(&init, |s, (i, c)| body(s, i * CHUNK, c));
+        // A few tasks per thread, each a run of whole chunks with its own scratch state.
+        let chunks = out.len().div_ceil(CHUNK);
+        let tasks = (4 * crate::par::threads()).min(chunks);
+        let per = chunks.div_ceil(tasks);
+        let len = out.len();
+        let ptr = OutChunks(out.as_mut_ptr());
+        crate::par::for_each(chunks.div_ceil(per), |t| {
+            let mut s = init();
+            for i in t * per..((t + 1) * per).min(chunks) {
+                let (lo, hi) = (i * CHUNK, ((i + 1) * CHUNK).min(len));
+                // SAFETY: chunk `i` (elements `lo..hi`, inside `out`) belongs to task `t` alone,
+                // and `out` is borrowed mutably for the whole call.
+                let c = unsafe { std::slice::from_raw_parts_mut(ptr.at(lo), hi - lo) };
+                body(&mut s, lo, c);
+            }
+        });
     } else {
         let mut s = init();
         for (i, c) in out.chunks_mut(CHUNK).enumerate() {
             body(&mut s, i * CHUNK, c);
         }
+    }
+}
+
+/// The output of [`for_chunks`], shared by its tasks (each writes its own chunks).
+struct OutChunks<O>(*mut O);
+// SAFETY: the tasks write disjoint chunks only, and `O: Send`.
+unsafe impl<O: Send> Sync for OutChunks<O> {}
+
+impl<O> OutChunks<O> {
+    /// The element at `i` (the caller keeps it inside the output).
+    fn at(&self, i: usize) -> *mut O {
+        self.0.wrapping_add(i)
     }
 }
 

@@ -139,7 +139,18 @@ fn worker(p: &Pool) {
 /// Runs `f(i)` for every `i` in `0..n`, spread over the calling thread and the pool's workers;
 /// returns when all have finished (see the module docs).
 pub fn for_each(n: usize, f: impl Fn(usize) + Sync) {
-    let serial = |f: &dyn Fn(usize)| (0..n).for_each(f);
+    // Serially: every task still runs, and the first panic is resumed after the last.
+    let serial = |f: &dyn Fn(usize)| {
+        let mut first = None;
+        for i in 0..n {
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(i))) {
+                first.get_or_insert(p);
+            }
+        }
+        if let Some(p) = first {
+            resume_unwind(p);
+        }
+    };
     if n <= 1 || IS_WORKER.with(|w| w.get()) {
         return serial(&f);
     }
