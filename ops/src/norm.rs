@@ -75,7 +75,11 @@ impl<C> SharedOut<C> {
     /// `lo <= hi <= len`, and no other live slice covers any of these elements.
     #[allow(clippy::mut_from_ref)] // exclusive by contract: disjoint ranges per task
     unsafe fn slice(&self, lo: usize, hi: usize) -> &mut [C] {
-        assert!(lo <= hi && hi <= self.1, "range {lo}..{hi} out of {}", self.1);
+        assert!(
+            lo <= hi && hi <= self.1,
+            "range {lo}..{hi} out of {}",
+            self.1
+        );
         // SAFETY: inside the buffer (checked above); exclusive by the caller's contract.
         unsafe { std::slice::from_raw_parts_mut(self.0.add(lo), hi - lo) }
     }

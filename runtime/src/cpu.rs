@@ -283,7 +283,9 @@ impl CpuSession {
                     (Op::AllReduce { mean }, Some(group)) => group.all_reduce(ins[0], *mean)?,
                     // A reshape is a view: it shares its operand's storage.
                     (Op::Reshape { .. }, _) => HostTensor::reshaped_shared(
-                        vals[step.inputs[0]].as_ref().expect("operand computed before use"),
+                        vals[step.inputs[0]]
+                            .as_ref()
+                            .expect("operand computed before use"),
                         plan.types[step.output].shape.clone(),
                     )
                     .map_err(|source| RuntimeError::Kernel {
