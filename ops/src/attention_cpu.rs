@@ -301,7 +301,7 @@ fn finish_row(geo: &Geo<'_>, b: usize, hh: usize, i: usize, p: &mut [f32]) -> bo
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::rand_f64;
+    use crate::testing::{rand_f64, swap_heads as swap};
     use crate::{eval_cpu, DType};
 
     /// `Op::Attention` in the `[B,H,S,D]` layout, through the op's textual form.
@@ -472,17 +472,6 @@ mod tests {
             &keep,
         );
         close(&got, &want);
-    }
-
-    /// `[B,H,S,D]` → `[B,S,H,D]` (the swap is its own inverse).
-    fn swap(t: &HostTensor) -> HostTensor {
-        eval_cpu(
-            &Op::Permute {
-                perm: vec![0, 2, 1, 3],
-            },
-            &[t],
-        )
-        .unwrap()
     }
 
     #[test]

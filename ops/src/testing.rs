@@ -192,3 +192,15 @@ pub fn gradcheck(op: &Op, inputs: &[HostTensor], check: &[usize], seed: u64) -> 
 pub fn f64_ty(dims: &[usize]) -> TensorType {
     TensorType::new(DType::F64, Shape::new(dims))
 }
+
+/// `[B, H, S, D]` ↔ `[B, S, H, D]`: the transpose between attention's two layouts (its own
+/// inverse).
+pub fn swap_heads(t: &HostTensor) -> HostTensor {
+    crate::eval_cpu(
+        &Op::Permute {
+            perm: vec![0, 2, 1, 3],
+        },
+        &[t],
+    )
+    .expect("a rank-4 tensor")
+}

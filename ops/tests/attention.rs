@@ -1,7 +1,9 @@
 //! Attention and its gradient against float64 references: Sq != Sk, causal alignments, additive and
 //! bool masks, fully masked rows, errors, and gradchecks of the rule.
 
-use rustytorch_ops::testing::{assert_close, gradcheck, rand_tensor, tolerance, vjp_eager};
+use rustytorch_ops::testing::{
+    assert_close, gradcheck, rand_tensor, swap_heads as swap, tolerance, vjp_eager,
+};
 use rustytorch_ops::{
     eval_cpu, infer, AttnLayout, AttnMask, Causal, DType, HostTensor, Op, OpError, TensorType,
 };
@@ -488,16 +490,6 @@ fn second_order_is_an_error() {
 /// The same op in the `[B, S, H, D]` layout.
 fn bshd(op: &Op) -> Op {
     op.with_attn_layout(AttnLayout::Bshd)
-}
-
-fn swap(t: &HostTensor) -> HostTensor {
-    eval_cpu(
-        &Op::Permute {
-            perm: vec![0, 2, 1, 3],
-        },
-        &[t],
-    )
-    .unwrap()
 }
 
 /// Attention and its gradients in the `[B, S, H, D]` layout are the `[B, H, S, D]` ones on
