@@ -410,7 +410,7 @@ fn row_sum<T: Copy, A: Real>(xs: &[T], f: impl Fn(T) -> A) -> A {
         let mut w = 16;
         while w > 0 {
             for j in 0..w {
-                l[j] = l[j] + l[j + w];
+                l[j] += l[j + w];
             }
             w /= 2;
         }
