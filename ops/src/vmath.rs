@@ -293,7 +293,15 @@ pub fn softmax_row(row: &mut [f32]) {
             m[j] = m[j].max(c[j]);
         }
     }
-    mx = m.iter().fold(mx, |a, &b| a.max(b));
+    // The lanes by halves (a tree, not a chain of 16 dependent maxima: short rows are common).
+    let mut w = 8;
+    while w > 0 {
+        for j in 0..w {
+            m[j] = m[j].max(m[j + w]);
+        }
+        w /= 2;
+    }
+    mx = mx.max(m[0]);
     // f32::max skips NaN; a NaN element then gives exp(NaN) and a NaN sum, so the row is NaN.
     let mut s = [0f64; 16];
     let mut chunks = row.chunks_exact_mut(16);
