@@ -117,10 +117,10 @@ pub fn forward_f32(
             .div_ceil(tasks)
             .max(PAR_THRESHOLD.div_ceil(work.max(1)))
             .clamp(1, heads.max(1));
-        let o = OutPtr(res.as_mut_ptr(), res.len());
+        let o = crate::par::Disjoint::new(&mut res);
         let run = |blk: usize| {
             let heads = blk * per_task..((blk + 1) * per_task).min(heads);
-            heads_block(&geo, heads, q, k, v, o);
+            heads_block(&geo, heads, q, k, v, &o);
         };
         if heads * work >= 2 * PAR_THRESHOLD {
             crate::par::for_each(heads.div_ceil(per_task), run);
@@ -131,14 +131,6 @@ pub fn forward_f32(
     HostTensor::from_data(Data::F32(res.into()), out.shape.clone()).map(Some)
 }
 
-/// The output buffer, shared by the tasks: each head writes only its own rows.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32, usize);
-// SAFETY: the tasks write disjoint heads' rows (see `heads_block`).
-unsafe impl Send for OutPtr {}
-// SAFETY: as above.
-unsafe impl Sync for OutPtr {}
-
 /// Heads `heads` (a range of `b·H + h` indices): each computed into a scratch block, then its rows
 /// written where the layout puts them.
 fn heads_block(
@@ -147,7 +139,7 @@ fn heads_block(
     q: &[f32],
     k: &[f32],
     v: &[f32],
-    out: OutPtr,
+    out: &crate::par::Disjoint<'_, f32>,
 ) {
     let mut kt = vec![0f32; geo.d * geo.sk];
     // Room for the head's whole score matrix (the register-tiled path).
@@ -158,10 +150,9 @@ fn heads_block(
         let (base, rs) = geo.rows(bh, geo.sq, geo.dv);
         for (i, row) in oh.chunks_exact(geo.dv).enumerate() {
             let at = base + i * rs;
-            assert!(at + geo.dv <= out.1, "attention output row out of bounds");
-            // SAFETY: `at..at + dv` is inside the output (checked above), and row `i` of head
-            // `bh` belongs to this head alone in either layout, so no other task writes it.
-            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), out.0.add(at), geo.dv) };
+            // SAFETY: row `i` of head `bh` belongs to this head alone in either layout, and each
+            // head to one task, so no other task writes these elements.
+            unsafe { out.range(at, at + geo.dv) }.copy_from_slice(row);
         }
     }
 }

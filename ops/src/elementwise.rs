@@ -1201,14 +1201,13 @@ fn for_chunks<O: Send, S>(
         let tasks = (4 * crate::par::threads()).min(chunks);
         let per = chunks.div_ceil(tasks);
         let len = out.len();
-        let ptr = OutChunks(out.as_mut_ptr());
+        let out = crate::par::Disjoint::new(out);
         crate::par::for_each(chunks.div_ceil(per), |t| {
             let mut s = init();
             for i in t * per..((t + 1) * per).min(chunks) {
                 let (lo, hi) = (i * CHUNK, ((i + 1) * CHUNK).min(len));
-                // SAFETY: chunk `i` (elements `lo..hi`, inside `out`) belongs to task `t` alone,
-                // and `out` is borrowed mutably for the whole call.
-                let c = unsafe { std::slice::from_raw_parts_mut(ptr.at(lo), hi - lo) };
+                // SAFETY: chunk `i` (elements `lo..hi`) belongs to task `t` alone.
+                let c = unsafe { out.range(lo, hi) };
                 body(&mut s, lo, c);
             }
         });
@@ -1217,18 +1216,6 @@ fn for_chunks<O: Send, S>(
         for (i, c) in out.chunks_mut(CHUNK).enumerate() {
             body(&mut s, i * CHUNK, c);
         }
-    }
-}
-
-/// The output of [`for_chunks`], shared by its tasks (each writes its own chunks).
-struct OutChunks<O>(*mut O);
-// SAFETY: the tasks write disjoint chunks only, and `O: Send`.
-unsafe impl<O: Send> Sync for OutChunks<O> {}
-
-impl<O> OutChunks<O> {
-    /// The element at `i` (the caller keeps it inside the output).
-    fn at(&self, i: usize) -> *mut O {
-        self.0.wrapping_add(i)
     }
 }
 

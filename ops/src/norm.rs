@@ -8,8 +8,8 @@
 //! Accuracy: every sum accumulates in f64 ([`Real::Acc`]), so long rows lose nothing to
 //! accumulation: softmax denominators in blocks summed pairwise ([`acc_sum`]), the norms' mean and
 //! variance in 32 lanes per block of [`SUM_BLOCK`] with the blocks added in order ([`row_sum`],
-//! vectorized with the rest of the row's loops for AVX-512 or AVX2 when the CPU has them). LayerNorm is two-pass (mean, then the mean of squared deviations), and the
-//! normalized value `(x − mean) · rstd` (with weight and bias) is formed in f64 and rounded once.
+//! vectorized with the rest of the row's loops for AVX-512 or AVX2 when the CPU has them).
+//! LayerNorm is two-pass (mean, then the mean of squared deviations), and the normalized value `(x − mean) · rstd` (with weight and bias) is formed in f64 and rounded once.
 //!
 //! This file also holds the small float-compute helpers ([`Real`], [`acc_sum`], [`compute_view`],
 //! [`from_compute`]) that the index, loss and attention kernels share.
@@ -59,30 +59,9 @@ pub(crate) trait Real:
     fn softmax_rows(_y: &mut [Self], _n: usize) -> bool {
         false
     }
-    /// LayerNorm or RMSNorm of each contiguous row of `d` elements of `x` into `y`, compiled for the widest vector unit the CPU has ([`norm_row`]).
+    /// LayerNorm or RMSNorm of each contiguous row of `d` elements of `x` into `y`, compiled for
+    /// the widest vector unit the CPU has ([`norm_row`]).
     fn norm_rows(x: &[Self], y: &mut [Self], d: usize, aff: Affine<'_, Self>, eps: f64);
-}
-
-/// An output buffer whose disjoint ranges parallel tasks fill.
-struct SharedOut<C>(*mut C, usize);
-// SAFETY: tasks write disjoint ranges only (see `slice`), and `C` values are plain data.
-unsafe impl<C: Send> Sync for SharedOut<C> {}
-
-impl<C> SharedOut<C> {
-    /// Elements `lo..hi` as a slice.
-    ///
-    /// # Safety
-    /// `lo <= hi <= len`, and no other live slice covers any of these elements.
-    #[allow(clippy::mut_from_ref)] // exclusive by contract: disjoint ranges per task
-    unsafe fn slice(&self, lo: usize, hi: usize) -> &mut [C] {
-        assert!(
-            lo <= hi && hi <= self.1,
-            "range {lo}..{hi} out of {}",
-            self.1
-        );
-        // SAFETY: inside the buffer (checked above); exclusive by the caller's contract.
-        unsafe { std::slice::from_raw_parts_mut(self.0.add(lo), hi - lo) }
-    }
 }
 
 /// A norm's optional weight and bias, and whether it is centered (LayerNorm) or not (RMSNorm).
@@ -319,11 +298,11 @@ fn cpu_in<C: Real>(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<
                 // Blocks of whole rows of about PAR_THRESHOLD elements, one per task.
                 let block = d * PAR_THRESHOLD.div_ceil(d).max(1);
                 if x.len() >= PAR_THRESHOLD {
-                    let out = SharedOut(y.as_mut_ptr(), y.len());
+                    let out = crate::par::Disjoint::new(&mut y);
                     crate::par::for_each(x.len().div_ceil(block), |t| {
                         let (lo, hi) = (t * block, ((t + 1) * block).min(x.len()));
-                        // SAFETY: task `t` alone writes elements `lo..hi` (whole rows), inside `y`.
-                        let yb = unsafe { out.slice(lo, hi) };
+                        // SAFETY: task `t` alone writes elements `lo..hi` (whole rows).
+                        let yb = unsafe { out.range(lo, hi) };
                         C::norm_rows(&x[lo..hi], yb, d, aff, eps.get())
                     });
                 } else {

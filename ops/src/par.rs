@@ -197,6 +197,43 @@ pub fn for_each(n: usize, f: impl Fn(usize) + Sync) {
     }
 }
 
+/// A mutable slice whose disjoint ranges the tasks of one [`for_each`] call fill, each its own.
+pub struct Disjoint<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    _borrow: std::marker::PhantomData<&'a mut [T]>,
+}
+
+// SAFETY: the tasks reach the elements only through `range`, whose contract gives each range to
+// one task; `T: Send` lets a task write them.
+unsafe impl<T: Send> Sync for Disjoint<'_, T> {}
+
+impl<'a, T> Disjoint<'a, T> {
+    /// Borrows `s` for the tasks.
+    pub fn new(s: &'a mut [T]) -> Self {
+        Disjoint {
+            ptr: s.as_mut_ptr(),
+            len: s.len(),
+            _borrow: std::marker::PhantomData,
+        }
+    }
+
+    /// Elements `lo..hi` (checked against the length).
+    ///
+    /// # Safety
+    /// No other live slice from this `Disjoint` overlaps `lo..hi`.
+    #[allow(clippy::mut_from_ref)] // exclusive by the contract above
+    pub unsafe fn range(&self, lo: usize, hi: usize) -> &mut [T] {
+        assert!(
+            lo <= hi && hi <= self.len,
+            "range {lo}..{hi} out of {}",
+            self.len
+        );
+        // SAFETY: inside the borrowed slice (checked above), exclusive by the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(lo), hi - lo) }
+    }
+}
+
 /// The number of threads [`for_each`] spreads over (the caller included).
 pub fn threads() -> usize {
     rayon::current_num_threads().max(1)
