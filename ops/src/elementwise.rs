@@ -1868,90 +1868,152 @@ fn fused_cpu(k: &FusedKernel, inputs: &[&HostTensor], out: &TensorType) -> Data 
     }
 }
 
-/// Runs a fused kernel in compute type `C`: per chunk, loads each broadcast input into a scratch
-/// buffer, runs each instruction as one tight loop over the chunk, and stores the last one.
-/// Instructions whose arguments are all constants are folded once, before the chunks.
-fn fused_run<C: Real>(k: &FusedKernel, inputs: &[&HostTensor], out: &TensorType) -> Data {
-    let n_in = inputs.len();
-    let dims = out.shape.dims();
-    let layouts: Vec<Layout> = inputs
-        .iter()
-        .map(|t| Layout::new(t.shape(), &out.shape))
-        .collect();
-    let mut slots: Vec<Slot<C>> = layouts
-        .iter()
-        .zip(inputs)
-        .map(|(l, t)| match l {
-            Layout::Scalar => Slot::Const(with_data!(t.data(), v => C::load(v[0]))),
-            _ => Slot::Buf,
-        })
-        .collect();
-    let mut dtypes: Vec<DType> = inputs.iter().map(|t| t.dtype()).collect();
-    for ins in &k.instrs {
-        let consts: Option<Vec<C>> = ins
-            .args
+/// A fused kernel prepared to run in compute type `C` over ranges of its output's elements: the
+/// inputs' broadcast layouts, and every value (input or instruction) either a constant — an
+/// input of one element, or an instruction whose arguments all are, folded here once — or a
+/// buffer the range computes.
+struct FusedEval<'a, C> {
+    k: &'a FusedKernel,
+    inputs: &'a [&'a HostTensor],
+    dims: &'a [usize],
+    layouts: Vec<Layout>,
+    slots: Vec<Slot<C>>,
+    dtypes: Vec<DType>,
+}
+
+impl<'a, C: Real> FusedEval<'a, C> {
+    fn new(k: &'a FusedKernel, inputs: &'a [&'a HostTensor], out: &'a TensorType) -> Self {
+        let layouts: Vec<Layout> = inputs
             .iter()
-            .map(|&a| match slots[a as usize] {
-                Slot::Const(c) => Some(c),
-                Slot::Buf => None,
+            .map(|t| Layout::new(t.shape(), &out.shape))
+            .collect();
+        let mut slots: Vec<Slot<C>> = layouts
+            .iter()
+            .zip(inputs)
+            .map(|(l, t)| match l {
+                Layout::Scalar => Slot::Const(with_data!(t.data(), v => C::load(v[0]))),
+                _ => Slot::Buf,
             })
             .collect();
-        let slot = match consts {
-            Some(cs) => {
-                let args: Vec<Operand<'_, C>> = cs.into_iter().map(Operand::Scalar).collect();
-                let a0 = ins.args.first().map_or(ins.dtype, |&a| dtypes[a as usize]);
-                let mut r = [C::ZERO];
-                eval_instr(&ins.op, ins.dtype, a0, &args, &mut r);
-                Slot::Const(r[0])
-            }
-            None => Slot::Buf,
-        };
-        slots.push(slot);
-        dtypes.push(ins.dtype);
+        let mut dtypes: Vec<DType> = inputs.iter().map(|t| t.dtype()).collect();
+        for ins in &k.instrs {
+            let consts: Option<Vec<C>> = ins
+                .args
+                .iter()
+                .map(|&a| match slots[a as usize] {
+                    Slot::Const(c) => Some(c),
+                    Slot::Buf => None,
+                })
+                .collect();
+            let slot = match consts {
+                Some(cs) => {
+                    let args: Vec<Operand<'_, C>> = cs.into_iter().map(Operand::Scalar).collect();
+                    let a0 = ins.args.first().map_or(ins.dtype, |&a| dtypes[a as usize]);
+                    let mut r = [C::ZERO];
+                    eval_instr(&ins.op, ins.dtype, a0, &args, &mut r);
+                    Slot::Const(r[0])
+                }
+                None => Slot::Buf,
+            };
+            slots.push(slot);
+            dtypes.push(ins.dtype);
+        }
+        FusedEval {
+            k,
+            inputs,
+            dims: out.shape.dims(),
+            layouts,
+            slots,
+            dtypes,
+        }
     }
-    let last = slots.len() - 1;
+
+    /// The result's value when it is a constant.
+    fn constant(&self) -> Option<C> {
+        match self.slots[self.slots.len() - 1] {
+            Slot::Const(c) => Some(c),
+            Slot::Buf => None,
+        }
+    }
+
+    /// Scratch buffers for [`FusedEval::range`], one per value.
+    fn scratch(&self) -> Vec<Vec<C>> {
+        vec![Vec::with_capacity(CHUNK); self.slots.len()]
+    }
+
+    /// Output elements `s..s + dst.len()` into `dst`, each rounded once to `T`: loads each
+    /// broadcast input, runs each instruction as one tight loop over the range, stores the last.
+    fn range<T: Element>(&self, bufs: &mut [Vec<C>], s: usize, dst: &mut [T]) {
+        let (len, n_in, slots) = (dst.len(), self.inputs.len(), &self.slots);
+        for i in 0..n_in {
+            if let Slot::Buf = slots[i] {
+                with_data!(self.inputs[i].data(), v => gather_into(v, &self.layouts[i], self.dims, s, len, C::load, &mut bufs[i]));
+            }
+        }
+        for (j, ins) in self.k.instrs.iter().enumerate() {
+            let id = n_in + j;
+            if let Slot::Const(_) = slots[id] {
+                continue;
+            }
+            let (before, rest) = bufs.split_at_mut(id);
+            let d = &mut rest[0];
+            d.clear();
+            d.resize(len, C::ZERO);
+            let args: Vec<Operand<'_, C>> = ins
+                .args
+                .iter()
+                .map(|&a| match slots[a as usize] {
+                    Slot::Const(c) => Operand::Scalar(c),
+                    Slot::Buf => Operand::Slice(&before[a as usize][..len]),
+                })
+                .collect();
+            let a0 = ins
+                .args
+                .first()
+                .map_or(ins.dtype, |&a| self.dtypes[a as usize]);
+            eval_instr(&ins.op, ins.dtype, a0, &args, d);
+        }
+        for (o, &c) in dst.iter_mut().zip(&bufs[slots.len() - 1]) {
+            *o = c.store::<T>();
+        }
+    }
+}
+
+/// Runs a fused kernel in compute type `C` ([`FusedEval`]), in parallel chunks.
+fn fused_run<C: Real>(k: &FusedKernel, inputs: &[&HostTensor], out: &TensorType) -> Data {
+    let eval = FusedEval::<C>::new(k, inputs, out);
     let n = out.shape.numel();
     with_dtype!(out.dtype, T => {
         let mut o = vec![<T as Default>::default(); n];
-        match slots[last] {
-            Slot::Const(c) => o.fill(c.store::<T>()),
-            Slot::Buf => for_chunks(
-                &mut o,
-                || vec![Vec::<C>::with_capacity(CHUNK); slots.len()],
-                |bufs, s, dst| {
-                    let len = dst.len();
-                    for i in 0..n_in {
-                        if let Slot::Buf = slots[i] {
-                            with_data!(inputs[i].data(), v => gather_into(v, &layouts[i], dims, s, len, C::load, &mut bufs[i]));
-                        }
-                    }
-                    for (j, ins) in k.instrs.iter().enumerate() {
-                        let id = n_in + j;
-                        if let Slot::Const(_) = slots[id] {
-                            continue;
-                        }
-                        let (before, rest) = bufs.split_at_mut(id);
-                        let d = &mut rest[0];
-                        d.clear();
-                        d.resize(len, C::ZERO);
-                        let args: Vec<Operand<'_, C>> = ins
-                            .args
-                            .iter()
-                            .map(|&a| match slots[a as usize] {
-                                Slot::Const(c) => Operand::Scalar(c),
-                                Slot::Buf => Operand::Slice(&before[a as usize][..len]),
-                            })
-                            .collect();
-                        let a0 = ins.args.first().map_or(ins.dtype, |&a| dtypes[a as usize]);
-                        eval_instr(&ins.op, ins.dtype, a0, &args, d);
-                    }
-                    for (o, &c) in dst.iter_mut().zip(&bufs[last]) {
-                        *o = c.store::<T>();
-                    }
-                },
-            ),
+        match eval.constant() {
+            Some(c) => o.fill(c.store::<T>()),
+            None => for_chunks(&mut o, || eval.scratch(), |bufs, s, dst| eval.range(bufs, s, dst)),
         }
         <T as HostElement>::wrap(o)
+    })
+}
+
+/// An f32 fused kernel (every input, instruction and the result f32) evaluated over ranges of
+/// its output: `f(start, dst)` fills elements `start..start + dst.len()`, as the whole kernel
+/// would. `None` for other kernels. For callers that consume the result in blocks (the fused
+/// row kernels' prologues) without materializing it.
+pub fn fused_f32_ranges<'a>(
+    k: &'a FusedKernel,
+    inputs: &'a [&'a HostTensor],
+    out: &'a TensorType,
+) -> Option<impl Fn(usize, &mut [f32]) + Sync + 'a> {
+    let all_f32 = out.dtype == DType::F32
+        && k.instrs.iter().all(|i| i.dtype == DType::F32)
+        && inputs.iter().all(|t| t.dtype() == DType::F32);
+    if !all_f32 {
+        return None;
+    }
+    let eval = FusedEval::<f32>::new(k, inputs, out);
+    Some(move |s: usize, dst: &mut [f32]| {
+        let mut bufs = eval.scratch();
+        for (i, c) in dst.chunks_mut(CHUNK).enumerate() {
+            eval.range(&mut bufs, s + i * CHUNK, c);
+        }
     })
 }
 

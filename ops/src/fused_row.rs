@@ -10,10 +10,12 @@
 //!
 //! The CPU kernel runs the three parts in turn with the unfused kernels, so its results are the
 //! unfused graph's bit for bit: the prologue's result is rounded to its dtype before the core reads
-//! it, as the unfused graph stores it.
+//! it, as the unfused graph stores it. An f32 LayerNorm or RMSNorm with an f32 prologue and no
+//! epilogue (a post-LN block's `layer_norm(x + y)`) runs the same two kernels block by block of
+//! rows instead, never storing the prologue's whole result; its results are the same.
 
 use crate::util::{arity, attr_err, shape_err};
-use crate::{FusedKernel, HostTensor, Op, Result, RowFusion, TensorType, Value, VjpCtx};
+use crate::{DType, FusedKernel, HostTensor, Op, Result, RowFusion, TensorType, Value, VjpCtx};
 
 impl RowFusion {
     /// Whether `op` may be the core of a fused row op.
@@ -125,11 +127,14 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
 }
 
 /// The CPU kernel: the prologue, the core and the epilogue in turn (see the module docs).
-pub fn cpu(op: &Op, inputs: &[&HostTensor], _out: &TensorType) -> Result<HostTensor> {
+pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTensor> {
     let Op::FusedRow(r) = op else {
         return Err(attr_err(op, "not a fused row op"));
     };
     let (pro, core_rest, epi) = r.split(inputs);
+    if let Some(y) = norm_of_prologue(op, r, inputs, out)? {
+        return Ok(y);
+    }
     let run = |k: &FusedKernel, ins: &[&HostTensor]| {
         crate::eval_cpu(&Op::Fused(Box::new(k.clone())), ins)
     };
@@ -152,6 +157,37 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], _out: &TensorType) -> Result<HostTen
         }
         None => Ok(c),
     }
+}
+
+/// An f32 LayerNorm or RMSNorm whose prologue is f32 and which has no epilogue, in blocks of rows:
+/// each block's prologue is computed into a scratch block and normalized from there, so the
+/// prologue's result is never stored whole. `None` for other fused row ops. Equal to the
+/// three-part path bit for bit (the same values, rounded the same way, and the same rows).
+fn norm_of_prologue(
+    op: &Op,
+    r: &RowFusion,
+    inputs: &[&HostTensor],
+    out: &TensorType,
+) -> Result<Option<HostTensor>> {
+    let (Some(k), None) = (&r.prologue, &r.epilogue) else {
+        return Ok(None);
+    };
+    if !matches!(r.core, Op::LayerNorm { .. } | Op::RmsNorm { .. }) || out.dtype != DType::F32 {
+        return Ok(None);
+    }
+    let tys: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+    let refs: Vec<&TensorType> = tys.iter().collect();
+    let (x, _, _) = part_types(op, &refs)?;
+    if x.dtype != DType::F32 || x.shape != out.shape {
+        return Ok(None);
+    }
+    let (pro, core_rest, _) = r.split(inputs);
+    let Some(fill) = crate::elementwise::fused_f32_ranges(k, pro, &x) else {
+        return Ok(None);
+    };
+    let d = out.shape.dims().last().copied().unwrap_or(1);
+    let y = crate::norm::norm_f32_blocks(&r.core, core_rest, out.shape.numel(), d, fill)?;
+    HostTensor::from_vec(y, out.shape.clone()).map(Some)
 }
 
 /// Fused row ops are built after differentiation: no gradient.

@@ -7,8 +7,8 @@
 //!
 //! Accuracy: every sum accumulates in f64 ([`Real::Acc`]), so long rows lose nothing to
 //! accumulation: softmax denominators in blocks summed pairwise ([`acc_sum`]), the norms' mean and
-//! variance in 32 lanes per block of [`SUM_BLOCK`] with the blocks added in order ([`row_sum`],
-//! vectorized with the rest of the row's loops for AVX-512 or AVX2 when the CPU has them).
+//! variance in 32 lanes along the row ([`row_sum`], vectorized with the rest of the row's loops
+//! for AVX-512 or AVX2 when the CPU has them).
 //! LayerNorm is two-pass (mean, then the mean of squared deviations), and the normalized value `(x − mean) · rstd` (with weight and bias) is formed in f64 and rounded once.
 //!
 //! This file also holds the small float-compute helpers ([`Real`], [`acc_sum`], [`compute_view`],
@@ -315,6 +315,56 @@ fn cpu_in<C: Real>(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<
     from_compute(y, out)
 }
 
+/// LayerNorm or RMSNorm (`op`, f32) of `n` elements in rows of `d` whose input is produced block
+/// by block: `fill(start, block)` writes input elements `start..start + block.len()` (whole
+/// rows). The norm's weight and bias are `rest`. The same rows as [`cpu`] on the materialized
+/// input, bit for bit, without storing that input (a fused row kernel's prologue).
+pub(crate) fn norm_f32_blocks(
+    op: &Op,
+    rest: &[&HostTensor],
+    n: usize,
+    d: usize,
+    fill: impl Fn(usize, &mut [f32]) + Sync,
+) -> Result<Vec<f32>> {
+    let (eps, weight, bias, centered) = match op {
+        Op::LayerNorm { eps, weight, bias } => (eps.get(), *weight, *bias, true),
+        Op::RmsNorm { eps, weight } => (eps.get(), *weight, false, false),
+        _ => return Err(attr_err(op, "not a normalization op")),
+    };
+    if rest.len() != weight as usize + bias as usize {
+        return Err(attr_err(
+            op,
+            "weight and bias operands do not match the attributes",
+        ));
+    }
+    let w = weight.then(|| compute_view::<f32>(rest[0]));
+    let b = bias.then(|| compute_view::<f32>(rest[weight as usize]));
+    let aff = Affine {
+        w: w.as_deref(),
+        b: b.as_deref(),
+        centered,
+    };
+    let mut y = vec![0f32; n];
+    if d == 0 || n == 0 {
+        return Ok(y);
+    }
+    let block = d * PAR_THRESHOLD.div_ceil(d).max(1);
+    let out = crate::par::Disjoint::new(&mut y);
+    let run = |t: usize| {
+        let (lo, hi) = (t * block, ((t + 1) * block).min(n));
+        let mut x = vec![0f32; hi - lo];
+        fill(lo, &mut x);
+        // SAFETY: block `t` (elements `lo..hi`, whole rows) is written by this task alone.
+        f32::norm_rows(&x, unsafe { out.range(lo, hi) }, d, aff, eps);
+    };
+    if n >= PAR_THRESHOLD {
+        crate::par::for_each(n.div_ceil(block), run);
+    } else {
+        run(0);
+    }
+    Ok(y)
+}
+
 /// Softmax (or log-softmax) of a `[n, inner]` block along its first dim, max-subtracted; the
 /// denominators accumulate in f64 (pairwise along a contiguous row, in blocks of [`SUM_BLOCK`]
 /// rows along a strided one).
@@ -368,34 +418,30 @@ fn softmax_block<C: Real>(x: &[C], y: &mut [C], n: usize, inner: usize, log: boo
     }
 }
 
-/// `Σ f(x)` over a row in the accumulator `A`, inlined into the caller's vectorized context: 32
-/// interleaved lanes within blocks of [`SUM_BLOCK`], the block sums added in order (in f64 the
-/// rounding error stays far below an f32 ulp for any row length).
+/// `Σ f(x)` over a row in f64, inlined into the caller's vectorized context: four accumulators of
+/// 8 lanes along the row, combined as a tree at the end (in f64 the rounding error stays far
+/// below an f32 ulp for any row length).
 #[inline(always)]
-fn row_sum<T: Copy, A: Real>(xs: &[T], f: impl Fn(T) -> A) -> A {
-    let mut total = A::ZERO;
-    for blk in xs.chunks(SUM_BLOCK) {
-        let mut l = [A::ZERO; 32];
-        let mut chunks = blk.chunks_exact(32);
-        for c in &mut chunks {
-            for j in 0..32 {
-                l[j] += f(c[j]);
-            }
+fn row_sum<T: Copy>(xs: &[T], f: impl Fn(T) -> f64) -> f64 {
+    let (mut a, mut b, mut c, mut d) = ([0f64; 8], [0f64; 8], [0f64; 8], [0f64; 8]);
+    let mut chunks = xs.chunks_exact(32);
+    for x in &mut chunks {
+        for j in 0..8 {
+            a[j] += f(x[j]);
+            b[j] += f(x[8 + j]);
+            c[j] += f(x[16 + j]);
+            d[j] += f(x[24 + j]);
         }
-        let mut tail = A::ZERO;
-        for &x in chunks.remainder() {
-            tail += f(x);
-        }
-        let mut w = 16;
-        while w > 0 {
-            for j in 0..w {
-                l[j] += l[j + w];
-            }
-            w /= 2;
-        }
-        total += l[0] + tail;
     }
-    total
+    let mut tail = 0.0;
+    for &x in chunks.remainder() {
+        tail += f(x);
+    }
+    let mut s = [0f64; 8];
+    for j in 0..8 {
+        s[j] = (a[j] + b[j]) + (c[j] + d[j]);
+    }
+    ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7])) + tail
 }
 
 /// One row of LayerNorm (`centered`) or RMSNorm, with optional weight and bias; sums in f64.
