@@ -2010,6 +2010,10 @@ pub fn fused_f32_ranges<'a>(
     }
     let eval = FusedEval::<f32>::new(k, inputs, out);
     Some(move |s: usize, dst: &mut [f32]| {
+        if let Some(c) = eval.constant() {
+            dst.fill(c);
+            return;
+        }
         let mut bufs = eval.scratch();
         for (i, c) in dst.chunks_mut(CHUNK).enumerate() {
             eval.range(&mut bufs, s + i * CHUNK, c);

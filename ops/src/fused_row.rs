@@ -197,3 +197,61 @@ pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
         "fused row kernels are built after differentiation; differentiate the unfused graph",
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::rand_tensor;
+
+    /// `core(a + b)` as a fused row op, for `[r, d]` rows.
+    fn op(core: &str, r: usize, d: usize) -> Op {
+        crate::text::parse_op(&format!(
+            "fused_row[core={core},prologue=fused[n_inputs=2,out=f32:{r}:{d},instrs=add@0:1@f32]]"
+        ))
+        .unwrap()
+    }
+
+    /// The block path equals the prologue and the core run one after the other, bit for bit:
+    /// full operands, a broadcast row, and scalars (a constant prologue), at sizes below and above
+    /// the parallel threshold.
+    #[test]
+    fn norm_blocks_equal_the_parts() {
+        for (core, params) in [
+            ("layer_norm[eps=1e-5,weight,bias]", 2),
+            ("rms_norm[eps=1e-6,weight]", 1),
+            ("layer_norm[eps=1e-5]", 0),
+        ] {
+            for (r, d) in [(3, 7), (65, 768)] {
+                let t = |dims: &[usize], seed| {
+                    rand_tensor(&TensorType::new(DType::F32, dims.to_vec()), seed, -2.0, 2.0)
+                };
+                for (a, b) in [
+                    (t(&[r, d], 1), t(&[r, d], 2)),
+                    (t(&[r, d], 3), t(&[d], 4)),
+                    (t(&[1], 5), t(&[1], 6)),
+                ] {
+                    let fused = op(core, r, d);
+                    let Op::FusedRow(fr) = &fused else {
+                        unreachable!()
+                    };
+                    let ps: Vec<HostTensor> = (0..params).map(|i| t(&[d], 10 + i)).collect();
+                    let mut ins = vec![&a, &b];
+                    ins.extend(ps.iter());
+                    let got = crate::eval_cpu(&fused, &ins).unwrap();
+                    let k = fr.prologue.clone().unwrap();
+                    let x = crate::eval_cpu(&Op::Fused(Box::new(k)), &[&a, &b]).unwrap();
+                    let mut core_in = vec![&x];
+                    core_in.extend(ps.iter());
+                    let want = crate::eval_cpu(&fr.core, &core_in).unwrap();
+                    assert_eq!(
+                        got.to_vec::<f32>().unwrap(),
+                        want.to_vec::<f32>().unwrap(),
+                        "{core} {r}x{d} a {:?} b {:?}",
+                        a.dims(),
+                        b.dims()
+                    );
+                }
+            }
+        }
+    }
+}
