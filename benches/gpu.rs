@@ -549,24 +549,12 @@ fn fwd_bwd_row(
     flops: f64,
     push: &mut dyn FnMut(&str, (f64, usize), &str, f64),
 ) {
-    let Op::Attention {
-        causal,
-        mask,
-        scale,
-        layout,
-    } = graph.node(y).expect("y").op.clone()
-    else {
-        panic!("{name}: not an attention node")
-    };
+    let attention = graph.node(y).expect("y").op.clone();
     let dy = graph.add_input("dy", dy_ty).expect("dy");
     for wrt in 0..3u8 {
-        let op = Op::AttentionGrad {
-            causal,
-            mask,
-            scale,
-            wrt,
-            layout,
-        };
+        let op = attention
+            .attention_grad(wrt)
+            .unwrap_or_else(|| panic!("{name}: not an attention node"));
         let dx = graph.add(op, &[q, k, v, dy]).expect("grad");
         graph.add_output(&format!("d{wrt}"), dx).expect("d");
     }

@@ -437,25 +437,15 @@ fn attention_grad_head<C: Real>(
 /// Gradient rule: q, k and v each get an [`Op::AttentionGrad`] node; the mask gets none. The
 /// gradient op itself has no gradient (second order is not supported).
 pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
-    match cx.op.clone() {
-        Op::Attention {
-            causal,
-            mask,
-            scale,
-            layout,
-        } => {
+    let op = cx.op.clone();
+    match op {
+        Op::Attention { mask, .. } => {
             let mut args: Vec<Value> = cx.inputs.to_vec();
             args.push(cx.grad);
             let mut out = Vec::with_capacity(cx.inputs.len());
             for wrt in 0..3u8 {
-                let op = Op::AttentionGrad {
-                    causal,
-                    mask,
-                    scale,
-                    wrt,
-                    layout,
-                };
-                out.push(Some(cx.emit(op, &args)?));
+                let grad = op.attention_grad(wrt).expect("an attention op");
+                out.push(Some(cx.emit(grad, &args)?));
             }
             if mask != AttnMask::None {
                 out.push(None);

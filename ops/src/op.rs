@@ -805,6 +805,26 @@ impl Op {
         op
     }
 
+    /// The gradient of an `attention` op with respect to q (`wrt` 0), k (1) or v (2): the
+    /// `attention_grad` op with the same attributes. `None` for any other op.
+    pub fn attention_grad(&self, wrt: u8) -> Option<Op> {
+        match *self {
+            Op::Attention {
+                causal,
+                mask,
+                scale,
+                layout,
+            } => Some(Op::AttentionGrad {
+                causal,
+                mask,
+                scale,
+                wrt,
+                layout,
+            }),
+            _ => None,
+        }
+    }
+
     /// The op's family name, as used in error messages and the IR text (`matmul`, `reduce_sum`...).
     pub fn name(&self) -> &'static str {
         crate::text::op_name(self)
