@@ -26,6 +26,12 @@
 //!   operands are all computed by then) and every member's slot is placed at that first step, so
 //!   the first step may write all of them ([`MemoryPlan::groups`]). Backends that compute each
 //!   member on its own still may: the slots are merely live a step or two earlier.
+//!   A second kind of group is a **bias-gradient pair** ([`bias_grad_pair`]): a GEMM and the
+//!   `reduce_sum` over every axis but the last of the rows it writes (`matmul_act_grad`, whose
+//!   result is the gradient at a biased pre-activation) or of its right operand (a weight
+//!   gradient `matmul[trans_a](x, dy)` beside the bias gradient `Σ_rows dy`). The sum is moved
+//!   up to run right after the GEMM (its one operand is computed by then), so that a backend may
+//!   take it from the GEMM's epilogue (cuBLASLt's `DGELU_BGRAD` and `BGRADA`).
 //! - **In place**: an elementwise op (`Unary`, `Binary`, `Where`, `Cast`, `Fused`) may write its
 //!   result over the bytes of an operand (or of the storage root the operand aliases) whose
 //!   whole group dies at this step, that has exactly as many elements and the same element width
@@ -37,7 +43,7 @@
 
 use crate::graph::{Graph, Node, NodeId};
 use crate::{CompileError, Result};
-use rustytorch_ops::Op;
+use rustytorch_ops::{Op, ReduceKind};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 
@@ -93,7 +99,8 @@ pub struct MemoryPlan {
     /// value would take).
     pub naive_bytes: usize,
     /// Sibling groups (see the module docs): the member scheduled first → every member in the
-    /// group's order (for attention gradients, by `wrt`), itself included. Each member's slot is
+    /// group's order (for attention gradients, by `wrt`; for a bias-gradient pair, the GEMM then
+    /// the sum), itself included. Each member's slot is
     /// defined at the first member's step.
     pub groups: BTreeMap<NodeId, Vec<NodeId>>,
 }
@@ -192,6 +199,112 @@ fn sibling_key(op: &Op) -> Option<(Op, u8)> {
     }
 }
 
+/// Follows reshape aliases (see [`is_alias`]) down from `id` to the value whose bytes it reads.
+fn through_reshapes(graph: &Graph, mut id: NodeId) -> Result<NodeId> {
+    loop {
+        let node = graph.node(id)?;
+        match &node.op {
+            Op::Reshape { .. } if node.inputs.len() == 1 => id = node.inputs[0],
+            _ => return Ok(id),
+        }
+    }
+}
+
+/// Whether `gemm` and `sum` form a bias-gradient pair (see the module docs): `sum` is a
+/// `reduce_sum` over every axis but the last, in its operand's dtype, of either
+/// - `gemm` itself, a `matmul_act_grad` (the gradient at a biased pre-activation), or
+/// - the right operand of `gemm`, a 2-D weight gradient `matmul[trans_a](x, dy)` whose `dy` is
+///   the summed tensor's rows (through reshapes).
+pub fn bias_grad_pair(graph: &Graph, gemm: NodeId, sum: NodeId) -> Result<bool> {
+    let (g, r) = (graph.node(gemm)?, graph.node(sum)?);
+    let Op::Reduce {
+        kind: ReduceKind::Sum,
+        axes,
+        ..
+    } = &r.op
+    else {
+        return Ok(false);
+    };
+    let Some(&x) = r.inputs.first() else {
+        return Ok(false);
+    };
+    let xt = graph.ty(x);
+    let rank = xt.shape.rank();
+    if rank < 2 || *axes != (0..rank - 1).collect::<Vec<_>>() || r.ty.dtype != xt.dtype {
+        return Ok(false);
+    }
+    let n = xt.shape.dims()[rank - 1];
+    Ok(match &g.op {
+        Op::MatmulActGrad { .. } => x == gemm,
+        Op::Matmul {
+            trans_a: true,
+            trans_b: false,
+        } if g.inputs.len() == 2 && g.ty.shape.rank() == 2 => {
+            let bt = graph.ty(g.inputs[1]);
+            bt.shape.rank() == 2
+                && bt.shape.dims()[1] == n
+                && bt.dtype == xt.dtype
+                && through_reshapes(graph, g.inputs[1])? == x
+        }
+        _ => false,
+    })
+}
+
+/// The bias-gradient pairs of `schedule` whose sum runs after its GEMM, as (GEMM, sum); a GEMM
+/// or a sum is in at most one pair (a `matmul_act_grad` first takes the sum of its own result).
+fn bias_grad_pairs(graph: &Graph, schedule: &[NodeId]) -> Result<Vec<(NodeId, NodeId)>> {
+    let pos: HashMap<NodeId, usize> = schedule.iter().enumerate().map(|(t, &n)| (n, t)).collect();
+    let mut pairs = vec![];
+    let mut taken: HashSet<NodeId> = HashSet::new();
+    for pass in 0..2 {
+        for &r in schedule {
+            let node = graph.node(r)?;
+            if taken.contains(&r) || !matches!(node.op, Op::Reduce { .. }) {
+                continue;
+            }
+            let Some(&x) = node.inputs.first() else {
+                continue;
+            };
+            let candidates = if pass == 0 {
+                vec![x]
+            } else {
+                // Weight gradients reading x's rows, directly or through reshapes.
+                let mut readers = vec![];
+                let mut frontier = vec![x];
+                while let Some(v) = frontier.pop() {
+                    for u in graph.users(v) {
+                        match &graph.node(u)?.op {
+                            Op::Reshape { .. } => frontier.push(u),
+                            Op::Matmul { .. } => readers.push(u),
+                            _ => {}
+                        }
+                    }
+                }
+                readers
+            };
+            for g in candidates {
+                let is_gemm = matches!(
+                    graph.node(g)?.op,
+                    Op::MatmulActGrad { .. } | Op::Matmul { .. }
+                );
+                if !is_gemm || taken.contains(&g) || (pass == 0) != (g == x) {
+                    continue;
+                }
+                let (Some(&tg), Some(&tr)) = (pos.get(&g), pos.get(&r)) else {
+                    continue;
+                };
+                if tg < tr && bias_grad_pair(graph, g, r)? {
+                    taken.insert(g);
+                    taken.insert(r);
+                    pairs.push((g, r));
+                    break;
+                }
+            }
+        }
+    }
+    Ok(pairs)
+}
+
 /// Reorders `schedule` so that the members of each sibling group (same key, same operands) run
 /// back to back, in group order, where the first of them was; returns the groups of two or
 /// more, keyed by the member now scheduled first.
@@ -216,6 +329,12 @@ fn group_siblings(
     }
     let mut groups = BTreeMap::new();
     let mut member_of: HashMap<NodeId, NodeId> = HashMap::new();
+    // A bias-gradient pair runs where its GEMM was: the sum's one operand is computed by then.
+    for (g, r) in bias_grad_pairs(graph, &schedule)? {
+        member_of.insert(g, g);
+        member_of.insert(r, g);
+        groups.insert(g, vec![g, r]);
+    }
     for (_, mut members) in by_key {
         if members.len() < 2 {
             continue;
@@ -524,8 +643,11 @@ impl MemoryPlan {
                 return bad(format!("group of %{} is not scheduled", first.index()));
             };
             let ops = graph.node(*first)?.inputs.clone();
+            let pair = members.len() == 2 && bias_grad_pair(graph, members[0], members[1])?;
             for (k, &m) in members.iter().enumerate() {
-                if self.schedule.get(t0 + k) != Some(&m) || graph.node(m)?.inputs != ops {
+                if self.schedule.get(t0 + k) != Some(&m)
+                    || !(pair || graph.node(m)?.inputs == ops)
+                {
                     return bad(format!(
                         "group of %{}: %{} is not scheduled with it over the same operands",
                         first.index(),

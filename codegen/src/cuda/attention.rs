@@ -984,7 +984,7 @@ fn gemm(
 ) -> Result<MatmulDesc> {
     let op = Op::Matmul { trans_a, trans_b };
     match super::matmul::lower(&op, &[a, b], o)? {
-        CudaStep::Matmul { desc, after } if after.launches.is_empty() => Ok(desc),
+        CudaStep::Matmul { desc, after, .. } if after.launches.is_empty() => Ok(desc),
         other => Err(CodegenError::Invalid(format!(
             "attention: unexpected matmul lowering {other:?}"
         ))),

@@ -2077,6 +2077,19 @@ pub fn run_matmul_step(
     inputs: &[&HostTensor],
     out: &TensorType,
 ) -> Result<HostTensor, InterpError> {
+    Ok(run_matmul_bgrad(desc, after, inputs, out, None)?.0)
+}
+
+/// [`run_matmul_step`] with the bias gradient of a `bgrad` descriptor: the epilogue's results
+/// summed over D's columns before rounding (`DGELU_BGRAD`), or A summed over the inner dimension
+/// (`BGRADA`), rounded once to `sum_out` (`m` values). `sum_out` is ignored without `bgrad`.
+pub fn run_matmul_bgrad(
+    desc: &super::matmul::MatmulDesc,
+    after: &StepKernels,
+    inputs: &[&HostTensor],
+    out: &TensorType,
+    sum_out: Option<&TensorType>,
+) -> Result<(HostTensor, Option<HostTensor>), InterpError> {
     use super::matmul::LtActivation;
     let bad = |msg: String| InterpError::Invalid {
         kernel: "cublasLt matmul".into(),
@@ -2089,6 +2102,10 @@ pub fn run_matmul_step(
     let extra = desc.reads_operand2().then(|| inputs[2].to_f64_vec());
     let mut d = vec![0f64; out.shape.numel()];
     let (m, n, k) = (desc.m as usize, desc.n as usize, desc.k as usize);
+    let mut bias_grad = vec![0f64; if desc.bgrad { m } else { 0 }];
+    if desc.bgrad && (desc.bias || desc.batch != 1 || desc.calls.len() != 1) {
+        return Err(bad("a bias gradient needs one call without a bias".into()));
+    }
     let (lda, ldb, ldd) = (desc.lda as usize, desc.ldb as usize, desc.ldd as usize);
     let at = |v: &[f64], i: usize, what: &str| {
         v.get(i)
@@ -2126,7 +2143,11 @@ pub fn run_matmul_step(
                         } else {
                             l + j * ldb
                         };
-                        acc += at(&a, pa + ai, "A")? * at(&b, pb + bj, "B")?;
+                        let av = at(&a, pa + ai, "A")?;
+                        if desc.bgrad && desc.act != LtActivation::DGeluTanh && j == 0 {
+                            bias_grad[i] += av;
+                        }
+                        acc += av * at(&b, pb + bj, "B")?;
                     }
                     let di = pd + i + j * ldd;
                     if desc.bias {
@@ -2140,6 +2161,9 @@ pub fn run_matmul_step(
                             acc * dgelu(at(extra.as_deref().unwrap_or(&[]), di, "aux")?)
                         }
                     };
+                    if desc.bgrad && desc.act == LtActivation::DGeluTanh {
+                        bias_grad[i] += acc;
+                    }
                     *d.get_mut(di)
                         .ok_or_else(|| bad(format!("D written at {di} of {}", out.shape)))? = acc;
                 }
@@ -2147,10 +2171,17 @@ pub fn run_matmul_step(
         }
     }
     let gemm = HostTensor::from_f64_slice(out, &d).map_err(|e| bad(e.to_string()))?;
+    let sum = match (desc.bgrad, sum_out) {
+        (true, Some(ty)) => {
+            Some(HostTensor::from_f64_slice(ty, &bias_grad).map_err(|e| bad(e.to_string()))?)
+        }
+        (true, None) => return Err(bad("the bias gradient's type is missing".into())),
+        (false, _) => None,
+    };
     if after.launches.is_empty() {
-        return Ok(gemm);
+        return Ok((gemm, sum));
     }
-    run_step(after, inputs, out, Some(&gemm))
+    Ok((run_step(after, inputs, out, Some(&gemm))?, sum))
 }
 
 #[cfg(test)]

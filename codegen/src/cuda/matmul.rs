@@ -21,12 +21,13 @@
 //! (`DRELU` reads a bit mask, not the pre-activation), N not a multiple of 8 — is the plain GEMM
 //! then a generated kernel multiplying the output by the derivative in place, read from `pre`.
 //!
-//! Not done: `DGELU_BGRAD`, which also writes the bias gradient `Σ_rows (A·B) ⊙ gelu'(pre)` in
-//! the same call. A graph node has one result, and the bias gradient is a separate `reduce_sum`
-//! node of the op's output; producing it here would need either ops with two results (the IR, the
-//! memory plan and every pass assume one) or a lowering that merges two nodes into one step
-//! (matching across the graph, which lowering does not do). The reduction stays its own kernel,
-//! one read of the gradient.
+//! Bias gradients ([`lower_bias_grad`]): the memory plan pairs a GEMM with the `reduce_sum` of a
+//! bias gradient over the same rows (`rustytorch_compiler::plan::bias_grad_pair`) and places the
+//! sum's slot at the GEMM's step, so one cuBLASLt call can write both. A `matmul_act_grad` with
+//! the `DGELU` epilogue becomes `DGELU_BGRAD` (the sum of its own result over the rows); a weight
+//! gradient `matmul[trans_a](x, dy)` becomes `BGRADA` (the sum of `dy`, cuBLASLt's A, over the
+//! inner dimension). The sum's own step then runs nothing. Its kernels stay in the step as the
+//! fallback the runtime runs after the GEMM when cuBLASLt has no algorithm for the epilogue.
 
 use super::ir::*;
 use super::{ArgRef, CudaStep, Launch, StepKernels};
@@ -86,12 +87,44 @@ pub struct MatmulDesc {
     pub bias: bool,
     /// The epilogue's activation.
     pub act: LtActivation,
+    /// Whether the epilogue also writes a bias gradient into the step's sibling result
+    /// ([`lower_bias_grad`]): with `DGeluTanh` the sum of the epilogue's result over D's columns
+    /// (`DGELU_BGRAD`), else the sum of A over the inner dimension (`BGRADA`); `m` values.
+    pub bgrad: bool,
 }
 
 impl MatmulDesc {
     /// Whether the call reads the step's operand 2 (the bias, or the aux input of `DGeluTanh`).
     pub fn reads_operand2(&self) -> bool {
         self.bias || self.act == LtActivation::DGeluTanh
+    }
+}
+
+/// How bias-gradient pairs run on CUDA (`RUSTYTORCH_LT_BGRAD`): `0` each member on its own, `1`
+/// through cuBLASLt's epilogue or an error when it has no algorithm, `kernel` in the pair's one
+/// step but with the sum's own kernels (the fallback, for tests), unset the epilogue where
+/// cuBLASLt has an algorithm and the sum's kernels otherwise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BgradMode {
+    /// Separate steps.
+    Off,
+    /// The epilogue, else the fallback kernels.
+    Auto,
+    /// The epilogue or an error.
+    Epilogue,
+    /// The fallback kernels.
+    Kernel,
+}
+
+impl BgradMode {
+    /// The mode `RUSTYTORCH_LT_BGRAD` sets.
+    pub fn from_env() -> BgradMode {
+        match std::env::var("RUSTYTORCH_LT_BGRAD").as_deref() {
+            Ok("0") => BgradMode::Off,
+            Ok("1") => BgradMode::Epilogue,
+            Ok("kernel") => BgradMode::Kernel,
+            _ => BgradMode::Auto,
+        }
     }
 }
 
@@ -229,6 +262,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaSt
         calls,
         bias: lt_bias,
         act: lt_act,
+        bgrad: false,
     };
     let mut after = StepKernels::default();
     if (post_bias || post_act != Activation::None) && out.shape.numel() > 0 {
@@ -241,7 +275,76 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaSt
             after.launches.push(act_grad_kernel(out, a)?);
         }
     }
-    Ok(CudaStep::Matmul { desc, after })
+    Ok(CudaStep::Matmul {
+        desc,
+        after,
+        bgrad: StepKernels::default(),
+    })
+}
+
+/// Lowers a bias-gradient pair: the GEMM `op` (operands `inputs`, result `out`) together with
+/// `sum`, the pair's `reduce_sum` from `sum_in` to `sum_out`, which reads either the GEMM's
+/// result (a `matmul_act_grad`) or the bytes of its right operand (a weight gradient). The sum
+/// is the step's sibling result ([`ArgRef::With`]`(0)`). `None` when the epilogue cannot write
+/// it (f64, a bias or kernels after the GEMM, several calls, other dtypes): the members then
+/// run on their own. The sum's kernels, over the step's buffers, are the step's fallback.
+pub fn lower_bias_grad(
+    op: &Op,
+    inputs: &[&TensorType],
+    out: &TensorType,
+    sum: &Op,
+    sum_in: &TensorType,
+    sum_out: &TensorType,
+) -> Result<Option<CudaStep>> {
+    let CudaStep::Matmul {
+        mut desc, after, ..
+    } = lower(op, inputs, out)?
+    else {
+        return Ok(None);
+    };
+    let src = match (op, desc.act) {
+        (Op::MatmulActGrad { .. }, LtActivation::DGeluTanh) => ArgRef::Output,
+        (
+            Op::Matmul {
+                trans_a: true,
+                trans_b: false,
+            },
+            LtActivation::None,
+        ) => ArgRef::Input(1),
+        _ => return Ok(None),
+    };
+    let plain = after.launches.is_empty()
+        && !desc.bias
+        && desc.calls.len() == 1
+        && desc.batch == 1
+        && matches!(desc.dtype, DType::F16 | DType::BF16 | DType::F32)
+        && desc.out_dtype == desc.dtype
+        && sum_out.dtype == desc.dtype
+        && sum_in.dtype == desc.dtype
+        && sum_out.shape.numel() as u64 == desc.m
+        && sum_in.shape.numel() as u64 == desc.m * if src == ArgRef::Output { desc.n } else { desc.k };
+    if !plain || out.shape.numel() == 0 {
+        return Ok(None);
+    }
+    let super::CudaStep::Kernels(mut fallback) = super::lower_step(sum, &[sum_in], sum_out)? else {
+        return Ok(None);
+    };
+    for l in &mut fallback.launches {
+        for a in &mut l.args {
+            *a = match *a {
+                ArgRef::Input(0) => src,
+                ArgRef::Output => ArgRef::With(0),
+                ArgRef::Input(_) | ArgRef::With(_) => return Ok(None),
+                other => other,
+            };
+        }
+    }
+    desc.bgrad = true;
+    Ok(Some(CudaStep::Matmul {
+        desc,
+        after,
+        bgrad: fallback,
+    }))
 }
 
 /// `out = act(out + bias)` in place over the GEMM's output `[.., n]` (bias along the last dim):

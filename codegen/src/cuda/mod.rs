@@ -90,6 +90,10 @@ pub enum CudaStep {
         desc: MatmulDesc,
         /// Kernels run after it, over the output.
         after: StepKernels,
+        /// With `desc.bgrad`, the bias gradient's own kernels over the step's buffers (into
+        /// [`ArgRef::With`]`(0)`), which the runtime runs after the GEMM (and `after`) instead
+        /// when cuBLASLt has no algorithm for the epilogue; empty otherwise.
+        bgrad: StepKernels,
     },
     /// A cuDNN convolution or pooling call. Its workspace (and the recomputed forward result a
     /// pooling backward reads) lives in the step's scratch, sized by the runtime once it has
@@ -142,7 +146,9 @@ impl CudaStep {
             CudaStep::Attention { flash, .. } | CudaStep::AttentionGrad { flash, .. } => {
                 flash.launches.iter().collect()
             }
-            CudaStep::Matmul { after, .. } => after.launches.iter().collect(),
+            CudaStep::Matmul { after, bgrad, .. } => {
+                after.launches.iter().chain(&bgrad.launches).collect()
+            }
             CudaStep::Dnn(d) => d.before.iter().chain(&d.after).collect(),
             CudaStep::Composite(c) => c
                 .parts
@@ -219,22 +225,60 @@ pub fn source(k: &Kernel) -> Result<String> {
     emit::emit(k).map_err(|e| CodegenError::Invalid(e.to_string()))
 }
 
+/// The GEMM step of a bias-gradient pair that one cuBLASLt call computes with its sum
+/// ([`matmul::lower_bias_grad`]).
+fn lower_bias_grad_step(plan: &crate::Plan, s: &crate::Step) -> Result<Option<CudaStep>> {
+    let (&[v], Op::Matmul { .. } | Op::MatmulActGrad { .. }) = (s.with.as_slice(), &s.op) else {
+        return Ok(None);
+    };
+    let crate::Source::Step(j) = plan.sources[v] else {
+        return Ok(None);
+    };
+    let sum = &plan.steps[j];
+    if !matches!(sum.op, Op::Reduce { .. }) || sum.inputs.len() != 1 {
+        return Ok(None);
+    }
+    let ins: Vec<&TensorType> = s.inputs.iter().map(|&v| &plan.types[v]).collect();
+    matmul::lower_bias_grad(
+        &s.op,
+        &ins,
+        &plan.types[s.output],
+        &sum.op,
+        &plan.types[sum.inputs[0]],
+        &plan.types[v],
+    )
+}
+
 /// Lowers every step of a plan for CUDA (in step order). A step whose result aliases its
 /// operand's bytes in the memory plan runs nothing. A sibling group of attention gradients
-/// that the flash kernels take is one step at its first member (the others run nothing); other
-/// groups run member by member.
+/// that the flash kernels take is one step at its first member (the others run nothing), as is
+/// a bias-gradient pair that cuBLASLt's epilogue computes; other groups run member by member.
 pub fn lower_plan(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
     let grouped = |s: &crate::Step| {
         let ins: Vec<&TensorType> = s.inputs.iter().map(|&v| &plan.types[v]).collect();
         !s.with.is_empty() && matches!(s.op, Op::AttentionGrad { .. }) && flash::supported(&ins)
     };
+    let bgrad_on = matmul::BgradMode::from_env() != matmul::BgradMode::Off;
+    let mut bias_grads: Vec<Option<CudaStep>> = Vec::with_capacity(plan.steps.len());
+    for s in &plan.steps {
+        bias_grads.push(if bgrad_on && !s.with.is_empty() {
+            lower_bias_grad_step(plan, s)?
+        } else {
+            None
+        });
+    }
+    let fused: Vec<bool> = bias_grads.iter().map(Option::is_some).collect();
     plan.steps
         .iter()
-        .map(|s| {
+        .zip(bias_grads)
+        .map(|(s, bias_grad)| {
             if matches!(plan.storage[s.output], crate::Storage::Alias(_)) {
                 return Ok(CudaStep::Alias);
             }
-            if s.sibling_of.is_some_and(|f| grouped(&plan.steps[f])) {
+            if let Some(step) = bias_grad {
+                return Ok(step);
+            }
+            if s.sibling_of.is_some_and(|f| fused[f] || grouped(&plan.steps[f])) {
                 return Ok(CudaStep::Sibling);
             }
             let ins: Vec<&TensorType> = s.inputs.iter().map(|&v| &plan.types[v]).collect();

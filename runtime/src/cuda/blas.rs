@@ -6,6 +6,10 @@
 //! `LtActivation::DGeluTanh` is the `DGELU` epilogue: the step's operand 2 (the pre-activation,
 //! laid out as D) is the aux input, its leading dimension that of D and its batch stride D's; the
 //! aux pointer is set before each call, like the bias pointer.
+//!
+//! A descriptor with `bgrad` also writes a bias gradient through the bias pointer:
+//! `DGELU_BGRAD` with the GELU derivative, else `BGRADA` (A summed over the inner dimension).
+//! [`Blas::ready`] tells before the first call whether cuBLASLt has an algorithm for it.
 
 use crate::{Result, RuntimeError};
 use cudarc::cublaslt::{result as lt, sys};
@@ -120,6 +124,19 @@ impl Blas {
         )?;
         use sys::cublasLtEpilogue_t as E;
         let epi = match (m.bias, m.act) {
+            _ if m.bgrad && m.bias => {
+                return Err(RuntimeError::Invalid(
+                    "matmul: a bias gradient epilogue with a bias".into(),
+                ))
+            }
+            (false, LtActivation::DGeluTanh) if m.bgrad => E::CUBLASLT_EPILOGUE_DGELU_BGRAD,
+            (false, LtActivation::None) if m.bgrad => E::CUBLASLT_EPILOGUE_BGRADA,
+            _ if m.bgrad => {
+                return Err(RuntimeError::Invalid(format!(
+                    "matmul: no bias gradient epilogue with {:?}",
+                    m.act
+                )))
+            }
             (false, LtActivation::None) => E::CUBLASLT_EPILOGUE_DEFAULT,
             (false, LtActivation::Relu) => E::CUBLASLT_EPILOGUE_RELU,
             (false, LtActivation::GeluTanh) => E::CUBLASLT_EPILOGUE_GELU,
@@ -190,7 +207,7 @@ impl Blas {
         .map_err(|e| err("pref attr", e))?;
         // The bias pointer is part of the heuristic's input: give it an aligned placeholder now,
         // the real pointer before each call.
-        if m.bias {
+        if m.bias || m.bgrad {
             let p: u64 = self.workspace;
             set_desc(
                 sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
@@ -235,9 +252,16 @@ impl Blas {
         })
     }
 
+    /// Makes (and caches) the descriptors and algorithm of `m`: an error when cuBLASLt has no
+    /// algorithm for it.
+    pub(crate) fn ready(&mut self, m: &MatmulDesc) -> Result<()> {
+        self.prepare(m).map(|_| ())
+    }
+
     /// Runs `m` on `stream` with the step's buffers: `a`/`b` are cuBLASLt's A and B (the op's
     /// operand 1 and 0), `d` the output, `bias` the op's operand 2: the bias, or the aux input of
-    /// the `DGeluTanh` epilogue (laid out as D, so each call reads it at D's offset).
+    /// the `DGeluTanh` epilogue (laid out as D, so each call reads it at D's offset); `bgrad`
+    /// the bias gradient's buffer of a `bgrad` descriptor.
     pub(crate) fn run(
         &mut self,
         m: &MatmulDesc,
@@ -245,6 +269,7 @@ impl Blas {
         b: u64,
         d: u64,
         bias: Option<u64>,
+        bgrad: Option<u64>,
         stream: sys::cudaStream_t,
     ) -> Result<()> {
         let (elt, delt) = (m.dtype.size_bytes() as u64, m.out_dtype.size_bytes() as u64);
@@ -256,7 +281,18 @@ impl Blas {
                 "matmul: the GELU derivative epilogue needs the pre-activation".into(),
             ));
         }
-        if let (Some(bias), false) = (bias, aux) {
+        if m.bgrad != bgrad.is_some() {
+            return Err(RuntimeError::Invalid(
+                "matmul: a bias gradient epilogue needs its buffer (and only it has one)".into(),
+            ));
+        }
+        // The bias pointer carries the bias, or the bias gradient's buffer.
+        let bias_ptr = match (m.bgrad, aux) {
+            (true, _) => bgrad,
+            (false, true) => None,
+            (false, false) => bias,
+        };
+        if let Some(bias) = bias_ptr {
             // SAFETY: `desc` is live; the value is a device pointer (8 bytes).
             unsafe {
                 lt::set_matmul_desc_attribute(

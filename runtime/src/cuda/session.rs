@@ -52,6 +52,8 @@ enum Exec {
         bias: Option<u64>,
         /// The values of a, b, d and the bias.
         vals: [Option<usize>; 4],
+        /// The bias gradient's buffer and value of a `bgrad` call.
+        bgrad: Option<(u64, Option<usize>)>,
         after: Vec<Resolved>,
     },
     Dnn {
@@ -495,7 +497,7 @@ impl CudaSession {
                 CudaStep::Spmm(_) => call_bytes,
                 CudaStep::Composite(c) => c.scratch_bytes,
                 CudaStep::Kernels(k) => k.scratch_bytes,
-                CudaStep::Matmul { after, .. } => after.scratch_bytes,
+                CudaStep::Matmul { after, bgrad, .. } => after.scratch_bytes.max(bgrad.scratch_bytes),
                 CudaStep::Attention { cudnn, flash } => {
                     use rustytorch_codegen::cuda::attention_cudnn::Choice;
                     dev.ctx.bind_to_thread().map_err(|e| {
@@ -671,20 +673,57 @@ impl CudaSession {
                         flash,
                     }
                 }
-                CudaStep::Matmul { desc, after } => Exec::Matmul {
-                    a: ins[1],
-                    b: ins[0],
-                    d: out,
-                    bias: desc.reads_operand2().then(|| ins[2]),
-                    vals: [
-                        Some(step.inputs[1]),
-                        Some(step.inputs[0]),
-                        Some(step.output),
-                        desc.reads_operand2().then(|| step.inputs[2]),
-                    ],
-                    after: resolve(&after),
-                    desc,
-                },
+                CudaStep::Matmul {
+                    mut desc,
+                    after,
+                    bgrad,
+                } => {
+                    let mut after = resolve(&after);
+                    let fallback = resolve(&bgrad);
+                    let mut bgrad_at = None;
+                    if desc.bgrad {
+                        use rustytorch_codegen::cuda::matmul::BgradMode;
+                        dev.ctx.bind_to_thread().map_err(|e| {
+                            RuntimeError::Device(format!("binding the CUDA context: {e}"))
+                        })?;
+                        let mode = BgradMode::from_env();
+                        let ready = match mode {
+                            BgradMode::Kernel => Err(RuntimeError::Invalid("forced".into())),
+                            _ => dev.with_blas(|bl| bl.ready(&desc)),
+                        };
+                        match ready {
+                            Ok(()) => bgrad_at = Some(at_val(ArgRef::With(0))),
+                            Err(e) if mode == BgradMode::Epilogue => {
+                                return Err(RuntimeError::Device(format!(
+                                    "step {i} ({}): cuBLASLt's bias gradient epilogue \
+                                     (RUSTYTORCH_LT_BGRAD=1): {e}",
+                                    step.op.name()
+                                )))
+                            }
+                            Err(e) => {
+                                // The sum runs as its own kernels after the GEMM.
+                                tracing::debug!("step {i}: bias gradient in a kernel: {e}");
+                                desc.bgrad = false;
+                                after.extend(fallback);
+                            }
+                        }
+                    }
+                    Exec::Matmul {
+                        a: ins[1],
+                        b: ins[0],
+                        d: out,
+                        bias: desc.reads_operand2().then(|| ins[2]),
+                        vals: [
+                            Some(step.inputs[1]),
+                            Some(step.inputs[0]),
+                            Some(step.output),
+                            desc.reads_operand2().then(|| step.inputs[2]),
+                        ],
+                        bgrad: bgrad_at,
+                        after,
+                        desc,
+                    }
+                }
                 CudaStep::Dnn(d) => {
                     let at = |a: ArgRef| at_val(a).0;
                     let desc = d.desc;
@@ -869,6 +908,7 @@ impl CudaSession {
                     d,
                     bias,
                     vals,
+                    bgrad,
                     after,
                 } => {
                     let (a, b, d) = (
@@ -877,8 +917,9 @@ impl CudaSession {
                         pick(*d, vals[2], io),
                     );
                     let bias = bias.map(|x| pick(x, vals[3], io));
+                    let bgrad = bgrad.map(|(x, v)| pick(x, v, io));
                     self.dev
-                        .with_blas(|bl| bl.run(desc, a, b, d, bias, stream as _))
+                        .with_blas(|bl| bl.run(desc, a, b, d, bias, bgrad, stream as _))
                         .map_err(|e| RuntimeError::Device(format!("step {i} (matmul): {e}")))?;
                     for l in after {
                         self.launch(l, i, stream, io)?;
@@ -922,6 +963,7 @@ impl CudaSession {
                                         pick(a.0, a.1, io),
                                         pick(b.0, b.1, io),
                                         pick(d.0, d.1, io),
+                                        None,
                                         None,
                                         stream as _,
                                     )
