@@ -624,12 +624,25 @@ fn gpt2_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     let cfg = rustytorch::models::Gpt2Config::small();
     // The last field: attention reads its heads in place (the CUDA target's default); off,
     // the heads are transposed around it as written, for comparison.
-    for (label, train, typed, in_place) in [
-        ("forward autocast bf16", false, false, true),
-        ("forward bf16 weights", false, true, true),
-        ("forward bf16 weights, heads transposed", false, true, false),
-        ("training step autocast bf16", true, false, true),
-        ("training step bf16 weights", true, true, true),
+    for (label, train, typed, in_place, bgrad) in [
+        ("forward autocast bf16", false, false, true, true),
+        ("forward bf16 weights", false, true, true, true),
+        (
+            "forward bf16 weights, heads transposed",
+            false,
+            true,
+            false,
+            true,
+        ),
+        ("training step autocast bf16", true, false, true, true),
+        ("training step bf16 weights", true, true, true, true),
+        (
+            "training step bf16 weights, bias grads as kernels",
+            true,
+            true,
+            true,
+            false,
+        ),
     ] {
         let g = GraphBuilder::new();
         let dt = if typed { DType::BF16 } else { DType::F32 };
@@ -655,9 +668,11 @@ fn gpt2_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
             "gpt2-small {label}: activations arena {:.1} MiB",
             arena as f64 / (1 << 20) as f64
         );
-        let t = time_graph_with(&graph, 10, true, opts);
-        push(&format!("gpt2-small {label} b8 s1024"), t, "ms", t.0);
-        if train && typed && std::env::var_os("GPT2_PROFILE").is_some() {
+        with_bgrad(bgrad, || {
+            let t = time_graph_with(&graph, 10, true, opts);
+            push(&format!("gpt2-small {label} b8 s1024"), t, "ms", t.0);
+        });
+        if train && typed && bgrad && std::env::var_os("GPT2_PROFILE").is_some() {
             gpt2_train_profile(&graph);
         }
     }
@@ -700,6 +715,16 @@ fn gpt2_train_profile(graph: &Graph) {
 /// x and of every parameter are outputs): with `(dy·W2ᵀ) ⊙ gelu'(h)` as one cuBLASLt `DGELU` call
 /// (`matmul_act_grad`), and with that rule disabled (the GEMM then a fused kernel). `bench-gpu
 /// mlp-grad` runs these rows only; `benches/gpu_mlp_grad_peer.py` is PyTorch's side.
+/// Runs `body` with bias gradients taken from the GEMMs' epilogues (the default) or, with `on`
+/// false, each sum as its own kernel (`RUSTYTORCH_LT_BGRAD=0`, read when a graph is compiled).
+fn with_bgrad(on: bool, body: impl FnOnce()) {
+    if !on {
+        std::env::set_var("RUSTYTORCH_LT_BGRAD", "0");
+    }
+    body();
+    std::env::remove_var("RUSTYTORCH_LT_BGRAD");
+}
+
 fn mlp_grad_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     let (t, d, h) = (8192usize, 768usize, 3072usize);
     let bf = DType::BF16;
@@ -738,17 +763,31 @@ fn mlp_grad_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     }
     // Forward 2 GEMMs, backward 4 (dx, dW1, dh, dW2), each 2·t·d·h FLOPs.
     let flops = 6.0 * 2.0 * (t * d * h) as f64;
-    for (label, disabled) in [
-        ("mlp block fwd+bwd bf16, dgelu in the gemm", vec![]),
+    // The last field: bias gradients from the GEMMs' epilogues (DGELU_BGRAD, BGRADA), or each
+    // sum as its own kernel (RUSTYTORCH_LT_BGRAD=0).
+    for (label, disabled, bgrad) in [
+        (
+            "mlp block fwd+bwd bf16, dgelu+bgrad in the gemm",
+            vec![],
+            true,
+        ),
+        (
+            "mlp block fwd+bwd bf16, dgelu in the gemm, bias grads as kernels",
+            vec![],
+            false,
+        ),
         (
             "mlp block fwd+bwd bf16, dgelu as a kernel",
             vec!["matmul-dgelu-tanh".to_string()],
+            false,
         ),
     ] {
         let mut opts = cuda_opts();
         opts.optimize_config.disabled_rules = disabled;
-        let r = time_graph_with(&graph, 20, true, opts);
-        push(label, r, "TFLOP/s", flops / (r.0 * 1e-3) / 1e12);
+        with_bgrad(bgrad, || {
+            let r = time_graph_with(&graph, 20, true, opts);
+            push(label, r, "TFLOP/s", flops / (r.0 * 1e-3) / 1e12);
+        });
     }
 }
 

@@ -73,8 +73,12 @@ fn the_plan_pairs_each_bias_gradient_with_a_gemm() {
 #[test]
 fn only_a_sum_over_the_rows_is_a_pair() {
     let mut g = rustytorch::compiler::Graph::new();
-    let x = g.add_input("x", TensorType::new(DType::F32, [16, 4])).unwrap();
-    let dy = g.add_input("dy", TensorType::new(DType::F32, [16, 8])).unwrap();
+    let x = g
+        .add_input("x", TensorType::new(DType::F32, [16, 4]))
+        .unwrap();
+    let dy = g
+        .add_input("dy", TensorType::new(DType::F32, [16, 8]))
+        .unwrap();
     let wgrad = Op::Matmul {
         trans_a: true,
         trans_b: false,
@@ -233,11 +237,7 @@ fn train(dims: &[usize], dt: DType, dev: Device) -> (Vec<f64>, Vec<Vec<f64>>) {
 /// other in this one test.
 #[test]
 fn training_with_bias_gradients_on_device_matches_cpu() {
-    let dev = if cuda() {
-        Device::Cuda(0)
-    } else {
-        Device::Cpu
-    };
+    let dev = if cuda() { Device::Cuda(0) } else { Device::Cpu };
     for mode in ["1", "kernel", "0"] {
         std::env::set_var("RUSTYTORCH_LT_BGRAD", mode);
         for dt in [DType::F32, DType::BF16] {

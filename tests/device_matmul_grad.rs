@@ -95,7 +95,8 @@ fn cuda_lowering_runs_on_the_host_as_the_cpu_kernel() {
                 let tys: Vec<TensorType> = ins.iter().map(|t| t.ty()).collect();
                 let refs: Vec<&TensorType> = tys.iter().collect();
                 let out = infer(&op, &refs).unwrap();
-                let CudaStep::Matmul { desc, after, .. } = lower_step(&op, &refs, &out).unwrap() else {
+                let CudaStep::Matmul { desc, after, .. } = lower_step(&op, &refs, &out).unwrap()
+                else {
                     panic!("{op}: a matmul step");
                 };
                 let n = shape.4;
@@ -303,7 +304,8 @@ fn forward_epilogues_run_on_the_host_as_the_cpu_kernel() {
                     let tys: Vec<TensorType> = ins.iter().map(|t| t.ty()).collect();
                     let refs: Vec<&TensorType> = tys.iter().collect();
                     let out = infer(&op, &refs).unwrap();
-                    let CudaStep::Matmul { desc, after, .. } = lower_step(&op, &refs, &out).unwrap()
+                    let CudaStep::Matmul { desc, after, .. } =
+                        lower_step(&op, &refs, &out).unwrap()
                     else {
                         panic!("{op}: a matmul step");
                     };

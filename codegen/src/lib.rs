@@ -70,6 +70,13 @@ pub struct Step {
     pub with: Vec<ValueId>,
     /// The group's first step when this step's result is in another step's `with`.
     pub sibling_of: Option<usize>,
+    /// For the first step of a group of attention gradients: the attention forward's value
+    /// whose slot also holds the softmax statistics ([`MemoryPlan::saved`]), which a backend's
+    /// forward may write and this step read.
+    pub saved: Option<ValueId>,
+    /// Whether this step (an attention forward) has room for its statistics after its result
+    /// (at `rustytorch_compiler::plan::stats_offset`) that a later step may read.
+    pub saves: bool,
 }
 
 /// Where a value's bytes live on a device with an arena (from the compiler's memory plan).
@@ -166,6 +173,8 @@ pub fn lower(graph: &Graph, memory: &MemoryPlan) -> Result<Plan> {
                     frees: vec![],
                     with: vec![],
                     sibling_of: None,
+                    saved: None,
+                    saves: false,
                 });
                 Source::Step(plan.steps.len() - 1)
             }
@@ -207,6 +216,18 @@ pub fn lower(graph: &Graph, memory: &MemoryPlan) -> Result<Plan> {
             plan.steps[s0].with.push(v);
             plan.steps[s].sibling_of = Some(s0);
         }
+    }
+    for (grads, fwd) in &memory.saved {
+        let (Source::Step(s0), Source::Step(f)) =
+            (&plan.sources[ids[grads]], &plan.sources[ids[fwd]])
+        else {
+            return Err(CodegenError::Invalid(format!(
+                "memory plan: saved statistics of {fwd:?} for {grads:?} are not steps"
+            )));
+        };
+        let (s0, f) = (*s0, *f);
+        plan.steps[s0].saved = Some(ids[fwd]);
+        plan.steps[f].saves = true;
     }
     plan.outputs = graph
         .outputs

@@ -32,6 +32,12 @@
 //!   gradient `matmul[trans_a](x, dy)` beside the bias gradient `Σ_rows dy`). The sum is moved
 //!   up to run right after the GEMM (its one operand is computed by then), so that a backend may
 //!   take it from the GEMM's epilogue (cuBLASLt's `DGELU_BGRAD` and `BGRADA`).
+//! - **Saved attention statistics**: an `attention` forward whose three gradients form a sibling
+//!   group over the same q, k and v (no mask operand; [`saved_forwards`]) keeps its result live
+//!   until that group's step, and its slot holds, after the result (at [`stats_offset`]), room
+//!   for the softmax statistics (f32, one per query row and head), so that a backend's forward may
+//!   write them and its backward read them instead of recomputing the forward
+//!   ([`MemoryPlan::saved`]).
 //! - **In place**: an elementwise op (`Unary`, `Binary`, `Where`, `Cast`, `Fused`) may write its
 //!   result over the bytes of an operand (or of the storage root the operand aliases) whose
 //!   whole group dies at this step, that has exactly as many elements and the same element width
@@ -98,6 +104,10 @@ pub struct MemoryPlan {
     /// The sum of every computed value's aligned size, aliases included (what one buffer per
     /// value would take).
     pub naive_bytes: usize,
+    /// Saved attention statistics (see the module docs): the first step's node of a group of
+    /// attention gradients → the `attention` forward whose slot holds its result and, at
+    /// [`stats_offset`], the statistics.
+    pub saved: BTreeMap<NodeId, NodeId>,
     /// Sibling groups (see the module docs): the member scheduled first → every member in the
     /// group's order (for attention gradients, by `wrt`; for a bias-gradient pair, the GEMM then
     /// the sum), itself included. Each member's slot is
@@ -363,6 +373,67 @@ fn group_siblings(
     Ok((order, groups))
 }
 
+/// Bytes of the softmax statistics an `attention` result of type `out` saves: one f32 per query
+/// row and head (`out` is `[B, H, Sq, Dv]` or `[B, Sq, H, Dv]`, so its element count over `Dv`).
+pub fn stats_bytes(out: &rustytorch_ops::TensorType) -> usize {
+    let dims = out.shape.dims();
+    match dims.last() {
+        Some(&dv) if dv > 0 => out.shape.numel() / dv * 4,
+        _ => 0,
+    }
+}
+
+/// Where the statistics start in a saving forward's slot: past its result, aligned.
+pub fn stats_offset(out: &rustytorch_ops::TensorType) -> usize {
+    align_up(out.size_bytes())
+}
+
+/// The attention forwards whose statistics the group of their gradients reads (see the module
+/// docs): group's first node → forward, for each group of all three gradients (`wrt` 0, 1, 2)
+/// without a mask operand whose q, k, v and attributes are a forward's scheduled before it.
+pub fn saved_forwards(
+    graph: &Graph,
+    schedule: &[NodeId],
+    groups: &BTreeMap<NodeId, Vec<NodeId>>,
+) -> Result<BTreeMap<NodeId, NodeId>> {
+    let mut forwards: HashMap<(Op, Vec<NodeId>), NodeId> = HashMap::new();
+    let mut saved = BTreeMap::new();
+    for &n in schedule {
+        let node = graph.node(n)?;
+        match &node.op {
+            Op::Attention { .. } if node.inputs.len() == 3 => {
+                forwards
+                    .entry((node.op.clone(), node.inputs.clone()))
+                    .or_insert(n);
+            }
+            Op::AttentionGrad { wrt: 0, .. } if node.inputs.len() == 4 => {
+                let Some(members) = groups.get(&n) else {
+                    continue;
+                };
+                let wrts: Vec<Option<u8>> = members
+                    .iter()
+                    .map(|&m| match graph.node(m).map(|x| &x.op) {
+                        Ok(Op::AttentionGrad { wrt, .. }) => Some(*wrt),
+                        _ => None,
+                    })
+                    .collect();
+                if wrts != [Some(0), Some(1), Some(2)] {
+                    continue;
+                }
+                let fwd = forwards.iter().find_map(|((op, ins), &f)| {
+                    (op.attention_grad(0).as_ref() == Some(&node.op) && ins[..] == node.inputs[..3])
+                        .then_some(f)
+                });
+                if let Some(f) = fwd {
+                    saved.insert(n, f);
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(saved)
+}
+
 /// Schedules the live nodes of `graph` and places every intermediate value in one arena (see
 /// the module docs).
 pub fn plan(graph: &Graph) -> Result<MemoryPlan> {
@@ -381,6 +452,15 @@ pub fn plan(graph: &Graph) -> Result<MemoryPlan> {
     }
     for r in &roots {
         last.insert(*r, end);
+    }
+    // A saving forward's result lives until the step of its gradients.
+    let saved = saved_forwards(graph, &schedule, &by_first)?;
+    let saving: HashSet<NodeId> = saved.values().copied().collect();
+    for (t, &n) in schedule.iter().enumerate() {
+        if let Some(f) = saved.get(&n) {
+            let l = last.entry(*f).or_insert(t);
+            *l = (*l).max(t);
+        }
     }
 
     // Aliases, each value's storage root, and each group's lifetime (by storage root).
@@ -413,7 +493,11 @@ pub fn plan(graph: &Graph) -> Result<MemoryPlan> {
         if provided(&node.op) {
             continue;
         }
-        let size = align_up(node.ty.size_bytes());
+        let size = if saving.contains(&n) {
+            stats_offset(&node.ty) + align_up(stats_bytes(&node.ty))
+        } else {
+            align_up(node.ty.size_bytes())
+        };
         naive += size;
         // Storage roots in the arena whose whole group dies at this step.
         let mut dying: Vec<NodeId> = node
@@ -484,6 +568,7 @@ pub fn plan(graph: &Graph) -> Result<MemoryPlan> {
         aliases,
         arena_bytes: free.peak,
         naive_bytes: naive,
+        saved,
         groups: by_first,
     };
     tracing::debug!("{plan}");
@@ -645,8 +730,7 @@ impl MemoryPlan {
             let ops = graph.node(*first)?.inputs.clone();
             let pair = members.len() == 2 && bias_grad_pair(graph, members[0], members[1])?;
             for (k, &m) in members.iter().enumerate() {
-                if self.schedule.get(t0 + k) != Some(&m)
-                    || !(pair || graph.node(m)?.inputs == ops)
+                if self.schedule.get(t0 + k) != Some(&m) || !(pair || graph.node(m)?.inputs == ops)
                 {
                     return bad(format!(
                         "group of %{}: %{} is not scheduled with it over the same operands",

@@ -322,7 +322,13 @@ pub fn lower_bias_grad(
         && sum_out.dtype == desc.dtype
         && sum_in.dtype == desc.dtype
         && sum_out.shape.numel() as u64 == desc.m
-        && sum_in.shape.numel() as u64 == desc.m * if src == ArgRef::Output { desc.n } else { desc.k };
+        && sum_in.shape.numel() as u64
+            == desc.m
+                * if src == ArgRef::Output {
+                    desc.n
+                } else {
+                    desc.k
+                };
     if !plain || out.shape.numel() == 0 {
         return Ok(None);
     }

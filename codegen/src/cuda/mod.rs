@@ -278,7 +278,9 @@ pub fn lower_plan(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
             if let Some(step) = bias_grad {
                 return Ok(step);
             }
-            if s.sibling_of.is_some_and(|f| fused[f] || grouped(&plan.steps[f])) {
+            if s.sibling_of
+                .is_some_and(|f| fused[f] || grouped(&plan.steps[f]))
+            {
                 return Ok(CudaStep::Sibling);
             }
             let ins: Vec<&TensorType> = s.inputs.iter().map(|&v| &plan.types[v]).collect();
@@ -317,6 +319,45 @@ pub fn lower_plan(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
             lower_step(&s.op, &ins, &plan.types[s.output])
         })
         .collect()
+}
+
+/// The saved statistics of step `i` of `plan` (lowered as `steps`), a group of attention
+/// gradients run by cuDNN or the flash kernels ([`CudaStep::AttentionGrad`]) whose forward
+/// (`Step::saved`) runs cuDNN's fused attention ([`CudaStep::Attention`]) of the same
+/// description: the forward's value, whose buffer holds its result O and, at the returned byte
+/// offset, the statistics a cuDNN forward with statistics writes there. `None` otherwise: the
+/// gradient then recomputes the forward.
+pub fn saved_stats(plan: &crate::Plan, steps: &[CudaStep], i: usize) -> Option<(usize, usize)> {
+    let v = plan.steps.get(i)?.saved?;
+    let crate::Source::Step(f) = plan.sources[v] else {
+        return None;
+    };
+    // O's slot in the arena (256-byte aligned) has room for the statistics after it; they stay
+    // there when a run hands O to a caller's buffer (an output), which both steps then address.
+    // The forward and the gradients read the same q, k and v, so when their alignment keeps
+    // cuDNN's forward from running (it then runs the flash kernel, which writes no statistics)
+    // it keeps cuDNN's backward from running too (the flash gradients recompute them).
+    if !matches!(plan.storage[v], crate::Storage::Arena { .. }) {
+        return None;
+    }
+    match (steps.get(i)?, steps.get(f)?) {
+        (CudaStep::AttentionGrad { cudnn: g, .. }, CudaStep::Attention { cudnn: fw, .. })
+            if g == fw && plan.steps[f].saves =>
+        {
+            Some((v, rustytorch_compiler::plan::stats_offset(&plan.types[v])))
+        }
+        _ => None,
+    }
+}
+
+/// The byte offset past its result where forward step `f` writes its statistics: when some
+/// later step reads them ([`saved_stats`]).
+pub fn stats_of_forward(plan: &crate::Plan, steps: &[CudaStep], f: usize) -> Option<usize> {
+    let out = plan.steps.get(f)?.output;
+    (0..plan.steps.len())
+        .filter(|&i| plan.steps[i].saved == Some(out))
+        .find_map(|i| saved_stats(plan, steps, i))
+        .map(|(_, off)| off)
 }
 
 /// Whether pooling runs through cuDNN instead of the generated kernels.

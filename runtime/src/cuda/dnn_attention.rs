@@ -770,7 +770,8 @@ pub(crate) fn accum_needs_zeroing(version: usize) -> bool {
 }
 
 /// Device addresses of one gradient step's tensors (q, k, v, dO in; dQ, dK, dV out; all in
-/// the op's layout).
+/// the op's layout), and the forward's O and statistics when a forward with statistics
+/// ([`prepare_saving`]) wrote them (0 for none: the step recomputes them).
 // Entry point of the attention-gradient step, which the CUDA session wires.
 #[allow(dead_code)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -782,6 +783,15 @@ pub(crate) struct GradPtrs {
     pub dq: u64,
     pub dk: u64,
     pub dv: u64,
+    pub o: u64,
+    pub stats: u64,
+}
+
+impl GradPtrs {
+    /// Whether O and the statistics come from the forward.
+    pub(crate) fn saved(&self) -> bool {
+        self.o != 0 && self.stats != 0
+    }
 }
 
 /// The cuDNN plans of one attention gradient: the forward that writes O and the statistics into
@@ -925,6 +935,8 @@ fn pick(
         dq: b[4],
         dk: b[5],
         dv: b[6],
+        o: 0,
+        stats: 0,
     };
     let ws = b[7];
     set_stream(handle, stream)?;
@@ -984,10 +996,16 @@ fn fwd_pointers(p: &GradPtrs, l: &GradLayout, ws: u64) -> Vec<u64> {
     vec![p.q, p.k, p.v, ws + l.o as u64, ws + l.stats as u64]
 }
 
-/// The backward's pointers ([`bwd_uids`] order).
+/// The backward's pointers ([`bwd_uids`] order): O and the statistics the forward saved, else
+/// those of the workspace.
 fn bwd_pointers(p: &GradPtrs, l: &GradLayout, ws: u64) -> Vec<u64> {
     let at = |off: usize| ws + off as u64;
-    let mut v = vec![p.q, p.k, p.v, at(l.o), p.dout, at(l.stats), at(l.sums)];
+    let (o, stats) = if p.saved() {
+        (p.o, p.stats)
+    } else {
+        (at(l.o), at(l.stats))
+    };
+    let mut v = vec![p.q, p.k, p.v, o, p.dout, stats, at(l.sums)];
     v.extend(l.accum.map(at));
     v.extend([p.dq, p.dk, p.dv]);
     if let Some((sq, sk)) = l.seq {
@@ -1053,7 +1071,10 @@ impl GradPlans {
         workspace: u64,
         stream: ds::CUstream,
     ) -> Result<()> {
-        let all = [ptrs.q, ptrs.k, ptrs.v, ptrs.dout, ptrs.dq, ptrs.dk, ptrs.dv];
+        let mut all = vec![ptrs.q, ptrs.k, ptrs.v, ptrs.dout, ptrs.dq, ptrs.dk, ptrs.dv];
+        if ptrs.saved() {
+            all.extend([ptrs.o, ptrs.stats]);
+        }
         if !GraphPlan::aligned(&all, workspace) {
             return Err(RuntimeError::Invalid(format!(
                 "cuDNN attention gradient of {:?}: pointers {all:x?} / workspace {workspace:#x} \
@@ -1073,8 +1094,10 @@ impl GradPlans {
         stream: ds::CUstream,
     ) -> Result<()> {
         let plan_ws = ws + self.layout.plan as u64;
-        self.fwd
-            .execute(handle, &fwd_pointers(ptrs, &self.layout, ws), plan_ws)?;
+        if !ptrs.saved() {
+            self.fwd
+                .execute(handle, &fwd_pointers(ptrs, &self.layout, ws), plan_ws)?;
+        }
         fill_workspace(&self.layout, self.zero_accum, ws, &self.d, stream)?;
         self.bwd
             .execute(handle, &bwd_pointers(ptrs, &self.layout, ws), plan_ws)
@@ -1163,6 +1186,55 @@ pub(crate) fn prepare(
             Ok(none(true))
         }
     }
+}
+
+/// The forward with its statistics written out for the gradient's step (see the module docs):
+/// the fastest of cuDNN's plans for `d`, timed on buffers of its own filled with ones (q, k, v,
+/// O, the statistics, the plan's workspace). Its [`GraphPlan::execute`] binds
+/// [`FWD_STATS_VARIANT`]. It runs plans on `stream`, so it must not be called during stream
+/// capture; the context must be bound.
+pub(crate) fn prepare_saving(
+    handle: sys::cudnnHandle_t,
+    d: &AttnDnnDesc,
+    stream: ds::CUstream,
+) -> Result<GraphPlan> {
+    let mut plans = forward_plans(handle, d, true)?;
+    let ws = plans.iter().map(|g| g.workspace).max().unwrap_or(0);
+    let rows = d.b * d.h * d.sq * 4;
+    let bufs = Buffers::new(
+        &[
+            d.bytes(d.sq),
+            d.bytes(d.sk),
+            d.bytes(d.sk),
+            d.bytes(d.sq),
+            rows,
+            ws,
+        ],
+        d.dtype,
+        stream,
+    )?;
+    let ptrs = bufs.ptrs[..5].to_vec();
+    let workspace = bufs.ptrs[5];
+    set_stream(handle, stream)?;
+    let mut best: Option<(usize, f32)> = None;
+    for (i, g) in plans.iter_mut().enumerate() {
+        match time(stream, || g.execute(handle, &ptrs, workspace)) {
+            Ok(t) if best.is_none_or(|(_, b)| t < b) => best = Some((i, t)),
+            Ok(_) => {}
+            Err(e) => tracing::trace!("cuDNN engine {} failed on {d:?}: {e}", g.engine),
+        }
+    }
+    let (i, ms) = best.ok_or_else(|| {
+        RuntimeError::Device(format!(
+            "cuDNN fused attention forward with statistics: no plan of {d:?} ran"
+        ))
+    })?;
+    let plan = plans.swap_remove(i);
+    tracing::debug!(
+        "attention {d:?}: forward with statistics, cuDNN engine {} ({ms:.4} ms)",
+        plan.engine
+    );
+    Ok(plan)
 }
 
 /// The flash launch of a step, for timing.
@@ -1468,6 +1540,8 @@ mod tests {
             dq: 5,
             dk: 6,
             dv: 7,
+            o: 0,
+            stats: 0,
         };
         let w = 1u64 << 20;
         let l = GradLayout::new(&d, plain, 1000);
@@ -1480,6 +1554,17 @@ mod tests {
         assert_eq!(
             bwd_pointers(&p, &l, w),
             vec![1, 2, 3, w, 4, w + 3072, w + 3328, 5, 6, 7]
+        );
+        // O and the statistics a forward saved replace the workspace's.
+        let saved = GradPtrs {
+            o: 8,
+            stats: 9,
+            ..p
+        };
+        assert!(saved.saved() && !p.saved());
+        assert_eq!(
+            bwd_pointers(&saved, &l, w),
+            vec![1, 2, 3, 8, 4, 9, w + 3328, 5, 6, 7]
         );
         let l = GradLayout::new(&d, padded, 1000);
         assert_eq!(
@@ -1628,6 +1713,8 @@ mod tests {
             dq: a[4],
             dk: a[5],
             dv: a[6],
+            o: 0,
+            stats: 0,
         };
         let mut plans = dev
             .with_dnn(|dn| prepare_grad(dn.handle, &d, Choice::Cudnn, stream))

@@ -73,8 +73,9 @@ enum Exec {
     /// less aligned than the plan was made for).
     Attention {
         plan: Option<std::sync::Mutex<GraphPlan>>,
-        /// q, k, v and the output: addresses and values.
-        ptrs: [(u64, Option<usize>); 4],
+        /// q, k, v and the output: addresses and values; then the statistics' address when
+        /// the plan writes them for a later gradient step.
+        ptrs: Vec<(u64, Option<usize>)>,
         workspace: u64,
         flash: Vec<Resolved>,
     },
@@ -82,8 +83,9 @@ enum Exec {
     /// kernels (no plans, or pointers less aligned than the plans need).
     AttentionGrad {
         plans: Option<Box<std::sync::Mutex<dnn_attention::GradPlans>>>,
-        /// q, k, v, dO, dQ, dK and dV: addresses and values.
-        ptrs: [(u64, Option<usize>); 7],
+        /// q, k, v, dO, dQ, dK and dV: addresses and values; then the forward's O and
+        /// statistics when it saved them (address 0 when not).
+        ptrs: [(u64, Option<usize>); 9],
         workspace: u64,
         flash: Vec<Resolved>,
     },
@@ -476,6 +478,8 @@ impl CudaSession {
             (0..steps.len()).map(|_| None).collect();
         let mut grad_prep: Vec<Option<dnn_attention::GradPlans>> =
             (0..steps.len()).map(|_| None).collect();
+        // The attention forwards (by value) whose plans write the statistics.
+        let mut saving: std::collections::HashSet<usize> = Default::default();
         for (i, st) in steps.iter().enumerate() {
             if let Some(c) = PatternCheck::of(&plan, i)? {
                 if c.reads_inputs() {
@@ -497,12 +501,37 @@ impl CudaSession {
                 CudaStep::Spmm(_) => call_bytes,
                 CudaStep::Composite(c) => c.scratch_bytes,
                 CudaStep::Kernels(k) => k.scratch_bytes,
-                CudaStep::Matmul { after, bgrad, .. } => after.scratch_bytes.max(bgrad.scratch_bytes),
+                CudaStep::Matmul { after, bgrad, .. } => {
+                    after.scratch_bytes.max(bgrad.scratch_bytes)
+                }
                 CudaStep::Attention { cudnn, flash } => {
                     use rustytorch_codegen::cuda::attention_cudnn::Choice;
                     dev.ctx.bind_to_thread().map_err(|e| {
                         RuntimeError::Device(format!("binding the CUDA context: {e}"))
                     })?;
+                    // A forward whose gradient step reads its statistics runs cuDNN's forward
+                    // with statistics; if cuDNN makes none, the gradient recomputes them.
+                    if attn_choice != Choice::Flash
+                        && rustytorch_codegen::cuda::stats_of_forward(&plan, &steps, i).is_some()
+                    {
+                        match dev.with_dnn(|dn| {
+                            dnn_attention::prepare_saving(dn.handle, cudnn, stream as _)
+                        }) {
+                            Ok(g) => {
+                                saving.insert(plan.steps[i].output);
+                                let ws = g.workspace;
+                                attn_prep[i] = Some(dnn_attention::Prepared {
+                                    plans: vec![g],
+                                    decided: true,
+                                });
+                                scratch_bytes = scratch_bytes.max(flash.scratch_bytes.max(ws));
+                                continue;
+                            }
+                            Err(e) => tracing::debug!(
+                                "step {i}: attention forward without statistics: {e}"
+                            ),
+                        }
+                    }
                     let p = match attn_choice {
                         Choice::Flash => Ok(dnn_attention::Prepared {
                             plans: vec![],
@@ -588,6 +617,20 @@ impl CudaSession {
         }
         let funcs = dev.functions(&sources)?;
         let mut funcs = funcs.into_iter();
+        // Per gradient step, the forward's saved O and statistics (value, statistics offset);
+        // per saving forward, where its statistics go past its result.
+        let saved_at: Vec<Option<(usize, usize)>> = (0..steps.len())
+            .map(|i| rustytorch_codegen::cuda::saved_stats(&plan, &steps, i))
+            .collect();
+        let stats_at: Vec<Option<usize>> = plan
+            .steps
+            .iter()
+            .map(|st| {
+                saving
+                    .contains(&st.output)
+                    .then(|| rustytorch_compiler::plan::stats_offset(&plan.types[st.output]))
+            })
+            .collect();
 
         for (i, ((step, st), call)) in plan.steps.iter().zip(steps).zip(spmm_calls).enumerate() {
             let out = s.ptrs[step.output];
@@ -637,20 +680,30 @@ impl CudaSession {
                         })
                         .map_err(|e| RuntimeError::Device(format!("step {i} (attention): {e}")))?
                     };
+                    let mut ptrs = vec![
+                        at_val(ArgRef::Input(0)),
+                        at_val(ArgRef::Input(1)),
+                        at_val(ArgRef::Input(2)),
+                        at_val(ArgRef::Output),
+                    ];
+                    if let Some(off) = stats_at[i] {
+                        ptrs.push((out + off as u64, None));
+                    }
                     Exec::Attention {
                         plan: plan.map(std::sync::Mutex::new),
-                        ptrs: [
-                            at_val(ArgRef::Input(0)),
-                            at_val(ArgRef::Input(1)),
-                            at_val(ArgRef::Input(2)),
-                            at_val(ArgRef::Output),
-                        ],
+                        ptrs,
                         workspace: scratch,
                         flash,
                     }
                 }
                 CudaStep::AttentionGrad { cudnn, flash } => {
                     let flash = resolve(&flash);
+                    let (o, stats) = match saved_at[i] {
+                        Some((v, off)) if saving.contains(&v) => {
+                            ((s.ptrs[v], Some(v)), (s.ptrs[v] + off as u64, None))
+                        }
+                        _ => ((0, None), (0, None)),
+                    };
                     let ptrs = [
                         at_val(ArgRef::Input(0)),
                         at_val(ArgRef::Input(1)),
@@ -659,6 +712,8 @@ impl CudaSession {
                         at_val(ArgRef::Output),
                         at_val(ArgRef::With(0)),
                         at_val(ArgRef::With(1)),
+                        o,
+                        stats,
                     ];
                     let plans = match grad_prep[i].take() {
                         Some(g) if !g.decided => {
@@ -1641,6 +1696,8 @@ fn grad_ptrs(at: &[u64]) -> dnn_attention::GradPtrs {
         dq: at[4],
         dk: at[5],
         dv: at[6],
+        o: at.get(7).copied().unwrap_or(0),
+        stats: at.get(8).copied().unwrap_or(0),
     }
 }
 
@@ -1653,7 +1710,7 @@ fn choose_grad(
     dev: &GpuDevice,
     d: &rustytorch_codegen::cuda::AttnDnnDesc,
     mut g: dnn_attention::GradPlans,
-    ptrs: &[(u64, Option<usize>); 7],
+    ptrs: &[(u64, Option<usize>); 9],
     scratch: u64,
     flash: &[Resolved],
     stream: CUstream,

@@ -1,0 +1,196 @@
+//! An attention forward whose three gradients are computed in the same graph saves its softmax
+//! statistics for them: the memory plan keeps O live until the gradients' step with room for
+//! the statistics after it (`MemoryPlan::saved`), CUDA runs cuDNN's forward with statistics
+//! there and cuDNN's backward reads O and the statistics instead of recomputing the forward.
+//! These tests check the plan and the lowering here, and the values on the test device (CUDA
+//! where `RUSTYTORCH_TEST_CUDA=1`, else the CPU executable) against the CPU kernels, in the
+//! default mode and with `RUSTYTORCH_ATTENTION=cudnn|flash` set by the caller.
+
+use rustytorch::codegen::cuda::{lower_plan, saved_stats, stats_of_forward, CudaStep};
+use rustytorch::compiler::plan::{stats_bytes, stats_offset};
+use rustytorch::compiler::Graph;
+use rustytorch::ops::testing::{assert_close, rand_tensor};
+use rustytorch::ops::{eval_cpu, AttnLayout, AttnMask, Causal, F64Bits, Op};
+use rustytorch::prelude::*;
+
+fn cuda() -> bool {
+    std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
+}
+
+fn t(d: DType, dims: &[usize]) -> TensorType {
+    TensorType::new(d, Shape::new(dims.to_vec()))
+}
+
+/// q, k, v and dO of `[b, h, sq, sk, d]` in `layout`.
+fn operands(
+    dt: DType,
+    layout: AttnLayout,
+    [b, h, sq, sk, d]: [usize; 5],
+    seed: u64,
+) -> Vec<HostTensor> {
+    let dims = |s: usize| layout.from_bhsd([b, h, s, d]);
+    vec![
+        rand_tensor(&t(dt, &dims(sq)), seed, -1.0, 1.0),
+        rand_tensor(&t(dt, &dims(sk)), seed + 1, -1.0, 1.0),
+        rand_tensor(&t(dt, &dims(sk)), seed + 2, -1.0, 1.0),
+        rand_tensor(&t(dt, &dims(sq)), seed + 3, -1.0, 1.0),
+    ]
+}
+
+fn attention(causal: Causal, layout: AttnLayout, d: usize) -> Op {
+    Op::Attention {
+        causal,
+        mask: AttnMask::None,
+        scale: F64Bits::new(1.0 / (d as f64).sqrt()),
+        layout,
+    }
+}
+
+/// O (output `y`) and the gradients `g0, g1, g2` of the attention over q, k, v (inputs
+/// `x0..x2`) with dO (`x3`).
+fn graph(op: &Op, ins: &[HostTensor]) -> Graph {
+    let mut g = Graph::new();
+    let ids: Vec<_> = ins
+        .iter()
+        .enumerate()
+        .map(|(i, x)| g.add_input(&format!("x{i}"), x.ty()).unwrap())
+        .collect();
+    let o = g.add(op.clone(), &ids[..3]).unwrap();
+    g.add_output("y", o).unwrap();
+    for wrt in 0..3u8 {
+        let gr = g.add(op.attention_grad(wrt).unwrap(), &ids).unwrap();
+        g.add_output(&format!("g{wrt}"), gr).unwrap();
+    }
+    g
+}
+
+fn no_opt() -> CompileOptions {
+    CompileOptions {
+        optimize: false,
+        ..CompileOptions::default()
+    }
+}
+
+#[test]
+fn the_plan_saves_the_statistics_for_the_gradients() {
+    for (dt, d, saved) in [
+        (DType::BF16, 64, true),
+        (DType::F16, 128, true),
+        (DType::F32, 64, false),
+    ] {
+        let op = attention(Causal::TopLeft, AttnLayout::Bshd, d);
+        let ins = operands(dt, AttnLayout::Bshd, [2, 3, 40, 56, d], 1);
+        let g = graph(&op, &ins);
+        let exe = rustytorch::compile_graph(&g, Device::Cpu, &no_opt()).unwrap();
+        let mem = exe.report().memory.as_ref().unwrap();
+        mem.check().unwrap();
+        mem.check_uses(exe.optimized_graph()).unwrap();
+        // The plan saves for every float type; CUDA takes it where cuDNN's attention does.
+        assert_eq!(mem.saved.len(), 1, "{dt}");
+        let (&grads, &fwd) = mem.saved.iter().next().unwrap();
+        let o_ty = exe.optimized_graph().ty(fwd).clone();
+        let slot = mem.slot(fwd).unwrap();
+        assert!(slot.size >= stats_offset(&o_ty) + stats_bytes(&o_ty));
+        assert_eq!(stats_bytes(&o_ty), 2 * 3 * 40 * 4);
+        let t_grads = mem.schedule.iter().position(|&n| n == grads).unwrap();
+        assert!(slot.last >= t_grads, "O lives until the gradients' step");
+
+        let plan = exe.plan();
+        let steps = lower_plan(plan).unwrap();
+        let grad_steps: Vec<usize> = (0..steps.len())
+            .filter(|&i| matches!(steps[i], CudaStep::AttentionGrad { .. }))
+            .collect();
+        let fwd_steps: Vec<usize> = (0..steps.len())
+            .filter(|&i| matches!(steps[i], CudaStep::Attention { .. }))
+            .collect();
+        if !saved {
+            assert!(grad_steps
+                .iter()
+                .all(|&i| saved_stats(plan, &steps, i).is_none()));
+            continue;
+        }
+        assert_eq!((grad_steps.len(), fwd_steps.len()), (1, 1), "{dt}");
+        let (v, off) = saved_stats(plan, &steps, grad_steps[0]).unwrap();
+        assert_eq!(plan.steps[fwd_steps[0]].output, v);
+        assert_eq!(off, stats_offset(&o_ty));
+        assert_eq!(stats_of_forward(plan, &steps, fwd_steps[0]), Some(off));
+    }
+}
+
+#[test]
+fn a_partial_group_saves_nothing() {
+    let op = attention(Causal::None, AttnLayout::Bhsd, 64);
+    let ins = operands(DType::BF16, AttnLayout::Bhsd, [1, 2, 16, 16, 64], 5);
+    // Only dQ and dK: the group lacks dV, which cuDNN's backward writes with them.
+    let mut g = Graph::new();
+    let ids: Vec<_> = ins
+        .iter()
+        .enumerate()
+        .map(|(i, x)| g.add_input(&format!("x{i}"), x.ty()).unwrap())
+        .collect();
+    let o = g.add(op.clone(), &ids[..3]).unwrap();
+    g.add_output("y", o).unwrap();
+    for wrt in 0..2u8 {
+        let gr = g.add(op.attention_grad(wrt).unwrap(), &ids).unwrap();
+        g.add_output(&format!("g{wrt}"), gr).unwrap();
+    }
+    let mem = rustytorch::compiler::plan::plan(&g).unwrap();
+    assert!(mem.saved.is_empty());
+    assert_eq!(mem.groups.len(), 1);
+}
+
+/// The forward and the gradients on the test device against the CPU kernels (each in f64).
+#[test]
+fn saved_statistics_give_the_cpu_gradients() {
+    let dev = if cuda() { Device::Cuda(0) } else { Device::Cpu };
+    let mut seed = 100;
+    for (dt, tol) in [(DType::BF16, 2e-2), (DType::F16, 5e-3)] {
+        for layout in [AttnLayout::Bshd, AttnLayout::Bhsd] {
+            for (shape, causal) in [
+                ([2, 4, 128, 128, 64], Causal::None),
+                ([2, 4, 96, 160, 64], Causal::TopLeft),
+                ([1, 8, 70, 130, 128], Causal::BottomRight),
+                ([2, 2, 256, 256, 128], Causal::TopLeft),
+            ] {
+                seed += 10;
+                let d = shape[4];
+                let op = attention(causal, layout, d);
+                let g = graph(&op, &operands(dt, layout, shape, seed));
+                let mut exe = rustytorch::compile_graph(&g, dev, &no_opt()).unwrap();
+                let names = ["x0", "x1", "x2", "x3"];
+                let what = format!("{dt} {layout:?} {shape:?} {causal:?} on {dev:?}");
+                // Twice, on other operands: the second run reads the statistics its own forward
+                // wrote, not the first run's.
+                for run in 0..2 {
+                    let ins = operands(dt, layout, shape, seed + 5 * run);
+                    let args: Vec<(&str, HostTensor)> =
+                        names.iter().copied().zip(ins.iter().cloned()).collect();
+                    let out = exe.run(&args).unwrap();
+                    let refs: Vec<&HostTensor> = ins.iter().collect();
+                    let o = eval_cpu(&op, &refs[..3]).unwrap();
+                    assert_close(
+                        &out[0].to_f64_vec(),
+                        &o.to_f64_vec(),
+                        tol,
+                        &format!("y {what}"),
+                    );
+                    for wrt in 0..3u8 {
+                        let want = eval_cpu(&op.attention_grad(wrt).unwrap(), &refs).unwrap();
+                        let got = out[1 + wrt as usize].to_f64_vec();
+                        let w = want.to_f64_vec();
+                        // Relative to the largest magnitude, as the gradients' sums are long.
+                        let scale = w.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-3);
+                        let err = got
+                            .iter()
+                            .zip(&w)
+                            .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+                        assert!(
+                            err <= tol * scale,
+                            "run {run} g{wrt} {what}: max error {err:.3e} of {scale:.3e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
