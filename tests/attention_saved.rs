@@ -103,7 +103,9 @@ fn the_plan_saves_the_statistics_for_the_gradients() {
         let fwd_steps: Vec<usize> = (0..steps.len())
             .filter(|&i| matches!(steps[i], CudaStep::Attention { .. }))
             .collect();
-        if !saved {
+        // Forcing the flash kernels (`RUSTYTORCH_ATTENTION=flash`) leaves cuDNN out: no saving.
+        let flash = std::env::var("RUSTYTORCH_ATTENTION").as_deref() == Ok("flash");
+        if !saved || flash {
             assert!(grad_steps
                 .iter()
                 .all(|&i| saved_stats(plan, &steps, i).is_none()));

@@ -527,6 +527,11 @@ impl CudaSession {
                                 scratch_bytes = scratch_bytes.max(flash.scratch_bytes.max(ws));
                                 continue;
                             }
+                            Err(e) if attn_choice == Choice::Cudnn => {
+                                return Err(RuntimeError::Device(format!(
+                                    "step {i} (attention forward with statistics): {e}"
+                                )))
+                            }
                             Err(e) => tracing::debug!(
                                 "step {i}: attention forward without statistics: {e}"
                             ),
@@ -746,6 +751,26 @@ impl CudaSession {
                             BgradMode::Kernel => Err(RuntimeError::Invalid("forced".into())),
                             _ => dev.with_blas(|bl| bl.ready(&desc)),
                         };
+                        // In the default mode the epilogue runs where it is the faster of the two.
+                        let ready = ready.and_then(|()| {
+                            if mode == BgradMode::Epilogue {
+                                return Ok(());
+                            }
+                            let call = BgradCall {
+                                desc: &desc,
+                                a: ins[1],
+                                b: ins[0],
+                                d: out,
+                                bias: desc.reads_operand2().then(|| ins[2]),
+                                sum: at_val(ArgRef::With(0)).0,
+                            };
+                            match choose_bgrad(&dev, &call, &after, &fallback, stream)? {
+                                true => Ok(()),
+                                false => {
+                                    Err(RuntimeError::Invalid("the kernels are faster".into()))
+                                }
+                            }
+                        });
                         match ready {
                             Ok(()) => bgrad_at = Some(at_val(ArgRef::With(0))),
                             Err(e) if mode == BgradMode::Epilogue => {
@@ -1699,6 +1724,83 @@ fn grad_ptrs(at: &[u64]) -> dnn_attention::GradPtrs {
         o: at.get(7).copied().unwrap_or(0),
         stats: at.get(8).copied().unwrap_or(0),
     }
+}
+
+/// The buffers of one GEMM step with a bias-gradient epilogue (see [`choose_bgrad`]).
+struct BgradCall<'a> {
+    desc: &'a MatmulDesc,
+    a: u64,
+    b: u64,
+    d: u64,
+    bias: Option<u64>,
+    sum: u64,
+}
+
+/// Whether the bias gradient of `call` is faster from cuBLASLt's epilogue than from the plain
+/// GEMM followed by the sum's own kernels (`fallback`; `after` runs in both): timed once per
+/// descriptor on the step's own buffers at prepare (nothing in them is live yet), the outcome
+/// kept for the process. cuBLASLt's bias-gradient kernels are other kernels than its plain
+/// GEMM's, and not always the faster pair.
+fn choose_bgrad(
+    dev: &GpuDevice,
+    call: &BgradCall,
+    after: &[Resolved],
+    fallback: &[Resolved],
+    stream: CUstream,
+) -> Result<bool> {
+    static CHOICES: std::sync::OnceLock<
+        std::sync::Mutex<std::collections::HashMap<MatmulDesc, bool>>,
+    > = std::sync::OnceLock::new();
+    let choices = CHOICES.get_or_init(Default::default);
+    if let Some(&c) = choices.lock().expect("bgrad choices").get(call.desc) {
+        return Ok(c);
+    }
+    let mut plain = call.desc.clone();
+    plain.bgrad = false;
+    let launch_all = |ls: &[Resolved]| -> Result<()> {
+        for r in ls {
+            // SAFETY: as in `CudaSession::launch`: the resolved arguments address the step's
+            // buffers, in the kernel's parameter order.
+            unsafe { super::launch_pointers(&r.func, r.grid, r.block, &r.args, stream) }
+                .map_err(|e| RuntimeError::Device(format!("timing the bias gradient: {e}")))?;
+        }
+        Ok(())
+    };
+    let epilogue = || -> Result<()> {
+        dev.with_blas(|bl| {
+            bl.run(
+                call.desc,
+                call.a,
+                call.b,
+                call.d,
+                call.bias,
+                Some(call.sum),
+                stream as _,
+            )
+        })?;
+        launch_all(after)
+    };
+    let separate = || -> Result<()> {
+        dev.with_blas(|bl| bl.run(&plain, call.a, call.b, call.d, call.bias, None, stream as _))?;
+        launch_all(after)?;
+        launch_all(fallback)
+    };
+    // Alternating, best of three each: the first calls also warm the clocks.
+    let (mut t_epi, mut t_sep) = (f32::INFINITY, f32::INFINITY);
+    for _ in 0..3 {
+        t_epi = t_epi.min(super::dnn::time(stream as _, epilogue)?);
+        t_sep = t_sep.min(super::dnn::time(stream as _, separate)?);
+    }
+    let use_epilogue = t_epi <= t_sep;
+    tracing::debug!(
+        "bias gradient of {:?}: epilogue {t_epi:.4} ms, GEMM + sum {t_sep:.4} ms",
+        call.desc
+    );
+    choices
+        .lock()
+        .expect("bgrad choices")
+        .insert(call.desc.clone(), use_epilogue);
+    Ok(use_epilogue)
 }
 
 /// Times cuDNN's attention gradient against the flash kernels on the step's own buffers (at
