@@ -26,8 +26,9 @@
 //! sum's slot at the GEMM's step, so one cuBLASLt call can write both. A `matmul_act_grad` with
 //! the `DGELU` epilogue becomes `DGELU_BGRAD` (the sum of its own result over the rows); a weight
 //! gradient `matmul[trans_a](x, dy)` becomes `BGRADA` (the sum of `dy`, cuBLASLt's A, over the
-//! inner dimension). The sum's own step then runs nothing. Its kernels stay in the step as the
-//! fallback the runtime runs after the GEMM when cuBLASLt has no algorithm for the epilogue.
+//! inner dimension). The sum's own step then runs nothing. Its kernels stay in the step: the
+//! runtime runs them after the plain GEMM instead when they are faster (it times both once per
+//! descriptor) or when cuBLASLt has no algorithm for the epilogue.
 
 use super::ir::*;
 use super::{ArgRef, CudaStep, Launch, StepKernels};
@@ -102,8 +103,8 @@ impl MatmulDesc {
 
 /// How bias-gradient pairs run on CUDA (`RUSTYTORCH_LT_BGRAD`): `0` each member on its own, `1`
 /// through cuBLASLt's epilogue or an error when it has no algorithm, `kernel` in the pair's one
-/// step but with the sum's own kernels (the fallback, for tests), unset the epilogue where
-/// cuBLASLt has an algorithm and the sum's kernels otherwise.
+/// step but with the sum's own kernels (the fallback, for tests), unset the faster of the two
+/// (timed by the runtime once per GEMM descriptor; the kernels when cuBLASLt has no algorithm).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BgradMode {
     /// Separate steps.
