@@ -18,6 +18,14 @@
 //!   duplicate its work or force it to be materialized anyway);
 //! - `p` is not an output, an update value or a guard: those stay materialized.
 //!
+//! One exception to the last-but-one rule, made before the groups are built: a `Cast` used by
+//! several elementwise ops of its own shape (none of them a result) is split into one copy per
+//! user ([`split_shared_casts`]), so that each user's kernel converts the narrow value as it
+//! loads it instead of one more kernel writing the wide copy for all of them to read. A cast is
+//! the cheapest instruction there is; recomputing it saves a launch and the wide copy's write
+//! and reads (a mixed-precision update's `f32(grad)` read by its finiteness guard and by the
+//! update itself).
+//!
 //! A group therefore has one result, its root; it never creates a cycle (every path out of an
 //! interior member goes through the root). Operands that do not join become kernel inputs, which
 //! broadcast to the output shape, with two refinements:
@@ -95,6 +103,8 @@ pub struct FuseReport {
     pub prologues: usize,
     /// Elementwise kernels fused into a row op's output.
     pub epilogues: usize,
+    /// Casts split into one copy per user ([`split_shared_casts`]).
+    pub casts_split: usize,
     /// Kernels (live non-leaf nodes) before fusion.
     pub kernels_before: usize,
     /// Kernels (live non-leaf nodes) after fusion.
@@ -105,8 +115,9 @@ impl fmt::Display for FuseReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "fuse: {} groups absorbing {} elementwise ops, {} expands and {} immediates; \
-             {} row kernels with {} prologues and {} epilogues; kernels {} -> {}",
+            "fuse: {} casts split; {} groups absorbing {} elementwise ops, {} expands and {} \
+             immediates; {} row kernels with {} prologues and {} epilogues; kernels {} -> {}",
+            self.casts_split,
             self.groups,
             self.ops_absorbed,
             self.expands_absorbed,
@@ -161,6 +172,7 @@ pub fn fuse(graph: &Graph) -> Result<(Graph, FuseReport)> {
         ..FuseReport::default()
     };
     let roots: HashSet<NodeId> = out.roots().into_iter().collect();
+    report.casts_split = split_shared_casts(&mut out, &roots)?;
     let order = out.live_order();
     // Groups, consumers first; a single op is a group of one for now.
     let mut assigned: HashSet<NodeId> = HashSet::new();
@@ -237,6 +249,48 @@ pub fn fuse(graph: &Graph) -> Result<(Graph, FuseReport)> {
     out.verify()?;
     tracing::debug!("{report}");
     Ok((out, report))
+}
+
+/// Gives each user of a shared cast its own copy (see the module docs): a fusable `Cast` that is
+/// no result, with two or more users that are all fusable elementwise ops of the cast's shape
+/// (so each copy joins its user's kernel). Returns the number of casts split.
+fn split_shared_casts(graph: &mut Graph, roots: &HashSet<NodeId>) -> Result<usize> {
+    let mut split = 0;
+    for n in graph.live_order() {
+        if !matches!(graph.g[n].op, Op::Cast { .. }) || roots.contains(&n) || !fusable(graph, n) {
+            continue;
+        }
+        let users = graph.users(n);
+        let shape = graph.g[n].ty.shape.clone();
+        if users.len() < 2
+            || !users
+                .iter()
+                .all(|&u| fusable(graph, u) && graph.g[u].ty.shape == shape)
+        {
+            continue;
+        }
+        let (op, operands) = (graph.g[n].op.clone(), graph.g[n].inputs.clone());
+        let sym = graph.dims.shapes.get(&n).cloned();
+        let at = graph.location(n);
+        // The first user keeps the original; every other one gets a copy.
+        for &u in &users[1..] {
+            let copy = graph.add(op.clone(), &operands)?;
+            if let Some(s) = &sym {
+                graph.dims.shapes.insert(copy, s.clone());
+            }
+            if let Some(at) = at {
+                graph.set_location(copy, at);
+            }
+            let inputs = graph.g[u]
+                .inputs
+                .iter()
+                .map(|&i| if i == n { copy } else { i })
+                .collect();
+            graph.set_inputs(u, inputs);
+        }
+        split += 1;
+    }
+    Ok(split)
 }
 
 /// Whether `c` can be the core of a row kernel: a softmax, log-softmax, norm, or a float

@@ -175,6 +175,45 @@ fn value_used_outside_is_not_absorbed() {
 }
 
 #[test]
+fn a_cast_used_by_two_chains_is_one_copy_in_each() {
+    let b = GraphBuilder::new();
+    let x = b.input("x", DType::BF16, vec![4, 8]);
+    let y = f32_input(&b, "y", &[4, 8]);
+    let wide = x.cast(DType::F32);
+    b.output("a", &wide.mul(&y).tanh());
+    b.output("b", &wide.sigmoid().abs());
+    let g = b.graph().unwrap();
+    let (f, report) = fuse_and_compare(&g, 1e-6);
+    assert_eq!(report.casts_split, 1);
+    // Each chain is one kernel reading the bf16 x itself; no cast kernel is left.
+    assert_eq!(report.kernels_after, 2, "{}", describe_groups(&f));
+    assert_eq!(count(&f, |op| matches!(op, Op::Cast { .. })), 0);
+    let x_id = x.id().unwrap();
+    for o in ["a", "b"] {
+        let k = out_node(&f, o);
+        assert!(f.node(k).unwrap().inputs.contains(&x_id), "{o}");
+    }
+}
+
+#[test]
+fn a_cast_with_a_non_elementwise_user_is_kept() {
+    let b = GraphBuilder::new();
+    let x = b.input("x", DType::BF16, vec![4, 8]);
+    let wide = x.cast(DType::F32);
+    b.output("a", &wide.tanh().neg());
+    b.output("s", &wide.sum(&[1], false));
+    // Read as an output too: a result stays materialized, whoever else reads it.
+    let c = b.input("c", DType::BF16, vec![4, 8]);
+    let cw = c.cast(DType::F32);
+    b.output("cw", &cw);
+    b.output("d", &cw.exp().neg());
+    let g = b.graph().unwrap();
+    let (f, report) = fuse_and_compare(&g, 1e-6);
+    assert_eq!(report.casts_split, 0, "{}", describe_groups(&f));
+    assert_eq!(count(&f, |op| matches!(op, Op::Cast { .. })), 2);
+}
+
+#[test]
 fn value_used_by_two_chains_splits_into_two_kernels() {
     let b = GraphBuilder::new();
     let x = f32_input(&b, "x", &[4, 8]);
