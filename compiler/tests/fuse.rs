@@ -196,6 +196,23 @@ fn a_cast_used_by_two_chains_is_one_copy_in_each() {
 }
 
 #[test]
+fn a_narrowing_cast_split_into_two_kernels_still_rounds() {
+    // Each copy rounds to bf16 inside its kernel: the fused graph equals the unfused one to f32
+    // precision, far below bf16's rounding step.
+    let b = GraphBuilder::new();
+    let x = f32_input(&b, "x", &[4, 8]);
+    let narrow = x.mul_scalar(1.7).cast(DType::BF16);
+    b.output("a", &narrow.cast(DType::F32).mul_scalar(3.0));
+    b.output("b", &narrow.cast(DType::F32).tanh());
+    let g = b.graph().unwrap();
+    let (f, report) = fuse_and_compare(&g, 1e-7);
+    assert_eq!(report.casts_split, 1, "{}", describe_groups(&f));
+    // The scaled x (used by both copies) is one kernel, each chain with its copy another.
+    assert_eq!(report.kernels_after, 3, "{}", describe_groups(&f));
+    assert!(describe_groups(&f).matches("cast<bf16>").count() == 2);
+}
+
+#[test]
 fn a_cast_with_a_non_elementwise_user_is_kept() {
     let b = GraphBuilder::new();
     let x = b.input("x", DType::BF16, vec![4, 8]);
