@@ -1199,36 +1199,7 @@ pub(crate) fn prepare_saving(
     stream: ds::CUstream,
 ) -> Result<GraphPlan> {
     let mut plans = forward_plans(handle, d, true)?;
-    let ws = plans.iter().map(|g| g.workspace).max().unwrap_or(0);
-    let rows = d.b * d.h * d.sq * 4;
-    let bufs = Buffers::new(
-        &[
-            d.bytes(d.sq),
-            d.bytes(d.sk),
-            d.bytes(d.sk),
-            d.bytes(d.sq),
-            rows,
-            ws,
-        ],
-        d.dtype,
-        stream,
-    )?;
-    let ptrs = bufs.ptrs[..5].to_vec();
-    let workspace = bufs.ptrs[5];
-    set_stream(handle, stream)?;
-    let mut best: Option<(usize, f32)> = None;
-    for (i, g) in plans.iter_mut().enumerate() {
-        match time(stream, || g.execute(handle, &ptrs, workspace)) {
-            Ok(t) if best.is_none_or(|(_, b)| t < b) => best = Some((i, t)),
-            Ok(_) => {}
-            Err(e) => tracing::trace!("cuDNN engine {} failed on {d:?}: {e}", g.engine),
-        }
-    }
-    let (i, ms) = best.ok_or_else(|| {
-        RuntimeError::Device(format!(
-            "cuDNN fused attention forward with statistics: no plan of {d:?} ran"
-        ))
-    })?;
+    let (i, ms) = fastest_forward(handle, d, &mut plans, true, None, stream)?.0;
     let plan = plans.swap_remove(i);
     tracing::debug!(
         "attention {d:?}: forward with statistics, cuDNN engine {} ({ms:.4} ms)",
@@ -1266,7 +1237,7 @@ pub(crate) fn choose(
     }
     // A forced cuDNN needs only the fastest plan.
     let flash = flash.filter(|_| choice != Choice::Cudnn);
-    let timed = time_all(handle, d, &mut p.plans, flash, stream);
+    let timed = fastest_forward(handle, d, &mut p.plans, false, flash, stream);
     let (best, flash_ms) = match timed {
         Ok(t) => t,
         Err(e) if choice == Choice::Cudnn => return Err(e),
@@ -1306,31 +1277,28 @@ pub(crate) fn choose(
     }
 }
 
-/// The index and time of the fastest plan, and the flash kernel's time.
-fn time_all(
+/// The index and time of the fastest of the forward `plans` of `d` (with the statistics written
+/// out when `stats`), and the flash kernel's time when given, each timed on buffers of its own
+/// filled with ones: q, k, v, O, [the statistics,] the plans' workspace.
+fn fastest_forward(
     handle: sys::cudnnHandle_t,
     d: &AttnDnnDesc,
     plans: &mut [GraphPlan],
+    stats: bool,
     flash: Option<FlashLaunch>,
     stream: ds::CUstream,
 ) -> Result<((usize, f32), Option<f32>)> {
     let ws = plans.iter().map(|g| g.workspace).max().unwrap_or(0);
-    let bufs = Buffers::new(
-        &[
-            d.bytes(d.sq),
-            d.bytes(d.sk),
-            d.bytes(d.sk),
-            d.bytes(d.sq),
-            ws,
-        ],
-        d.dtype,
-        stream,
-    )?;
-    let ptrs = bufs.ptrs[..4].to_vec();
-    let workspace = bufs.ptrs[4];
-    // SAFETY: the handle is live and the stream belongs to the current context.
-    unsafe { cudarc::cudnn::result::set_stream(handle, stream as _) }
-        .map_err(|e| RuntimeError::Device(format!("cuDNN set stream: {e:?}")))?;
+    let mut sizes = vec![d.bytes(d.sq), d.bytes(d.sk), d.bytes(d.sk), d.bytes(d.sq)];
+    if stats {
+        sizes.push(d.b * d.h * d.sq * 4);
+    }
+    sizes.push(ws);
+    let bufs = Buffers::new(&sizes, d.dtype, stream)?;
+    let n = sizes.len() - 1;
+    let ptrs = bufs.ptrs[..n].to_vec();
+    let workspace = bufs.ptrs[n];
+    set_stream(handle, stream)?;
     let mut best: Option<(usize, f32)> = None;
     for (i, g) in plans.iter_mut().enumerate() {
         match time(stream, || g.execute(handle, &ptrs, workspace)) {
@@ -1339,14 +1307,19 @@ fn time_all(
             Err(e) => tracing::trace!("cuDNN engine {} failed on {d:?}: {e}", g.engine),
         }
     }
+    let what = if stats {
+        " forward with statistics"
+    } else {
+        ""
+    };
     let best = best.ok_or_else(|| {
-        RuntimeError::Device(format!("cuDNN fused attention: no plan of {d:?} ran"))
+        RuntimeError::Device(format!("cuDNN fused attention{what}: no plan of {d:?} ran"))
     })?;
     let flash_ms = match flash {
         Some(f) => Some(time(stream, || {
             // SAFETY: the flash kernel's parameters are q, k, v and the output, in that order;
             // the buffers hold the sizes of the step's tensors.
-            unsafe { super::launch_pointers(f.func, f.grid, f.block, &ptrs, stream) }
+            unsafe { super::launch_pointers(f.func, f.grid, f.block, &ptrs[..4], stream) }
                 .map_err(|e| RuntimeError::Device(format!("timing the flash kernel: {e}")))
         })?),
         None => None,
