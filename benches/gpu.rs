@@ -628,28 +628,30 @@ fn attention_flash_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
 /// model with bf16 parameters and activations (as PyTorch's `model.to(torch.bfloat16)`).
 fn gpt2_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     let cfg = rustytorch::models::Gpt2Config::small();
-    // The last field: attention reads its heads in place (the CUDA target's default); off,
-    // the heads are transposed around it as written, for comparison.
-    for (label, train, typed, in_place, bgrad) in [
-        ("forward autocast bf16", false, false, true, true),
-        ("forward bf16 weights", false, true, true, true),
+    // Attention reads its heads in place (the CUDA target's default) or, off, the heads are
+    // transposed around it as written, for comparison; the last field is the bias gradients'
+    // mode (see `with_bgrad`).
+    let rows: [(&str, bool, bool, bool, Option<&str>); 6] = [
+        ("forward autocast bf16", false, false, true, None),
+        ("forward bf16 weights", false, true, true, None),
         (
             "forward bf16 weights, heads transposed",
             false,
             true,
             false,
-            true,
+            None,
         ),
-        ("training step autocast bf16", true, false, true, true),
-        ("training step bf16 weights", true, true, true, true),
+        ("training step autocast bf16", true, false, true, None),
+        ("training step bf16 weights", true, true, true, None),
         (
             "training step bf16 weights, bias grads as kernels",
             true,
             true,
             true,
-            false,
+            Some("0"),
         ),
-    ] {
+    ];
+    for (label, train, typed, in_place, bgrad) in rows {
         let g = GraphBuilder::new();
         let dt = if typed { DType::BF16 } else { DType::F32 };
         let (_, hid) = rustytorch::models::gpt2_typed(&g, &cfg, dt);
@@ -678,7 +680,7 @@ fn gpt2_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
             let t = time_graph_with(&graph, 10, true, opts);
             push(&format!("gpt2-small {label} b8 s1024"), t, "ms", t.0);
         });
-        if train && typed && bgrad && std::env::var_os("GPT2_PROFILE").is_some() {
+        if train && typed && bgrad.is_none() && std::env::var_os("GPT2_PROFILE").is_some() {
             gpt2_train_profile(&graph);
         }
     }
@@ -716,11 +718,13 @@ fn gpt2_train_profile(graph: &Graph) {
     );
 }
 
-/// Runs `body` with bias gradients as the runtime chooses (the default) or, with `on`
-/// false, each sum as its own kernel (`RUSTYTORCH_LT_BGRAD=0`, read when a graph is compiled).
-fn with_bgrad(on: bool, body: impl FnOnce()) {
-    if !on {
-        std::env::set_var("RUSTYTORCH_LT_BGRAD", "0");
+/// Runs `body` with `RUSTYTORCH_LT_BGRAD` set to `mode` (read when a graph is compiled): `None`
+/// the runtime's choice, `Some("0")` each bias gradient's sum as its own kernel, `Some("1")`
+/// always cuBLASLt's epilogue.
+fn with_bgrad(mode: Option<&str>, body: impl FnOnce()) {
+    match mode {
+        Some(v) => std::env::set_var("RUSTYTORCH_LT_BGRAD", v),
+        None => std::env::remove_var("RUSTYTORCH_LT_BGRAD"),
     }
     body();
     std::env::remove_var("RUSTYTORCH_LT_BGRAD");
@@ -794,18 +798,15 @@ fn mlp_grad_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
         ] {
             let mut opts = cuda_opts();
             opts.optimize_config.disabled_rules = disabled;
-            match bgrad {
-                Some(v) => std::env::set_var("RUSTYTORCH_LT_BGRAD", v),
-                None => std::env::remove_var("RUSTYTORCH_LT_BGRAD"),
-            }
-            let r = time_graph_with(&graph, 20, true, opts);
-            std::env::remove_var("RUSTYTORCH_LT_BGRAD");
-            push(
-                &format!("{label} (pass {pass})"),
-                r,
-                "TFLOP/s",
-                flops / (r.0 * 1e-3) / 1e12,
-            );
+            with_bgrad(bgrad, || {
+                let r = time_graph_with(&graph, 20, true, opts);
+                push(
+                    &format!("{label} (pass {pass})"),
+                    r,
+                    "TFLOP/s",
+                    flops / (r.0 * 1e-3) / 1e12,
+                );
+            });
         }
     }
 }

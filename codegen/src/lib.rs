@@ -74,9 +74,6 @@ pub struct Step {
     /// whose slot also holds the softmax statistics ([`MemoryPlan::saved`]), which a backend's
     /// forward may write and this step read.
     pub saved: Option<ValueId>,
-    /// Whether this step (an attention forward) has room for its statistics after its result
-    /// (at `rustytorch_compiler::plan::stats_offset`) that a later step may read.
-    pub saves: bool,
 }
 
 /// Where a value's bytes live on a device with an arena (from the compiler's memory plan).
@@ -174,7 +171,6 @@ pub fn lower(graph: &Graph, memory: &MemoryPlan) -> Result<Plan> {
                     with: vec![],
                     sibling_of: None,
                     saved: None,
-                    saves: false,
                 });
                 Source::Step(plan.steps.len() - 1)
             }
@@ -218,16 +214,14 @@ pub fn lower(graph: &Graph, memory: &MemoryPlan) -> Result<Plan> {
         }
     }
     for (grads, fwd) in &memory.saved {
-        let (Source::Step(s0), Source::Step(f)) =
+        let (Source::Step(s0), Source::Step(_)) =
             (&plan.sources[ids[grads]], &plan.sources[ids[fwd]])
         else {
             return Err(CodegenError::Invalid(format!(
                 "memory plan: saved statistics of {fwd:?} for {grads:?} are not steps"
             )));
         };
-        let (s0, f) = (*s0, *f);
-        plan.steps[s0].saved = Some(ids[fwd]);
-        plan.steps[f].saves = true;
+        plan.steps[*s0].saved = Some(ids[fwd]);
     }
     plan.outputs = graph
         .outputs

@@ -342,22 +342,12 @@ pub fn saved_stats(plan: &crate::Plan, steps: &[CudaStep], i: usize) -> Option<(
     }
     match (steps.get(i)?, steps.get(f)?) {
         (CudaStep::AttentionGrad { cudnn: g, .. }, CudaStep::Attention { cudnn: fw, .. })
-            if g == fw && plan.steps[f].saves =>
+            if g == fw =>
         {
             Some((v, rustytorch_compiler::plan::stats_offset(&plan.types[v])))
         }
         _ => None,
     }
-}
-
-/// The byte offset past its result where forward step `f` writes its statistics: when some
-/// later step reads them ([`saved_stats`]).
-pub fn stats_of_forward(plan: &crate::Plan, steps: &[CudaStep], f: usize) -> Option<usize> {
-    let out = plan.steps.get(f)?.output;
-    (0..plan.steps.len())
-        .filter(|&i| plan.steps[i].saved == Some(out))
-        .find_map(|i| saved_stats(plan, steps, i))
-        .map(|(_, off)| off)
 }
 
 /// Whether pooling runs through cuDNN instead of the generated kernels.

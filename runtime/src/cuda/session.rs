@@ -478,7 +478,14 @@ impl CudaSession {
             (0..steps.len()).map(|_| None).collect();
         let mut grad_prep: Vec<Option<dnn_attention::GradPlans>> =
             (0..steps.len()).map(|_| None).collect();
-        // The attention forwards (by value) whose plans write the statistics.
+        // Per gradient step, the forward's saved O and statistics (value, statistics offset);
+        // the forwards (by value) some gradient step reads them from; those whose plans write
+        // them.
+        let saved_at: Vec<Option<(usize, usize)>> = (0..steps.len())
+            .map(|i| rustytorch_codegen::cuda::saved_stats(&plan, &steps, i))
+            .collect();
+        let read: std::collections::HashSet<usize> =
+            saved_at.iter().flatten().map(|&(v, _)| v).collect();
         let mut saving: std::collections::HashSet<usize> = Default::default();
         for (i, st) in steps.iter().enumerate() {
             if let Some(c) = PatternCheck::of(&plan, i)? {
@@ -511,9 +518,7 @@ impl CudaSession {
                     })?;
                     // A forward whose gradient step reads its statistics runs cuDNN's forward
                     // with statistics; if cuDNN makes none, the gradient recomputes them.
-                    if attn_choice != Choice::Flash
-                        && rustytorch_codegen::cuda::stats_of_forward(&plan, &steps, i).is_some()
-                    {
+                    if attn_choice != Choice::Flash && read.contains(&plan.steps[i].output) {
                         match dev.with_dnn(|dn| {
                             dnn_attention::prepare_saving(dn.handle, cudnn, stream as _)
                         }) {
@@ -622,11 +627,7 @@ impl CudaSession {
         }
         let funcs = dev.functions(&sources)?;
         let mut funcs = funcs.into_iter();
-        // Per gradient step, the forward's saved O and statistics (value, statistics offset);
-        // per saving forward, where its statistics go past its result.
-        let saved_at: Vec<Option<(usize, usize)>> = (0..steps.len())
-            .map(|i| rustytorch_codegen::cuda::saved_stats(&plan, &steps, i))
-            .collect();
+        // Per saving forward, where its statistics go past its result.
         let stats_at: Vec<Option<usize>> = plan
             .steps
             .iter()
