@@ -1,6 +1,7 @@
 # PyTorch on the GPT-2-small rows of `bench-gpu gpt2` (12 blocks, d 768, 12 heads, batch 8 x 1024,
 # bf16 weights and activations, SDPA causal attention): forward eager and torch.compile with the
-# forward's peak memory, and a training step (forward, backward of the mean square, no optimizer).
+# forward's peak memory, and a training step (forward, backward of the mean square), without and
+# with an SGD step.
 #   python3 benches/gpu_gpt2_peer.py
 import os
 import sys
@@ -46,3 +47,16 @@ def step():
 
 
 print(f"gpt2-small training step (fwd+bwd) bf16 eager: {bench(step, 10):.3f} ms", flush=True)
+
+# The same with the optimizer step our training step includes: SGD over every parameter
+# (`foreach`, PyTorch's multi-tensor path; the parameters stay bf16, without f32 masters or
+# finiteness checks, so this does less than ours).
+opt = torch.optim.SGD(model.parameters(), lr=1e-4, foreach=True)
+
+
+def step_sgd():
+    step()
+    opt.step()
+
+
+print(f"gpt2-small training step (fwd+bwd+SGD foreach) bf16 eager: {bench(step_sgd, 10):.3f} ms", flush=True)

@@ -138,7 +138,9 @@ fn run(step: &StepKernels, inputs: &[&HostTensor], out: &TensorType) -> Vec<f64>
                 ArgRef::Output => y.clone(),
                 ArgRef::Scratch => scratch.clone(),
                 ArgRef::ScratchAt(o) => scratch[o..].to_vec(),
-                ArgRef::With(_) => panic!("{}: a row step writes one result", l.kernel.name),
+                ArgRef::With(_) | ArgRef::Value(_) => {
+                    panic!("{}: a row step binds its own buffers", l.kernel.name)
+                }
             })
             .collect();
         interp::run_launch(&l.kernel, l.grid, &mut bufs)
@@ -149,7 +151,7 @@ fn run(step: &StepKernels, inputs: &[&HostTensor], out: &TensorType) -> Vec<f64>
                 ArgRef::Output => y = b,
                 ArgRef::Scratch => scratch = b,
                 ArgRef::ScratchAt(o) => scratch[o..].copy_from_slice(&b),
-                ArgRef::With(_) => unreachable!("refused above"),
+                ArgRef::With(_) | ArgRef::Value(_) => unreachable!("refused above"),
             }
         }
     }

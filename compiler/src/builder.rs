@@ -863,8 +863,17 @@ impl Tensor {
     /// Whether every element is finite (bool scalar).
     #[track_caller]
     pub fn all_finite(&self) -> Tensor {
-        let m = self.isfinite();
-        m.reduce(ReduceKind::All, &self.all_axes(), false)
+        match self.ty() {
+            // `max |x|` is NaN when an element is NaN (the max propagates NaN) and +inf when
+            // one is infinite: one float reduction, which fusion makes one kernel with its
+            // `abs` and `isfinite`, instead of a bool tensor reduced by `all`.
+            Some(t) if t.dtype.is_float() && t.shape.numel() > 0 => {
+                self.abs().max(&self.all_axes(), false).isfinite()
+            }
+            _ => self
+                .isfinite()
+                .reduce(ReduceKind::All, &self.all_axes(), false),
+        }
     }
 
     /// Matrix product (numpy semantics: 1-D operands are promoted and the added dim removed;

@@ -12,7 +12,7 @@ use crate::fuse::{fuse, FuseReport};
 use crate::graph::Graph;
 use crate::layout::{channels_last, ChannelsLast, LayoutReport};
 use crate::optimize::{optimize, OptimizeConfig, OptimizeReport};
-use crate::plan::{plan, MemoryPlan};
+use crate::plan::{plan_with, MemoryPlan, PlanOptions};
 use crate::Result;
 use rustytorch_ops::DType;
 use std::time::Instant;
@@ -40,6 +40,11 @@ pub struct Options {
     /// (on by default; a target whose gradient kernel would transpose its operands itself keeps
     /// the graph's transposes, which the forward's rewrite leaves for the gradients).
     pub attention_layout_grads: bool,
+    /// Schedule the optimizer's per-parameter kernels (updates and finiteness guards) after the
+    /// backward, level by level ([`crate::plan::PlanOptions::defer_tail`]), so that the target
+    /// can launch each level as one multi-tensor kernel (decided by the target: on for CUDA, off
+    /// by default, as it keeps every gradient live until then).
+    pub defer_updates: bool,
     /// Passes whose output to keep as text (`all` for every pass); defaults to `RUSTYTORCH_DUMP`.
     pub dump: Vec<String>,
 }
@@ -54,6 +59,7 @@ impl Default for Options {
             autocast: None,
             attention_layout: false,
             attention_layout_grads: true,
+            defer_updates: false,
             dump: std::env::var("RUSTYTORCH_DUMP")
                 .map(|s| s.split(',').map(|p| p.trim().to_string()).collect())
                 .unwrap_or_default(),
@@ -188,7 +194,12 @@ pub fn run(graph: &Graph, opts: &Options) -> Result<Compiled> {
         report.fuse = rep;
     }
     let t = Instant::now();
-    let mem = plan(&g)?;
+    let mem = plan_with(
+        &g,
+        PlanOptions {
+            defer_tail: opts.defer_updates,
+        },
+    )?;
     report.passes.push(PassTiming {
         name: "plan",
         millis: t.elapsed().as_secs_f64() * 1e3,

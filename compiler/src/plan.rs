@@ -434,11 +434,94 @@ pub fn saved_forwards(
     Ok(saved)
 }
 
+/// The optimizer's tail of `schedule` moved after everything else, in levels (see the module
+/// docs): the elementwise kernels (and row kernels, and the reshapes between them) whose results
+/// only state updates and guards read, directly or through other tail nodes. A kernel's level is
+/// one more than its highest tail kernel operand's, looking through reshapes; the tail runs level
+/// by level, each level's reshapes first, then its kernels grouped by op in schedule order. Members
+/// of sibling groups (`keep`) stay where they are.
+fn defer_tail(graph: &Graph, schedule: Vec<NodeId>, keep: &HashSet<NodeId>) -> Result<Vec<NodeId>> {
+    let outputs: HashSet<NodeId> = graph.output_nodes().into_iter().collect();
+    let sinks: HashSet<NodeId> = graph
+        .updates
+        .iter()
+        .map(|(_, n)| *n)
+        .chain(graph.guards.iter().map(|(_, n)| *n))
+        .collect();
+    let scheduled: HashSet<NodeId> = schedule.iter().copied().collect();
+    let mut tail: HashSet<NodeId> = HashSet::new();
+    // Users come after their operands in the schedule: walking it backwards sees them first.
+    for &n in schedule.iter().rev() {
+        let node = graph.node(n)?;
+        let cheap = node.op.is_elementwise()
+            || matches!(node.op, Op::Fused(_) | Op::FusedRow(_))
+            || is_alias(graph, node);
+        if provided(&node.op) || !cheap || keep.contains(&n) || outputs.contains(&n) {
+            continue;
+        }
+        let users: Vec<NodeId> = graph
+            .users(n)
+            .into_iter()
+            .filter(|u| scheduled.contains(u))
+            .collect();
+        if (sinks.contains(&n) || !users.is_empty()) && users.iter().all(|u| tail.contains(u)) {
+            tail.insert(n);
+        }
+    }
+    if tail.is_empty() {
+        return Ok(schedule);
+    }
+    // The level from which each tail value can be read: a kernel's result from the level after
+    // its own, a reshape's from its operand's.
+    let mut avail: HashMap<NodeId, usize> = HashMap::new();
+    let mut order: Vec<NodeId> = Vec::with_capacity(schedule.len());
+    let mut deferred: Vec<(usize, bool, &'static str, usize, NodeId)> = vec![];
+    for (t, &n) in schedule.iter().enumerate() {
+        if !tail.contains(&n) {
+            order.push(n);
+            continue;
+        }
+        let node = graph.node(n)?;
+        let kernel = !is_alias(graph, node);
+        let level = node
+            .inputs
+            .iter()
+            .filter_map(|i| avail.get(i).copied())
+            .max()
+            .unwrap_or(0);
+        avail.insert(n, level + usize::from(kernel));
+        deferred.push((level, kernel, if kernel { node.op.name() } else { "" }, t, n));
+    }
+    // Within a level, the reshapes first (their operands are of lower levels), then the kernels
+    // grouped by op, each in schedule order.
+    deferred.sort();
+    order.extend(deferred.into_iter().map(|d| d.4));
+    Ok(order)
+}
+
+/// Options of [`plan_with`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// Move the optimizer's tail after everything else, in levels ([`defer_tail`]), so that a
+    /// backend can launch the many small per-parameter kernels of one level as one. Every
+    /// gradient then stays live until the tail.
+    pub defer_tail: bool,
+}
+
 /// Schedules the live nodes of `graph` and places every intermediate value in one arena (see
 /// the module docs).
 pub fn plan(graph: &Graph) -> Result<MemoryPlan> {
+    plan_with(graph, PlanOptions::default())
+}
+
+/// [`plan`] with options.
+pub fn plan_with(graph: &Graph, opts: PlanOptions) -> Result<MemoryPlan> {
     let _span = tracing::debug_span!("plan").entered();
-    let (schedule, by_first) = group_siblings(graph, graph.live_order())?;
+    let (mut schedule, by_first) = group_siblings(graph, graph.live_order())?;
+    if opts.defer_tail {
+        let keep: HashSet<NodeId> = by_first.values().flatten().copied().collect();
+        schedule = defer_tail(graph, schedule, &keep)?;
+    }
     // Roots are read after the final step (by the caller).
     let end = schedule.len();
     let roots: HashSet<NodeId> = graph.roots().into_iter().collect();

@@ -64,8 +64,11 @@ fn fused_reduction(
         return Ok(None);
     };
     let (pro, _, epi) = r.split(inputs);
+    // The reduction runs over floats; an epilogue may map its float result to another dtype
+    // (a finiteness test of a max gives bool).
     if !x.dtype.is_float()
-        || !out.dtype.is_float()
+        || !c.dtype.is_float()
+        || (r.epilogue.is_none() && !out.dtype.is_float())
         || !pro.iter().chain(epi).all(|t| t.dtype.is_float())
     {
         return Ok(None);
@@ -127,6 +130,7 @@ fn rebind(
                 ArgRef::Scratch => ArgRef::ScratchAt(scratch),
                 ArgRef::ScratchAt(o) => ArgRef::ScratchAt(scratch + o),
                 ArgRef::With(k) => ArgRef::With(k),
+                ArgRef::Value(v) => ArgRef::Value(v),
             };
         }
         launches.push(l);

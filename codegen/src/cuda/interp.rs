@@ -165,7 +165,7 @@ pub fn run_step(
                     (i, Some(t.dtype()))
                 }
                 ArgRef::Output => (out_buf, Some(out.dtype)),
-                ArgRef::With(_) => {
+                ArgRef::With(_) | ArgRef::Value(_) => {
                     return Err(invalid(
                         k,
                         format!(
@@ -220,6 +220,138 @@ pub fn run_step(
         ))
     })?;
     HostTensor::from_data(data, out.shape.clone()).map_err(|e| step_err(e.to_string()))
+}
+
+/// Runs a whole lowered plan on the host: every generated-kernel step through the interpreter
+/// over one buffer per plan value (so a multi-tensor launch's [`ArgRef::Value`] arguments bind
+/// where its members' would), every library call and sibling through the CPU kernel of its op,
+/// and reshapes as copies. Values computed by steps start as [`POISON`] bytes. Returns every
+/// value of the plan (`None` for those no step computed). Placement in the arena is not
+/// modelled: each value has bytes of its own.
+pub fn run_plan(
+    plan: &crate::Plan,
+    steps: &[CudaStep],
+    inputs: &[HostTensor],
+    params: &[HostTensor],
+) -> Result<Vec<Option<HostTensor>>> {
+    let err = |what: &str, msg: String| InterpError::Invalid {
+        kernel: what.to_string(),
+        msg,
+    };
+    let mut bufs: Vec<Option<Vec<u8>>> = plan
+        .sources
+        .iter()
+        .map(|src| match src {
+            crate::Source::Input(i) => inputs.get(*i).map(|t| to_bytes(t.data())),
+            crate::Source::Param(i) => params.get(*i).map(|t| to_bytes(t.data())),
+            crate::Source::Const(t) => Some(to_bytes(t.data())),
+            crate::Source::Step(_) => None,
+        })
+        .collect();
+    let tensor = |bufs: &[Option<Vec<u8>>], v: usize| -> Result<HostTensor> {
+        let ty = &plan.types[v];
+        let b = bufs[v]
+            .as_ref()
+            .ok_or_else(|| err("plan", format!("value {v} is read before it is computed")))?;
+        let data = from_bytes(b, ty.dtype)
+            .map_err(|i| err("plan", format!("value {v}: bool byte {i} was never written")))?;
+        HostTensor::from_data(data, ty.shape.clone()).map_err(|e| err("plan", e.to_string()))
+    };
+    for (i, (s, cs)) in plan.steps.iter().zip(steps).enumerate() {
+        let plain = |k: &StepKernels| {
+            k.launches
+                .iter()
+                .all(|l| l.args.iter().all(|a| !matches!(a, ArgRef::With(_))))
+        };
+        match cs {
+            CudaStep::Alias => bufs[s.output] = bufs[s.inputs[0]].clone(),
+            CudaStep::Merged(f) => {
+                if bufs[s.output].is_none() {
+                    return Err(err(
+                        "plan",
+                        format!("step {i}: the launch of step {f} did not compute its result"),
+                    ));
+                }
+            }
+            CudaStep::Kernels(k) if plain(k) => {
+                for l in &k.launches {
+                    // A reshape's bytes are its operand's, whether or not its own (copying)
+                    // step ran yet.
+                    let root = |mut v: usize| {
+                        while let crate::Storage::Alias(of) = plan.storage[v] {
+                            v = of;
+                        }
+                        v
+                    };
+                    let value = |a: ArgRef| match a {
+                        ArgRef::Input(j) => Some(root(s.inputs[j])),
+                        ArgRef::Output => Some(root(s.output)),
+                        ArgRef::Value(v) => Some(root(v)),
+                        _ => None,
+                    };
+                    // The launch's buffers: each value once, then the scratch regions.
+                    let mut vals: Vec<usize> = vec![];
+                    let mut map = vec![];
+                    let mut local: Vec<Vec<u8>> = vec![];
+                    let mut regions: HashMap<usize, usize> = HashMap::new();
+                    for a in &l.args {
+                        if let Some(v) = value(*a) {
+                            let at = match vals.iter().position(|&u| u == v) {
+                                Some(p) => p,
+                                None => {
+                                    vals.push(v);
+                                    let b = bufs[v].take().unwrap_or_else(|| {
+                                        vec![POISON; plan.types[v].size_bytes()]
+                                    });
+                                    local.push(b);
+                                    local.len() - 1
+                                }
+                            };
+                            map.push(at);
+                        } else {
+                            let off = match a {
+                                ArgRef::ScratchAt(o) => *o,
+                                _ => 0,
+                            };
+                            let len = k.scratch_bytes.saturating_sub(off);
+                            map.push(usize::MAX - off);
+                            regions.entry(off).or_insert(len);
+                        }
+                    }
+                    // Scratch regions after the values (placeholders resolved now).
+                    let mut region_at: HashMap<usize, usize> = HashMap::new();
+                    for (off, len) in regions {
+                        local.push(vec![POISON; len]);
+                        region_at.insert(off, local.len() - 1);
+                    }
+                    for m in &mut map {
+                        if *m > local.len() {
+                            *m = region_at[&(usize::MAX - *m)];
+                        }
+                    }
+                    let run = compile(&l.kernel).and_then(|prog| execute(&prog, l.grid, &mut local, &map));
+                    for (j, v) in vals.iter().enumerate() {
+                        bufs[*v] = Some(std::mem::take(&mut local[j]));
+                    }
+                    run?;
+                }
+            }
+            _ => {
+                let ins = s
+                    .inputs
+                    .iter()
+                    .map(|&v| tensor(&bufs, v))
+                    .collect::<Result<Vec<_>>>()?;
+                let refs: Vec<&HostTensor> = ins.iter().collect();
+                let out = rustytorch_ops::eval_cpu(&s.op, &refs)
+                    .map_err(|e| err(s.op.name(), format!("step {i} on the CPU: {e}")))?;
+                bufs[s.output] = Some(to_bytes(out.data()));
+            }
+        }
+    }
+    (0..bufs.len())
+        .map(|v| bufs[v].as_ref().map(|_| tensor(&bufs, v)).transpose())
+        .collect()
 }
 
 /// Runs one launch of `grid` blocks over raw little-endian byte buffers (one per kernel parameter,

@@ -341,7 +341,7 @@ pub fn lower_bias_grad(
             *a = match *a {
                 ArgRef::Input(0) => src,
                 ArgRef::Output => ArgRef::With(0),
-                ArgRef::Input(_) | ArgRef::With(_) => return Ok(None),
+                ArgRef::Input(_) | ArgRef::With(_) | ArgRef::Value(_) => return Ok(None),
                 other => other,
             };
         }

@@ -15,6 +15,7 @@ pub mod fused_row;
 pub mod interp;
 pub mod ir;
 pub mod matmul;
+pub mod merge;
 pub mod pool;
 pub mod reduce;
 pub mod rows;
@@ -46,6 +47,9 @@ pub enum ArgRef {
     /// The result of the `i`-th other member of the step's sibling group
     /// ([`crate::Step::with`]), which the step computes with its own.
     With(usize),
+    /// A value of the plan, whichever step computes or reads it (a multi-tensor launch binds
+    /// its members' operands and results so; see [`merge`]).
+    Value(crate::ValueId),
 }
 
 /// One kernel launch of a step.
@@ -129,6 +133,9 @@ pub enum CudaStep {
     /// Nothing to run: the first step of the result's sibling group computed it (see
     /// [`crate::Step::with`]).
     Sibling,
+    /// Nothing to run: the multi-tensor launch of the given (earlier) step computed the result
+    /// (see [`merge`]).
+    Merged(usize),
     /// `all_reduce` of the operand into the output: an NCCL all-reduce over the group the
     /// session joined (the mean through NCCL's average when `mean`), or a device copy when it
     /// runs alone (a group of one).
@@ -161,6 +168,7 @@ impl CudaStep {
             CudaStep::Spmm(_)
             | CudaStep::Alias
             | CudaStep::Sibling
+            | CudaStep::Merged(_)
             | CudaStep::AllReduce { .. } => {
                 vec![]
             }
@@ -249,11 +257,22 @@ fn lower_bias_grad_step(plan: &crate::Plan, s: &crate::Step) -> Result<Option<Cu
     )
 }
 
-/// Lowers every step of a plan for CUDA (in step order). A step whose result aliases its
-/// operand's bytes in the memory plan runs nothing. A sibling group of attention gradients
-/// that the flash kernels take is one step at its first member (the others run nothing), as is
-/// a bias-gradient pair that cuBLASLt's epilogue computes; other groups run member by member.
+/// Lowers every step of a plan for CUDA (in step order), then merges independent single-kernel
+/// steps into multi-tensor launches ([`merge`]; off with `RUSTYTORCH_MERGE=0`).
 pub fn lower_plan(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
+    let mut steps = lower_steps(plan)?;
+    if std::env::var("RUSTYTORCH_MERGE").as_deref() != Ok("0") {
+        merge::merge_launches(plan, &mut steps)?;
+    }
+    Ok(steps)
+}
+
+/// Lowers every step of a plan for CUDA, each on its own (in step order). A step whose result
+/// aliases its operand's bytes in the memory plan runs nothing. A sibling group of attention
+/// gradients that the flash kernels take is one step at its first member (the others run
+/// nothing), as is a bias-gradient pair that cuBLASLt's epilogue computes; other groups run
+/// member by member.
+pub fn lower_steps(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
     let grouped = |s: &crate::Step| {
         let ins: Vec<&TensorType> = s.inputs.iter().map(|&v| &plan.types[v]).collect();
         !s.with.is_empty() && matches!(s.op, Op::AttentionGrad { .. }) && flash::supported(&ins)

@@ -611,7 +611,10 @@ impl CudaSession {
                         d.desc.staging_bytes
                     }
                 }
-                CudaStep::Alias | CudaStep::Sibling | CudaStep::AllReduce { .. } => 0,
+                CudaStep::Alias
+                | CudaStep::Sibling
+                | CudaStep::Merged(_)
+                | CudaStep::AllReduce { .. } => 0,
             });
         }
         let scratch = s.alloc(scratch_bytes)?;
@@ -648,6 +651,7 @@ impl CudaSession {
                 ArgRef::Scratch => (scratch, None),
                 ArgRef::ScratchAt(off) => (scratch + off as u64, None),
                 ArgRef::With(k) => (s.ptrs[step.with[k]], Some(step.with[k])),
+                ArgRef::Value(v) => (s.ptrs[v], Some(v)),
             };
             let mut resolve = |k: &StepKernels| -> Vec<Resolved> {
                 k.launches
@@ -874,7 +878,7 @@ impl CudaSession {
                     }
                     Exec::Composite(parts)
                 }
-                CudaStep::Alias | CudaStep::Sibling => Exec::Nothing,
+                CudaStep::Alias | CudaStep::Sibling | CudaStep::Merged(_) => Exec::Nothing,
                 CudaStep::AllReduce { mean } => Exec::AllReduce {
                     mean,
                     src: at_val(ArgRef::Input(0)),

@@ -1,0 +1,431 @@
+//! Multi-tensor launches: independent single-kernel steps that a plan runs near each other (the
+//! optimizer's per-parameter updates and finiteness guards, which the memory plan's deferred tail
+//! schedules level by level) become one launch. The merged kernel gives each member a range of
+//! its blocks: a member's body runs unchanged in its range, with `blockIdx.x` counted from the
+//! range's start and `gridDim.x` its own grid, over its own (renamed) parameters. A launch costs
+//! a few microseconds however little it does; GPT-2 small's training step has about 600 such
+//! kernels.
+//!
+//! The merged launch runs at its first member's step; every other member's step then runs
+//! nothing ([`CudaStep::Merged`]). Moving a member earlier is safe when, against every step
+//! between the first member and it (members or not), it reads no bytes they write and writes
+//! no bytes they read or write — checked on the memory plan's placement, so a value whose
+//! bytes the arena reuses is a conflict too.
+
+use super::ir::{Expr, Kernel, Lit, Param, Special, Stmt};
+use super::{finish, ArgRef, CudaStep, Launch, StepKernels};
+use crate::{Plan, Storage, ValueId};
+use std::collections::BTreeMap;
+
+/// Most members of one merged launch.
+const MAX_MEMBERS: usize = 64;
+/// Most pointer parameters of one merged launch (2 KiB of the 4 KiB parameter space).
+const MAX_PARAMS: usize = 256;
+/// Most bytes of static shared memory the members' arrays may add up to.
+const MAX_SHARED: usize = 24 * 1024;
+/// Most plan steps from a merged launch's first member to its last.
+const MAX_SPAN: usize = 512;
+/// Most blocks of one merged launch.
+const MAX_BLOCKS: u64 = i32::MAX as u64;
+
+/// The bytes a value occupies: an arena range, or a provided buffer of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Place {
+    Arena(usize, usize),
+    Buffer(ValueId),
+}
+
+impl Place {
+    fn of(plan: &Plan, mut v: ValueId) -> Place {
+        loop {
+            match plan.storage[v] {
+                Storage::Alias(u) => v = u,
+                Storage::Arena { offset, size } => return Place::Arena(offset, offset + size),
+                Storage::Provided => return Place::Buffer(v),
+            }
+        }
+    }
+
+    fn overlaps(self, o: Place) -> bool {
+        match (self, o) {
+            (Place::Arena(a, b), Place::Arena(c, d)) => a < d && c < b && a < b && c < d,
+            (Place::Buffer(a), Place::Buffer(b)) => a == b,
+            _ => false,
+        }
+    }
+}
+
+/// What one step reads and writes when it runs.
+#[derive(Default)]
+struct Touch {
+    reads: Vec<Place>,
+    writes: Vec<Place>,
+}
+
+fn touch(plan: &Plan, steps: &[CudaStep], i: usize) -> Touch {
+    let s = &plan.steps[i];
+    match steps[i] {
+        // Computed (and written) by an earlier step, or nothing run.
+        CudaStep::Alias | CudaStep::Sibling | CudaStep::Merged(_) => Touch::default(),
+        _ => Touch {
+            reads: s.inputs.iter().map(|&v| Place::of(plan, v)).collect(),
+            writes: std::iter::once(s.output)
+                .chain(s.with.iter().copied())
+                .map(|v| Place::of(plan, v))
+                .collect(),
+        },
+    }
+}
+
+/// The one launch of a step that a merged kernel can take: a single generated kernel over the
+/// step's operands and result, with no scratch and no verbatim source.
+fn single<'a>(step: &'a CudaStep, s: &crate::Step) -> Option<&'a Launch> {
+    let CudaStep::Kernels(k) = step else {
+        return None;
+    };
+    let [l] = k.launches.as_slice() else {
+        return None;
+    };
+    let plain = l
+        .args
+        .iter()
+        .all(|a| matches!(a, ArgRef::Input(_) | ArgRef::Output));
+    (k.scratch_bytes == 0
+        && s.with.is_empty()
+        && s.sibling_of.is_none()
+        && plain
+        && l.grid > 0
+        && !l.kernel.body.iter().any(verbatim))
+    .then_some(l)
+}
+
+fn verbatim(s: &Stmt) -> bool {
+    match s {
+        Stmt::Verbatim(_) => true,
+        Stmt::For { body, .. } => body.iter().any(verbatim),
+        Stmt::If { then, els, .. } => then.iter().chain(els).any(verbatim),
+        _ => false,
+    }
+}
+
+fn shared_bytes(body: &[Stmt]) -> usize {
+    body.iter()
+        .map(|s| match s {
+            Stmt::Shared { elem, len, .. } => super::ir::elem_bytes(*elem) * *len as usize,
+            Stmt::For { body, .. } => shared_bytes(body),
+            Stmt::If { then, els, .. } => shared_bytes(then) + shared_bytes(els),
+            _ => 0,
+        })
+        .sum()
+}
+
+/// A merged launch being collected.
+struct Group {
+    first: usize,
+    members: Vec<usize>,
+    params: usize,
+    shared: usize,
+    blocks: u64,
+    /// Reads and writes of every step from `first` on (members or not).
+    reads: Vec<Place>,
+    writes: Vec<Place>,
+}
+
+impl Group {
+    fn new(first: usize) -> Group {
+        Group {
+            first,
+            members: vec![],
+            params: 0,
+            shared: 0,
+            blocks: 0,
+            reads: vec![],
+            writes: vec![],
+        }
+    }
+
+    /// Whether step `i` (touching `t`) may run at the group's first step.
+    fn admits(&self, t: &Touch) -> bool {
+        let hit = |p: &Place, set: &[Place]| set.iter().any(|q| p.overlaps(*q));
+        !t.reads.iter().any(|p| hit(p, &self.writes))
+            && !t
+                .writes
+                .iter()
+                .any(|p| hit(p, &self.writes) || hit(p, &self.reads))
+    }
+
+    fn fits(&self, l: &Launch, i: usize) -> bool {
+        self.members.len() < MAX_MEMBERS
+            && self.params + l.kernel.params.len() <= MAX_PARAMS
+            && self.shared + shared_bytes(&l.kernel.body) <= MAX_SHARED
+            && self.blocks + l.grid as u64 <= MAX_BLOCKS
+            && i - self.first < MAX_SPAN
+    }
+
+    fn add(&mut self, l: &Launch, i: usize) {
+        self.members.push(i);
+        self.params += l.kernel.params.len();
+        self.shared += shared_bytes(&l.kernel.body);
+        self.blocks += l.grid as u64;
+    }
+
+    fn record(&mut self, t: Touch) {
+        self.reads.extend(t.reads);
+        self.writes.extend(t.writes);
+    }
+}
+
+/// Merges independent single-kernel steps of `steps` (the CUDA lowering of `plan`, in step
+/// order) into multi-tensor launches; returns how many launches were saved.
+pub fn merge_launches(plan: &Plan, steps: &mut [CudaStep]) -> crate::Result<usize> {
+    // Open groups by block size: a merged kernel has one.
+    let mut open: BTreeMap<u32, Group> = BTreeMap::new();
+    let mut done: Vec<Group> = vec![];
+    for i in 0..steps.len() {
+        let t = touch(plan, steps, i);
+        let cand = single(&steps[i], &plan.steps[i]).map(|l| (l.kernel.block, l.clone()));
+        if let Some((block, l)) = &cand {
+            let g = open.entry(*block).or_insert_with(|| Group::new(i));
+            if !(g.admits(&t) && g.fits(l, i)) {
+                done.push(std::mem::replace(g, Group::new(i)));
+            }
+        }
+        // Every open group's window holds this step, member or not.
+        for (block, g) in open.iter_mut() {
+            if let Some((b, l)) = &cand {
+                if b == block {
+                    g.add(l, i);
+                }
+            }
+            g.record(Touch {
+                reads: t.reads.clone(),
+                writes: t.writes.clone(),
+            });
+        }
+        // A group no later step could join any more is closed.
+        open.retain(|_, g| {
+            let keep = i + 1 - g.first < MAX_SPAN;
+            if !keep {
+                done.push(std::mem::replace(g, Group::new(i)));
+            }
+            keep
+        });
+    }
+    done.extend(open.into_values());
+    let mut saved = 0;
+    for g in done.into_iter().filter(|g| g.members.len() > 1) {
+        let launches: Vec<&Launch> = g
+            .members
+            .iter()
+            .map(|&i| single(&steps[i], &plan.steps[i]).expect("a member is a single launch"))
+            .collect();
+        let merged = merged_launch(plan, &g.members, &launches)?;
+        saved += g.members.len() - 1;
+        steps[g.members[0]] = CudaStep::Kernels(StepKernels {
+            launches: vec![merged],
+            scratch_bytes: 0,
+        });
+        for &i in &g.members[1..] {
+            steps[i] = CudaStep::Merged(g.members[0]);
+        }
+    }
+    Ok(saved)
+}
+
+/// One kernel running `launches` (of the steps `members`) in consecutive block ranges.
+fn merged_launch(plan: &Plan, members: &[usize], launches: &[&Launch]) -> crate::Result<Launch> {
+    let mut params = vec![];
+    let mut args = vec![];
+    let mut body = vec![];
+    let mut start = 0u64;
+    for (j, (&i, l)) in members.iter().zip(launches).enumerate() {
+        let s = &plan.steps[i];
+        let rename: BTreeMap<&str, String> = l
+            .kernel
+            .params
+            .iter()
+            .map(|p| (p.name.as_str(), format!("m{j}_{}", p.name)))
+            .collect();
+        for (p, a) in l.kernel.params.iter().zip(&l.args) {
+            params.push(Param {
+                name: rename[p.name.as_str()].clone(),
+                ..p.clone()
+            });
+            args.push(match *a {
+                ArgRef::Input(k) => ArgRef::Value(s.inputs[k]),
+                _ => ArgRef::Value(s.output),
+            });
+        }
+        let geo = Geometry {
+            start,
+            grid: l.grid,
+        };
+        let member: Vec<Stmt> = l
+            .kernel
+            .body
+            .iter()
+            .map(|st| stmt(st, &rename, geo))
+            .collect();
+        let end = start + l.grid as u64;
+        let block = special(Special::BlockIdx);
+        let lit = |v: u64| Expr::Lit(Lit::Int(v as i64, super::ir::CTy::U32));
+        let below = Expr::Bin(
+            super::ir::BinFn::Lt,
+            Box::new(block.clone()),
+            Box::new(lit(end)),
+        );
+        let cond = if start == 0 {
+            below
+        } else {
+            Expr::Bin(
+                super::ir::BinFn::And,
+                Box::new(Expr::Bin(
+                    super::ir::BinFn::Ge,
+                    Box::new(block),
+                    Box::new(lit(start)),
+                )),
+                Box::new(below),
+            )
+        };
+        body.push(Stmt::If {
+            cond,
+            then: member,
+            els: vec![],
+        });
+        start = end;
+    }
+    let kernel = finish(
+        "multi",
+        Kernel {
+            name: String::new(),
+            params,
+            block: launches[0].kernel.block,
+            body,
+        },
+    )?;
+    Ok(Launch {
+        kernel,
+        args,
+        grid: start as u32,
+    })
+}
+
+fn special(s: Special) -> Expr {
+    Expr::Special(s)
+}
+
+/// A member's block range in the merged grid.
+#[derive(Clone, Copy)]
+struct Geometry {
+    start: u64,
+    grid: u32,
+}
+
+fn name(n: &str, rename: &BTreeMap<&str, String>) -> String {
+    rename.get(n).cloned().unwrap_or_else(|| n.to_string())
+}
+
+fn stmt(s: &Stmt, r: &BTreeMap<&str, String>, g: Geometry) -> Stmt {
+    let e = |x: &Expr| expr(x, r, g);
+    let body = |b: &[Stmt]| b.iter().map(|s| stmt(s, r, g)).collect::<Vec<_>>();
+    match s {
+        Stmt::Let { name: n, ty, init } => Stmt::Let {
+            name: n.clone(),
+            ty: *ty,
+            init: e(init),
+        },
+        Stmt::Assign { name: n, value } => Stmt::Assign {
+            name: n.clone(),
+            value: e(value),
+        },
+        Stmt::Store {
+            buf,
+            elem,
+            index,
+            value,
+        } => Stmt::Store {
+            buf: name(buf, r),
+            elem: *elem,
+            index: e(index),
+            value: e(value),
+        },
+        Stmt::LoadVec {
+            buf,
+            elem,
+            index,
+            names,
+        } => Stmt::LoadVec {
+            buf: name(buf, r),
+            elem: *elem,
+            index: e(index),
+            names: names.clone(),
+        },
+        Stmt::StoreVec {
+            buf,
+            elem,
+            index,
+            values,
+        } => Stmt::StoreVec {
+            buf: name(buf, r),
+            elem: *elem,
+            index: e(index),
+            values: values.iter().map(e).collect(),
+        },
+        Stmt::AtomicAdd {
+            buf,
+            elem,
+            index,
+            value,
+        } => Stmt::AtomicAdd {
+            buf: name(buf, r),
+            elem: *elem,
+            index: e(index),
+            value: e(value),
+        },
+        Stmt::For {
+            var,
+            start,
+            end,
+            step,
+            body: b,
+        } => Stmt::For {
+            var: var.clone(),
+            start: e(start),
+            end: e(end),
+            step: e(step),
+            body: body(b),
+        },
+        Stmt::If { cond, then, els } => Stmt::If {
+            cond: e(cond),
+            then: body(then),
+            els: body(els),
+        },
+        Stmt::Shared { .. } | Stmt::SyncThreads | Stmt::Return | Stmt::Verbatim(_) => s.clone(),
+    }
+}
+
+fn expr(x: &Expr, r: &BTreeMap<&str, String>, g: Geometry) -> Expr {
+    let e = |y: &Expr| Box::new(expr(y, r, g));
+    match x {
+        Expr::Var(n) => Expr::Var(name(n, r)),
+        Expr::Lit(_) => x.clone(),
+        Expr::Special(Special::BlockIdx) if g.start > 0 => Expr::Bin(
+            super::ir::BinFn::Sub,
+            Box::new(special(Special::BlockIdx)),
+            Box::new(Expr::Lit(Lit::Int(g.start as i64, super::ir::CTy::U32))),
+        ),
+        Expr::Special(Special::GridDim) => {
+            Expr::Lit(Lit::Int(g.grid as i64, super::ir::CTy::U32))
+        }
+        Expr::Special(_) => x.clone(),
+        Expr::Un(f, a) => Expr::Un(*f, e(a)),
+        Expr::Bin(f, a, b) => Expr::Bin(*f, e(a), e(b)),
+        Expr::Select(c, a, b) => Expr::Select(e(c), e(a), e(b)),
+        Expr::Cast(t, a) => Expr::Cast(*t, e(a)),
+        Expr::Load { buf, elem, index } => Expr::Load {
+            buf: name(buf, r),
+            elem: *elem,
+            index: e(index),
+        },
+    }
+}
