@@ -10,7 +10,7 @@
 //! - on CUDA (`RUSTYTORCH_TEST_CUDA=1`): merged and unmerged plans bit for bit the same;
 //! - on the test device (CUDA, else the CPU): training through merged launches against the CPU.
 
-use rustytorch::codegen::cuda::{interp, lower_plan, lower_steps, lower_step, CudaStep};
+use rustytorch::codegen::cuda::{interp, lower_plan, lower_step, lower_steps, CudaStep};
 use rustytorch::codegen::{lower, Plan, Source, Step, Storage};
 use rustytorch::compiler::passes;
 use rustytorch::ops::testing::{assert_close, rand_tensor};
@@ -168,7 +168,12 @@ fn same_step(dt: DType, opt: Optimizer, poison: bool) {
         .any(|s| matches!(s, CudaStep::Merged(_))));
     let a = interp::run_plan(&plan, &merged_steps, &inputs, &params).unwrap();
     let b = interp::run_plan(&plan, &lower_steps(&plan).unwrap(), &inputs, &params).unwrap();
-    let bits = |t: &HostTensor| t.to_f64_vec().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let bits = |t: &HostTensor| {
+        t.to_f64_vec()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect::<Vec<_>>()
+    };
     for (p, v) in &plan.updates {
         let (x, y) = (a[*v].as_ref().unwrap(), b[*v].as_ref().unwrap());
         let (bx, by) = (bits(x), bits(y));
@@ -179,6 +184,34 @@ fn same_step(dt: DType, opt: Optimizer, poison: bool) {
             x.to_f64_vec()[first.unwrap_or(0)],
             y.to_f64_vec()[first.unwrap_or(0)]
         );
+    }
+    // Each kernel step of the merged run against its op's CPU kernel over the same operands:
+    // guards exactly, other results within the dtype's rounding.
+    for (i, st) in plan.steps.iter().enumerate() {
+        if !matches!(merged_steps[i], CudaStep::Kernels(_) | CudaStep::Merged(_)) {
+            continue;
+        }
+        let ins: Vec<&HostTensor> = st.inputs.iter().map(|&v| a[v].as_ref().unwrap()).collect();
+        let want = rustytorch::ops::eval_cpu(&st.op, &ins)
+            .unwrap()
+            .to_f64_vec();
+        let got = a[st.output].as_ref().unwrap().to_f64_vec();
+        if plan.types[st.output].dtype == DType::Bool {
+            assert_eq!(got, want, "step {i} ({})", st.op.name());
+        } else {
+            let scale = want.iter().fold(1e-3f64, |m, x| m.max(x.abs()));
+            let tol = if plan.types[st.output].dtype == DType::F32 {
+                1e-5
+            } else {
+                1e-2
+            };
+            assert_close(
+                &got,
+                &want,
+                tol * scale,
+                &format!("step {i} ({})", st.op.name()),
+            );
+        }
     }
     let mut failed = 0;
     for (name, v) in &plan.guards {
@@ -297,7 +330,7 @@ fn merged_launches_match_unmerged_ones_on_the_device_bit_for_bit() {
         let (inputs, params) = operands(&c, &plan, 5);
         let inputs: Vec<Arc<HostTensor>> = inputs.into_iter().map(Arc::new).collect();
         let params: Vec<Arc<HostTensor>> = params.into_iter().map(Arc::new).collect();
-        let mut run = |merge: bool| -> Vec<HostTensor> {
+        let run = |merge: bool| -> Vec<HostTensor> {
             // Read once, while the plan is lowered; either setting computes the same values.
             if merge {
                 std::env::remove_var("RUSTYTORCH_MERGE");
@@ -322,7 +355,11 @@ fn merged_launches_match_unmerged_ones_on_the_device_bit_for_bit() {
                     .map(|v| v.to_bits())
                     .collect::<Vec<_>>()
             };
-            assert!(bits(x) == bits(y), "{dt}: parameter {} differs", c.graph.params[i].name);
+            assert!(
+                bits(x) == bits(y),
+                "{dt}: parameter {} differs",
+                c.graph.params[i].name
+            );
         }
     }
 }
@@ -348,7 +385,12 @@ fn training_through_merged_launches_matches_the_cpu() {
         let tol = if dt == DType::BF16 { 2e-2 } else { 1e-4 };
         for name in ["w1", "b1", "w2", "b2", "w3"] {
             let (p, q) = (cpu.param(name).unwrap(), dev.param(name).unwrap());
-            assert_close(&q.to_f64_vec(), &p.to_f64_vec(), tol, &format!("{dt} {name}"));
+            assert_close(
+                &q.to_f64_vec(),
+                &p.to_f64_vec(),
+                tol,
+                &format!("{dt} {name}"),
+            );
         }
     }
 }

@@ -490,7 +490,13 @@ fn defer_tail(graph: &Graph, schedule: Vec<NodeId>, keep: &HashSet<NodeId>) -> R
             .max()
             .unwrap_or(0);
         avail.insert(n, level + usize::from(kernel));
-        deferred.push((level, kernel, if kernel { node.op.name() } else { "" }, t, n));
+        deferred.push((
+            level,
+            kernel,
+            if kernel { node.op.name() } else { "" },
+            t,
+            n,
+        ));
     }
     // Within a level, the reshapes first (their operands are of lower levels), then the kernels
     // grouped by op, each in schedule order.

@@ -253,8 +253,12 @@ pub fn run_plan(
         let b = bufs[v]
             .as_ref()
             .ok_or_else(|| err("plan", format!("value {v} is read before it is computed")))?;
-        let data = from_bytes(b, ty.dtype)
-            .map_err(|i| err("plan", format!("value {v}: bool byte {i} was never written")))?;
+        let data = from_bytes(b, ty.dtype).map_err(|i| {
+            err(
+                "plan",
+                format!("value {v}: bool byte {i} was never written"),
+            )
+        })?;
         HostTensor::from_data(data, ty.shape.clone()).map_err(|e| err("plan", e.to_string()))
     };
     for (i, (s, cs)) in plan.steps.iter().zip(steps).enumerate() {
@@ -274,64 +278,58 @@ pub fn run_plan(
                 }
             }
             CudaStep::Kernels(k) if plain(k) => {
+                // A reshape's bytes are its operand's, whether or not its own (copying) step
+                // ran yet.
+                let root = |mut v: usize| {
+                    while let crate::Storage::Alias(of) = plan.storage[v] {
+                        v = of;
+                    }
+                    v
+                };
+                // The step's scratch: each offset a region of its own to the end (as in
+                // `run_step`), kept from one launch to the next.
+                let mut scratch: HashMap<usize, Vec<u8>> = HashMap::new();
                 for l in &k.launches {
-                    // A reshape's bytes are its operand's, whether or not its own (copying)
-                    // step ran yet.
-                    let root = |mut v: usize| {
-                        while let crate::Storage::Alias(of) = plan.storage[v] {
-                            v = of;
-                        }
-                        v
-                    };
-                    let value = |a: ArgRef| match a {
-                        ArgRef::Input(j) => Some(root(s.inputs[j])),
-                        ArgRef::Output => Some(root(s.output)),
-                        ArgRef::Value(v) => Some(root(v)),
-                        _ => None,
-                    };
-                    // The launch's buffers: each value once, then the scratch regions.
-                    let mut vals: Vec<usize> = vec![];
-                    let mut map = vec![];
+                    #[derive(PartialEq)]
+                    enum Buf {
+                        Value(usize),
+                        Scratch(usize),
+                    }
+                    let mut taken: Vec<Buf> = vec![];
                     let mut local: Vec<Vec<u8>> = vec![];
-                    let mut regions: HashMap<usize, usize> = HashMap::new();
+                    let mut map = Vec::with_capacity(l.args.len());
                     for a in &l.args {
-                        if let Some(v) = value(*a) {
-                            let at = match vals.iter().position(|&u| u == v) {
-                                Some(p) => p,
-                                None => {
-                                    vals.push(v);
-                                    let b = bufs[v].take().unwrap_or_else(|| {
-                                        vec![POISON; plan.types[v].size_bytes()]
-                                    });
-                                    local.push(b);
-                                    local.len() - 1
-                                }
-                            };
-                            map.push(at);
-                        } else {
-                            let off = match a {
-                                ArgRef::ScratchAt(o) => *o,
-                                _ => 0,
-                            };
-                            let len = k.scratch_bytes.saturating_sub(off);
-                            map.push(usize::MAX - off);
-                            regions.entry(off).or_insert(len);
+                        let b = match *a {
+                            ArgRef::Input(j) => Buf::Value(root(s.inputs[j])),
+                            ArgRef::Output => Buf::Value(root(s.output)),
+                            ArgRef::Value(v) => Buf::Value(root(v)),
+                            ArgRef::ScratchAt(off) => Buf::Scratch(off),
+                            _ => Buf::Scratch(0),
+                        };
+                        if let Some(p) = taken.iter().position(|t| *t == b) {
+                            map.push(p);
+                            continue;
                         }
+                        local.push(match b {
+                            Buf::Value(v) => bufs[v]
+                                .take()
+                                .unwrap_or_else(|| vec![POISON; plan.types[v].size_bytes()]),
+                            Buf::Scratch(off) => scratch.remove(&off).unwrap_or_else(|| {
+                                vec![POISON; k.scratch_bytes.saturating_sub(off)]
+                            }),
+                        });
+                        taken.push(b);
+                        map.push(local.len() - 1);
                     }
-                    // Scratch regions after the values (placeholders resolved now).
-                    let mut region_at: HashMap<usize, usize> = HashMap::new();
-                    for (off, len) in regions {
-                        local.push(vec![POISON; len]);
-                        region_at.insert(off, local.len() - 1);
-                    }
-                    for m in &mut map {
-                        if *m > local.len() {
-                            *m = region_at[&(usize::MAX - *m)];
+                    let run = compile(&l.kernel)
+                        .and_then(|prog| execute(&prog, l.grid, &mut local, &map));
+                    for (b, bytes) in taken.into_iter().zip(local) {
+                        match b {
+                            Buf::Value(v) => bufs[v] = Some(bytes),
+                            Buf::Scratch(off) => {
+                                scratch.insert(off, bytes);
+                            }
                         }
-                    }
-                    let run = compile(&l.kernel).and_then(|prog| execute(&prog, l.grid, &mut local, &map));
-                    for (j, v) in vals.iter().enumerate() {
-                        bufs[*v] = Some(std::mem::take(&mut local[j]));
                     }
                     run?;
                 }

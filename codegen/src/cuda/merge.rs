@@ -414,9 +414,7 @@ fn expr(x: &Expr, r: &BTreeMap<&str, String>, g: Geometry) -> Expr {
             Box::new(special(Special::BlockIdx)),
             Box::new(Expr::Lit(Lit::Int(g.start as i64, super::ir::CTy::U32))),
         ),
-        Expr::Special(Special::GridDim) => {
-            Expr::Lit(Lit::Int(g.grid as i64, super::ir::CTy::U32))
-        }
+        Expr::Special(Special::GridDim) => Expr::Lit(Lit::Int(g.grid as i64, super::ir::CTy::U32)),
         Expr::Special(_) => x.clone(),
         Expr::Un(f, a) => Expr::Un(*f, e(a)),
         Expr::Bin(f, a, b) => Expr::Bin(*f, e(a), e(b)),
