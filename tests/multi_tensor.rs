@@ -138,8 +138,8 @@ fn the_tail_runs_after_the_backward_in_levels() {
         }
         assert!(at(*n) > last_gemm, "{}", graph.node(*n).unwrap().op.name());
     }
-    // Five parameters: their five master updates merge into one launch, as do the five guards
-    // that reduce in one stage and the casts to bf16.
+    // Five parameters: their master updates (each storing its bf16 parameter too) and the
+    // guards that reduce in one stage merge into one launch.
     let steps = lower_plan(&plan).unwrap();
     let unmerged = lower_steps(&plan).unwrap();
     let merged = steps
@@ -147,6 +147,14 @@ fn the_tail_runs_after_the_backward_in_levels() {
         .filter(|s| matches!(s, CudaStep::Merged(_)))
         .count();
     assert!(merged >= 10, "{merged} merged steps");
+    // Each parameter's bf16 value is stored by the kernel of its f32 master's update.
+    let folded = plan
+        .steps
+        .iter()
+        .zip(&steps)
+        .filter(|(s, cs)| matches!(s.op, Op::Cast { .. }) && matches!(cs, CudaStep::Merged(_)))
+        .count();
+    assert_eq!(folded, 5);
     assert_eq!(launches(&unmerged) - launches(&steps), merged);
 }
 

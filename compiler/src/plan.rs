@@ -438,7 +438,9 @@ pub fn saved_forwards(
 /// docs): the elementwise kernels (and row kernels, and the reshapes between them) whose results
 /// only state updates and guards read, directly or through other tail nodes. A kernel's level is
 /// one more than its highest tail kernel operand's, looking through reshapes; the tail runs level
-/// by level, each level's reshapes first, then its kernels grouped by op in schedule order. Members
+/// by level, each level's reshapes first, then its kernels grouped by op in schedule order; a
+/// narrowing cast of a tail kernel's result follows that kernel directly (so that a backend may
+/// store both from one kernel while the bytes the cast's slot takes are still its own). Members
 /// of sibling groups (`keep`) stay where they are.
 fn defer_tail(graph: &Graph, schedule: Vec<NodeId>, keep: &HashSet<NodeId>) -> Result<Vec<NodeId>> {
     let outputs: HashSet<NodeId> = graph.output_nodes().into_iter().collect();
@@ -475,7 +477,11 @@ fn defer_tail(graph: &Graph, schedule: Vec<NodeId>, keep: &HashSet<NodeId>) -> R
     // its own, a reshape's from its operand's.
     let mut avail: HashMap<NodeId, usize> = HashMap::new();
     let mut order: Vec<NodeId> = Vec::with_capacity(schedule.len());
-    let mut deferred: Vec<(usize, bool, &'static str, usize, NodeId)> = vec![];
+    // Sort keys: (level, kernel, op, place in the schedule, follower), where a narrowing cast
+    // of a tail kernel's result takes its producer's key and follows it.
+    type Key = (usize, bool, &'static str, usize, bool);
+    let mut key: HashMap<NodeId, Key> = HashMap::new();
+    let mut deferred: Vec<(Key, NodeId)> = vec![];
     for (t, &n) in schedule.iter().enumerate() {
         if !tail.contains(&n) {
             order.push(n);
@@ -489,19 +495,35 @@ fn defer_tail(graph: &Graph, schedule: Vec<NodeId>, keep: &HashSet<NodeId>) -> R
             .filter_map(|i| avail.get(i).copied())
             .max()
             .unwrap_or(0);
-        avail.insert(n, level + usize::from(kernel));
-        deferred.push((
-            level,
-            kernel,
-            if kernel { node.op.name() } else { "" },
-            t,
-            n,
-        ));
+        let producer = match (&node.op, node.inputs.as_slice()) {
+            (Op::Cast { to }, &[x]) if to.size_bytes() < graph.ty(x).dtype.size_bytes() => {
+                key.get(&x).filter(|k| k.1 && !k.4).copied()
+            }
+            _ => None,
+        };
+        let k = match producer {
+            Some((l, _, op, at, _)) => {
+                avail.insert(n, l + 1);
+                (l, true, op, at, true)
+            }
+            None => {
+                avail.insert(n, level + usize::from(kernel));
+                (
+                    level,
+                    kernel,
+                    if kernel { node.op.name() } else { "" },
+                    t,
+                    false,
+                )
+            }
+        };
+        key.insert(n, k);
+        deferred.push((k, n));
     }
     // Within a level, the reshapes first (their operands are of lower levels), then the kernels
-    // grouped by op, each in schedule order.
+    // grouped by op, each in schedule order (and a folded cast right after its producer).
     deferred.sort();
-    order.extend(deferred.into_iter().map(|d| d.4));
+    order.extend(deferred.into_iter().map(|d| d.1));
     Ok(order)
 }
 

@@ -12,9 +12,10 @@
 //! no bytes they read or write — checked on the memory plan's placement, so a value whose
 //! bytes the arena reuses is a conflict too.
 
-use super::ir::{Expr, Kernel, Lit, Param, Special, Stmt};
+use super::ir::{CTy, Expr, Kernel, Lit, Param, Special, Stmt};
 use super::{finish, ArgRef, CudaStep, Launch, StepKernels};
-use crate::{Plan, Storage, ValueId};
+use crate::{Plan, Source, Storage, ValueId};
+use rustytorch_ops::{DType, Op};
 use std::collections::BTreeMap;
 
 /// Most members of one merged launch.
@@ -64,9 +65,31 @@ struct Touch {
 
 fn touch(plan: &Plan, steps: &[CudaStep], i: usize) -> Touch {
     let s = &plan.steps[i];
-    match steps[i] {
+    match &steps[i] {
         // Computed (and written) by an earlier step, or nothing run.
         CudaStep::Alias | CudaStep::Sibling | CudaStep::Merged(_) => Touch::default(),
+        // Generated kernels touch what their arguments bind (a folded cast's result too).
+        CudaStep::Kernels(k) => {
+            let mut t = Touch::default();
+            for l in &k.launches {
+                for (p, a) in l.kernel.params.iter().zip(&l.args) {
+                    let v = match *a {
+                        ArgRef::Input(j) => s.inputs[j],
+                        ArgRef::Output => s.output,
+                        ArgRef::With(j) => s.with[j],
+                        ArgRef::Value(v) => v,
+                        ArgRef::Scratch | ArgRef::ScratchAt(_) => continue,
+                    };
+                    let place = Place::of(plan, v);
+                    if p.writes {
+                        t.writes.push(place);
+                    } else {
+                        t.reads.push(place);
+                    }
+                }
+            }
+            t
+        }
         _ => Touch {
             reads: s.inputs.iter().map(|&v| Place::of(plan, v)).collect(),
             writes: std::iter::once(s.output)
@@ -89,7 +112,7 @@ fn single<'a>(step: &'a CudaStep, s: &crate::Step) -> Option<&'a Launch> {
     let plain = l
         .args
         .iter()
-        .all(|a| matches!(a, ArgRef::Input(_) | ArgRef::Output));
+        .all(|a| matches!(a, ArgRef::Input(_) | ArgRef::Output | ArgRef::Value(_)));
     (k.scratch_bytes == 0
         && s.with.is_empty()
         && s.sibling_of.is_none()
@@ -175,6 +198,180 @@ impl Group {
     }
 }
 
+/// Folds casts into their operand's kernel: a cast of an f32 result to f16 or bf16, where that
+/// result is a single generated kernel's (and the bytes allow it, as for a merged member), is
+/// stored by that kernel as well, rounded from the same f32 value as the cast would round the
+/// stored one; the cast's step then runs nothing (an f32 master weight and the 16-bit parameter
+/// rounded from it, in one pass). Returns how many casts were folded.
+pub fn fold_casts(plan: &Plan, steps: &mut [CudaStep]) -> crate::Result<usize> {
+    let mut folded = 0;
+    for c in 0..steps.len() {
+        let cs = &plan.steps[c];
+        let (
+            Op::Cast {
+                to: DType::F16 | DType::BF16,
+            },
+            &[v],
+        ) = (&cs.op, cs.inputs.as_slice())
+        else {
+            continue;
+        };
+        let Source::Step(u) = plan.sources[v] else {
+            continue;
+        };
+        if single(&steps[c], cs).is_none()
+            || plan.types[v].dtype != DType::F32
+            || plan.types[v].shape.numel() != plan.types[cs.output].shape.numel()
+        {
+            continue;
+        }
+        let Some(l) = single(&steps[u], &plan.steps[u]) else {
+            continue;
+        };
+        // The kernel's result parameter: stored with scalar or vector stores only.
+        let Some(out) = l
+            .kernel
+            .params
+            .iter()
+            .zip(&l.args)
+            .find(|(_, a)| **a == ArgRef::Output)
+            .map(|(p, _)| p.clone())
+        else {
+            continue;
+        };
+        if out.elem != CTy::F32 || !stores_plainly(&l.kernel.body, &out.name) {
+            continue;
+        }
+        // The cast's result is written at step `u`: nothing from there to the cast may read or
+        // write its bytes.
+        let dst = Place::of(plan, cs.output);
+        let clash = (u..c).any(|i| {
+            let t = touch(plan, steps, i);
+            t.reads.iter().chain(&t.writes).any(|p| p.overlaps(dst))
+        });
+        if clash {
+            continue;
+        }
+        let elem = CTy::storage(plan.types[cs.output].dtype);
+        let mut kernel = l.kernel.clone();
+        let name = format!("{}_cast", out.name);
+        kernel.params.push(Param {
+            name: name.clone(),
+            elem,
+            writes: true,
+        });
+        let mut fresh = 0;
+        kernel.body = also_store(&kernel.body, &out.name, &name, elem, &mut fresh);
+        let mut launch = l.clone();
+        launch.kernel = finish(&format!("{}_cast", prefix(&l.kernel.name)), kernel)?;
+        launch.args.push(ArgRef::Value(cs.output));
+        steps[u] = CudaStep::Kernels(StepKernels {
+            launches: vec![launch],
+            scratch_bytes: 0,
+        });
+        steps[c] = CudaStep::Merged(u);
+        folded += 1;
+    }
+    Ok(folded)
+}
+
+/// A finished kernel's name without its hash.
+fn prefix(name: &str) -> &str {
+    name.rsplit_once('_').map_or(name, |(p, _)| p)
+}
+
+/// Whether `buf` is written only by `Store`/`StoreVec` (no atomics), so that a second store of
+/// each value mirrors it.
+fn stores_plainly(body: &[Stmt], buf: &str) -> bool {
+    body.iter().all(|s| match s {
+        Stmt::AtomicAdd { buf: b, .. } => b != buf,
+        Stmt::For { body, .. } => stores_plainly(body, buf),
+        Stmt::If { then, els, .. } => stores_plainly(then, buf) && stores_plainly(els, buf),
+        Stmt::Verbatim(_) => false,
+        _ => true,
+    })
+}
+
+/// `body` with every store to `from` followed by the same value's store to `to` (of `elem`
+/// storage): each value is bound to an f32 variable first, so both stores read it once.
+fn also_store(body: &[Stmt], from: &str, to: &str, elem: CTy, fresh: &mut usize) -> Vec<Stmt> {
+    let mut out = Vec::with_capacity(body.len());
+    let bind = |value: &Expr, out: &mut Vec<Stmt>, fresh: &mut usize| {
+        let n = format!("rt_folded{}", *fresh);
+        *fresh += 1;
+        out.push(Stmt::Let {
+            name: n.clone(),
+            ty: CTy::F32,
+            init: value.clone(),
+        });
+        Expr::Var(n)
+    };
+    for s in body {
+        match s {
+            Stmt::Store {
+                buf,
+                elem: e,
+                index,
+                value,
+            } if buf == from => {
+                let v = bind(value, &mut out, fresh);
+                out.push(Stmt::Store {
+                    buf: buf.clone(),
+                    elem: *e,
+                    index: index.clone(),
+                    value: v.clone(),
+                });
+                out.push(Stmt::Store {
+                    buf: to.to_string(),
+                    elem,
+                    index: index.clone(),
+                    value: v,
+                });
+            }
+            Stmt::StoreVec {
+                buf,
+                elem: e,
+                index,
+                values,
+            } if buf == from => {
+                let vs: Vec<Expr> = values.iter().map(|x| bind(x, &mut out, fresh)).collect();
+                out.push(Stmt::StoreVec {
+                    buf: buf.clone(),
+                    elem: *e,
+                    index: index.clone(),
+                    values: vs.clone(),
+                });
+                out.push(Stmt::StoreVec {
+                    buf: to.to_string(),
+                    elem,
+                    index: index.clone(),
+                    values: vs,
+                });
+            }
+            Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body,
+            } => out.push(Stmt::For {
+                var: var.clone(),
+                start: start.clone(),
+                end: end.clone(),
+                step: step.clone(),
+                body: also_store(body, from, to, elem, fresh),
+            }),
+            Stmt::If { cond, then, els } => out.push(Stmt::If {
+                cond: cond.clone(),
+                then: also_store(then, from, to, elem, fresh),
+                els: also_store(els, from, to, elem, fresh),
+            }),
+            _ => out.push(s.clone()),
+        }
+    }
+    out
+}
+
 /// Merges independent single-kernel steps of `steps` (the CUDA lowering of `plan`, in step
 /// order) into multi-tensor launches; returns how many launches were saved.
 pub fn merge_launches(plan: &Plan, steps: &mut [CudaStep]) -> crate::Result<usize> {
@@ -253,6 +450,7 @@ fn merged_launch(plan: &Plan, members: &[usize], launches: &[&Launch]) -> crate:
             });
             args.push(match *a {
                 ArgRef::Input(k) => ArgRef::Value(s.inputs[k]),
+                ArgRef::Value(v) => ArgRef::Value(v),
                 _ => ArgRef::Value(s.output),
             });
         }

@@ -257,11 +257,13 @@ fn lower_bias_grad_step(plan: &crate::Plan, s: &crate::Step) -> Result<Option<Cu
     )
 }
 
-/// Lowers every step of a plan for CUDA (in step order), then merges independent single-kernel
-/// steps into multi-tensor launches ([`merge`]; off with `RUSTYTORCH_MERGE=0`).
+/// Lowers every step of a plan for CUDA (in step order), then folds casts into the kernels of
+/// their operands and merges independent single-kernel steps into multi-tensor launches
+/// ([`merge`]; both off with `RUSTYTORCH_MERGE=0`).
 pub fn lower_plan(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
     let mut steps = lower_steps(plan)?;
     if std::env::var("RUSTYTORCH_MERGE").as_deref() != Ok("0") {
+        merge::fold_casts(plan, &mut steps)?;
         merge::merge_launches(plan, &mut steps)?;
     }
     Ok(steps)
