@@ -129,10 +129,12 @@ fn parameters_stay_on_the_device_between_steps() {
             "{device}: per step {per_step_htod} htod, {per_step_dtoh} dtoh, {per_step_bytes} bytes"
         );
         if let Device::Cuda(_) = device {
-            // Inputs x and y in; the two outputs and one guard per trainable parameter out.
+            // Inputs x and y in; the two outputs and the guards out, the guards (one per
+            // trainable parameter) gathered into one copy.
             assert_eq!(per_step_htod, 2, "{device}");
             let guards = exe.plan().guards.len() as u64;
-            assert_eq!(per_step_dtoh, 2 + guards, "{device}");
+            assert!(guards > 1);
+            assert_eq!(per_step_dtoh, 3, "{device}");
             let param_bytes: u64 = exe
                 .plan()
                 .param_types

@@ -402,3 +402,20 @@ fn training_through_merged_launches_matches_the_cpu() {
         }
     }
 }
+
+/// The kernel that gathers a run's guards into one buffer (read back in one copy), through the
+/// interpreter: byte `i` is guard `i`.
+#[test]
+fn the_guards_gather_into_one_buffer() {
+    use rustytorch::codegen::cuda::merge::{gather_guards, GATHER_MAX};
+    for n in [2, 7, GATHER_MAX] {
+        let k = gather_guards(n).unwrap();
+        let want: Vec<u8> = (0..n).map(|i| u8::from(i % 3 != 1)).collect();
+        let mut bufs: Vec<Vec<u8>> = want.iter().map(|&b| vec![b]).collect();
+        bufs.push(vec![0xA5; n]);
+        interp::run_launch(&k, 1, &mut bufs).unwrap();
+        assert_eq!(bufs[n], want, "{n} guards");
+    }
+    assert!(gather_guards(GATHER_MAX + 1).is_err());
+    assert!(gather_guards(0).is_err());
+}

@@ -625,3 +625,58 @@ fn expr(x: &Expr, r: &BTreeMap<&str, String>, g: Geometry) -> Expr {
         },
     }
 }
+
+/// Most guards one gather kernel reads (its pointer parameters stay under 4 KiB).
+pub const GATHER_MAX: usize = 256;
+
+/// A kernel copying `n` bool scalars (one pointer parameter each, `g0`…) into consecutive bytes
+/// of `out`, so that a run's finiteness guards come back in one copy instead of one each.
+pub fn gather_guards(n: usize) -> crate::Result<Kernel> {
+    if n == 0 || n > GATHER_MAX {
+        return Err(crate::CodegenError::Invalid(format!(
+            "gather of {n} guards (1 to {GATHER_MAX})"
+        )));
+    }
+    let mut params: Vec<Param> = (0..n)
+        .map(|i| Param {
+            name: format!("g{i}"),
+            elem: CTy::Bool,
+            writes: false,
+        })
+        .collect();
+    params.push(Param {
+        name: "out".into(),
+        elem: CTy::Bool,
+        writes: true,
+    });
+    let stores = (0..n)
+        .map(|i| Stmt::Store {
+            buf: "out".into(),
+            elem: CTy::Bool,
+            index: super::ir::i64c(i as i64),
+            value: Expr::Load {
+                buf: format!("g{i}"),
+                elem: CTy::Bool,
+                index: Box::new(super::ir::i64c(0)),
+            },
+        })
+        .collect();
+    let first = Expr::Bin(
+        super::ir::BinFn::Eq,
+        Box::new(special(Special::ThreadIdx)),
+        Box::new(Expr::Lit(Lit::Int(0, CTy::U32))),
+    );
+    finish(
+        "gather_guards",
+        Kernel {
+            name: String::new(),
+            params,
+            block: 32,
+            body: vec![Stmt::If {
+                cond: first,
+                then: stores,
+                els: vec![],
+            }],
+        },
+    )
+}

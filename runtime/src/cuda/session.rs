@@ -225,6 +225,10 @@ pub struct CudaSession {
     /// The data-parallel group its `all_reduce` steps reduce over (an NCCL rank on this
     /// device); None: a group of one, where they copy.
     group: Option<Arc<dyn Communicator>>,
+    /// With two or more bool-scalar guards: kernels copying them into `guard_bytes`, one byte
+    /// each in plan order, so that a run reads them back in one copy.
+    guard_gather: Vec<Resolved>,
+    guard_bytes: u64,
 }
 
 /// Timing events of a session.
@@ -437,6 +441,8 @@ impl CudaSession {
             events: Events(Vec::new()),
             last_times: None,
             group: None,
+            guard_gather: vec![],
+            guard_bytes: 0,
         };
         // Buffers: arena, inputs, parameters, constants, scratch. On error, Drop frees them.
         let arena = s.alloc(plan.arena_bytes)?;
@@ -627,6 +633,22 @@ impl CudaSession {
             for l in ks {
                 sources.push((l.kernel.name.clone(), source(&l.kernel)?));
             }
+        }
+        // The guards' gather kernels come last.
+        let gathered = plan.guards.len() > 1
+            && plan.guards.iter().all(|(_, v)| {
+                plan.types[*v].dtype == DType::Bool && plan.types[*v].shape.numel() == 1
+            });
+        let gathers: Vec<&[(String, usize)]> = if gathered {
+            plan.guards
+                .chunks(rustytorch_codegen::cuda::merge::GATHER_MAX)
+                .collect()
+        } else {
+            vec![]
+        };
+        for chunk in &gathers {
+            let k = rustytorch_codegen::cuda::merge::gather_guards(chunk.len())?;
+            sources.push((k.name.clone(), source(&k)?));
         }
         let funcs = dev.functions(&sources)?;
         let mut funcs = funcs.into_iter();
@@ -888,8 +910,65 @@ impl CudaSession {
             };
             s.exec.push((i, e));
         }
+        if !gathers.is_empty() {
+            s.guard_bytes = s.alloc(plan.guards.len())?;
+            let mut at = 0;
+            for chunk in gathers {
+                let mut args: Vec<u64> = chunk.iter().map(|(_, v)| s.ptrs[*v]).collect();
+                let mut vals: Vec<Option<usize>> = chunk.iter().map(|(_, v)| Some(*v)).collect();
+                args.push(s.guard_bytes + at as u64);
+                vals.push(None);
+                s.guard_gather.push(Resolved {
+                    func: funcs.next().expect("one function per gather"),
+                    args,
+                    vals,
+                    grid: 1,
+                    block: 32,
+                });
+                at += chunk.len();
+            }
+        }
         dev.sync()?;
         Ok(s)
+    }
+
+    /// The guards of the run just enqueued on `stream` (its values at `io`'s addresses when
+    /// given): gathered into one buffer and copied back once, or one copy each.
+    fn read_guards(&mut self, stream: CUstream, io: Option<&[u64]>) -> Result<Vec<(String, bool)>> {
+        let plan = self.plan.clone();
+        if self.guard_gather.is_empty() {
+            let mut guards = Vec::with_capacity(plan.guards.len());
+            for (name, v) in &plan.guards {
+                let src = io.map_or(self.ptrs[*v], |t| t[*v]);
+                let t = dtoh(src, &plan.types[*v], stream)?;
+                self.transfers.dtoh_copies += 1;
+                self.transfers.dtoh_bytes += plan.types[*v].size_bytes() as u64;
+                guards.push((name.clone(), t.to_f64_vec().iter().all(|&x| x != 0.0)));
+            }
+            return Ok(guards);
+        }
+        for r in &self.guard_gather {
+            let args: Vec<u64> = r
+                .args
+                .iter()
+                .zip(&r.vals)
+                .map(|(&a, &v)| pick(a, v, io))
+                .collect();
+            // SAFETY: the gather kernel takes one pointer per guard (each a live bool scalar of
+            // this run) and the gather buffer, which holds a byte per guard.
+            unsafe { super::launch_pointers(&r.func, r.grid, r.block, &args, stream) }
+                .map_err(|e| RuntimeError::Device(format!("gathering the guards: {e}")))?;
+        }
+        let ty = TensorType::new(DType::Bool, [plan.guards.len()]);
+        let t = dtoh(self.guard_bytes, &ty, stream)?;
+        self.transfers.dtoh_copies += 1;
+        self.transfers.dtoh_bytes += plan.guards.len() as u64;
+        Ok(plan
+            .guards
+            .iter()
+            .zip(t.to_f64_vec())
+            .map(|((name, _), x)| (name.clone(), x != 0.0))
+            .collect())
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<u64> {
@@ -1319,11 +1398,7 @@ impl Session for CudaSession {
         for (_, v) in &plan.outputs {
             outputs.push(self.download(self.ptrs[*v], &plan.types[*v])?);
         }
-        let mut guards = Vec::with_capacity(plan.guards.len());
-        for (name, v) in &plan.guards {
-            let t = self.download(self.ptrs[*v], &plan.types[*v])?;
-            guards.push((name.clone(), t.to_f64_vec().iter().all(|&x| x != 0.0)));
-        }
+        let guards = self.read_guards(stream, None)?;
         let committed = guards.iter().all(|(_, ok)| *ok);
         if committed {
             for (p, v) in &plan.updates {
@@ -1515,11 +1590,7 @@ impl Session for CudaSession {
                         .map_err(drv("copying an output on the device"))?;
                 }
             }
-            let mut guards = Vec::with_capacity(plan.guards.len());
-            for (name, v) in &plan.guards {
-                let t = dtoh(table[*v], &plan.types[*v], stream)?;
-                guards.push((name.clone(), t.to_f64_vec().iter().all(|&x| x != 0.0)));
-            }
+            let guards = self.read_guards(stream, Some(&table))?;
             let committed = guards.iter().all(|(_, ok)| *ok);
             if committed {
                 for (p, v) in &plan.updates {
