@@ -719,6 +719,94 @@ fn gpt2_train_profile(graph: &Graph) {
     );
 }
 
+/// One eager run of GPT-2 small's bf16 training step between `cuProfilerStart` and
+/// `cuProfilerStop`, for a kernel profiler started with collection off (`ncu
+/// --profile-from-start off`), after warm-up runs; first it lists the plan's steps with what each
+/// runs on CUDA, so the profiler's kernels can be matched to ops in launch order.
+fn gpt2_ncu() {
+    let (graph, plan) = gpt2_step_plan(false);
+    let params: Vec<Arc<HostTensor>> = graph
+        .params
+        .iter()
+        .map(|p| Arc::new(p.init.materialize(&p.ty).expect("init")))
+        .collect();
+    let backend = CudaBackend::new(0).expect("cuda:0");
+    let mut s: Box<dyn Session> = backend.prepare(plan.clone(), params).expect("prepare");
+    let inputs: Vec<Arc<HostTensor>> = plan
+        .inputs
+        .iter()
+        .map(|(_, ty)| Arc::new(rustytorch::ops::testing::rand_tensor(ty, 1, -1.0, 1.0)))
+        .collect();
+    s.set_graph_replay(false);
+    for _ in 0..3 {
+        s.run(&inputs).expect("run");
+    }
+    rustytorch::runtime::cuda_profiler(true).expect("profiler start");
+    s.run(&inputs).expect("run");
+    rustytorch::runtime::cuda_profiler(false).expect("profiler stop");
+    println!("gpt2-ncu: one profiled run done");
+}
+
+/// GPT-2 small's bf16 training-step graph and its plan; with `list`, prints each plan step's op,
+/// result type and what it runs on CUDA.
+fn gpt2_step_plan(list: bool) -> (Graph, Arc<rustytorch::codegen::Plan>) {
+    use rustytorch::codegen::cuda::{lower_plan, CudaStep};
+    let cfg = rustytorch::models::Gpt2Config::small();
+    let g = GraphBuilder::new();
+    let (_, hid) = rustytorch::models::gpt2_typed(&g, &cfg, DType::BF16);
+    let loss = hid.mul(&hid).mean_all();
+    g.train_step(&loss, Sgd::new(1e-4), &StepOptions::default())
+        .expect("train step");
+    let mut graph = g.graph().expect("graph");
+    graph
+        .add_output("out", loss.node().expect("node"))
+        .expect("output");
+    let opts = cuda_opts();
+    let compiled = passes::run(&graph, &opts).expect("compile");
+    let memory = compiled.report.memory.expect("memory plan");
+    let plan = Arc::new(lower(&compiled.graph, &memory).expect("lower"));
+    let cuda = lower_plan(&plan).expect("cuda lowering");
+    for (i, (st, cs)) in plan.steps.iter().zip(&cuda).enumerate().filter(|_| list) {
+        let what = match cs {
+            CudaStep::Kernels(k) => k
+                .launches
+                .iter()
+                .map(|l| format!("{}[{}]", l.kernel.name, l.grid))
+                .collect::<Vec<_>>()
+                .join(" "),
+            CudaStep::Matmul { desc, after, .. } => format!(
+                "gemm m{} n{} k{} b{} ta{} tb{} +{}",
+                desc.m,
+                desc.n,
+                desc.k,
+                desc.batch,
+                desc.trans_a as u8,
+                desc.trans_b as u8,
+                after.launches.len()
+            ),
+            CudaStep::Merged(first) => format!("merged into {first}"),
+            CudaStep::Alias => "alias".into(),
+            CudaStep::Sibling => "sibling".into(),
+            other => format!("{other:?}").chars().take(40).collect(),
+        };
+        println!(
+            "step {i} {} {} :: {what}",
+            st.op.name(),
+            plan.types[st.output]
+        );
+        // `GPT2_SRC=NAME` prints the CUDA C of the generated kernel NAME too.
+        if let (CudaStep::Kernels(k), Ok(want)) = (cs, std::env::var("GPT2_SRC")) {
+            for l in k.launches.iter().filter(|l| l.kernel.name == want) {
+                println!(
+                    "{}",
+                    rustytorch::codegen::cuda::emit::emit(&l.kernel).expect("emit")
+                );
+            }
+        }
+    }
+    (graph, plan)
+}
+
 /// Runs `body` with `RUSTYTORCH_LT_BGRAD` set to `mode` (read when a graph is compiled): `None`
 /// the runtime's choice, `Some("0")` each bias gradient's sum as its own kernel, `Some("1")`
 /// always cuBLASLt's epilogue.
@@ -1044,6 +1132,11 @@ fn col_reduce_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
 }
 
 fn main() {
+    // `bench-gpu gpt2-steps`: the step listing of `gpt2-ncu` only (no device needed).
+    if std::env::args().skip(1).any(|a| a == "gpt2-steps") {
+        gpt2_step_plan(true);
+        return;
+    }
     if let Err(e) = rustytorch::runtime::cuda_device_count() {
         println!("gpu bench: no CUDA device here ({e}); run it on the GPU machine");
         return;
@@ -1082,6 +1175,10 @@ fn main() {
     }
     if only("gpt2") {
         gpt2_rows(&mut push);
+        return;
+    }
+    if only("gpt2-ncu") {
+        gpt2_ncu();
         return;
     }
     if only("mlp-grad") {

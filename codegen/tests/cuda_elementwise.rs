@@ -966,13 +966,81 @@ fn vectorized_elementwise_kernels() {
         let k = fused(chain(dt, &[n]));
         assert!(check_vector(&k, &[&a, &b], &format!("fused chain {dt}")));
     }
-    // A broadcast operand that is not one element keeps the strided loop.
-    let a = rand(DType::F32, &[64, 32], 31, -1.0, 1.0);
-    let b = rand(DType::F32, &[32], 32, -1.0, 1.0);
+    // Broadcast operands whose last dim is the output's (a bias row) or 1 (a per-row
+    // statistic) are read in vectors too when the output's last dim is a multiple of the width:
+    // every float dtype, broadcasts at the front and in the middle, a wider row operand.
+    for dt in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let w = 16 / dt.size_bytes();
+        let (r, c) = (64usize, 4 * w);
+        let x = rand(dt, &[2, r, c], 41, -2.0, 2.0);
+        let row = rand(dt, &[c], 42, -2.0, 2.0);
+        let mid = rand(dt, &[2, 1, c], 43, -2.0, 2.0);
+        let stat = rand(dt, &[2, r, 1], 44, -2.0, 2.0);
+        let lead = rand(dt, &[r, c], 45, -2.0, 2.0);
+        let add = Op::Binary(BinaryOp::Add);
+        assert!(check_vector(&add, &[&x, &row], &format!("row {dt}")));
+        assert!(check_vector(&add, &[&mid, &x], &format!("middle {dt}")));
+        assert!(check_vector(
+            &Op::Binary(BinaryOp::Sub),
+            &[&x, &stat],
+            &format!("per-row {dt}")
+        ));
+        assert!(check_vector(&add, &[&lead, &x], &format!("leading {dt}")));
+        let c3 = rand(DType::Bool, &[2, r, 1], 46, 0.0, 1.0);
+        assert!(check_vector(
+            &Op::Where,
+            &[&c3, &row, &stat],
+            &format!("where of broadcasts {dt}")
+        ));
+        // The LayerNorm affine as fusion makes it: (x - mean) · rstd · w + b.
+        let k = FusedKernel {
+            n_inputs: 5,
+            instrs: vec![
+                bi(BinaryOp::Sub, 0, 1, dt),
+                bi(BinaryOp::Mul, 5, 2, dt),
+                bi(BinaryOp::Mul, 6, 3, dt),
+                bi(BinaryOp::Add, 7, 4, dt),
+            ],
+            out: ty(dt, &[2, r, c]),
+        };
+        let rstd = rand(dt, &[2, r, 1], 47, 0.5, 2.0);
+        let bias = rand(dt, &[c], 48, -1.0, 1.0);
+        assert!(check_vector(
+            &fused(k),
+            &[&x, &stat, &rstd, &row, &bias],
+            &format!("fused affine {dt}")
+        ));
+    }
+    // bf16 output and an f32 row: the f32 operand sets the width (4).
+    let x = rand(DType::BF16, &[64, 32], 51, -1.0, 1.0);
+    let wide = rand(DType::F32, &[32], 52, -1.0, 1.0);
+    let k = FusedKernel {
+        n_inputs: 2,
+        instrs: vec![
+            cast_to(DType::F32, 0),
+            bi(BinaryOp::Mul, 2, 1, DType::F32),
+            cast_to(DType::BF16, 3),
+        ],
+        out: ty(DType::BF16, &[64, 32]),
+    };
+    assert!(check_vector(
+        &fused(k),
+        &[&x, &wide],
+        "f32 row of a bf16 kernel"
+    ));
+    // A last dim that is not a multiple of the width keeps the strided loop.
+    let a = rand(DType::F32, &[512, 30], 31, -1.0, 1.0);
+    let b = rand(DType::F32, &[30], 32, -1.0, 1.0);
     assert!(!check_vector(
         &Op::Binary(BinaryOp::Add),
         &[&a, &b],
-        "row broadcast"
+        "row broadcast, last dim 30"
+    ));
+    let b = rand(DType::F32, &[512, 1], 34, -1.0, 1.0);
+    assert!(!check_vector(
+        &Op::Binary(BinaryOp::Mul),
+        &[&a, &b],
+        "per-row broadcast, last dim 30"
     ));
     // So does a tensor too small to fill one block of vectors.
     let s = rand(DType::F32, &[1000], 33, -1.0, 1.0);

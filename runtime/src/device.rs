@@ -162,6 +162,23 @@ pub fn cuda_device_count() -> Result<usize> {
     Ok(n.max(0) as usize)
 }
 
+/// Starts (`on`) or stops the CUDA profiler's collection for the calling thread's current
+/// context: what `ncu --profile-from-start off` waits for, so that a tool times only the launches
+/// in between. An error when no context is current or the driver refuses.
+pub fn cuda_profiler(on: bool) -> Result<()> {
+    // SAFETY: both calls take no arguments and only flip the driver's collection state; the
+    // driver reports a missing context as an error code, which is returned.
+    let r = unsafe {
+        if on {
+            cudarc::driver::sys::cuProfilerStart()
+        } else {
+            cudarc::driver::sys::cuProfilerStop()
+        }
+    };
+    r.result()
+        .map_err(|e| RuntimeError::Device(format!("CUDA profiler start/stop failed: {e}")))
+}
+
 /// The devices tests run on: the CPU, and `cuda:0` too when the environment variable
 /// `RUSTYTORCH_TEST_CUDA` is `1`. A test that gets `cuda:0` must use it and fail when it is not
 /// usable, never skip it.

@@ -17,7 +17,7 @@ pub mod timing;
 pub use collective::{Communicator, HostGroup, HostRank};
 pub use cpu::CpuBackend;
 pub use cuda::CudaBackend;
-pub use device::{cuda_device_count, Device};
+pub use device::{cuda_device_count, cuda_profiler, Device};
 pub use pool::MemoryStats;
 pub use timing::{StepClock, StepTime, StepTimes};
 

@@ -651,32 +651,67 @@ fn single_kernel(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<(K
 /// Bytes every thread of a vectorized elementwise kernel moves per operand access.
 const VECTOR_BYTES: usize = 16;
 
-/// The elements per thread of the vectorized form of an elementwise kernel over `out`, when it
-/// has one: every operand has the output's shape (read at the output's index) or one element
-/// (loaded once), and there are at least [`BLOCK`] vectors. The widest element type sets the
-/// width so that its accesses are 16 bytes (narrower types move 8, 4 or 2 bytes per access).
-fn vector_width(inputs: &[&TensorType], out: &TensorType) -> Option<usize> {
+/// How the vectorized form of an elementwise kernel reads one operand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Read {
+    /// The output's shape: `w` neighbours at the output's index, in one access.
+    Vector,
+    /// One element, loaded once before the loop.
+    Once,
+    /// Broadcast, unit stride along the last dim (a bias row): `w` neighbours in one access at
+    /// its own index of the vector's first element.
+    Row,
+    /// Broadcast, stride 0 along the last dim (a per-row statistic): one element per vector, at
+    /// its own index of the vector's first element, shared by the `w` lanes.
+    Splat,
+}
+
+/// The elements per thread of the vectorized form of an elementwise kernel over `out`, and how
+/// each operand is read, when it has one: there are at least [`BLOCK`] vectors, and every
+/// operand has the output's shape, one element, or broadcasts with a last dim that is the
+/// output's or 1. Broadcast operands need the output's last dim to be a multiple of the width,
+/// so that the `w` lanes of a vector share every other coordinate (then a row operand's index of
+/// the first lane is a multiple of `w`, which keeps its access aligned). The widest element type
+/// read or written in vectors sets the width so that its accesses are 16 bytes (narrower types
+/// move 8, 4 or 2 bytes per access).
+fn vector_width(inputs: &[&TensorType], out: &TensorType) -> Option<(usize, Vec<Read>)> {
     let n = out.shape.numel();
+    let last = out.shape.dims().last().copied().unwrap_or(1);
     let mut widest = CTy::storage(out.dtype);
+    let mut reads = Vec::with_capacity(inputs.len());
     for t in inputs {
-        if t.shape == out.shape {
-            if elem_bytes(CTy::storage(t.dtype)) > elem_bytes(widest) {
-                widest = CTy::storage(t.dtype);
+        let read = if t.shape == out.shape {
+            Read::Vector
+        } else if t.shape.numel() == 1 {
+            Read::Once
+        } else {
+            match t.shape.broadcast_strides(&out.shape).last() {
+                Some(1) => Read::Row,
+                Some(0) => Read::Splat,
+                _ => return None,
             }
-        } else if t.shape.numel() != 1 {
-            return None;
+        };
+        if matches!(read, Read::Vector | Read::Row)
+            && elem_bytes(CTy::storage(t.dtype)) > elem_bytes(widest)
+        {
+            widest = CTy::storage(t.dtype);
         }
+        reads.push(read);
     }
     let w = VECTOR_BYTES / elem_bytes(widest);
-    (w > 1 && n / w >= BLOCK as usize).then_some(w)
+    let broadcast = reads.iter().any(|r| matches!(r, Read::Row | Read::Splat));
+    if broadcast && !last.is_multiple_of(w) {
+        return None;
+    }
+    (w > 1 && n / w >= BLOCK as usize).then_some((w, reads))
 }
 
 /// An elementwise kernel over the contiguous `out`: the operands are loaded (as their storage's
 /// compute type) and `compute` makes the value stored at each element. The vectorized form
-/// ([`vector_width`]) loads `w` neighbouring elements of each same-shape operand in one access,
-/// computes the `w` values and stores them in one access, with a scalar loop over the last
-/// `n mod w` elements; otherwise one grid-stride loop reads each operand through its broadcast
-/// strides. Returns the kernel and its grid.
+/// ([`vector_width`]) loads `w` neighbouring elements of each same-shape or row operand in one
+/// access (a per-row operand once per vector), computes the `w` values and stores them in one
+/// access, with a scalar loop over the last `n mod w` elements; otherwise one grid-stride loop
+/// reads each operand through its broadcast strides. Returns the kernel and its grid.
 fn ew_kernel(
     params: Vec<Param>,
     inputs: &[&TensorType],
@@ -701,7 +736,7 @@ fn ew_kernel(
         b.push(store("out", elem_out, i.clone(), value));
         Ok(())
     };
-    let Some(w) = vector_width(inputs, out) else {
+    let Some((w, reads)) = vector_width(inputs, out) else {
         let mut b = Body::with_fast(fast);
         scalar_body(&mut b, &var(I))?;
         let k = Kernel {
@@ -718,9 +753,10 @@ fn ew_kernel(
     let mut b = Body::with_fast(fast);
     let scalars: Vec<Option<Expr>> = inputs
         .iter()
+        .zip(&reads)
         .enumerate()
-        .map(|(k, t)| {
-            (t.shape != out.shape).then(|| {
+        .map(|(k, (t, r))| {
+            (*r == Read::Once).then(|| {
                 let l = load(&format!("in{k}"), CTy::storage(t.dtype), i64c(0));
                 b.named(&format!("s{k}"), CTy::compute(t.dtype), l)
             })
@@ -729,18 +765,41 @@ fn ew_kernel(
     body.append(&mut b.stmts);
     let mut b = Body::with_fast(fast);
     let i = b.named("i", CTy::I64, mul(var("j"), i64c(w as i64)));
+    // Broadcast operands' indices at the vector's first element (its lanes differ only in the
+    // last coordinate).
+    let broadcast: Vec<usize> = (0..inputs.len())
+        .filter(|&k| matches!(reads[k], Read::Row | Read::Splat))
+        .collect();
+    let sub: Vec<&TensorType> = broadcast.iter().map(|&k| inputs[k]).collect();
+    let mut at: Vec<Option<Expr>> = vec![None; inputs.len()];
+    for (&k, ix) in broadcast
+        .iter()
+        .zip(broadcast_indices(&mut b, &sub, &out.shape, &i))
+    {
+        at[k] = Some(ix);
+    }
     let mut lanes: Vec<Vec<Expr>> = vec![Vec::with_capacity(inputs.len()); w];
     for (k, t) in inputs.iter().enumerate() {
-        match &scalars[k] {
-            Some(s) => lanes.iter_mut().for_each(|l| l.push(s.clone())),
-            None => {
+        let storage = CTy::storage(t.dtype);
+        match reads[k] {
+            Read::Once => {
+                let s = scalars[k].clone().expect("loaded once");
+                lanes.iter_mut().for_each(|l| l.push(s.clone()));
+            }
+            Read::Splat => {
+                let ix = at[k].clone().expect("broadcast index");
+                let l = load(&format!("in{k}"), storage, ix);
+                let s = b.named(&format!("a{k}"), CTy::compute(t.dtype), l);
+                lanes.iter_mut().for_each(|l| l.push(s.clone()));
+            }
+            Read::Vector | Read::Row => {
+                let ix = if reads[k] == Read::Row {
+                    at[k].clone().expect("broadcast index")
+                } else {
+                    i.clone()
+                };
                 let names: Vec<String> = (0..w).map(|l| format!("a{k}_{l}")).collect();
-                b.push(load_vec(
-                    &format!("in{k}"),
-                    CTy::storage(t.dtype),
-                    i.clone(),
-                    names.clone(),
-                ));
+                b.push(load_vec(&format!("in{k}"), storage, ix, names.clone()));
                 for (lane, name) in lanes.iter_mut().zip(&names) {
                     lane.push(var(name));
                 }
@@ -755,6 +814,8 @@ fn ew_kernel(
     b.push(store_vec("out", elem_out, i, values));
     body.push(grid_stride("j", vectors as i64, b.stmts));
     if !n.is_multiple_of(w) {
+        // Only same-shape and one-element operands here: broadcast ones make `n` a multiple of
+        // `w` (see `vector_width`).
         let mut t = Body::with_fast(fast);
         let i = var(I);
         let tail_args: Vec<Expr> = inputs
