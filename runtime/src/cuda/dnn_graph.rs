@@ -664,6 +664,11 @@ pub(crate) struct GraphPlan {
     pub workspace: usize,
     /// cuDNN's global index of the engine (for logs).
     pub engine: i64,
+    /// The configuration's place among those the heuristics proposed for the graph (mode A's
+    /// in order, then the fallback list's): with its knobs, what tells two plans of one engine
+    /// apart (such as its Hopper and its Ampere kernels), and stable for the same graph, so a
+    /// choice is remembered by it.
+    pub config: usize,
     uids: Vec<i64>,
     /// By-value scalars: uid and the host copy (32 bits) the variant pack points to.
     scalars: Vec<(i64, Box<u32>)>,
@@ -770,6 +775,7 @@ pub(crate) fn plans_of(
     let d = what;
     let mut out: Vec<GraphPlan> = vec![];
     let mut seen = vec![];
+    let mut ordinal = 0usize;
     for mode in [
         sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
         sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
@@ -785,6 +791,8 @@ pub(crate) fn plans_of(
             if out.len() >= max {
                 return Ok(out);
             }
+            let config = ordinal;
+            ordinal += 1;
             let Ok((engine, ok)) = engine_of(&cfg, dtype, tf32) else {
                 continue;
             };
@@ -811,6 +819,7 @@ pub(crate) fn plans_of(
                 plan,
                 workspace: ws as usize,
                 engine,
+                config,
                 uids: uids.clone(),
                 scalars: scalars.iter().map(|&(u, v)| (u, Box::new(v))).collect(),
                 pack: None,
