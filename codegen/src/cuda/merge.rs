@@ -100,6 +100,47 @@ fn touch(plan: &Plan, steps: &[CudaStep], i: usize) -> Touch {
     }
 }
 
+/// The launches of a step that merged kernels can take, launch by launch: generated kernels
+/// over the step's operands, result and scratch, with no verbatim source (a two-pass reduction,
+/// such as a large parameter's finiteness guard, is two). A member's scratch becomes its own
+/// region of the merged step's.
+fn launches_of<'a>(step: &'a CudaStep, s: &crate::Step) -> Option<&'a [Launch]> {
+    let CudaStep::Kernels(k) = step else {
+        return None;
+    };
+    let ok = |l: &Launch| {
+        l.grid > 0
+            && !l.kernel.body.iter().any(verbatim)
+            && l.args.iter().all(|a| {
+                matches!(
+                    a,
+                    ArgRef::Input(_)
+                        | ArgRef::Output
+                        | ArgRef::Value(_)
+                        | ArgRef::Scratch
+                        | ArgRef::ScratchAt(_)
+                )
+            })
+    };
+    (!k.launches.is_empty()
+        && s.with.is_empty()
+        && s.sibling_of.is_none()
+        && k.launches.iter().all(ok))
+    .then_some(k.launches.as_slice())
+}
+
+/// A step's scratch bytes ([`StepKernels::scratch_bytes`]; 0 for other steps).
+fn scratch_of(step: &CudaStep) -> usize {
+    match step {
+        CudaStep::Kernels(k) => k.scratch_bytes,
+        _ => 0,
+    }
+}
+
+/// The alignment of each member's scratch region in a merged step (that of
+/// [`ArgRef::ScratchAt`]).
+const SCRATCH_ALIGN: usize = 256;
+
 /// The one launch of a step that a merged kernel can take: a single generated kernel over the
 /// step's operands and result, with no scratch and no verbatim source.
 fn single<'a>(step: &'a CudaStep, s: &crate::Step) -> Option<&'a Launch> {
@@ -142,13 +183,14 @@ fn shared_bytes(body: &[Stmt]) -> usize {
         .sum()
 }
 
-/// A merged launch being collected.
+/// A merged step being collected: its members have the same number of launches, with the same
+/// block size launch by launch; the limits hold for each merged launch.
 struct Group {
     first: usize,
     members: Vec<usize>,
-    params: usize,
-    shared: usize,
-    blocks: u64,
+    params: Vec<usize>,
+    shared: Vec<usize>,
+    blocks: Vec<u64>,
     /// Reads and writes of every step from `first` on (members or not).
     reads: Vec<Place>,
     writes: Vec<Place>,
@@ -159,9 +201,9 @@ impl Group {
         Group {
             first,
             members: vec![],
-            params: 0,
-            shared: 0,
-            blocks: 0,
+            params: vec![],
+            shared: vec![],
+            blocks: vec![],
             reads: vec![],
             writes: vec![],
         }
@@ -177,19 +219,28 @@ impl Group {
                 .any(|p| hit(p, &self.writes) || hit(p, &self.reads))
     }
 
-    fn fits(&self, l: &Launch, i: usize) -> bool {
+    fn fits(&self, ls: &[Launch], i: usize) -> bool {
+        let at = |v: &[usize], k: usize| v.get(k).copied().unwrap_or(0);
         self.members.len() < MAX_MEMBERS
-            && self.params + l.kernel.params.len() <= MAX_PARAMS
-            && self.shared + shared_bytes(&l.kernel.body) <= MAX_SHARED
-            && self.blocks + l.grid as u64 <= MAX_BLOCKS
             && i - self.first < MAX_SPAN
+            && ls.iter().enumerate().all(|(k, l)| {
+                at(&self.params, k) + l.kernel.params.len() <= MAX_PARAMS
+                    && at(&self.shared, k) + shared_bytes(&l.kernel.body) <= MAX_SHARED
+                    && self.blocks.get(k).copied().unwrap_or(0) + l.grid as u64 <= MAX_BLOCKS
+            })
     }
 
-    fn add(&mut self, l: &Launch, i: usize) {
+    fn add(&mut self, ls: &[Launch], i: usize) {
         self.members.push(i);
-        self.params += l.kernel.params.len();
-        self.shared += shared_bytes(&l.kernel.body);
-        self.blocks += l.grid as u64;
+        let n = ls.len();
+        self.params.resize(n, 0);
+        self.shared.resize(n, 0);
+        self.blocks.resize(n, 0);
+        for (k, l) in ls.iter().enumerate() {
+            self.params[k] += l.kernel.params.len();
+            self.shared[k] += shared_bytes(&l.kernel.body);
+            self.blocks[k] += l.grid as u64;
+        }
     }
 
     fn record(&mut self, t: Touch) {
@@ -372,26 +423,30 @@ fn also_store(body: &[Stmt], from: &str, to: &str, elem: CTy, fresh: &mut usize)
     out
 }
 
-/// Merges independent single-kernel steps of `steps` (the CUDA lowering of `plan`, in step
-/// order) into multi-tensor launches; returns how many launches were saved.
+/// Merges independent generated-kernel steps of `steps` (the CUDA lowering of `plan`, in step
+/// order) into multi-tensor launches (steps of several launches with steps of as many, launch by
+/// launch); returns how many launches were saved.
 pub fn merge_launches(plan: &Plan, steps: &mut [CudaStep]) -> crate::Result<usize> {
-    // Open groups by block size: a merged kernel has one.
-    let mut open: BTreeMap<u32, Group> = BTreeMap::new();
+    // Open groups by the block sizes of their launches: a merged kernel has one.
+    let mut open: BTreeMap<Vec<u32>, Group> = BTreeMap::new();
     let mut done: Vec<Group> = vec![];
     for i in 0..steps.len() {
         let t = touch(plan, steps, i);
-        let cand = single(&steps[i], &plan.steps[i]).map(|l| (l.kernel.block, l.clone()));
-        if let Some((block, l)) = &cand {
-            let g = open.entry(*block).or_insert_with(|| Group::new(i));
-            if !(g.admits(&t) && g.fits(l, i)) {
+        let cand = launches_of(&steps[i], &plan.steps[i]).map(|ls| {
+            let blocks: Vec<u32> = ls.iter().map(|l| l.kernel.block).collect();
+            (blocks, ls.to_vec())
+        });
+        if let Some((blocks, ls)) = &cand {
+            let g = open.entry(blocks.clone()).or_insert_with(|| Group::new(i));
+            if !(g.admits(&t) && g.fits(ls, i)) {
                 done.push(std::mem::replace(g, Group::new(i)));
             }
         }
         // Every open group's window holds this step, member or not.
-        for (block, g) in open.iter_mut() {
-            if let Some((b, l)) = &cand {
-                if b == block {
-                    g.add(l, i);
+        for (blocks, g) in open.iter_mut() {
+            if let Some((b, ls)) = &cand {
+                if b == blocks {
+                    g.add(ls, i);
                 }
             }
             g.record(Touch {
@@ -411,16 +466,27 @@ pub fn merge_launches(plan: &Plan, steps: &mut [CudaStep]) -> crate::Result<usiz
     done.extend(open.into_values());
     let mut saved = 0;
     for g in done.into_iter().filter(|g| g.members.len() > 1) {
-        let launches: Vec<&Launch> = g
-            .members
-            .iter()
-            .map(|&i| single(&steps[i], &plan.steps[i]).expect("a member is a single launch"))
-            .collect();
-        let merged = merged_launch(plan, &g.members, &launches)?;
-        saved += g.members.len() - 1;
+        // Each member's scratch: a region of its own in the merged step's.
+        let mut offsets = Vec::with_capacity(g.members.len());
+        let mut scratch = 0usize;
+        for &i in &g.members {
+            offsets.push(scratch);
+            scratch += scratch_of(&steps[i]).div_ceil(SCRATCH_ALIGN) * SCRATCH_ALIGN;
+        }
+        let n = g.params.len();
+        let mut merged = Vec::with_capacity(n);
+        for k in 0..n {
+            let launches: Vec<&Launch> = g
+                .members
+                .iter()
+                .map(|&i| &launches_of(&steps[i], &plan.steps[i]).expect("a member's launches")[k])
+                .collect();
+            merged.push(merged_launch(plan, &g.members, &launches, &offsets)?);
+        }
+        saved += (g.members.len() - 1) * n;
         steps[g.members[0]] = CudaStep::Kernels(StepKernels {
-            launches: vec![merged],
-            scratch_bytes: 0,
+            launches: merged,
+            scratch_bytes: scratch,
         });
         for &i in &g.members[1..] {
             steps[i] = CudaStep::Merged(g.members[0]);
@@ -429,8 +495,14 @@ pub fn merge_launches(plan: &Plan, steps: &mut [CudaStep]) -> crate::Result<usiz
     Ok(saved)
 }
 
-/// One kernel running `launches` (of the steps `members`) in consecutive block ranges.
-fn merged_launch(plan: &Plan, members: &[usize], launches: &[&Launch]) -> crate::Result<Launch> {
+/// One kernel running `launches` (of the steps `members`, whose scratch regions start at
+/// `scratch` in the merged step's) in consecutive block ranges.
+fn merged_launch(
+    plan: &Plan,
+    members: &[usize],
+    launches: &[&Launch],
+    scratch: &[usize],
+) -> crate::Result<Launch> {
     let mut params = vec![];
     let mut args = vec![];
     let mut body = vec![];
@@ -451,6 +523,8 @@ fn merged_launch(plan: &Plan, members: &[usize], launches: &[&Launch]) -> crate:
             args.push(match *a {
                 ArgRef::Input(k) => ArgRef::Value(s.inputs[k]),
                 ArgRef::Value(v) => ArgRef::Value(v),
+                ArgRef::Scratch => ArgRef::ScratchAt(scratch[j]),
+                ArgRef::ScratchAt(o) => ArgRef::ScratchAt(scratch[j] + o),
                 _ => ArgRef::Value(s.output),
             });
         }

@@ -831,6 +831,82 @@ pub(crate) fn time(stream: ds::CUstream, mut f: impl FnMut() -> Result<()>) -> R
     Ok(ms / TIMED_RUNS as f32)
 }
 
+/// Milliseconds per call of `f` as a CUDA graph replays it: one untimed call, then
+/// `TIMED_RUNS` calls captured on a private stream into one graph, replayed once untimed and
+/// once between two events. Only device time counts: a call's host work (the per-call setup of
+/// a cuDNN plan, which for some of its kernels outlasts the kernel) is left out, as it is when
+/// the plan runs in a replayed step. `f` enqueues on the stream it is given (a cuDNN caller
+/// points its handle there first and back after). `None` when the call cannot be captured.
+pub(crate) fn time_replayed(mut f: impl FnMut(ds::CUstream) -> Result<()>) -> Result<Option<f32>> {
+    let ev =
+        |what: &'static str| move |e: dr::DriverError| RuntimeError::Device(format!("{what}: {e}"));
+    let cs = dr::stream::create(dr::stream::StreamKind::NonBlocking)
+        .map_err(ev("creating the timing stream"))?;
+    let timed = (|| -> Result<Option<f32>> {
+        // Outside capture first: a kernel's module loads on its first launch.
+        f(cs)?;
+        // SAFETY: `cs` is a fresh stream of the current context.
+        unsafe { dr::stream::synchronize(cs) }.map_err(ev("timing warm-up"))?;
+        // SAFETY: `cs` is used only here; thread-local capture records what this thread
+        // enqueues on it without running it.
+        unsafe {
+            dr::stream::begin_capture(
+                cs,
+                ds::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        }
+        .map_err(ev("beginning capture"))?;
+        let enq = (0..TIMED_RUNS).try_for_each(|_| f(cs));
+        // SAFETY: ends the capture begun above on the same stream.
+        let ended = unsafe { dr::stream::end_capture(cs) };
+        if enq.is_err() {
+            if let Ok(g) = ended {
+                if !g.is_null() {
+                    // SAFETY: the captured graph is not used again.
+                    let _ = unsafe { dr::graph::destroy(g) };
+                }
+            }
+            return Ok(None);
+        }
+        let graph = match ended {
+            Ok(g) if !g.is_null() => g,
+            _ => return Ok(None),
+        };
+        // SAFETY: `graph` was just captured; it and its instance are destroyed below.
+        let exec = match unsafe { dr::graph::instantiate(graph, ds::CUgraphInstantiate_flags(0)) } {
+            Ok(e) => e,
+            Err(_) => {
+                // SAFETY: as above.
+                let _ = unsafe { dr::graph::destroy(graph) };
+                return Ok(None);
+            }
+        };
+        let (start, end) = (Event::new()?, Event::new()?);
+        // SAFETY: the instance's buffers are the caller's, live for this call; the events are
+        // live; `synchronize` waits for the recorded work before the graph is destroyed.
+        let ms = unsafe {
+            let run = || -> std::result::Result<f32, dr::DriverError> {
+                dr::graph::launch(exec, cs)?;
+                dr::event::record(start.0, cs)?;
+                dr::graph::launch(exec, cs)?;
+                dr::event::record(end.0, cs)?;
+                dr::event::synchronize(end.0)?;
+                dr::event::elapsed(start.0, end.0)
+            };
+            let ms = run();
+            let _ = dr::stream::synchronize(cs);
+            let _ = dr::graph::exec_destroy(exec);
+            let _ = dr::graph::destroy(graph);
+            ms
+        }
+        .map_err(ev("timing a replayed call"))?;
+        Ok(Some(ms / TIMED_RUNS as f32))
+    })();
+    // SAFETY: the stream is idle (synchronized above or never used) and destroyed once.
+    let _ = unsafe { dr::stream::destroy(cs) };
+    timed
+}
+
 fn destroy(p: &Prepared) {
     // SAFETY: each descriptor was created once (or is null/None) and is destroyed once.
     unsafe {

@@ -36,7 +36,7 @@
 //! records the outcome per description ([`remember_grad`]); `RUSTYTORCH_ATTENTION` forces one
 //! as for the forward.
 
-use super::dnn::{time, Buffers};
+use super::dnn::{time, time_replayed, Buffers};
 use super::dnn_graph::{
     data_type, matmul_node, matmul_node_with, plans_of, pointwise_node, reduction_node,
     reshape_node, tensor_desc, Desc, GraphPlan, OpGraph,
@@ -822,6 +822,13 @@ fn grad_cache() -> &'static Mutex<HashMap<AttnDnnDesc, Option<(usize, usize)>>> 
     C.get_or_init(Default::default)
 }
 
+/// The configurations (forward, backward) cuDNN's timing in [`pick`] chose per description,
+/// for the process.
+fn pick_cache() -> &'static Mutex<HashMap<AttnDnnDesc, (usize, usize)>> {
+    static C: OnceLock<Mutex<HashMap<AttnDnnDesc, (usize, usize)>>> = OnceLock::new();
+    C.get_or_init(Default::default)
+}
+
 /// Builds the forward-with-statistics and backward plans of `d` under `choice`, keeping per
 /// graph the fastest plan (timed on buffers of its own, filled with ones): `None` for
 /// [`Choice::Flash`] or when the flash kernels won before; for [`Choice::Cudnn`] an error when
@@ -906,14 +913,23 @@ fn pick(
             bwd_ms,
         }
     };
-    if let Some((fe, be)) = engines {
+    // The configurations that won the whole choice before (decided), else those cuDNN's own
+    // timing picked for this shape before (the comparison with the flash kernels still due):
+    // every layer of a model then runs the same kernels.
+    let picked = pick_cache()
+        .lock()
+        .expect("attention gradient cache")
+        .get(d)
+        .copied();
+    for (known, decided) in [(engines, true), (picked, false)] {
+        let Some((fe, be)) = known else { continue };
         let i = fwd.iter().position(|p| p.config == fe);
         let j = bwd.iter().position(|p| p.config == be);
         if let (Some(i), Some(j)) = (i, j) {
             return Ok(make(
                 fwd.swap_remove(i),
                 bwd.swap_remove(j),
-                true,
+                decided,
                 None,
                 None,
             ));
@@ -945,7 +961,7 @@ fn pick(
     let fwd_ptrs = fwd_pointers(&ptrs, &layout, ws);
     let best_fwd = fastest(fwd.len(), |i| {
         let g = &mut fwd[i];
-        time(stream, || {
+        time_plan(handle, stream, |_| {
             g.execute(handle, &fwd_ptrs, ws + layout.plan as u64)
         })
         .inspect_err(|e| tracing::trace!("cuDNN engine {} failed on {d:?}: {e}", g.engine))
@@ -960,8 +976,8 @@ fn pick(
     let bwd_ptrs = bwd_pointers(&ptrs, &layout, ws);
     let best_bwd = fastest(bwd.len(), |j| {
         let g = &mut bwd[j];
-        time(stream, || {
-            fill_workspace(&layout, zero_accum, ws, d, stream)?;
+        time_plan(handle, stream, |s| {
+            fill_workspace(&layout, zero_accum, ws, d, s)?;
             g.execute(handle, &bwd_ptrs, ws + layout.plan as u64)
         })
         .inspect_err(|e| tracing::trace!("cuDNN engine {} failed on backward {d:?}: {e}", g.engine))
@@ -972,6 +988,10 @@ fn pick(
         ))
     })?;
     let (f, bw) = (fwd.swap_remove(i), bwd.swap_remove(j));
+    pick_cache()
+        .lock()
+        .expect("attention gradient cache")
+        .insert(d.clone(), (f.config, bw.config));
     tracing::debug!(
         "attention gradient {d:?}: forward engine {} ({fwd_ms:.4} ms), backward engine {} \
          ({bwd_ms:.4} ms), {form:?}",
@@ -979,6 +999,26 @@ fn pick(
         bw.engine
     );
     Ok(make(f, bw, false, Some(fwd_ms), Some(bwd_ms)))
+}
+
+/// Device milliseconds per call of `f` (given the stream to enqueue on) with `handle`, as a
+/// replayed step runs it ([`time_replayed`]: cuDNN's per-call host work left out, which would
+/// otherwise favour plans whose kernels are slower but cheaper to set up); the eager timing on
+/// `stream` when the call cannot be captured. The handle's stream is `stream` again after.
+fn time_plan(
+    handle: sys::cudnnHandle_t,
+    stream: ds::CUstream,
+    mut f: impl FnMut(ds::CUstream) -> Result<()>,
+) -> Result<f32> {
+    let replayed = time_replayed(|s| {
+        set_stream(handle, s)?;
+        f(s)
+    });
+    set_stream(handle, stream)?;
+    match replayed {
+        Ok(Some(ms)) => Ok(ms),
+        Ok(None) | Err(_) => time(stream, || f(stream)),
+    }
 }
 
 /// Rounds of timing per candidate plan: each candidate's best round counts, so that a clock
@@ -1136,7 +1176,7 @@ impl GradPlans {
         stream: ds::CUstream,
     ) -> Result<f64> {
         self.run(handle, ptrs, workspace, stream)?;
-        let ms = time(stream, || self.enqueue(handle, ptrs, workspace, stream))?;
+        let ms = time_plan(handle, stream, |s| self.enqueue(handle, ptrs, workspace, s))?;
         Ok(ms as f64)
     }
 }
@@ -1344,7 +1384,7 @@ fn fastest_forward(
     set_stream(handle, stream)?;
     let best = fastest(plans.len(), |i| {
         let g = &mut plans[i];
-        time(stream, || g.execute(handle, &ptrs, workspace))
+        time_plan(handle, stream, |_| g.execute(handle, &ptrs, workspace))
             .inspect_err(|e| tracing::trace!("cuDNN engine {} failed on {d:?}: {e}", g.engine))
     });
     let what = if stats {
