@@ -24,7 +24,11 @@
 //! loads it instead of one more kernel writing the wide copy for all of them to read. A cast is
 //! the cheapest instruction there is; recomputing it saves a launch and the wide copy's write
 //! and reads (a mixed-precision update's `f32(grad)` read by its finiteness guard and by the
-//! update itself).
+//! update itself). The same holds for a binary op of one full-size operand and a small computed
+//! one (`x − mean`, `x̂ · rstd` and `g · w` of a LayerNorm and its backward, which autodiff of
+//! the primitives makes): each user reads the full-size operand where it would have read the
+//! value, so splitting costs no bytes and saves a kernel, its write, and the activation memory a
+//! backward would otherwise keep for it.
 //!
 //! A group therefore has one result, its root; it never creates a cycle (every path out of an
 //! interior member goes through the root). Operands that do not join become kernel inputs, which
@@ -103,7 +107,7 @@ pub struct FuseReport {
     pub prologues: usize,
     /// Elementwise kernels fused into a row op's output.
     pub epilogues: usize,
-    /// Casts split into one copy per user ([`split_shared_casts`]).
+    /// Casts and cheap values split into one copy per user ([`split_shared_casts`]).
     pub casts_split: usize,
     /// Kernels (live non-leaf nodes) before fusion.
     pub kernels_before: usize,
@@ -251,13 +255,20 @@ pub fn fuse(graph: &Graph) -> Result<(Graph, FuseReport)> {
     Ok((out, report))
 }
 
-/// Gives each user of a shared cast its own copy (see the module docs): a fusable `Cast` that is
-/// no result, with two or more users that are all fusable elementwise ops of the cast's shape
-/// (so each copy joins its user's kernel). Returns the number of casts split.
+/// Gives each user of a shared cheap value its own copy (see the module docs): a fusable
+/// `Cast`, or a `Unary`/`Binary` that reads one operand of its own size and otherwise small
+/// ones (at most an eighth of its size, read through an `Expand`; at least one of them computed,
+/// not a constant), that is
+/// no result and has two or more users that are all fusable elementwise ops of its shape (so
+/// each copy joins its user's kernel). Consumers go first, so a chain of such values (LayerNorm's
+/// `x − mean`, then its product with `rstd`) is recomputed whole in each user. Returns the number
+/// of values split.
 fn split_shared_casts(graph: &mut Graph, roots: &HashSet<NodeId>) -> Result<usize> {
     let mut split = 0;
-    for n in graph.live_order() {
-        if !matches!(graph.g[n].op, Op::Cast { .. }) || roots.contains(&n) || !fusable(graph, n) {
+    let mut order = graph.live_order();
+    order.reverse();
+    for n in order {
+        if roots.contains(&n) || !fusable(graph, n) || !cheap(graph, n) {
             continue;
         }
         let users = graph.users(n);
@@ -291,6 +302,36 @@ fn split_shared_casts(graph: &mut Graph, roots: &HashSet<NodeId>) -> Result<usiz
         split += 1;
     }
     Ok(split)
+}
+
+/// Whether recomputing `n` in each of its users costs no more reading than materializing it
+/// once: a cast, or a binary op with one operand of its own size and the others small (an
+/// eighth of its size at most, counted through an `Expand`, or constants; one at least
+/// computed). Each user then reads that one operand where it would have read `n`, and `n`'s
+/// write is saved.
+fn cheap(graph: &Graph, n: NodeId) -> bool {
+    let node = &graph.g[n];
+    match node.op {
+        Op::Cast { .. } => return true,
+        Op::Unary(_) | Op::Binary(_) => {}
+        _ => return false,
+    }
+    let full = node.ty.shape.numel();
+    let read = |i: NodeId| match &graph.g[i].op {
+        Op::Full { .. } => 0,
+        Op::Expand { .. } => graph.g[i]
+            .inputs
+            .first()
+            .map_or(0, |&s| graph.g[s].ty.shape.numel()),
+        _ => graph.g[i].ty.shape.numel(),
+    };
+    let sizes: Vec<usize> = node.inputs.iter().map(|&i| read(i)).collect();
+    // A broadcast operand that is computed (a row statistic, a weight row) marks the pattern
+    // this is for; a value made from one operand and constants alone stays shared (computed
+    // once, as a group absorbs it when all its users are in the group).
+    sizes.iter().filter(|&&k| k == full).count() == 1
+        && sizes.iter().all(|&k| k == full || k * 8 <= full)
+        && sizes.iter().any(|&k| k > 0 && k < full)
 }
 
 /// Whether `c` can be the core of a row kernel: a softmax, log-softmax, norm, or a float

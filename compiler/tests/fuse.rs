@@ -212,6 +212,34 @@ fn a_narrowing_cast_split_into_two_kernels_still_rounds() {
     assert!(describe_groups(&f).matches("cast<bf16>").count() == 2);
 }
 
+/// LayerNorm in primitives: `x − mean` feeds the variance's reduction, the normalization and,
+/// as a backward would, one more chain. It is recomputed in each user's kernel (reading x and
+/// the row means) instead of being written once and read three times.
+#[test]
+fn a_value_with_a_row_statistic_is_recomputed_in_each_user() {
+    let b = GraphBuilder::new();
+    let x = f32_input(&b, "x", &[4, 64]);
+    let mu = x.mean(&[-1], true);
+    let xc = x.sub(&mu);
+    let var = xc.mul(&xc).mean(&[-1], true);
+    b.output("y", &xc.mul(&var.add_scalar(1e-5).rsqrt()));
+    b.output("z", &xc.mul_scalar(3.0).tanh());
+    let g = b.graph().unwrap();
+    let (f, report) = fuse_and_compare(&g, 1e-6);
+    assert_eq!(report.casts_split, 1, "{}", describe_groups(&f));
+    // No kernel computes x − mean alone: the mean, the variance's row kernel and the two chains.
+    assert_eq!(
+        count(&f, |op| matches!(
+            op,
+            Op::Binary(rustytorch_ops::BinaryOp::Sub)
+        )),
+        0,
+        "{}",
+        describe_groups(&f)
+    );
+    assert_eq!(report.kernels_after, 4, "{}", describe_groups(&f));
+}
+
 #[test]
 fn a_cast_with_a_non_elementwise_user_is_kept() {
     let b = GraphBuilder::new();
