@@ -681,6 +681,11 @@ fn gpt2_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
             let t = time_graph_with(&graph, 10, true, opts);
             push(&format!("gpt2-small {label} b8 s1024"), t, "ms", t.0);
         });
+        if train && typed && bgrad.is_none() {
+            for line in rustytorch::runtime::cuda::attention_choices() {
+                println!("  cuDNN attention: {line}");
+            }
+        }
         if train && typed && bgrad.is_none() && std::env::var_os("GPT2_PROFILE").is_some() {
             gpt2_train_profile(&graph);
         }

@@ -27,6 +27,12 @@ fn cuda() -> bool {
 /// A three-layer MLP of parameters of `dt` (one weight big enough that its guard reduces in
 /// two stages) with `loss = mse(...)` and a training step of `opt`.
 fn mlp(dt: DType, opt: Optimizer) -> (GraphBuilder, Tensor) {
+    mlp_with(dt, opt, 48)
+}
+
+/// [`mlp`] with a second hidden layer of `h2` units: 64 makes `w2` large enough (40,960
+/// elements) for its finiteness guard to reduce in two passes, as `w1`'s does.
+fn mlp_with(dt: DType, opt: Optimizer, h2: usize) -> (GraphBuilder, Tensor) {
     let g = GraphBuilder::new();
     let x = g.input("x", dt, vec![16, 96]);
     let y = g.input("y", dt, vec![16, 24]);
@@ -40,9 +46,9 @@ fn mlp(dt: DType, opt: Optimizer) -> (GraphBuilder, Tensor) {
     };
     let w1 = p("w1", &[96, 640], 1);
     let b1 = p("b1", &[640], 2);
-    let w2 = p("w2", &[640, 64], 3);
-    let b2 = p("b2", &[64], 4);
-    let w3 = p("w3", &[64, 24], 5);
+    let w2 = p("w2", &[640, h2], 3);
+    let b2 = p("b2", &[h2], 4);
+    let w3 = p("w3", &[h2, 24], 5);
     let out = x
         .matmul(&w1)
         .add(&b1)
@@ -112,7 +118,7 @@ fn launches(steps: &[CudaStep]) -> usize {
 
 #[test]
 fn the_tail_runs_after_the_backward_in_levels() {
-    let (g, loss) = mlp(DType::BF16, sgd());
+    let (g, loss) = mlp_with(DType::BF16, sgd(), 64);
     let (c, plan) = compiled(&g, &loss);
     let graph = &c.graph;
     let memory = c.report.memory.as_ref().unwrap();
@@ -168,7 +174,7 @@ fn the_tail_runs_after_the_backward_in_levels() {
 
 /// Every update and guard of one step, merged against unmerged, on the host.
 fn same_step(dt: DType, opt: Optimizer, poison: bool) {
-    let (g, loss) = mlp(dt, opt);
+    let (g, loss) = mlp_with(dt, opt, 64);
     let (c, plan) = compiled(&g, &loss);
     let (mut inputs, params) = operands(&c, &plan, 7);
     if poison {
@@ -346,7 +352,7 @@ fn merged_launches_match_unmerged_ones_on_the_device_bit_for_bit() {
     }
     let backend = CudaBackend::new(0).unwrap();
     for (dt, opt) in [(DType::BF16, adamw()), (DType::F32, sgd())] {
-        let (g, loss) = mlp(dt, opt);
+        let (g, loss) = mlp_with(dt, opt, 64);
         let (c, plan) = compiled(&g, &loss);
         let plan = Arc::new(plan);
         let (inputs, params) = operands(&c, &plan, 5);

@@ -959,7 +959,7 @@ fn pick(
     let ws = b[7];
     set_stream(handle, stream)?;
     let fwd_ptrs = fwd_pointers(&ptrs, &layout, ws);
-    let best_fwd = fastest(fwd.len(), |i| {
+    let (best_fwd, fwd_times) = fastest_of(fwd.len(), |i| {
         let g = &mut fwd[i];
         time_plan(handle, stream, |_| {
             g.execute(handle, &fwd_ptrs, ws + layout.plan as u64)
@@ -974,7 +974,7 @@ fn pick(
     // The statistics the backward reads are those of the last forward run.
     fwd[i].execute(handle, &fwd_ptrs, ws + layout.plan as u64)?;
     let bwd_ptrs = bwd_pointers(&ptrs, &layout, ws);
-    let best_bwd = fastest(bwd.len(), |j| {
+    let (best_bwd, bwd_times) = fastest_of(bwd.len(), |j| {
         let g = &mut bwd[j];
         time_plan(handle, stream, |s| {
             fill_workspace(&layout, zero_accum, ws, d, s)?;
@@ -987,6 +987,8 @@ fn pick(
             "cuDNN fused attention backward: no plan of {d:?} ran"
         ))
     })?;
+    log_choice("gradient's forward", d, &fwd, &fwd_times);
+    log_choice("gradient's backward", d, &bwd, &bwd_times);
     let (f, bw) = (fwd.swap_remove(i), bwd.swap_remove(j));
     pick_cache()
         .lock()
@@ -1017,7 +1019,17 @@ fn time_plan(
     set_stream(handle, stream)?;
     match replayed {
         Ok(Some(ms)) => Ok(ms),
-        Ok(None) | Err(_) => time(stream, || f(stream)),
+        other => {
+            let why = match other {
+                Err(e) => e.to_string(),
+                _ => "the call could not be captured".into(),
+            };
+            choice_log()
+                .lock()
+                .expect("attention choices")
+                .push(format!("timed eagerly: {why}"));
+            time(stream, || f(stream))
+        }
     }
 }
 
@@ -1027,8 +1039,12 @@ const TIMING_ROUNDS: usize = 2;
 
 /// The index and time of the fastest of `n` candidates, each timed by `time_one` in every one
 /// of [`TIMING_ROUNDS`] rounds (candidate by candidate) and counted by its best round; a
-/// candidate that fails drops out. `None` when none ran.
-fn fastest(n: usize, mut time_one: impl FnMut(usize) -> Result<f32>) -> Option<(usize, f32)> {
+/// candidate that fails drops out (`None` when none ran); and every candidate's best time
+/// (`None` for one that failed).
+fn fastest_of(
+    n: usize,
+    mut time_one: impl FnMut(usize) -> Result<f32>,
+) -> (Option<(usize, f32)>, Vec<Option<f32>>) {
     let mut best: Vec<Option<f32>> = vec![Some(f32::INFINITY); n];
     for _ in 0..TIMING_ROUNDS {
         for (i, b) in best.iter_mut().enumerate() {
@@ -1037,10 +1053,47 @@ fn fastest(n: usize, mut time_one: impl FnMut(usize) -> Result<f32>) -> Option<(
             }
         }
     }
-    best.into_iter()
+    let won = best
+        .iter()
         .enumerate()
         .filter_map(|(i, t)| t.filter(|t| t.is_finite()).map(|t| (i, t)))
-        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .min_by(|a, b| a.1.total_cmp(&b.1));
+    (won, best)
+}
+
+/// The choices cuDNN attention timing made in this process, one line each: the candidates
+/// (engine, configuration, milliseconds per call as a replayed step runs them) and the one
+/// kept. For profiles and benchmarks that want to say which kernels ran.
+pub fn attention_choices() -> Vec<String> {
+    choice_log().lock().expect("attention choices").clone()
+}
+
+fn choice_log() -> &'static Mutex<Vec<String>> {
+    static C: OnceLock<Mutex<Vec<String>>> = OnceLock::new();
+    C.get_or_init(Default::default)
+}
+
+/// Records a timed choice among `plans` (see [`attention_choices`]).
+fn log_choice(what: &str, d: &AttnDnnDesc, plans: &[GraphPlan], times: &[Option<f32>]) {
+    let cands: Vec<String> = plans
+        .iter()
+        .zip(times)
+        .map(|(p, t)| match t {
+            Some(t) => format!("engine {} config {}: {t:.4} ms", p.engine, p.config),
+            None => format!("engine {} config {}: failed", p.engine, p.config),
+        })
+        .collect();
+    let line = format!(
+        "{what} b{} h{} sq{} sk{} d{} {:?}: {}",
+        d.b,
+        d.h,
+        d.sq,
+        d.sk,
+        d.d,
+        d.causal,
+        cands.join(", ")
+    );
+    choice_log().lock().expect("attention choices").push(line);
 }
 
 fn set_stream(handle: sys::cudnnHandle_t, stream: ds::CUstream) -> Result<()> {
@@ -1382,7 +1435,7 @@ fn fastest_forward(
     let ptrs = bufs.ptrs[..n].to_vec();
     let workspace = bufs.ptrs[n];
     set_stream(handle, stream)?;
-    let best = fastest(plans.len(), |i| {
+    let (best, times) = fastest_of(plans.len(), |i| {
         let g = &mut plans[i];
         time_plan(handle, stream, |_| g.execute(handle, &ptrs, workspace))
             .inspect_err(|e| tracing::trace!("cuDNN engine {} failed on {d:?}: {e}", g.engine))
@@ -1392,6 +1445,7 @@ fn fastest_forward(
     } else {
         ""
     };
+    log_choice(&format!("forward{what}"), d, plans, &times);
     let best = best.ok_or_else(|| {
         RuntimeError::Device(format!("cuDNN fused attention{what}: no plan of {d:?} ran"))
     })?;
@@ -1418,19 +1472,20 @@ mod tests {
     fn fastest_takes_each_candidates_best_round() {
         let times = [[5.0f32, 1.0], [2.0, 2.0]];
         let mut calls = [0usize; 3];
-        let best = fastest(3, |i| {
+        let best = fastest_of(3, |i| {
             let k = calls[i];
             calls[i] += 1;
             match times.get(i) {
                 Some(t) => Ok(t[k]),
                 None => Err(RuntimeError::Device("no plan".into())),
             }
-        });
+        })
+        .0;
         assert_eq!(best, Some((0, 1.0)));
         assert_eq!(calls, [2, 2, 1]);
-        assert_eq!(fastest(0, |_| Ok(1.0)), None);
+        assert_eq!(fastest_of(0, |_| Ok(1.0)).0, None);
         assert_eq!(
-            fastest(2, |_| Err(RuntimeError::Device("no plan".into()))),
+            fastest_of(2, |_| Err(RuntimeError::Device("no plan".into()))).0,
             None
         );
     }
