@@ -1445,7 +1445,12 @@ fn fastest_forward(
     } else {
         ""
     };
-    log_choice(&format!("forward{what}"), d, plans, &times);
+    let label = if stats {
+        "forward with statistics"
+    } else {
+        "forward"
+    };
+    log_choice(label, d, plans, &times);
     let best = best.ok_or_else(|| {
         RuntimeError::Device(format!("cuDNN fused attention{what}: no plan of {d:?} ran"))
     })?;
