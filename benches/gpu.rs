@@ -57,23 +57,33 @@ fn time_graph_with(
     let compiled = passes::run(graph, &opts).expect("compile");
     let memory = compiled.report.memory.expect("memory plan");
     let plan = Arc::new(lower(&compiled.graph, &memory).expect("lower"));
+    let (mut s, inputs) = session(graph, &plan);
+    s.set_graph_replay(replay);
+    s.run(&inputs).expect("run");
+    s.run(&inputs).expect("run"); // captures the CUDA graph when replay is on
+    let _ = s.time_steps(2).expect("warm-up");
+    (s.time_steps(iters).expect("timing"), plan.kernel_count())
+}
+
+/// A cuda:0 session of `plan` (lowered from `graph`) with every parameter initialized and
+/// resident, and random inputs for it.
+fn session(
+    graph: &Graph,
+    plan: &Arc<rustytorch::codegen::Plan>,
+) -> (Box<dyn Session>, Vec<Arc<HostTensor>>) {
     let params: Vec<Arc<HostTensor>> = graph
         .params
         .iter()
         .map(|p| Arc::new(p.init.materialize(&p.ty).expect("init")))
         .collect();
     let backend = CudaBackend::new(0).expect("cuda:0");
-    let mut s: Box<dyn Session> = backend.prepare(plan.clone(), params).expect("prepare");
+    let s: Box<dyn Session> = backend.prepare(plan.clone(), params).expect("prepare");
     let inputs: Vec<Arc<HostTensor>> = plan
         .inputs
         .iter()
         .map(|(_, ty)| Arc::new(rustytorch::ops::testing::rand_tensor(ty, 1, -1.0, 1.0)))
         .collect();
-    s.set_graph_replay(replay);
-    s.run(&inputs).expect("run");
-    s.run(&inputs).expect("run"); // captures the CUDA graph when replay is on
-    let _ = s.time_steps(2).expect("warm-up");
-    (s.time_steps(iters).expect("timing"), plan.kernel_count())
+    (s, inputs)
 }
 
 fn p(g: &GraphBuilder, name: &str, dtype: DType, dims: &[usize]) -> Tensor {
@@ -730,18 +740,7 @@ fn gpt2_train_profile(graph: &Graph) {
 /// runs on CUDA, so the profiler's kernels can be matched to ops in launch order.
 fn gpt2_ncu() {
     let (graph, plan) = gpt2_step_plan(false);
-    let params: Vec<Arc<HostTensor>> = graph
-        .params
-        .iter()
-        .map(|p| Arc::new(p.init.materialize(&p.ty).expect("init")))
-        .collect();
-    let backend = CudaBackend::new(0).expect("cuda:0");
-    let mut s: Box<dyn Session> = backend.prepare(plan.clone(), params).expect("prepare");
-    let inputs: Vec<Arc<HostTensor>> = plan
-        .inputs
-        .iter()
-        .map(|(_, ty)| Arc::new(rustytorch::ops::testing::rand_tensor(ty, 1, -1.0, 1.0)))
-        .collect();
+    let (mut s, inputs) = session(&graph, &plan);
     s.set_graph_replay(false);
     for _ in 0..3 {
         s.run(&inputs).expect("run");
