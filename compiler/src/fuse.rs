@@ -20,7 +20,7 @@
 //!
 //! One exception to the last-but-one rule, made before the groups are built: a `Cast` used by
 //! several elementwise ops of its own shape (none of them a result) is split into one copy per
-//! user ([`split_shared_casts`]), so that each user's kernel converts the narrow value as it
+//! user ([`split_shared_values`]), so that each user's kernel converts the narrow value as it
 //! loads it instead of one more kernel writing the wide copy for all of them to read. A cast is
 //! the cheapest instruction there is; recomputing it saves a launch and the wide copy's write
 //! and reads (a mixed-precision update's `f32(grad)` read by its finiteness guard and by the
@@ -107,7 +107,7 @@ pub struct FuseReport {
     pub prologues: usize,
     /// Elementwise kernels fused into a row op's output.
     pub epilogues: usize,
-    /// Casts and cheap values split into one copy per user ([`split_shared_casts`]).
+    /// Casts and cheap values split into one copy per user ([`split_shared_values`]).
     pub casts_split: usize,
     /// Kernels (live non-leaf nodes) before fusion.
     pub kernels_before: usize,
@@ -176,7 +176,7 @@ pub fn fuse(graph: &Graph) -> Result<(Graph, FuseReport)> {
         ..FuseReport::default()
     };
     let roots: HashSet<NodeId> = out.roots().into_iter().collect();
-    report.casts_split = split_shared_casts(&mut out, &roots)?;
+    report.casts_split = split_shared_values(&mut out, &roots)?;
     let order = out.live_order();
     // Groups, consumers first; a single op is a group of one for now.
     let mut assigned: HashSet<NodeId> = HashSet::new();
@@ -256,14 +256,14 @@ pub fn fuse(graph: &Graph) -> Result<(Graph, FuseReport)> {
 }
 
 /// Gives each user of a shared cheap value its own copy (see the module docs): a fusable
-/// `Cast`, or a `Unary`/`Binary` that reads one operand of its own size and otherwise small
+/// `Cast`, or a `Binary` that reads one operand of its own size and otherwise small
 /// ones (at most an eighth of its size, read through an `Expand`; at least one of them computed,
 /// not a constant), that is
 /// no result and has two or more users that are all fusable elementwise ops of its shape (so
 /// each copy joins its user's kernel). Consumers go first, so a chain of such values (LayerNorm's
 /// `x − mean`, then its product with `rstd`) is recomputed whole in each user. Returns the number
 /// of values split.
-fn split_shared_casts(graph: &mut Graph, roots: &HashSet<NodeId>) -> Result<usize> {
+fn split_shared_values(graph: &mut Graph, roots: &HashSet<NodeId>) -> Result<usize> {
     let mut split = 0;
     let mut order = graph.live_order();
     order.reverse();
@@ -313,7 +313,7 @@ fn cheap(graph: &Graph, n: NodeId) -> bool {
     let node = &graph.g[n];
     match node.op {
         Op::Cast { .. } => return true,
-        Op::Unary(_) | Op::Binary(_) => {}
+        Op::Binary(_) => {}
         _ => return false,
     }
     let full = node.ty.shape.numel();

@@ -141,26 +141,20 @@ fn scratch_of(step: &CudaStep) -> usize {
 /// [`ArgRef::ScratchAt`]).
 const SCRATCH_ALIGN: usize = 256;
 
-/// The one launch of a step that a merged kernel can take: a single generated kernel over the
-/// step's operands and result, with no scratch and no verbatim source.
+/// The one launch of a step that a merged kernel can take and a cast can fold into: a step of
+/// [`launches_of`] with a single launch and no scratch.
 fn single<'a>(step: &'a CudaStep, s: &crate::Step) -> Option<&'a Launch> {
-    let CudaStep::Kernels(k) = step else {
-        return None;
-    };
-    let [l] = k.launches.as_slice() else {
-        return None;
-    };
-    let plain = l
-        .args
-        .iter()
-        .all(|a| matches!(a, ArgRef::Input(_) | ArgRef::Output | ArgRef::Value(_)));
-    (k.scratch_bytes == 0
-        && s.with.is_empty()
-        && s.sibling_of.is_none()
-        && plain
-        && l.grid > 0
-        && !l.kernel.body.iter().any(verbatim))
-    .then_some(l)
+    match launches_of(step, s)? {
+        [l] if scratch_of(step) == 0
+            && !l
+                .args
+                .iter()
+                .any(|a| matches!(a, ArgRef::Scratch | ArgRef::ScratchAt(_))) =>
+        {
+            Some(l)
+        }
+        _ => None,
+    }
 }
 
 fn verbatim(s: &Stmt) -> bool {
@@ -220,13 +214,15 @@ impl Group {
     }
 
     fn fits(&self, ls: &[Launch], i: usize) -> bool {
-        let at = |v: &[usize], k: usize| v.get(k).copied().unwrap_or(0);
+        fn at<T: Copy + Default>(v: &[T], k: usize) -> T {
+            v.get(k).copied().unwrap_or_default()
+        }
         self.members.len() < MAX_MEMBERS
             && i - self.first < MAX_SPAN
             && ls.iter().enumerate().all(|(k, l)| {
                 at(&self.params, k) + l.kernel.params.len() <= MAX_PARAMS
                     && at(&self.shared, k) + shared_bytes(&l.kernel.body) <= MAX_SHARED
-                    && self.blocks.get(k).copied().unwrap_or(0) + l.grid as u64 <= MAX_BLOCKS
+                    && at(&self.blocks, k) + l.grid as u64 <= MAX_BLOCKS
             })
     }
 
@@ -434,7 +430,7 @@ pub fn merge_launches(plan: &Plan, steps: &mut [CudaStep]) -> crate::Result<usiz
         let t = touch(plan, steps, i);
         let cand = launches_of(&steps[i], &plan.steps[i]).map(|ls| {
             let blocks: Vec<u32> = ls.iter().map(|l| l.kernel.block).collect();
-            (blocks, ls.to_vec())
+            (blocks, ls)
         });
         if let Some((blocks, ls)) = &cand {
             let g = open.entry(blocks.clone()).or_insert_with(|| Group::new(i));

@@ -831,6 +831,11 @@ pub(crate) fn time(stream: ds::CUstream, mut f: impl FnMut() -> Result<()>) -> R
     Ok(ms / TIMED_RUNS as f32)
 }
 
+/// A driver error as the runtime's, naming what failed.
+pub(crate) fn drv(what: &'static str) -> impl Fn(dr::DriverError) -> RuntimeError {
+    move |e| RuntimeError::Device(format!("{what}: {e}"))
+}
+
 /// Milliseconds per call of `f` as a CUDA graph replays it: one untimed call, then
 /// `TIMED_RUNS` calls captured on a private stream into one graph, replayed once untimed and
 /// once between two events. Only device time counts: a call's host work (the per-call setup of
@@ -838,15 +843,13 @@ pub(crate) fn time(stream: ds::CUstream, mut f: impl FnMut() -> Result<()>) -> R
 /// the plan runs in a replayed step. `f` enqueues on the stream it is given (a cuDNN caller
 /// points its handle there first and back after). `None` when the call cannot be captured.
 pub(crate) fn time_replayed(mut f: impl FnMut(ds::CUstream) -> Result<()>) -> Result<Option<f32>> {
-    let ev =
-        |what: &'static str| move |e: dr::DriverError| RuntimeError::Device(format!("{what}: {e}"));
     let cs = dr::stream::create(dr::stream::StreamKind::NonBlocking)
-        .map_err(ev("creating the timing stream"))?;
+        .map_err(drv("creating the timing stream"))?;
     let timed = (|| -> Result<Option<f32>> {
         // Outside capture first: a kernel's module loads on its first launch.
         f(cs)?;
         // SAFETY: `cs` is a fresh stream of the current context.
-        unsafe { dr::stream::synchronize(cs) }.map_err(ev("timing warm-up"))?;
+        unsafe { dr::stream::synchronize(cs) }.map_err(drv("timing warm-up"))?;
         // SAFETY: `cs` is used only here; thread-local capture records what this thread
         // enqueues on it without running it.
         unsafe {
@@ -855,7 +858,7 @@ pub(crate) fn time_replayed(mut f: impl FnMut(ds::CUstream) -> Result<()>) -> Re
                 ds::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
             )
         }
-        .map_err(ev("beginning capture"))?;
+        .map_err(drv("beginning capture"))?;
         let enq = (0..TIMED_RUNS).try_for_each(|_| f(cs));
         // SAFETY: ends the capture begun above on the same stream.
         let ended = unsafe { dr::stream::end_capture(cs) };
@@ -899,7 +902,7 @@ pub(crate) fn time_replayed(mut f: impl FnMut(ds::CUstream) -> Result<()>) -> Re
             let _ = dr::graph::destroy(graph);
             ms
         }
-        .map_err(ev("timing a replayed call"))?;
+        .map_err(drv("timing a replayed call"))?;
         Ok(Some(ms / TIMED_RUNS as f32))
     })();
     // SAFETY: the stream is idle (synchronized above or never used) and destroyed once.

@@ -1440,15 +1440,10 @@ fn fastest_forward(
         time_plan(handle, stream, |_| g.execute(handle, &ptrs, workspace))
             .inspect_err(|e| tracing::trace!("cuDNN engine {} failed on {d:?}: {e}", g.engine))
     });
-    let what = if stats {
-        " forward with statistics"
+    let (label, what) = if stats {
+        ("forward with statistics", " forward with statistics")
     } else {
-        ""
-    };
-    let label = if stats {
-        "forward with statistics"
-    } else {
-        "forward"
+        ("forward", "")
     };
     log_choice(label, d, plans, &times);
     let best = best.ok_or_else(|| {

@@ -2,7 +2,7 @@
 //! once; a run copies inputs in, launches, copies outputs and guard flags out, and commits the
 //! updates with device-to-device copies when every guard passed.
 
-use super::dnn::DnnPtrs;
+use super::dnn::{drv, DnnPtrs};
 use super::dnn_attention;
 use super::dnn_graph::GraphPlan;
 use super::sparse::SpmmCall;
@@ -326,10 +326,6 @@ pub(crate) fn dtoh(
     };
     HostTensor::from_data(data, ty.shape.clone())
         .map_err(|e| RuntimeError::Invalid(format!("device result: {e}")))
-}
-
-fn drv(what: &'static str) -> impl Fn(dr::DriverError) -> RuntimeError {
-    move |e| RuntimeError::Device(format!("{what}: {e}"))
 }
 
 /// Makes `consumer` wait for the work queued on `producer` so far (an event recorded on
