@@ -73,6 +73,7 @@ fn ops(c: &mut Criterion) {
         trans_b: true,
         bias: true,
         act,
+        accumulate: false,
     };
     let q = t(&[8, 12, 32, 32], 8);
     let mask = HostTensor::from_vec(vec![0f32; 8 * 32], [8, 1, 1, 32]).unwrap();

@@ -779,13 +779,18 @@ fn gpt2_step_plan(list: bool) -> (Graph, Arc<rustytorch::codegen::Plan>) {
                 .collect::<Vec<_>>()
                 .join(" "),
             CudaStep::Matmul { desc, after, .. } => format!(
-                "gemm m{} n{} k{} b{} ta{} tb{} +{}",
+                "gemm m{} n{} k{} b{} ta{} tb{}{} +{}",
                 desc.m,
                 desc.n,
                 desc.k,
                 desc.batch,
                 desc.trans_a as u8,
                 desc.trans_b as u8,
+                if desc.accumulate.is_some() {
+                    " acc"
+                } else {
+                    ""
+                },
                 after.launches.len()
             ),
             CudaStep::Merged(first) => format!("merged into {first}"),

@@ -60,3 +60,25 @@ def step_sgd():
 
 
 print(f"gpt2-small training step (fwd+bwd+SGD foreach) bf16 eager: {bench(step_sgd, 10):.3f} ms", flush=True)
+
+# `python3 benches/gpu_gpt2_peer.py --profile`: the eager fwd+bwd's kernels, summed over 3 steps
+# (torch.profiler, CUDA activity), to set beside `bench-gpu gpt2-ncu`'s kernel list.
+if "--profile" in sys.argv:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            n, t = rows.get(e.name, (0, 0.0))
+            rows[e.name] = (n + 1, t + e.device_time_total)
+    total = sum(t for _, t in rows.values()) / 3
+    print(f"eager fwd+bwd kernels: {total / 1000:.3f} ms a step (summed kernel time)")
+    for name, (n, t) in sorted(rows.items(), key=lambda r: -r[1][1]):
+        print(f"{t / 3000:9.3f} ms {n // 3:5d}x  {name[:150]}")

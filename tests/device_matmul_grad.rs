@@ -296,6 +296,7 @@ fn forward_epilogues_run_on_the_host_as_the_cpu_kernel() {
                         trans_b: false,
                         bias,
                         act,
+                        accumulate: false,
                     };
                     let mut ins = vec![a, b];
                     if bias {
@@ -349,4 +350,59 @@ fn a_broadcast_weight_folds_the_batch_into_the_rows() {
         desc(&mm(false), f(&[8, 16, 32]), f(&[8, 32, 24])),
         (8, 16, 1)
     );
+}
+
+/// An accumulating `matmul_epilogue` (`A·B + bias + C`) lowered for CUDA and run on the host
+/// through the interpreter's model of cuBLASLt (C read from the op's last operand, also where
+/// the bias runs in a kernel after the GEMM, as for f64), against the CPU kernel; every float
+/// dtype, with and without a bias, a folded `[B,S,D]·W` and a strided batch.
+#[test]
+fn accumulating_lowering_runs_on_the_host_as_the_cpu_kernel() {
+    let mut seed = 700;
+    for dt in FLOATS {
+        for bias in [false, true] {
+            for (a_dims, b_dims, c_dims, ta) in [
+                (&[2, 9, 16][..], &[16, 24][..], &[2, 9, 24][..], false),
+                (&[3, 16, 9][..], &[3, 16, 24][..], &[3, 9, 24][..], true),
+            ] {
+                seed += 5;
+                let t = |d: &[usize], s: u64| {
+                    rand_tensor(&TensorType::new(dt, d.to_vec()), s, -1.0, 1.0)
+                };
+                let mut ins = vec![t(a_dims, seed), t(b_dims, seed + 1)];
+                if bias {
+                    ins.push(t(&[24], seed + 2));
+                }
+                ins.push(t(c_dims, seed + 3));
+                let op = Op::MatmulEpilogue {
+                    trans_a: ta,
+                    trans_b: false,
+                    bias,
+                    act: Activation::None,
+                    accumulate: true,
+                };
+                let tys: Vec<TensorType> = ins.iter().map(|t| t.ty()).collect();
+                let refs: Vec<&TensorType> = tys.iter().collect();
+                let out = infer(&op, &refs).unwrap();
+                let CudaStep::Matmul { desc, after, .. } = lower_step(&op, &refs, &out).unwrap()
+                else {
+                    panic!("{op}: a matmul step");
+                };
+                assert_eq!(
+                    desc.c_operand(),
+                    Some(2 + bias as usize),
+                    "{dt} bias={bias}"
+                );
+                let ins_ref: Vec<&HostTensor> = ins.iter().collect();
+                let got = interp::run_matmul_step(&desc, &after, &ins_ref, &out).unwrap();
+                let want = eval_cpu(&op, &ins_ref).unwrap();
+                assert_close(
+                    &got.to_f64_vec(),
+                    &want.to_f64_vec(),
+                    tol(dt, 16),
+                    &format!("{dt} bias={bias} ta={ta}"),
+                );
+            }
+        }
+    }
 }

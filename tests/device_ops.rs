@@ -390,6 +390,7 @@ fn matmuls() {
                 trans_b: false,
                 bias: true,
                 act,
+                accumulate: false,
             };
             check(
                 &format!("linear {d:?} {act:?}"),
@@ -401,9 +402,41 @@ fn matmuls() {
                 trans_b: true,
                 bias: false,
                 act,
+                accumulate: false,
             };
             let wt = rnd(d, &[128, 96], 78, -0.2, 0.2);
             check(&format!("linear no bias {d:?} {act:?}"), op, vec![x, wt]);
+        }
+        // An accumulated operand (cuBLASLt's C, beta 1): a residual add with a bias, and a
+        // gradient summed into, batched [2,3]·[3] as one strided call and folded [2,64]·W.
+        for bias in [false, true] {
+            let op = Op::MatmulEpilogue {
+                trans_a: false,
+                trans_b: !bias,
+                bias,
+                act: Activation::None,
+                accumulate: true,
+            };
+            let x = rnd(d, &[2, 64, 96], 79, -1.0, 1.0);
+            let w = rnd(d, if bias { &[96, 128] } else { &[128, 96] }, 80, -0.2, 0.2);
+            let c = rnd(d, &[2, 64, 128], 81, -2.0, 2.0);
+            let mut ins = vec![x, w];
+            if bias {
+                ins.push(rnd(d, &[128], 82, -0.5, 0.5));
+            }
+            ins.push(c);
+            check(&format!("linear accumulate bias={bias} {d:?}"), op, ins);
+            let op = Op::MatmulEpilogue {
+                trans_a: true,
+                trans_b: false,
+                bias: false,
+                act: Activation::None,
+                accumulate: true,
+            };
+            let a = rnd(d, &[3, 40, 33], 83, -1.0, 1.0);
+            let b = rnd(d, &[3, 40, 24], 84, -1.0, 1.0);
+            let c = rnd(d, &[3, 33, 24], 85, -2.0, 2.0);
+            check(&format!("batched accumulate {d:?}"), op, vec![a, b, c]);
         }
     }
 }

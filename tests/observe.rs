@@ -194,6 +194,7 @@ fn the_trace_of_a_cpu_run_has_one_event_per_step() {
             "verify",
             "optimize",
             "attention_layout",
+            "accumulate",
             "fuse",
             "plan",
             "lower",

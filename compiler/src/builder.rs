@@ -942,6 +942,7 @@ impl Tensor {
                 trans_b: false,
                 bias: bias.is_some(),
                 act,
+                accumulate: false,
             },
             &ins,
         )

@@ -31,8 +31,8 @@ use std::path::Path;
 pub const MAGIC: [u8; 8] = *b"RTGRAPH\0";
 /// The format version this build writes and the newest it reads (2 added named dims, 3 the
 /// channels-last layout of convolutions and pooling, 4 attention's `[B,S,H,D]` layout in the
-/// same table, 5 the table of convolution activations).
-pub const VERSION: u32 = 5;
+/// same table, 5 the table of convolution activations, 6 the table of accumulating matmuls).
+pub const VERSION: u32 = 6;
 /// The first version whose body holds named dims.
 const NAMED_DIMS_VERSION: u32 = 2;
 /// The first version whose body holds the table of channels-last nodes.
@@ -41,6 +41,8 @@ const LAYOUTS_VERSION: u32 = 3;
 const ATTN_LAYOUT_VERSION: u32 = 4;
 /// The first version whose body holds the table of convolution activations.
 const ACTS_VERSION: u32 = 5;
+/// The first version whose body holds the table of accumulating matmuls.
+const ACCUMS_VERSION: u32 = 6;
 /// Bytes before the body.
 pub const HEADER_LEN: usize = 24;
 
@@ -91,6 +93,46 @@ struct GraphDef {
     /// The convolutions with an activation and that activation, ascending by node (version 5;
     /// the activation is not part of the op's own encoding, so older files read without one).
     acts: Vec<(u32, Activation)>,
+    /// The `matmul_epilogue` nodes with an accumulated operand, ascending (version 6; the flag
+    /// is not part of the op's own encoding, so older files read without one).
+    accums: Vec<u32>,
+}
+
+/// The body of version 5: [`GraphDef`] without the table of accumulating matmuls.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+struct GraphDefV5 {
+    nodes: Vec<NodeDef>,
+    inputs: Vec<InputDecl>,
+    params: Vec<ParamDecl>,
+    constants: Vec<TensorDef>,
+    outputs: Vec<(String, u32)>,
+    updates: Vec<(u32, u32)>,
+    guards: Vec<(String, u32)>,
+    sidecar: Option<String>,
+    dims: Vec<DimDecl>,
+    shapes: Vec<(u32, Vec<DimDef>)>,
+    layouts: Vec<u32>,
+    acts: Vec<(u32, Activation)>,
+}
+
+impl From<GraphDefV5> for GraphDef {
+    fn from(d: GraphDefV5) -> GraphDef {
+        GraphDef {
+            nodes: d.nodes,
+            inputs: d.inputs,
+            params: d.params,
+            constants: d.constants,
+            outputs: d.outputs,
+            updates: d.updates,
+            guards: d.guards,
+            sidecar: d.sidecar,
+            dims: d.dims,
+            shapes: d.shapes,
+            layouts: d.layouts,
+            acts: d.acts,
+            accums: Vec::new(),
+        }
+    }
 }
 
 /// The body of versions 3 and 4: [`GraphDef`] without the table of convolution activations.
@@ -124,6 +166,7 @@ impl From<GraphDefV4> for GraphDef {
             shapes: d.shapes,
             layouts: d.layouts,
             acts: Vec::new(),
+            accums: Vec::new(),
         }
     }
 }
@@ -156,6 +199,7 @@ impl From<GraphDefV1> for GraphDef {
             shapes: Vec::new(),
             layouts: Vec::new(),
             acts: Vec::new(),
+            accums: Vec::new(),
         }
     }
 }
@@ -190,6 +234,7 @@ impl From<GraphDefV2> for GraphDef {
             shapes: d.shapes,
             layouts: Vec::new(),
             acts: Vec::new(),
+            accums: Vec::new(),
         }
     }
 }
@@ -252,6 +297,34 @@ fn apply_layouts(def: &mut GraphDef, version: u32) -> Result<()> {
             ))
         })?;
         geom.layout = rustytorch_ops::Layout::ChannelsLast;
+    }
+    Ok(())
+}
+
+/// Marks the matmuls of the `accums` table as accumulating, checking it first: ascending node
+/// ids, each a `matmul_epilogue`.
+fn apply_accums(def: &mut GraphDef) -> Result<()> {
+    let n = def.nodes.len();
+    for (k, &id) in def.accums.iter().enumerate() {
+        if k > 0 && def.accums[k - 1] >= id {
+            return Err(fmt_err(format!(
+                "accums: node {id} follows node {} (the table must be ascending)",
+                def.accums[k - 1]
+            )));
+        }
+        let node = def
+            .nodes
+            .get_mut(id as usize)
+            .ok_or_else(|| fmt_err(format!("accums names node {id}, but there are {n} nodes")))?;
+        let name = node.op.name();
+        match &mut node.op {
+            Op::MatmulEpilogue { accumulate, .. } => *accumulate = true,
+            _ => {
+                return Err(fmt_err(format!(
+                    "accums names node {id} ({name}), which is not a matmul_epilogue"
+                )))
+            }
+        }
     }
     Ok(())
 }
@@ -737,6 +810,7 @@ fn encode(
         shapes: dim_defs(graph, &map)?,
         layouts: Vec::new(),
         acts: Vec::new(),
+        accums: Vec::new(),
     };
     let mut def = def;
     def.layouts = (0..def.nodes.len())
@@ -748,6 +822,18 @@ fn encode(
             Op::Conv { act, .. } if act != Activation::None => Some((i as u32, act)),
             _ => None,
         })
+        .collect();
+    def.accums = (0..def.nodes.len())
+        .filter(|&i| {
+            matches!(
+                def.nodes[i].op,
+                Op::MatmulEpilogue {
+                    accumulate: true,
+                    ..
+                }
+            )
+        })
+        .map(|i| i as u32)
         .collect();
     Ok((frame(&def)?, sidecar_bytes))
 }
@@ -895,8 +981,15 @@ fn decode_body(body: &[u8]) -> Result<GraphDef> {
 
 /// Decodes the body of a file of `version` (an older version through its own schema).
 fn decode_versioned(body: &[u8], version: u32) -> Result<GraphDef> {
-    if version >= ACTS_VERSION {
+    if version >= ACCUMS_VERSION {
         return decode_body(body);
+    }
+    if version >= ACTS_VERSION {
+        return write_options()
+            .with_limit(body.len() as u64)
+            .deserialize::<GraphDefV5>(body)
+            .map(GraphDef::from)
+            .map_err(|e| fmt_err(format!("malformed body (version {version}): {e}")));
     }
     if version >= LAYOUTS_VERSION {
         return write_options()
@@ -925,6 +1018,7 @@ fn decode(bytes: &[u8], sidecar: &mut dyn FnMut(&str) -> Result<Vec<u8>>) -> Res
     let mut def = decode_versioned(body, version)?;
     apply_layouts(&mut def, version)?;
     apply_acts(&mut def)?;
+    apply_accums(&mut def)?;
     validate(&def)?;
     let mut side: HashMap<String, HostTensor> = HashMap::new();
     if def.params.iter().any(|p| p.data == ParamData::Sidecar) {
@@ -1350,6 +1444,47 @@ mod tests {
         assert!(load_err(&d).contains("acts names node 9"));
     }
 
+    /// An accumulating matmul, read back; then the `accums` table spoiled three ways; a version
+    /// 5 body reads with no accumulating matmuls.
+    #[test]
+    fn the_accums_table_is_checked() {
+        let mut g = Graph::new();
+        let ty = TensorType::new(DType::F32, [4, 4]);
+        let a = g.add_input("a", ty.clone()).unwrap();
+        let b = g.add_input("b", ty.clone()).unwrap();
+        let c = g.add_input("c", ty).unwrap();
+        let mm = |accumulate| Op::MatmulEpilogue {
+            trans_a: false,
+            trans_b: true,
+            bias: false,
+            act: Activation::None,
+            accumulate,
+        };
+        let y = g.add(mm(true), &[a, b, c]).unwrap();
+        let z = g.add(mm(false), &[a, b]).unwrap();
+        g.add_output("y", y).unwrap();
+        g.add_output("z", z).unwrap();
+        let bytes = to_bytes(&g, ParamStorage::Embedded).unwrap();
+        let def = decode_body(unframe(&bytes).unwrap()).unwrap();
+        assert_eq!(def.accums, vec![3]);
+        let back = from_bytes(&bytes).unwrap();
+        assert_eq!(back.node(back.output_nodes()[0]).unwrap().op, mm(true));
+        assert_eq!(back.node(back.output_nodes()[1]).unwrap().op, mm(false));
+        let mut d = def.clone();
+        d.accums = vec![0];
+        assert!(load_err(&d).contains("which is not a matmul_epilogue"));
+        let mut d = def.clone();
+        d.accums = vec![4, 3];
+        assert!(load_err(&d).contains("must be ascending"));
+        let mut d = def.clone();
+        d.accums = vec![9];
+        assert!(load_err(&d).contains("accums names node 9"));
+        // Without the table the accumulating node has one operand too many for its op.
+        let mut d = def;
+        d.accums.clear();
+        assert!(from_bytes(&frame(&d).unwrap()).is_err());
+    }
+
     fn load_err(def: &GraphDef) -> String {
         match from_bytes(&frame(def).unwrap()) {
             Err(CompileError::Format(m)) => m,
@@ -1667,7 +1802,8 @@ mod tests {
         body.push(0); // no name
         body.extend([0u8; 8 * 6]); // six empty tables
         body.push(0); // no sidecar
-        body.extend([0u8; 8 * 4]); // no named dims, symbolic shapes, layouts or activations
+        body.extend([0u8; 8 * 5]); // no named dims, symbolic shapes, layouts, activations or
+                                   // accumulating matmuls
         body
     }
 

@@ -2,6 +2,7 @@
 //! API, the verifier, autodiff, the e-graph optimizer, fusion, memory planning, the IR text format
 //! and graph files.
 
+pub mod accumulate;
 pub mod attn_layout;
 pub mod autocast;
 pub mod autodiff;

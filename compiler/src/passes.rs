@@ -4,8 +4,9 @@
 //!
 //! verify → layout (channels-last convolution stacks, when the target asks) → optimize (e-graph)
 //! → autocast (mixed precision, when asked) → attention layout (attention reads its heads in
-//! place, when the target asks) → fuse → plan memory
+//! place, when the target asks) → accumulate (sums folded into matmuls) → fuse → plan memory
 
+use crate::accumulate::{accumulate, AccumulateReport};
 use crate::attn_layout::{attention_layout, AttnLayoutReport};
 use crate::autocast::{autocast, AutocastReport};
 use crate::fuse::{fuse, FuseReport};
@@ -45,6 +46,9 @@ pub struct Options {
     /// can launch each level as one multi-tensor kernel (decided by the target: on for CUDA, off
     /// by default, as it keeps every gradient live until then).
     pub defer_updates: bool,
+    /// Fold `add(c, matmul)` into the matmul as an accumulated operand ([`crate::accumulate`]; on
+    /// by default). Runs only with `optimize`.
+    pub accumulate: bool,
     /// Passes whose output to keep as text (`all` for every pass); defaults to `RUSTYTORCH_DUMP`.
     pub dump: Vec<String>,
 }
@@ -60,6 +64,7 @@ impl Default for Options {
             attention_layout: false,
             attention_layout_grads: true,
             defer_updates: false,
+            accumulate: true,
             dump: std::env::var("RUSTYTORCH_DUMP")
                 .map(|s| s.split(',').map(|p| p.trim().to_string()).collect())
                 .unwrap_or_default(),
@@ -91,6 +96,8 @@ pub struct Report {
     pub autocast: Option<AutocastReport>,
     /// The attention layout pass.
     pub attention_layout: Option<AttnLayoutReport>,
+    /// The accumulate pass.
+    pub accumulate: Option<AccumulateReport>,
     /// Fusion.
     pub fuse: Option<FuseReport>,
     /// The static memory plan.
@@ -183,6 +190,15 @@ pub fn run(graph: &Graph, opts: &Options) -> Result<Compiled> {
             Ok(out)
         })?;
         report.attention_layout = rep;
+    }
+    if opts.optimize && opts.accumulate {
+        let mut rep = None;
+        g = step(&mut report, opts, "accumulate", g, |g| {
+            let (out, r) = accumulate(g)?;
+            rep = Some(r);
+            Ok(out)
+        })?;
+        report.accumulate = rep;
     }
     if opts.fuse {
         let mut rep = None;

@@ -287,10 +287,22 @@ fn every_op_graph() -> Graph {
             trans_b: false,
             bias: true,
             act: Activation::GeluTanh,
+            accumulate: false,
         },
         &[x, w, bias],
     );
-    outs.extend([mm, mmt, epi]);
+    let acc = add(
+        &mut g,
+        Op::MatmulEpilogue {
+            trans_a: false,
+            trans_b: false,
+            bias: true,
+            act: Activation::None,
+            accumulate: true,
+        },
+        &[x, w, bias, mm],
+    );
+    outs.extend([mm, mmt, epi, acc]);
 
     // Movement.
     let r = add(
@@ -993,6 +1005,33 @@ fn a_version_4_file_still_loads_without_activations() {
     assert_same(&graph, &from_bytes(&again).unwrap());
 }
 
+/// The golden file as version 5 wrote it (frozen: never blessed again), with its values. It has
+/// no table of accumulating matmuls: its `matmul_epilogue` nodes read without an accumulated
+/// operand.
+const GOLDEN_V5: &str = "every_op_v5.rtg";
+const GOLDEN_V5_VALUES: &str = "every_op_v5.values.safetensors";
+
+#[test]
+fn a_version_5_file_still_loads_without_accumulation() {
+    let bytes = std::fs::read(fixture(GOLDEN_V5)).unwrap();
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 5);
+    let graph = from_bytes(&bytes).unwrap();
+    let mut epis = 0;
+    for id in graph.topo_order().unwrap() {
+        if let Op::MatmulEpilogue { accumulate, .. } = &graph.node(id).unwrap().op {
+            assert!(!accumulate);
+            epis += 1;
+        }
+    }
+    assert_eq!(epis, 1);
+    assert_eq!(
+        runs_to_recorded_values(&graph, GOLDEN_V5_VALUES),
+        Op::VARIANT_COUNT
+    );
+    let again = to_bytes(&graph, ParamStorage::Embedded).unwrap();
+    assert_same(&graph, &from_bytes(&again).unwrap());
+}
+
 /// A convolution's activation keeps it through a file (the current golden file holds one too).
 #[test]
 fn conv_activation_round_trips() {
@@ -1041,9 +1080,24 @@ fn attention_layout_round_trips() {
 }
 
 /// `bytes` (a file of `g` in this build's version) as a version 3 file: the same body without
-/// the trailing table of convolution activations (a u64 length, then 8 bytes an entry: the node
-/// and the activation's variant), with its header's length and checksum made to match.
+/// the trailing tables of convolution activations (a u64 length, then 8 bytes an entry: the node
+/// and the activation's variant) and of accumulating matmuls (a u64 length, then a u32 node an
+/// entry), with its header's length and checksum made to match.
 fn as_version_3(g: &Graph, bytes: &[u8]) -> Vec<u8> {
+    let accums = g
+        .topo_order()
+        .unwrap()
+        .into_iter()
+        .filter(|&id| {
+            matches!(
+                &g.node(id).unwrap().op,
+                Op::MatmulEpilogue {
+                    accumulate: true,
+                    ..
+                }
+            )
+        })
+        .count();
     let acts = g
         .topo_order()
         .unwrap()
@@ -1053,7 +1107,7 @@ fn as_version_3(g: &Graph, bytes: &[u8]) -> Vec<u8> {
                 Op::Conv { act, .. } if *act != rustytorch_ops::Activation::None)
         })
         .count();
-    let body = &bytes[24..bytes.len() - 8 - 8 * acts];
+    let body = &bytes[24..bytes.len() - 8 - 8 * acts - 8 - 4 * accums];
     let mut out = bytes[..8].to_vec();
     out.extend(3u32.to_le_bytes());
     out.extend((body.len() as u64).to_le_bytes());

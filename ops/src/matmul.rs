@@ -1,4 +1,4 @@
-//! Matrix products: `Matmul`, `MatmulEpilogue` (`act(A·B + bias)`) and `MatmulActGrad`
+//! Matrix products: `Matmul`, `MatmulEpilogue` (`act(A·B + bias + C)`) and `MatmulActGrad`
 //! (`(A·B) ⊙ act'(pre)`, a matmul's result taken back through an activation's derivative).
 //!
 //! Operands have rank >= 2; the last two dims are the matrix (swapped when `trans_*`), the leading
@@ -13,7 +13,9 @@
 //! The epilogue (bias and activation) of f32 results runs in one vectorized pass with the f32
 //! forms of [`crate::vmath`] (the exact GELU within 1e-6 relative error); other dtypes evaluate
 //! it in f64 per element (the exact GELU through the elementwise family's `erfc`). Its gradient
-//! reuses the elementwise family's rule for the activation.
+//! reuses the elementwise family's rule for the activation. An accumulated operand `C` (the
+//! result's type, no activation) is added to the f32 (f64) result before it is rounded, as
+//! cuBLASLt adds `beta·C` before its one rounding; its gradient is the result's.
 //!
 //! `MatmulActGrad` multiplies the product by the activation's derivative at `pre` (an operand of
 //! the product's shape) in the same pass: f32 (and f16/bf16 through f32) vectorized, f64 per
@@ -54,9 +56,21 @@ fn flags(op: &Op) -> Option<(bool, bool, bool, Activation)> {
             trans_b,
             bias,
             act,
+            ..
         } => Some((*trans_a, *trans_b, *bias, *act)),
         _ => None,
     }
+}
+
+/// Whether `op` is a `MatmulEpilogue` with an accumulated operand (after the bias).
+fn accumulates(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::MatmulEpilogue {
+            accumulate: true,
+            ..
+        }
+    )
 }
 
 fn geom(op: &Op, inputs: &[&TensorType], ta: bool, tb: bool) -> Result<Geom> {
@@ -116,7 +130,12 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
         Op::MatmulActGrad { act, .. } => Some(*act),
         _ => None,
     };
-    arity(op, inputs, 2 + (bias || grad_act.is_some()) as usize)?;
+    let acc = accumulates(op);
+    arity(
+        op,
+        inputs,
+        2 + (bias || grad_act.is_some()) as usize + acc as usize,
+    )?;
     let dt = inputs[0].dtype;
     if inputs.iter().any(|t| t.dtype != dt) || !dt.is_float() {
         return Err(dtype_err(
@@ -139,6 +158,26 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
     let mut dims = g.batch.dims().to_vec();
     dims.push(g.m);
     dims.push(g.n);
+    if acc {
+        if flags(op).is_some_and(|f| f.3 != Activation::None) {
+            return Err(shape_err(
+                op,
+                inputs,
+                "an accumulated operand is added only with act=none".to_string(),
+            ));
+        }
+        let cs = &inputs[2 + bias as usize].shape;
+        if cs.dims() != dims.as_slice() {
+            return Err(shape_err(
+                op,
+                inputs,
+                format!(
+                    "accumulated operand {cs} must have the product's shape {}",
+                    Shape::new(dims.clone())
+                ),
+            ));
+        }
+    }
     if let Some(act) = grad_act {
         if act == Activation::None {
             return Err(shape_err(
@@ -187,6 +226,7 @@ trait GemmFloat: Copy + Send + Sync + Default + 'static {
     const ONE: Self;
     fn of_f64(v: f64) -> Self;
     fn as_f64(self) -> f64;
+    fn add(self, o: Self) -> Self;
     /// `act(y + bias)` over rows of `n` in place, evaluated in f64 per element.
     fn bias_act_rows(rows: &mut [Self], bias: Option<&[Self]>, act: Activation, n: usize) {
         for row in rows.chunks_mut(n) {
@@ -233,6 +273,9 @@ impl GemmFloat for f32 {
     }
     fn as_f64(self) -> f64 {
         self as f64
+    }
+    fn add(self, o: Self) -> Self {
+        self + o
     }
     /// The vectorized f32 forms ([`crate::vmath`]): one pass, the bias added in f32.
     fn bias_act_rows(rows: &mut [f32], bias: Option<&[f32]>, act: Activation, n: usize) {
@@ -294,6 +337,9 @@ impl GemmFloat for f64 {
     }
     fn as_f64(self) -> f64 {
         self
+    }
+    fn add(self, o: Self) -> Self {
+        self + o
     }
 }
 
@@ -448,6 +494,17 @@ pub fn cpu_prepacked(
     if matches!(op, Op::MatmulActGrad { .. }) || out.dtype != crate::DType::F32 {
         return None;
     }
+    let acc = if accumulates(op) {
+        match inputs
+            .get(2 + has_bias as usize)
+            .map(|t| t.as_slice::<f32>())
+        {
+            Some(Ok(c)) => Some(c),
+            _ => return None,
+        }
+    } else {
+        None
+    };
     let tys: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
     let refs: Vec<&TensorType> = tys.iter().collect();
     let g = match geom(op, &refs, ta, tb) {
@@ -484,6 +541,12 @@ pub fn cpu_prepacked(
         });
     if !ok {
         return None;
+    }
+    if let Some(c) = acc {
+        if c.len() != y.len() {
+            return None;
+        }
+        add_into(&mut y, c);
     }
     Some(HostTensor::from_data(
         Data::F32(y.into()),
@@ -574,6 +637,22 @@ fn act_grad<T: GemmFloat>(y: &mut [T], pre: &[T], act: Activation) {
     }
 }
 
+/// `y += c` elementwise (blocks in parallel when the tensor is big).
+fn add_into<T: GemmFloat>(y: &mut [T], c: &[T]) {
+    let add = |y: &mut [T], c: &[T]| {
+        for (y, &c) in y.iter_mut().zip(c) {
+            *y = T::add(*y, c);
+        }
+    };
+    if y.len() >= PAR_THRESHOLD {
+        y.par_chunks_mut(EPILOGUE_BLOCK)
+            .zip(c.par_chunks(EPILOGUE_BLOCK))
+            .for_each(|(y, c)| add(y, c));
+    } else {
+        add(y, c);
+    }
+}
+
 /// Runs a matmul on the CPU; `out` is the inferred output type.
 pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTensor> {
     let Some((ta, tb, has_bias, act)) = flags(op) else {
@@ -598,7 +677,18 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
         }
         _ => None,
     };
-    let run32 = |a: &[f32], b: &[f32], bias: Option<Vec<f32>>, pre: Option<Vec<f32>>| {
+    // The accumulated operand (checked to have the product's shape), added before rounding.
+    let acc = if accumulates(op) {
+        infer(op, &refs)?;
+        Some(inputs[2 + has_bias as usize])
+    } else {
+        None
+    };
+    let run32 = |a: &[f32],
+                 b: &[f32],
+                 bias: Option<Vec<f32>>,
+                 pre: Option<Vec<f32>>,
+                 c: Option<Vec<f32>>| {
         let mut y = match packed_f32(a, b, &a_offs, &b_offs, &g, ta, tb, bias.as_deref(), act) {
             Some(y) => y,
             None => {
@@ -610,6 +700,9 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
         if let (Some(pre), Some((_, ga))) = (pre, grad) {
             act_grad(&mut y, &pre, ga);
         }
+        if let Some(c) = c {
+            add_into(&mut y, &c);
+        }
         y
     };
     let pre = grad.map(|(t, _)| t);
@@ -617,7 +710,8 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
         (Data::F32(x), Data::F32(w)) => {
             let bias = bias.map(|t| t.to_vec::<f32>()).transpose()?;
             let pre = pre.map(|t| t.to_vec::<f32>()).transpose()?;
-            Data::F32(run32(x, w, bias, pre).into())
+            let c = acc.map(|t| t.to_vec::<f32>()).transpose()?;
+            Data::F32(run32(x, w, bias, pre, c).into())
         }
         (Data::F64(x), Data::F64(w)) => {
             let bias = bias.map(|t| t.to_vec::<f64>()).transpose()?;
@@ -626,20 +720,25 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
             if let Some((p, ga)) = grad {
                 act_grad(&mut y, p.as_slice::<f64>()?, ga);
             }
+            if let Some(c) = acc {
+                add_into(&mut y, c.as_slice::<f64>()?);
+            }
             Data::F64(y.into())
         }
         (Data::F16(x), Data::F16(w)) => {
             let up = |v: &[f16]| v.par_iter().map(|h| h.to_f32()).collect::<Vec<f32>>();
             let bias = bias.map(|t| t.as_slice::<f16>().map(up)).transpose()?;
             let pre = pre.map(|t| t.as_slice::<f16>().map(up)).transpose()?;
-            let y = run32(&up(x), &up(w), bias, pre);
+            let c = acc.map(|t| t.as_slice::<f16>().map(up)).transpose()?;
+            let y = run32(&up(x), &up(w), bias, pre, c);
             Data::F16(y.par_iter().map(|&v| f16::from_f32(v)).collect())
         }
         (Data::BF16(x), Data::BF16(w)) => {
             let up = |v: &[bf16]| v.par_iter().map(|h| h.to_f32()).collect::<Vec<f32>>();
             let bias = bias.map(|t| t.as_slice::<bf16>().map(up)).transpose()?;
             let pre = pre.map(|t| t.as_slice::<bf16>().map(up)).transpose()?;
-            let y = run32(&up(x), &up(w), bias, pre);
+            let c = acc.map(|t| t.as_slice::<bf16>().map(up)).transpose()?;
+            let y = run32(&up(x), &up(w), bias, pre, c);
             Data::BF16(y.par_iter().map(|&v| bf16::from_f32(v)).collect())
         }
         _ => return Err(mismatch()),
@@ -754,6 +853,9 @@ pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
         let r = cx.ty(g).shape.rank();
         let dbias = cx.sum(g, (0..r - 1).collect(), false)?;
         out.push(Some(dbias));
+    }
+    if accumulates(cx.op) {
+        out.push(Some(g));
     }
     Ok(out)
 }

@@ -486,7 +486,8 @@ pub enum Op {
         /// Use Bᵀ.
         trans_b: bool,
     },
-    /// `act(A·B + bias)` as one library call (cuBLASLt's epilogue shape); inputs a, b, [bias].
+    /// `act(A·B + bias + C)` as one library call (cuBLASLt's epilogue shape); inputs a, b,
+    /// [bias], [c].
     MatmulEpilogue {
         /// Use Aᵀ.
         trans_a: bool,
@@ -496,6 +497,12 @@ pub enum Op {
         bias: bool,
         /// Activation.
         act: Activation,
+        /// Whether an operand of the result's type follows the bias, added to the product
+        /// before the one rounding (cuBLASLt's C with beta 1: a residual add, or a gradient
+        /// summed into); only with no activation. Not part of the serde encoding: graph files
+        /// from version 6 keep it in a table of their own, so older files read as `false`.
+        #[serde(skip, default)]
+        accumulate: bool,
     },
 
     // ---- movement ----
@@ -994,6 +1001,7 @@ impl Op {
                     trans_b: false,
                     bias: true,
                     act: Activation::GeluErf,
+                    accumulate: false,
                 },
                 vec![x.clone(), f32t(&[3, 4]), f32t(&[4])],
             ),

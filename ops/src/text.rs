@@ -390,11 +390,13 @@ fn attrs_of(op: &Op) -> AttrOut {
             trans_b,
             bias,
             act,
+            accumulate,
         } => {
             a.flag("trans_a", *trans_a);
             a.flag("trans_b", *trans_b);
             a.flag("bias", *bias);
             a.kv("act", act_text(*act));
+            a.flag("accumulate", *accumulate);
         }
         Op::MatmulActGrad {
             trans_a,
@@ -894,6 +896,7 @@ fn parse_nested(text: &str, depth: usize) -> PResult<Op> {
                 trans_b: a.flag("trans_b")?,
                 bias: a.flag("bias")?,
                 act: a.val("act", "an activation", |v| parse_enum(v, &ACTS))?,
+                accumulate: a.flag("accumulate")?,
             },
             "matmul_act_grad" => Op::MatmulActGrad {
                 trans_a: a.flag("trans_a")?,
@@ -1189,6 +1192,16 @@ mod tests {
                 trans_b: true,
                 bias: act != Activation::Relu,
                 act,
+                accumulate: false,
+            });
+        }
+        for bias in [false, true] {
+            ops.push(Op::MatmulEpilogue {
+                trans_a: false,
+                trans_b: bias,
+                bias,
+                act: Activation::None,
+                accumulate: true,
             });
         }
         for act in [Activation::Relu, Activation::GeluErf, Activation::GeluTanh] {

@@ -133,6 +133,7 @@ fn check(
             trans_b: tb,
             bias,
             act,
+            accumulate: false,
         }
     } else {
         Op::Matmul {
@@ -371,6 +372,7 @@ fn errors_name_op_shapes_and_dtypes() {
         trans_b: false,
         bias: true,
         act: Activation::Relu,
+        accumulate: false,
     };
     let e = err(&ep, &[t(&[2, 3]), t(&[3, 4]), t(&[3])]).to_string();
     assert!(
@@ -422,6 +424,7 @@ fn gradchecks() {
                 trans_b: tb,
                 bias: true,
                 act,
+                accumulate: false,
             };
             let a = rand_tensor(&f64_ty(&stored(&[2], 3, 4, ta)), 7, -1.0, 1.0);
             let b = rand_tensor(&f64_ty(&stored(&[], 4, 5, tb)), 8, -1.0, 1.0);
@@ -433,6 +436,7 @@ fn gradchecks() {
             trans_b: true,
             bias: false,
             act,
+            accumulate: false,
         };
         let a = rand_tensor(&f64_ty(&[3, 4]), 11, -1.0, 1.0);
         let b = rand_tensor(&f64_ty(&[2, 5, 4]), 12, -1.0, 1.0);
@@ -451,4 +455,113 @@ fn empty_operands() {
     assert_eq!(eval_cpu(&mm, &[&a, &b]).unwrap().dims(), &[0, 4]);
     let a = rand_tensor(&TensorType::new(DType::F32, [0, 2, 3]), 1, -1.0, 1.0);
     assert_eq!(eval_cpu(&mm, &[&a, &b]).unwrap().dims(), &[0, 2, 4]);
+}
+
+/// `A·B + bias + C` (an accumulated operand) against the f64 reference plus C, every float
+/// dtype, with and without a bias, batched (the packed and the gemm paths): C is added before
+/// the one rounding, so half types stay within their own tolerance of the exact sum.
+#[test]
+fn accumulated_operand_every_dtype() {
+    let mut seed = 900;
+    for dt in FLOATS {
+        for bias in [false, true] {
+            for (ta, tb) in [(false, false), (true, false), (false, true)] {
+                for (batch, m, k, n) in [(&[][..], 5, 9, 7), (&[3][..], 33, 70, 20)] {
+                    seed += 4;
+                    let a = rand_tensor(
+                        &TensorType::new(dt, stored(batch, m, k, ta)),
+                        seed,
+                        -1.0,
+                        1.0,
+                    );
+                    let b = rand_tensor(
+                        &TensorType::new(dt, stored(&[], k, n, tb)),
+                        seed + 1,
+                        -1.0,
+                        1.0,
+                    );
+                    let bv = rand_tensor(&TensorType::new(dt, [n]), seed + 2, -1.0, 1.0);
+                    let mut cdims = batch.to_vec();
+                    cdims.extend([m, n]);
+                    let c = rand_tensor(&TensorType::new(dt, cdims), seed + 3, -4.0, 4.0);
+                    let op = Op::MatmulEpilogue {
+                        trans_a: ta,
+                        trans_b: tb,
+                        bias,
+                        act: Activation::None,
+                        accumulate: true,
+                    };
+                    let ins: Vec<&HostTensor> = if bias {
+                        vec![&a, &b, &bv, &c]
+                    } else {
+                        vec![&a, &b, &c]
+                    };
+                    let y = eval_cpu(&op, &ins).unwrap_or_else(|e| panic!("{op:?}: {e}"));
+                    let (dims, mut want) =
+                        reference(&a, &b, bias.then_some(&bv), ta, tb, Activation::None);
+                    for (w, cv) in want.iter_mut().zip(c.to_f64_vec()) {
+                        *w += cv;
+                    }
+                    assert_eq!(y.dims(), dims.as_slice());
+                    let tol = tolerance(dt) * (k as f64).sqrt() * 4.0;
+                    assert_close(&y.to_f64_vec(), &want, tol, &format!("{op:?} {dt}"));
+                }
+            }
+        }
+    }
+}
+
+/// The gradient of the accumulated operand is the result's; A, B and the bias get the plain
+/// epilogue's gradients.
+#[test]
+fn accumulated_operand_gradcheck() {
+    for bias in [false, true] {
+        let op = Op::MatmulEpilogue {
+            trans_a: false,
+            trans_b: true,
+            bias,
+            act: Activation::None,
+            accumulate: true,
+        };
+        let a = rand_tensor(&f64_ty(&[2, 3, 4]), 21, -1.0, 1.0);
+        let b = rand_tensor(&f64_ty(&[5, 4]), 22, -1.0, 1.0);
+        let bv = rand_tensor(&f64_ty(&[5]), 23, -1.0, 1.0);
+        let c = rand_tensor(&f64_ty(&[2, 3, 5]), 24, -1.0, 1.0);
+        let (ins, wrt) = if bias {
+            (vec![a, b, bv, c], vec![0, 1, 2, 3])
+        } else {
+            (vec![a, b, c], vec![0, 1, 2])
+        };
+        gradcheck(&op, &ins, &wrt, 25).unwrap_or_else(|e| panic!("{op:?}: {e}"));
+    }
+}
+
+/// An accumulated operand must have the product's shape and dtype, comes after the bias, and
+/// only with no activation.
+#[test]
+fn accumulated_operand_errors() {
+    let t = |d: &[usize]| TensorType::new(DType::F32, d.to_vec());
+    let op = |act| Op::MatmulEpilogue {
+        trans_a: false,
+        trans_b: false,
+        bias: false,
+        act,
+        accumulate: true,
+    };
+    let e = err(&op(Activation::None), &[t(&[2, 3]), t(&[3, 4]), t(&[4])]).to_string();
+    assert!(
+        e.contains("matmul_epilogue") && e.contains("accumulated") && e.contains("f32[4]"),
+        "{e}"
+    );
+    let e = err(&op(Activation::Relu), &[t(&[2, 3]), t(&[3, 4]), t(&[2, 4])]).to_string();
+    assert!(e.contains("act=none"), "{e}");
+    let e = err(
+        &op(Activation::None),
+        &[t(&[2, 3]), t(&[3, 4]), TensorType::new(DType::F64, [2, 4])],
+    );
+    assert!(matches!(e, OpError::DType { .. }), "{e}");
+    assert!(matches!(
+        err(&op(Activation::None), &[t(&[2, 3]), t(&[3, 4])]),
+        OpError::Arity { .. }
+    ));
 }

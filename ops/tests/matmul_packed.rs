@@ -216,6 +216,7 @@ fn prepacked_equals_the_kernel() {
                 trans_b: true,
                 bias: true,
                 act: Activation::GeluErf,
+                accumulate: false,
             },
             &w,
             true,

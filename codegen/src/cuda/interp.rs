@@ -2199,7 +2199,8 @@ fn atomic_sum(elem: CTy, old: Value, v: Value) -> Option<Value> {
 /// with the descriptor's transposes, leading dimensions, batch strides and per-call offsets),
 /// accumulating in f64, then applies the epilogue — the bias (operand 2, one value per row of D)
 /// and ReLU or the tanh GELU, or the tanh GELU's derivative at the aux input (operand 2, laid out
-/// as D: `DGELU`) — and rounds once to the output's dtype; `after` then runs through
+/// as D: `DGELU`) — after adding C (the operand [`super::matmul::MatmulDesc::c_operand`]
+/// names, laid out as D) when the call accumulates, and rounds once to the output's dtype; `after` then runs through
 /// [`run_step`] on that result. Elements no call writes are zero.
 pub fn run_matmul_step(
     desc: &super::matmul::MatmulDesc,
@@ -2225,11 +2226,13 @@ pub fn run_matmul_bgrad(
         kernel: "cublasLt matmul".into(),
         msg,
     };
-    if inputs.len() < 2 + desc.reads_operand2() as usize {
+    let need = (2 + desc.reads_operand2() as usize).max(desc.c_operand().map_or(0, |i| i + 1));
+    if inputs.len() < need {
         return Err(bad(format!("{} operands bound", inputs.len())));
     }
     let (b, a) = (inputs[0].to_f64_vec(), inputs[1].to_f64_vec());
     let extra = desc.reads_operand2().then(|| inputs[2].to_f64_vec());
+    let c = desc.c_operand().map(|i| inputs[i].to_f64_vec());
     let mut d = vec![0f64; out.shape.numel()];
     let (m, n, k) = (desc.m as usize, desc.n as usize, desc.k as usize);
     let mut bias_grad = vec![0f64; if desc.bgrad { m } else { 0 }];
@@ -2280,6 +2283,9 @@ pub fn run_matmul_bgrad(
                         acc += av * at(&b, pb + bj, "B")?;
                     }
                     let di = pd + i + j * ldd;
+                    if let Some(c) = &c {
+                        acc += at(c, di, "C")?;
+                    }
                     if desc.bias {
                         acc += at(extra.as_deref().unwrap_or(&[]), i, "bias")?;
                     }

@@ -21,6 +21,10 @@
 //! (`DRELU` reads a bit mask, not the pre-activation), N not a multiple of 8 — is the plain GEMM
 //! then a generated kernel multiplying the output by the derivative in place, read from `pre`.
 //!
+//! An accumulating `MatmulEpilogue` (`A·B + bias + C`: a residual add or a gradient summed into,
+//! folded by the compiler's accumulate pass) hands C, laid out as D, to cuBLASLt with beta 1, so
+//! the sum is added in f32 before the one rounding and no kernel reads the product again.
+//!
 //! Bias gradients ([`lower_bias_grad`]): the memory plan pairs a GEMM with the `reduce_sum` of a
 //! bias gradient over the same rows (`rustytorch_compiler::plan::bias_grad_pair`) and places the
 //! sum's slot at the GEMM's step, so one cuBLASLt call can write both. A `matmul_act_grad` with
@@ -92,12 +96,21 @@ pub struct MatmulDesc {
     /// ([`lower_bias_grad`]): with `DGeluTanh` the sum of the epilogue's result over D's columns
     /// (`DGELU_BGRAD`), else the sum of A over the inner dimension (`BGRADA`); `m` values.
     pub bgrad: bool,
+    /// Whether C, laid out as D, is added before the epilogue (beta 1): the step operand holding
+    /// it (the op's last, after the bias, whether the bias runs in cuBLASLt's epilogue or in the
+    /// kernel after it).
+    pub accumulate: Option<usize>,
 }
 
 impl MatmulDesc {
     /// Whether the call reads the step's operand 2 (the bias, or the aux input of `DGeluTanh`).
     pub fn reads_operand2(&self) -> bool {
         self.bias || self.act == LtActivation::DGeluTanh
+    }
+
+    /// The step operand holding C, when the call accumulates.
+    pub fn c_operand(&self) -> Option<usize> {
+        self.accumulate
     }
 }
 
@@ -143,6 +156,13 @@ fn invalid(op: &Op, msg: String) -> CodegenError {
 /// kernel after it.
 pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaStep> {
     let mut grad = None;
+    let accumulate = matches!(
+        op,
+        Op::MatmulEpilogue {
+            accumulate: true,
+            ..
+        }
+    );
     let (ta, tb, has_bias, act) = match op {
         Op::Matmul { trans_a, trans_b } => (*trans_a, *trans_b, false, Activation::None),
         Op::MatmulActGrad {
@@ -158,11 +178,28 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaSt
             trans_b,
             bias,
             act,
+            ..
         } => (*trans_a, *trans_b, *bias, *act),
         _ => return Err(invalid(op, "not a matmul".into())),
     };
-    if inputs.len() < 2 + (has_bias || grad.is_some()) as usize {
+    let c_at = 2 + (has_bias || grad.is_some()) as usize;
+    if inputs.len() < c_at + accumulate as usize {
         return Err(invalid(op, "missing operands".into()));
+    }
+    if accumulate && (inputs[c_at].shape != out.shape || inputs[c_at].dtype != out.dtype) {
+        return Err(invalid(
+            op,
+            format!(
+                "accumulated operand {} {} must have the result's type {} {}",
+                inputs[c_at].dtype, inputs[c_at].shape, out.dtype, out.shape
+            ),
+        ));
+    }
+    if accumulate && act != Activation::None {
+        return Err(invalid(
+            op,
+            "an accumulated operand with an activation".into(),
+        ));
     }
     if grad.is_some() && (inputs[2].shape != out.shape || inputs[2].dtype != out.dtype) {
         return Err(invalid(
@@ -264,6 +301,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<CudaSt
         bias: lt_bias,
         act: lt_act,
         bgrad: false,
+        accumulate: accumulate.then_some(c_at),
     };
     let mut after = StepKernels::default();
     if (post_bias || post_act != Activation::None) && out.shape.numel() > 0 {

@@ -261,7 +261,9 @@ impl Blas {
     /// Runs `m` on `stream` with the step's buffers: `a`/`b` are cuBLASLt's A and B (the op's
     /// operand 1 and 0), `d` the output, `bias` the op's operand 2: the bias, or the aux input of
     /// the `DGeluTanh` epilogue (laid out as D, so each call reads it at D's offset); `bgrad`
-    /// the bias gradient's buffer of a `bgrad` descriptor.
+    /// the bias gradient's buffer of a `bgrad` descriptor; `c` the C an accumulating descriptor
+    /// adds (laid out as D, read at D's offsets; it may be D itself).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn run(
         &mut self,
         m: &MatmulDesc,
@@ -270,6 +272,7 @@ impl Blas {
         d: u64,
         bias: Option<u64>,
         bgrad: Option<u64>,
+        c: Option<u64>,
         stream: sys::cudaStream_t,
     ) -> Result<()> {
         let (elt, delt) = (m.dtype.size_bytes() as u64, m.out_dtype.size_bytes() as u64);
@@ -279,6 +282,11 @@ impl Blas {
         if aux && bias.is_none() {
             return Err(RuntimeError::Invalid(
                 "matmul: the GELU derivative epilogue needs the pre-activation".into(),
+            ));
+        }
+        if m.accumulate.is_some() != c.is_some() {
+            return Err(RuntimeError::Invalid(
+                "matmul: an accumulating descriptor needs its C (and only it has one)".into(),
             ));
         }
         if m.bgrad != bgrad.is_some() {
@@ -305,13 +313,16 @@ impl Blas {
             .map_err(|e| err("bias pointer", e))?;
         }
         let (one32, zero32, one64, zero64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
-        let (alpha, beta): (*const c_void, *const c_void) = if m.dtype == DType::F64 {
-            (&one64 as *const f64 as _, &zero64 as *const f64 as _)
-        } else {
-            (&one32 as *const f32 as _, &zero32 as *const f32 as _)
+        let (alpha, beta): (*const c_void, *const c_void) = match (m.dtype, m.accumulate.is_some())
+        {
+            (DType::F64, false) => (&one64 as *const f64 as _, &zero64 as *const f64 as _),
+            (DType::F64, true) => (&one64 as *const f64 as _, &one64 as *const f64 as _),
+            (_, false) => (&one32 as *const f32 as _, &zero32 as *const f32 as _),
+            (_, true) => (&one32 as *const f32 as _, &one32 as *const f32 as _),
         };
         for &(oa, ob, od) in &m.calls {
             let (pa, pb, pd) = (a + oa * elt, b + ob * elt, d + od * delt);
+            let pc = c.map_or(pd, |c| c + od * delt);
             if let (Some(pre), true) = (bias, aux) {
                 let pre = pre + od * delt;
                 // SAFETY: `desc` is live; the value is a device pointer (8 bytes).
@@ -327,7 +338,7 @@ impl Blas {
             }
             // SAFETY: the descriptors are live; the pointers address device buffers of the sizes
             // the layouts describe (checked by the plan's types); the workspace holds
-            // WORKSPACE_BYTES; beta is 0 so C (= D) is not read.
+            // WORKSPACE_BYTES; C has D's layout (and is D, unread, when beta is 0).
             unsafe {
                 lt::matmul(
                     handle,
@@ -338,7 +349,7 @@ impl Blas {
                     p.a,
                     pb as *const c_void,
                     p.b,
-                    pd as *const c_void,
+                    pc as *const c_void,
                     p.d,
                     pd as *mut c_void,
                     p.d,

@@ -50,8 +50,10 @@ enum Exec {
         b: u64,
         d: u64,
         bias: Option<u64>,
-        /// The values of a, b, d and the bias.
-        vals: [Option<usize>; 4],
+        /// C of an accumulating call.
+        c: Option<u64>,
+        /// The values of a, b, d, the bias and C.
+        vals: [Option<usize>; 5],
         /// The bias gradient's buffer and value of a `bgrad` call.
         bgrad: Option<(u64, Option<usize>)>,
         after: Vec<Resolved>,
@@ -816,11 +818,13 @@ impl CudaSession {
                         b: ins[0],
                         d: out,
                         bias: desc.reads_operand2().then(|| ins[2]),
+                        c: desc.c_operand().map(|k| ins[k]),
                         vals: [
                             Some(step.inputs[1]),
                             Some(step.inputs[0]),
                             Some(step.output),
                             desc.reads_operand2().then(|| step.inputs[2]),
+                            desc.c_operand().map(|k| step.inputs[k]),
                         ],
                         bgrad: bgrad_at,
                         after,
@@ -1067,6 +1071,7 @@ impl CudaSession {
                     b,
                     d,
                     bias,
+                    c,
                     vals,
                     bgrad,
                     after,
@@ -1077,9 +1082,10 @@ impl CudaSession {
                         pick(*d, vals[2], io),
                     );
                     let bias = bias.map(|x| pick(x, vals[3], io));
+                    let c = c.map(|x| pick(x, vals[4], io));
                     let bgrad = bgrad.map(|(x, v)| pick(x, v, io));
                     self.dev
-                        .with_blas(|bl| bl.run(desc, a, b, d, bias, bgrad, stream as _))
+                        .with_blas(|bl| bl.run(desc, a, b, d, bias, bgrad, c, stream as _))
                         .map_err(|e| RuntimeError::Device(format!("step {i} (matmul): {e}")))?;
                     for l in after {
                         self.launch(l, i, stream, io)?;
@@ -1123,6 +1129,7 @@ impl CudaSession {
                                         pick(a.0, a.1, io),
                                         pick(b.0, b.1, io),
                                         pick(d.0, d.1, io),
+                                        None,
                                         None,
                                         None,
                                         stream as _,
@@ -1847,13 +1854,25 @@ fn choose_bgrad(
                 call.d,
                 call.bias,
                 Some(call.sum),
+                None,
                 stream as _,
             )
         })?;
         launch_all(after)
     };
     let separate = || -> Result<()> {
-        dev.with_blas(|bl| bl.run(&plain, call.a, call.b, call.d, call.bias, None, stream as _))?;
+        dev.with_blas(|bl| {
+            bl.run(
+                &plain,
+                call.a,
+                call.b,
+                call.d,
+                call.bias,
+                None,
+                None,
+                stream as _,
+            )
+        })?;
         launch_all(after)?;
         launch_all(fallback)
     };

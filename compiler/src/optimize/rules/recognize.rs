@@ -205,6 +205,7 @@ fn matmul_bias(cx: &mut Ctx<'_>) -> Option<Id> {
         trans_b,
         bias: true,
         act: Activation::None,
+        accumulate: false,
     };
     cx.fuse(op, &[a, b, c])
 }
@@ -222,6 +223,7 @@ fn epilogue_act(cx: &mut Ctx<'_>, act: Activation) -> Option<Id> {
                 trans_b,
                 bias: false,
                 act,
+                accumulate: false,
             },
             vec![a, b],
         ),
@@ -230,12 +232,14 @@ fn epilogue_act(cx: &mut Ctx<'_>, act: Activation) -> Option<Id> {
             trans_b,
             bias: true,
             act: Activation::None,
+            accumulate: false,
         } => (
             Op::MatmulEpilogue {
                 trans_a,
                 trans_b,
                 bias: true,
                 act,
+                accumulate: false,
             },
             vec![a, b, cx.id("?c")],
         ),
