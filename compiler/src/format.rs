@@ -263,22 +263,32 @@ fn in_listed_layout(op: &Op) -> bool {
     }
 }
 
+/// The node a side table's entry names, checking the entry first: after the entry before it
+/// (`prev`; the tables are ascending) and in range.
+fn listed_node<'a>(
+    nodes: &'a mut [NodeDef],
+    table: &str,
+    prev: Option<u32>,
+    id: u32,
+) -> Result<&'a mut NodeDef> {
+    if let Some(p) = prev.filter(|&p| p >= id) {
+        return Err(fmt_err(format!(
+            "{table}: node {id} follows node {p} (the table must be ascending)"
+        )));
+    }
+    let n = nodes.len();
+    nodes
+        .get_mut(id as usize)
+        .ok_or_else(|| fmt_err(format!("{table} names node {id}, but there are {n} nodes")))
+}
+
 /// Marks the nodes of the `layouts` table channels-last (attention `[B,S,H,D]`, from version 4),
 /// checking the table first: ascending node ids, each a convolution, pooling or (from version
 /// 4) attention node.
 fn apply_layouts(def: &mut GraphDef, version: u32) -> Result<()> {
-    let n = def.nodes.len();
     for (k, &id) in def.layouts.iter().enumerate() {
-        if k > 0 && def.layouts[k - 1] >= id {
-            return Err(fmt_err(format!(
-                "layouts: node {id} follows node {} (the table must be ascending)",
-                def.layouts[k - 1]
-            )));
-        }
-        let node = def
-            .nodes
-            .get_mut(id as usize)
-            .ok_or_else(|| fmt_err(format!("layouts names node {id}, but there are {n} nodes")))?;
+        let prev = k.checked_sub(1).map(|j| def.layouts[j]);
+        let node = listed_node(&mut def.nodes, "layouts", prev, id)?;
         let name = node.op.name();
         if let Op::Attention { layout, .. } | Op::AttentionGrad { layout, .. } = &mut node.op {
             if version >= ATTN_LAYOUT_VERSION {
@@ -304,18 +314,9 @@ fn apply_layouts(def: &mut GraphDef, version: u32) -> Result<()> {
 /// Marks the matmuls of the `accums` table as accumulating, checking it first: ascending node
 /// ids, each a `matmul_epilogue`.
 fn apply_accums(def: &mut GraphDef) -> Result<()> {
-    let n = def.nodes.len();
     for (k, &id) in def.accums.iter().enumerate() {
-        if k > 0 && def.accums[k - 1] >= id {
-            return Err(fmt_err(format!(
-                "accums: node {id} follows node {} (the table must be ascending)",
-                def.accums[k - 1]
-            )));
-        }
-        let node = def
-            .nodes
-            .get_mut(id as usize)
-            .ok_or_else(|| fmt_err(format!("accums names node {id}, but there are {n} nodes")))?;
+        let prev = k.checked_sub(1).map(|j| def.accums[j]);
+        let node = listed_node(&mut def.nodes, "accums", prev, id)?;
         let name = node.op.name();
         match &mut node.op {
             Op::MatmulEpilogue { accumulate, .. } => *accumulate = true,
@@ -332,18 +333,9 @@ fn apply_accums(def: &mut GraphDef) -> Result<()> {
 /// Sets the activations of the convolutions in the `acts` table, checking it first: ascending
 /// node ids, each a convolution, no `None` entries.
 fn apply_acts(def: &mut GraphDef) -> Result<()> {
-    let n = def.nodes.len();
     for (k, &(id, a)) in def.acts.iter().enumerate() {
-        if k > 0 && def.acts[k - 1].0 >= id {
-            return Err(fmt_err(format!(
-                "acts: node {id} follows node {} (the table must be ascending)",
-                def.acts[k - 1].0
-            )));
-        }
-        let node = def
-            .nodes
-            .get_mut(id as usize)
-            .ok_or_else(|| fmt_err(format!("acts names node {id}, but there are {n} nodes")))?;
+        let prev = k.checked_sub(1).map(|j| def.acts[j].0);
+        let node = listed_node(&mut def.nodes, "acts", prev, id)?;
         let name = node.op.name();
         match &mut node.op {
             Op::Conv { act, .. } if a != Activation::None => *act = a,
