@@ -472,14 +472,14 @@ fn sparse_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
 /// each step of an eager run: the floor that replay approaches).
 /// Attention forward on the shapes PyTorch's SDPA is compared on (bf16; TFLOP/s counted as
 /// 4·B·H·Sq·Sk·D, halved for causal; the decoding row also in TB/s of K and V read).
-fn attention_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
+fn attention_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64), backward: bool) {
     // These rows are the flash kernel's (the cuDNN and auto rows follow in
     // `attention_cudnn_rows`), unless the variable already picks an implementation.
     let pinned = std::env::var_os("RUSTYTORCH_ATTENTION").is_none();
     if pinned {
         std::env::set_var("RUSTYTORCH_ATTENTION", "flash");
     }
-    attention_flash_rows(push);
+    attention_flash_rows(push, backward);
     if pinned {
         std::env::remove_var("RUSTYTORCH_ATTENTION");
     }
@@ -585,7 +585,7 @@ fn fwd_bwd_row(
 }
 
 /// The flash kernel's rows of [`attention_rows`].
-fn attention_flash_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
+fn attention_flash_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64), backward: bool) {
     use rustytorch::ops::{AttnMask, Causal, F64Bits};
     let bf = DType::BF16;
     for (b, h, sq, sk, d, causal) in ATTN_SHAPES {
@@ -620,6 +620,9 @@ fn attention_flash_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
                 "TB/s",
                 kv / (t.0 * 1e-3) / 1e12,
             );
+            continue;
+        }
+        if !backward {
             continue;
         }
         fwd_bwd_row(
@@ -1173,8 +1176,14 @@ fn main() {
         return;
     }
     if only("attention") {
-        attention_rows(&mut push);
+        attention_rows(&mut push, true);
         attention_cudnn_rows(&mut push, true);
+        return;
+    }
+    // `bench-gpu attention-flash`: the flash kernel's forward rows only (on Hopper its
+    // warpgroup-MMA kernel; `RUSTYTORCH_FLASH=portable` measures the portable one).
+    if only("attention-flash") {
+        attention_rows(&mut push, false);
         return;
     }
     // `bench-gpu attention-auto`: the default mode's rows only.

@@ -3,7 +3,7 @@
 //! can be loaded (CI installs it: `scripts/fetch_nvrtc.sh`); with `RUSTYTORCH_TEST_NVRTC=1` a
 //! missing NVRTC fails the test instead of skipping it.
 
-use rustytorch::codegen::cuda::{flash, lower_step, source};
+use rustytorch::codegen::cuda::{flash, lower_step, source, with_target, Target};
 use rustytorch::ops::{AttnLayout, AttnMask, Causal, DType, F64Bits, Op, Shape, TensorType};
 use rustytorch::runtime::cuda::compile::KernelCompiler;
 
@@ -212,4 +212,82 @@ fn flash_attention_group_gradients_compile() {
         }
     }
     compile_all(&compilers, sources);
+}
+
+/// The Hopper flash forward (warpgroup MMA, built for `sm_90a`) for both element types, head
+/// sizes 64 and 128 (value heads unlike the query's), every causal kind, the mask kinds, and
+/// its statistics form (the first kernel of the gradients).
+#[test]
+fn flash_attention_hopper_compiles() {
+    let Some(compilers) = compilers() else { return };
+    let hopper: Vec<KernelCompiler> = compilers
+        .into_iter()
+        .filter(|c| c.arch() == "sm_90a")
+        .collect();
+    assert_eq!(hopper.len(), 1, "the sm_90 device compiles for sm_90a");
+    let mut sources = vec![];
+    for d in [DType::F16, DType::BF16] {
+        for &(sq, sk, hd, hv) in &[
+            (1000, 1000, 128, 128),
+            (100, 37, 64, 64),
+            (130, 300, 64, 128),
+        ] {
+            for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+                for (mask, mt, layout) in layouts(causal).into_iter().flat_map(|l| {
+                    [
+                        (AttnMask::None, None, l),
+                        (AttnMask::Additive, Some(t(d, &[2, 1, 1, sk])), l),
+                        (AttnMask::Bool, Some(t(DType::Bool, &[sq, sk])), l),
+                    ]
+                }) {
+                    let mut ins = vec![
+                        heads(d, layout, [2, 3, sq, hd]),
+                        heads(d, layout, [2, 3, sk, hd]),
+                        heads(d, layout, [2, 3, sk, hv]),
+                    ];
+                    ins.extend(mt);
+                    let refs: Vec<&TensorType> = ins.iter().collect();
+                    let op = Op::Attention {
+                        causal,
+                        mask,
+                        scale: F64Bits::new(0.125),
+                        layout,
+                    };
+                    let out = rustytorch::ops::infer(&op, &refs).expect("infer");
+                    let step = with_target(Target::Hopper, || lower_step(&op, &refs, &out))
+                        .expect("lower");
+                    let ls = step.launches();
+                    assert_eq!(ls.len(), 1);
+                    assert!(ls[0].kernel.name.starts_with("flash_attention_sm90"));
+                    assert!(ls[0].kernel.smem > 48 * 1024);
+                    sources.push((
+                        ls[0].kernel.name.clone(),
+                        source(&ls[0].kernel).expect("source"),
+                    ));
+                    if causal == Causal::TopLeft && mask == AttnMask::None {
+                        let mut g = ins.clone();
+                        g.push(heads(d, layout, [2, 3, sq, hv]));
+                        let refs: Vec<&TensorType> = g.iter().collect();
+                        let op = Op::AttentionGrad {
+                            causal,
+                            mask,
+                            scale: F64Bits::new(0.125),
+                            wrt: 0,
+                            layout,
+                        };
+                        let out = rustytorch::ops::infer(&op, &refs).expect("infer");
+                        let step = with_target(Target::Hopper, || lower_step(&op, &refs, &out))
+                            .expect("lower");
+                        let ls = step.launches();
+                        assert!(ls[0].kernel.name.starts_with("flash_attention_stats_sm90"));
+                        sources.push((
+                            ls[0].kernel.name.clone(),
+                            source(&ls[0].kernel).expect("source"),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    compile_all(&hopper, sources);
 }

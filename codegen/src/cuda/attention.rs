@@ -150,6 +150,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
             name: String::new(),
             params,
             block: BLOCK,
+            smem: 0,
             body: all,
         },
     )?;
@@ -592,6 +593,7 @@ fn lower_tiled(
             name: String::new(),
             params,
             block: TROWS,
+            smem: 0,
             body: all,
         },
     )?;
@@ -813,6 +815,7 @@ pub fn lower_grad(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<S
             name: String::new(),
             params: stats_params,
             block: TROWS,
+            smem: 0,
             body: vec![tid_rows(rows_q, st)],
         },
     )?;
@@ -930,6 +933,7 @@ pub fn lower_grad(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<S
             name: String::new(),
             params,
             block: TROWS,
+            smem: 0,
             body: vec![tid_rows(rows, body)],
         },
     )?;
@@ -1192,6 +1196,7 @@ pub fn grad_softmax_kernel(scale: f64, inputs: &[&TensorType]) -> Result<Kernel>
             name: String::new(),
             params,
             block: BLOCK,
+            smem: 0,
             body: all,
         },
     )
@@ -1307,6 +1312,7 @@ pub fn gemm_softmax_kernel(
             name: String::new(),
             params,
             block: BLOCK,
+            smem: 0,
             body: all,
         },
     )

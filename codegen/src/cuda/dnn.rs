@@ -270,6 +270,7 @@ pub fn transpose_kernel(
         name: String::new(),
         params,
         block: TBLOCK,
+        smem: 0,
         body,
     };
     finish("transpose", k)
@@ -401,6 +402,7 @@ pub fn bias_act_kernel(
             name: String::new(),
             params,
             block: 256,
+            smem: 0,
             body,
         },
     )

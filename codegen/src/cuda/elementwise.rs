@@ -220,6 +220,7 @@ pub(super) fn grid_kernel(
         name: String::new(),
         params,
         block: BLOCK,
+        smem: 0,
         body: vec![grid_stride(I, n as i64, b.stmts)],
     };
     finish(prefix, k)
@@ -743,6 +744,7 @@ fn ew_kernel(
             name: String::new(),
             params,
             block: BLOCK,
+            smem: 0,
             body: vec![grid_stride(I, n as i64, b.stmts)],
         };
         return Ok((finish("ew", k)?, grid(n)));
@@ -843,6 +845,7 @@ fn ew_kernel(
         name: String::new(),
         params,
         block: BLOCK,
+        smem: 0,
         body,
     };
     Ok((finish("ew", k)?, grid(vectors)))
@@ -1222,6 +1225,7 @@ fn tiled_transpose(
         name: String::new(),
         params: vec![param("x", dt, false), param("out", dt, true)],
         block: BLOCK,
+        smem: 0,
         body: vec![
             Stmt::Shared {
                 name: "tile".into(),

@@ -34,6 +34,8 @@
 //! a Hopper-specific kernel (warpgroup MMA, TMA loads, warp specialization) is noted in
 //! docs/performance.md with its measured speed.
 
+mod hopper;
+
 use super::ir::{CTy, Kernel, Param, Stmt};
 use super::{finish, grid_for, ArgRef, Launch, StepKernels};
 use crate::Result;
@@ -192,7 +194,12 @@ impl Spec {
     /// The forward source, writing the output or (with `stats`) each query row's log-sum-exp
     /// and `D = rowsum(dO ∘ O)`.
     fn forward(&self, stats: bool) -> String {
-        source(&Shape2 {
+        source(&self.shape2(stats))
+    }
+
+    /// What the forward kernels are specialized on.
+    fn shape2(&self, stats: bool) -> Shape2 {
+        Shape2 {
             sq: self.sq,
             sk: self.sk,
             d: self.d,
@@ -215,7 +222,55 @@ impl Spec {
                 self.stride(self.dv),
                 self.stride(self.dv),
             ],
-        })
+        }
+    }
+}
+
+impl Spec {
+    /// Whether the forward runs the Hopper kernel: the lowering targets Hopper
+    /// ([`super::target`]), the shape suits it, and `RUSTYTORCH_FLASH=portable` does not ask
+    /// for the portable kernel.
+    fn hopper(&self) -> bool {
+        super::target() == super::Target::Hopper
+            && hopper::supported(self)
+            && std::env::var("RUSTYTORCH_FLASH").as_deref() != Ok("portable")
+    }
+
+    /// The forward kernel over `params` (the output or, with `stats`, the backward's
+    /// statistics) and its grid: the Hopper kernel where [`Spec::hopper`] says so, else the
+    /// portable one.
+    fn forward_launch(
+        &self,
+        prefix: &str,
+        params: Vec<Param>,
+        stats: bool,
+    ) -> Result<(Kernel, u32)> {
+        if self.hopper() {
+            let mut shape = self.shape2(stats);
+            shape.tiles = hopper::tiles(self);
+            let kernel = finish(
+                &format!("{prefix}_sm90"),
+                Kernel {
+                    name: String::new(),
+                    params,
+                    block: hopper::THREADS,
+                    smem: hopper::smem_bytes(self),
+                    body: vec![Stmt::Verbatim(hopper::source(&shape, self))],
+                },
+            )?;
+            return Ok((kernel, grid_for(hopper::tiles(self) as u64, 1)));
+        }
+        let kernel = finish(
+            prefix,
+            Kernel {
+                name: String::new(),
+                params,
+                block: THREADS,
+                smem: 0,
+                body: vec![Stmt::Verbatim(self.forward(stats))],
+            },
+        )?;
+        Ok((kernel, grid_for(self.tiles(self.sq) as u64, 1)))
     }
 }
 
@@ -227,15 +282,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
     };
     let mut params = sp.params.clone();
     params.push(param("out", sp.e, true));
-    let kernel = finish(
-        "flash_attention",
-        Kernel {
-            name: String::new(),
-            params,
-            block: THREADS,
-            body: vec![Stmt::Verbatim(sp.forward(false))],
-        },
-    )?;
+    let (kernel, grid) = sp.forward_launch("flash_attention", params, false)?;
     Ok(StepKernels {
         launches: vec![Launch {
             kernel,
@@ -243,7 +290,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
                 .map(ArgRef::Input)
                 .chain([ArgRef::Output])
                 .collect(),
-            grid: grid_for(sp.tiles(sp.sq) as u64, 1),
+            grid,
         }],
         scratch_bytes: 0,
     })
@@ -331,21 +378,13 @@ fn grad_kernels(sp: &Spec, n_in: usize, wanted: &[(u8, ArgRef)]) -> Result<StepK
             param("delta", CTy::F32, false),
         ])
         .collect();
-    let stats = finish(
-        "flash_attention_stats",
-        Kernel {
-            name: String::new(),
-            params: stats_params,
-            block: THREADS,
-            body: vec![Stmt::Verbatim(sp.forward(true))],
-        },
-    )?;
+    let (stats, stats_grid) = sp.forward_launch("flash_attention_stats", stats_params, true)?;
     let ins = || (0..n_in).map(ArgRef::Input);
     let scratch = [ArgRef::ScratchAt(0), ArgRef::ScratchAt(delta_at)];
     let mut launches = vec![Launch {
         kernel: stats,
         args: ins().chain(scratch).collect(),
-        grid: grid_for(sp.tiles(sp.sq) as u64, 1),
+        grid: stats_grid,
     }];
     let at = |w: u8| wanted.iter().find(|(x, _)| *x == w).map(|(_, a)| *a);
     if let Some(w) = wanted.iter().map(|(w, _)| *w).find(|&w| w > 2) {
@@ -381,6 +420,7 @@ fn grad_kernels(sp: &Spec, n_in: usize, wanted: &[(u8, ArgRef)]) -> Result<StepK
                 name: String::new(),
                 params,
                 block: THREADS,
+                smem: 0,
                 body: vec![Stmt::Verbatim(body)],
             },
         )?;

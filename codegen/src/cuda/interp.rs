@@ -2340,6 +2340,7 @@ mod tests {
             name: "k_test".into(),
             params,
             block,
+            smem: 0,
             body,
         };
         super::super::emit::emit_kernel(&k).unwrap();

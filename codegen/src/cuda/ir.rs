@@ -394,6 +394,9 @@ pub struct Kernel {
     pub params: Vec<Param>,
     /// Threads per block (baked into `__launch_bounds__`).
     pub block: u32,
+    /// Bytes of dynamic shared memory a block needs (0 for most kernels; the runtime raises the
+    /// function's limit when it passes the 48 KiB a block gets by default).
+    pub smem: u32,
     /// The body.
     pub body: Vec<Stmt>,
 }

@@ -532,6 +532,7 @@ fn act_grad_kernel(out: &TensorType, act: Activation) -> Result<Launch> {
         name: String::new(),
         params,
         block: 256,
+        smem: 0,
         body,
     };
     Ok(Launch {

@@ -568,6 +568,7 @@ fn merged_launch(
             name: String::new(),
             params,
             block: launches[0].kernel.block,
+            smem: 0,
             body,
         },
     )?;
@@ -742,6 +743,7 @@ pub fn gather_guards(n: usize) -> crate::Result<Kernel> {
             name: String::new(),
             params,
             block: 32,
+            smem: 0,
             body: vec![Stmt::If {
                 cond: first,
                 then: stores,

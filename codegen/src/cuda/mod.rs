@@ -30,6 +30,58 @@ use crate::{CodegenError, Result};
 use ir::Kernel;
 use rustytorch_ops::{AttnLayout, Op, TensorType};
 
+/// The GPU generation a lowering targets: most kernels are the same for every GPU, but some
+/// have a form that only one generation runs (the flash forward on Hopper's warpgroup MMA).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Target {
+    /// Code that every GPU from compute capability 8.0 on runs.
+    #[default]
+    Portable,
+    /// Hopper (compute capability 9.0, kernels built for `sm_90a`).
+    Hopper,
+}
+
+impl Target {
+    /// The target of a device of compute capability `cc`.
+    pub fn of(cc: (i32, i32)) -> Target {
+        if cc == (9, 0) {
+            Target::Hopper
+        } else {
+            Target::Portable
+        }
+    }
+}
+
+thread_local! {
+    // The lowering's target. A thread-local rather than a parameter because the choice reaches
+    // a few templates deep below `lower_step`, which tests and tools call directly for the
+    // portable code; `with_target` scopes it.
+    static TARGET: std::cell::Cell<Target> = const { std::cell::Cell::new(Target::Portable) };
+}
+
+/// Runs `f` (lowerings) with `target` as the target, then restores the previous one.
+pub fn with_target<R>(target: Target, f: impl FnOnce() -> R) -> R {
+    struct Restore(Target);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            TARGET.with(|t| t.set(self.0));
+        }
+    }
+    let _restore = Restore(TARGET.with(|t| t.replace(target)));
+    f()
+}
+
+/// The target of the lowering running on this thread ([`Target::Portable`] outside
+/// [`with_target`]).
+pub fn target() -> Target {
+    TARGET.with(|t| t.get())
+}
+
+/// [`lower_plan`] for `target`.
+pub fn lower_plan_for(plan: &crate::Plan, target: Target) -> Result<Vec<CudaStep>> {
+    with_target(target, || lower_plan(plan))
+}
+
 /// Upper bound of blocks in a grid-stride launch (enough to fill any current GPU many times).
 pub const MAX_GRID: u64 = 65_535;
 

@@ -660,6 +660,7 @@ impl Tpl {
                 name: String::new(),
                 params,
                 block: BLOCK,
+                smem: 0,
                 body: all,
             },
         )?;
@@ -843,6 +844,7 @@ fn copy(prefix: &str, x: &TensorType) -> Result<StepKernels> {
             name: String::new(),
             params: vec![param("x", e, false), param("y", e, true)],
             block: BLOCK,
+            smem: 0,
             body,
         },
     )?;
@@ -883,6 +885,7 @@ fn identity_fill(prefix: &str, max: bool, out: &TensorType) -> Result<StepKernel
             name: String::new(),
             params: vec![param("y", e, true)],
             block: BLOCK,
+            smem: 0,
             body,
         },
     )?;
@@ -1435,6 +1438,7 @@ fn col_kernel(
             name: String::new(),
             params,
             block: BLOCK,
+            smem: 0,
             body: all,
         },
     )?;
@@ -1823,6 +1827,7 @@ fn cross_entropy(
                 name: String::new(),
                 params: vec![param("y", e, true)],
                 block: BLOCK,
+                smem: 0,
                 body,
             },
         )?;

@@ -724,6 +724,7 @@ fn lower_with(
             name: String::new(),
             params,
             block: (t * per_block) as u32,
+            smem: 0,
             body: all,
         },
     )?;

@@ -33,6 +33,18 @@ pub fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/rustytorch/kernels"))
 }
 
+/// The architecture kernels are built for on a device of compute capability `cc`: `sm_90a` on
+/// Hopper, whose architecture-specific instructions (warpgroup MMA) some kernels use (a cubin
+/// for `sm_90a` runs on compute capability 9.0 exactly, which is the device it is built for);
+/// `sm_XY` elsewhere.
+pub fn arch_of(cc: (i32, i32)) -> String {
+    if cc == (9, 0) {
+        "sm_90a".into()
+    } else {
+        format!("sm_{}{}", cc.0, cc.1)
+    }
+}
+
 fn fnv(bytes: &[u8], mut h: u64) -> u64 {
     for &b in bytes {
         h ^= b as u64;
@@ -61,7 +73,7 @@ impl KernelCompiler {
             .result()
             .map_err(|e| RuntimeError::Device(format!("nvrtcVersion: {e:?}")))?;
         Ok(KernelCompiler {
-            arch: format!("sm_{}{}", cc.0, cc.1),
+            arch: arch_of(cc),
             nvrtc_version: (major, minor),
             dir,
             memory: Mutex::new(HashMap::new()),
@@ -74,7 +86,7 @@ impl KernelCompiler {
         self.path(self.key(src))
     }
 
-    /// The target architecture (`sm_90`).
+    /// The target architecture (`sm_90a`, `sm_80`).
     pub fn arch(&self) -> &str {
         &self.arch
     }
@@ -165,12 +177,18 @@ impl KernelCompiler {
             .map_err(|_| RuntimeError::Invalid(format!("kernel {name}: bad name")))?;
         let prog = nr::create_program(&csrc, Some(&cname))
             .map_err(|e| RuntimeError::Device(format!("nvrtc create {name}: {e:?}")))?;
-        let opts = [
+        // `RUSTYTORCH_NVRTC_VERBOSE=1` prints the assembler's report of each kernel compiled
+        // (registers, spills, serialized warpgroup MMAs) to standard error.
+        let verbose = std::env::var("RUSTYTORCH_NVRTC_VERBOSE").as_deref() == Ok("1");
+        let mut opts = vec![
             format!("--gpu-architecture={}", self.arch),
             "--std=c++17".to_string(),
             "-default-device".to_string(),
             "-lineinfo".to_string(),
         ];
+        if verbose {
+            opts.push("--ptxas-options=-v".to_string());
+        }
         // SAFETY: `prog` is a live program; the options are valid C strings.
         let compiled = unsafe { nr::compile_program(prog, &opts) };
         let result = match compiled {
@@ -193,6 +211,14 @@ impl KernelCompiler {
                 )))
             }
             Ok(()) => {
+                if verbose {
+                    // SAFETY: `prog` is live; the log is NUL-terminated.
+                    if let Ok(l) = unsafe { nr::get_program_log(prog) } {
+                        let bytes: Vec<u8> =
+                            l.iter().map(|&c| c as u8).take_while(|&b| b != 0).collect();
+                        eprintln!("nvrtc {name}:\n{}", String::from_utf8_lossy(&bytes));
+                    }
+                }
                 let mut n = 0usize;
                 // SAFETY: `prog` compiled; writes one usize.
                 unsafe { ns::nvrtcGetCUBINSize(prog, &mut n) }

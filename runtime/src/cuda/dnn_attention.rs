@@ -1352,6 +1352,8 @@ pub(crate) struct FlashLaunch<'a> {
     pub grid: u32,
     /// Threads per block.
     pub block: u32,
+    /// Bytes of dynamic shared memory.
+    pub smem: u32,
 }
 
 /// Picks the plan to run for `d` from `p`: the only one when decided; else times each plan
@@ -1453,7 +1455,7 @@ fn fastest_forward(
         Some(f) => Some(time(stream, || {
             // SAFETY: the flash kernel's parameters are q, k, v and the output, in that order;
             // the buffers hold the sizes of the step's tensors.
-            unsafe { super::launch_pointers(f.func, f.grid, f.block, &ptrs[..4], stream) }
+            unsafe { super::launch_pointers(f.func, f.grid, f.block, f.smem, &ptrs[..4], stream) }
                 .map_err(|e| RuntimeError::Device(format!("timing the flash kernel: {e}")))
         })?),
         None => None,

@@ -84,8 +84,8 @@ pub struct GpuDevice {
     sparse: Mutex<Option<sparse::Sparse>>,
 }
 
-/// Launches `func` over `grid` blocks of `block` threads on `stream` with device-pointer
-/// arguments `args`.
+/// Launches `func` over `grid` blocks of `block` threads (with `smem` bytes of dynamic shared
+/// memory, see [`GpuDevice::allow_smem`]) on `stream` with device-pointer arguments `args`.
 ///
 /// # Safety
 /// `func` must take exactly these pointer parameters, in this order, each addressing a live
@@ -94,6 +94,7 @@ pub(crate) unsafe fn launch_pointers(
     func: &CudaFunction,
     grid: u32,
     block: u32,
+    smem: u32,
     args: &[u64],
     stream: ds::CUstream,
 ) -> std::result::Result<(), dr::DriverError> {
@@ -108,7 +109,7 @@ pub(crate) unsafe fn launch_pointers(
             func.cu_function(),
             (grid, 1, 1),
             (block, 1, 1),
-            0,
+            smem,
             stream,
             &mut ptrs,
         )
@@ -226,6 +227,25 @@ impl GpuDevice {
             f.insert(name.clone(), func);
         }
         Ok(kernels.iter().map(|(n, _)| f[n].clone()).collect())
+    }
+
+    /// Lets `func` take `bytes` of dynamic shared memory at launch: a block gets 48 KiB unless
+    /// its function's limit is raised (up to what the device allows, 227 KiB on Hopper).
+    pub(crate) fn allow_smem(&self, func: &CudaFunction, bytes: u32) -> Result<()> {
+        if bytes <= 48 * 1024 {
+            return Ok(());
+        }
+        // `set_attribute` does not bind the context itself.
+        self.bind()?;
+        func.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(|e| {
+            RuntimeError::Device(format!(
+                "a kernel needs {bytes} bytes of shared memory a block, more than this device gives: {e}"
+            ))
+        })
     }
 
     /// Runs `body` with this device's cuBLASLt state (opened on first use).

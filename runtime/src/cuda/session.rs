@@ -17,7 +17,7 @@ use crate::{
 use cudarc::driver::sys::{self as ds, CUstream};
 use cudarc::driver::{result as dr, CudaFunction};
 use rustytorch_codegen::cuda::{
-    lower_plan, source, ArgRef, CudaStep, DnnDesc, MatmulDesc, Part, StepKernels,
+    lower_plan_for, source, ArgRef, CudaStep, DnnDesc, MatmulDesc, Part, StepKernels, Target,
 };
 use rustytorch_codegen::{Plan, Source, Storage};
 use rustytorch_ops::{DType, Data, HostTensor, TensorType};
@@ -31,6 +31,8 @@ struct Resolved {
     vals: Vec<Option<usize>>,
     grid: u32,
     block: u32,
+    /// Bytes of dynamic shared memory.
+    smem: u32,
 }
 
 /// The address of value `v` for this run: `io`'s when the run re-points values (device I/O),
@@ -412,7 +414,7 @@ impl CudaSession {
         let _span = tracing::info_span!("cuda_prepare", steps = plan.steps.len()).entered();
         dev.bind()?;
         // Lower first: an op without a CUDA implementation fails before anything is allocated.
-        let steps = lower_plan(&plan)?;
+        let steps = lower_plan_for(&plan, Target::of(dev.cc))?;
         if params.len() != plan.param_types.len() {
             return Err(RuntimeError::Invalid(format!(
                 "{} parameter values for {} parameters",
@@ -649,6 +651,9 @@ impl CudaSession {
             sources.push((k.name.clone(), source(&k)?));
         }
         let funcs = dev.functions(&sources)?;
+        for (f, l) in funcs.iter().zip(steps.iter().flat_map(|st| st.launches())) {
+            dev.allow_smem(f, l.kernel.smem)?;
+        }
         let mut funcs = funcs.into_iter();
         // Per saving forward, where its statistics go past its result.
         let stats_at: Vec<Option<usize>> = plan
@@ -682,6 +687,7 @@ impl CudaSession {
                         vals: l.args.iter().map(|a| at_val(*a).1).collect(),
                         grid: l.grid,
                         block: l.kernel.block,
+                        smem: l.kernel.smem,
                     })
                     .collect()
             };
@@ -697,6 +703,7 @@ impl CudaSession {
                             func: &r.func,
                             grid: r.grid,
                             block: r.block,
+                            smem: r.smem,
                         });
                         dev.with_dnn(|dn| {
                             dnn_attention::choose(
@@ -924,6 +931,7 @@ impl CudaSession {
                     vals,
                     grid: 1,
                     block: 32,
+                    smem: 0,
                 });
                 at += chunk.len();
             }
@@ -956,7 +964,7 @@ impl CudaSession {
                 .collect();
             // SAFETY: the gather kernel takes one pointer per guard (each a live bool scalar of
             // this run) and the gather buffer, which holds a byte per guard.
-            unsafe { super::launch_pointers(&r.func, r.grid, r.block, &args, stream) }
+            unsafe { super::launch_pointers(&r.func, r.grid, r.block, r.smem, &args, stream) }
                 .map_err(|e| RuntimeError::Device(format!("gathering the guards: {e}")))?;
         }
         let ty = TensorType::new(DType::Bool, [plan.guards.len()]);
@@ -1333,12 +1341,14 @@ impl CudaSession {
         // device pointers, in this order, each addressing a live buffer of the size its type
         // needs (resolved from the memory plan at prepare time, or for device I/O a caller's
         // buffer or an output block of the value's type).
-        unsafe { super::launch_pointers(&r.func, r.grid, r.block, args, stream) }.map_err(|e| {
-            RuntimeError::Device(format!(
-                "step {step} ({}): kernel launch failed: {e}",
-                self.plan.steps[step].op.name()
-            ))
-        })
+        unsafe { super::launch_pointers(&r.func, r.grid, r.block, r.smem, args, stream) }.map_err(
+            |e| {
+                RuntimeError::Device(format!(
+                    "step {step} ({}): kernel launch failed: {e}",
+                    self.plan.steps[step].op.name()
+                ))
+            },
+        )
     }
 }
 
@@ -1840,7 +1850,7 @@ fn choose_bgrad(
         for r in ls {
             // SAFETY: as in `CudaSession::launch`: the resolved arguments address the step's
             // buffers, in the kernel's parameter order.
-            unsafe { super::launch_pointers(&r.func, r.grid, r.block, &r.args, stream) }
+            unsafe { super::launch_pointers(&r.func, r.grid, r.block, r.smem, &r.args, stream) }
                 .map_err(|e| RuntimeError::Device(format!("timing the bias gradient: {e}")))?;
         }
         Ok(())
@@ -1933,7 +1943,7 @@ fn choose_grad(
         for r in flash {
             // SAFETY: as in `CudaSession::launch`: the resolved arguments address the step's
             // live buffers, in the kernel's parameter order.
-            unsafe { super::launch_pointers(&r.func, r.grid, r.block, &r.args, stream) }
+            unsafe { super::launch_pointers(&r.func, r.grid, r.block, r.smem, &r.args, stream) }
                 .map_err(|e| RuntimeError::Device(format!("timing the flash gradients: {e}")))?;
         }
         Ok(())

@@ -705,7 +705,7 @@ fn cast(
             .collect();
         // SAFETY: the cast kernel's parameters are its input and output pointers, both live
         // buffers of n elements of their types.
-        unsafe { super::launch_pointers(&f, l.grid, l.kernel.block, &args, stream) }
+        unsafe { super::launch_pointers(&f, l.grid, l.kernel.block, l.kernel.smem, &args, stream) }
             .map_err(|e| RuntimeError::Device(format!("cast kernel: {e}")))?;
     }
     Ok(())
@@ -1198,7 +1198,7 @@ impl DeviceCoo {
             // SAFETY: each kernel's parameters are exactly these buffers, in order, each live
             // and sized as the kernel reads or writes it (nnz entries, the plan's block count
             // plus one partial sums, m + 1 row offsets).
-            unsafe { super::launch_pointers(&f, *grid, k.block, args, stream) }
+            unsafe { super::launch_pointers(&f, *grid, k.block, k.smem, args, stream) }
                 .map_err(|e| RuntimeError::Device(format!("COO merge kernel: {e}")))?;
         }
         let total = dtoh(
@@ -1644,6 +1644,7 @@ fn merge_plan(n: usize, dtype: DType, max_blocks: usize) -> Result<MergePlan> {
                 p("partial", CTy::I64, true),
             ],
             block: MERGE_BLOCK,
+            smem: 0,
             body,
         },
     )?;
@@ -1678,6 +1679,7 @@ fn merge_plan(n: usize, dtype: DType, max_blocks: usize) -> Result<MergePlan> {
             name: String::new(),
             params: vec![p("partial", CTy::I64, true)],
             block: max_blocks as u32,
+            smem: 0,
             body,
         },
     )?;
@@ -1737,6 +1739,7 @@ fn merge_plan(n: usize, dtype: DType, max_blocks: usize) -> Result<MergePlan> {
                 p("start", CTy::I64, true),
             ],
             block: MERGE_BLOCK,
+            smem: 0,
             body,
         },
     )?;
@@ -1798,6 +1801,7 @@ fn merge_plan(n: usize, dtype: DType, max_blocks: usize) -> Result<MergePlan> {
                 p("out_v", el, true),
             ],
             block: MERGE_BLOCK,
+            smem: 0,
             body,
         },
     )?;

@@ -1,0 +1,342 @@
+//! The flash attention forward for Hopper (compute capability 9.0, built for `sm_90a`): the
+//! products on warpgroup MMA (`wgmma.mma_async`), the operands in 128-byte-swizzled shared
+//! memory.
+//!
+//! # The kernel
+//!
+//! A block of [`WARPGROUPS`] warpgroups owns [`BR`] query rows of one (batch, head), each
+//! warpgroup 64 of them. The block copies its query tile once and walks the keys in tiles of
+//! [`BC`], double-buffered: the copies (`cp.async`, 16 bytes a thread, rows past the end
+//! zero-filled) of tile `j + 1` run while tile `j` is computed. Per tile and warpgroup:
+//!
+//! 1. `S = Q·Kᵀ` (64 × [`BC`], f32) by `wgmma.m64n128k16` with both operands read from shared
+//!    memory through matrix descriptors (K-major, 128-byte swizzle: rows of 64 elements, the
+//!    16-byte chunks of row `r` stored at chunk `c ^ (r mod 8)`, so that the tensor cores read
+//!    without bank conflicts);
+//! 2. the online softmax in registers exactly as in the portable kernel ([`super`]): base-2
+//!    scores, the causal limit, the end of the keys and the mask applied only on tiles that
+//!    cross them, the rows' maxima over the four lanes that share a row;
+//! 3. `O += P·V` by `wgmma.m64nDk16` with `P` taken from registers (the accumulator layout of
+//!    `S`, rounded to the operands' type, is the A-fragment layout) and `V` read N-major from
+//!    shared memory (the descriptor's transpose bit; its 64-column blocks `LBO` apart).
+//!
+//! The accumulator layout of `wgmma.m64nN` is, per warp of the warpgroup, that of
+//! `mma.m16n8` repeated over the columns, so the masking, the softmax and the end (the
+//! normalized rows or the backward's statistics) are the portable kernel's code.
+//!
+//! Causal blocks walk only the key tiles their rows see, and the grid runs the heaviest query
+//! tiles of every head first. What this kernel leaves to a later one: the tensor memory
+//! accelerator (bulk tensor copies need a tensor map per operand, made on the host with the
+//! buffers' addresses) and warp specialization (a producer warp and `setmaxnreg`), which FA3
+//! adds on top of the same products.
+
+use super::{limit, tail, Shape2, Spec};
+
+/// Consumer warpgroups per block.
+pub const WARPGROUPS: usize = 2;
+/// Query rows per block.
+pub const BR: usize = 64 * WARPGROUPS;
+/// Keys per tile.
+pub const BC: usize = 128;
+/// Threads per block.
+pub const THREADS: u32 = 128 * WARPGROUPS as u32;
+/// The fewest query rows for which the kernel runs (below it most of each 64-row warpgroup
+/// MMA would be wasted, and the portable kernel's 16-row warps do better).
+pub const MIN_ROWS: usize = 65;
+
+/// Whether the Hopper kernel runs this attention: head sizes 64 or 128 (query/key and value),
+/// enough query rows to fill a warpgroup's tile.
+pub(super) fn supported(sp: &Spec) -> bool {
+    [sp.d, sp.dv].iter().all(|&h| h == 64 || h == 128) && sp.sq >= MIN_ROWS
+}
+
+/// Bytes of dynamic shared memory: the query tile, two key and two value tiles, and 1 KiB to
+/// align the base to the swizzle's 1024-byte pattern.
+pub(super) fn smem_bytes(sp: &Spec) -> u32 {
+    (1024 + BR * sp.d * 2 + 2 * BC * sp.d * 2 + 2 * BC * sp.dv * 2) as u32
+}
+
+/// Blocks: one per (query tile, batch·head).
+pub(super) fn tiles(sp: &Spec) -> usize {
+    sp.bsz * sp.heads * sp.sq.div_ceil(BR)
+}
+
+/// The `wgmma` of `S = Q·Kᵀ` as a C macro `RT_WGMMA_S(desc_a, desc_b, scale_d)` over the
+/// accumulators `s[BC / 8][4]`.
+fn wgmma_s(elem: &str) -> String {
+    let n = BC / 2;
+    let regs: Vec<String> = (0..n).map(|i| format!("%{i}")).collect();
+    let outs: Vec<String> = (0..n)
+        .map(|i| format!("\"+f\"(s[{}][{}])", i / 4, i % 4))
+        .collect();
+    format!(
+        "#define RT_WGMMA_S(da, db, sc) asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{sc}, 0;\\n\
+         wgmma.mma_async.sync.aligned.m64n{BC}k16.f32.{elem}.{elem} {{{regs}}}, %{a}, %{b}, p, 1, 1, 0, 0;\\n}}\\n\" \
+         : {outs} : \"l\"(da), \"l\"(db), \"r\"(sc))\n",
+        regs = regs.join(", "),
+        outs = outs.join(", "),
+        a = n,
+        b = n + 1,
+        sc = n + 2,
+    )
+}
+
+/// The `wgmma` of `O += P·V` as a C macro `RT_WGMMA_O(a0, a1, a2, a3, desc_b)` over the
+/// accumulators `o[dv / 8][4]`, `P` from registers and `V` N-major.
+fn wgmma_o(elem: &str, dv: usize) -> String {
+    let n = dv / 2;
+    let regs: Vec<String> = (0..n).map(|i| format!("%{i}")).collect();
+    let outs: Vec<String> = (0..n)
+        .map(|i| format!("\"+f\"(o[{}][{}])", i / 4, i % 4))
+        .collect();
+    format!(
+        "#define RT_WGMMA_O(a0, a1, a2, a3, db) asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{sc}, 0;\\n\
+         wgmma.mma_async.sync.aligned.m64n{dv}k16.f32.{elem}.{elem} {{{regs}}}, {{%{a0}, %{a1}, %{a2}, %{a3}}}, %{b}, p, 1, 1, 1;\\n}}\\n\" \
+         : {outs} : \"r\"(a0), \"r\"(a1), \"r\"(a2), \"r\"(a3), \"l\"(db), \"r\"(1))\n",
+        regs = regs.join(", "),
+        outs = outs.join(", "),
+        a0 = n,
+        a1 = n + 1,
+        a2 = n + 2,
+        a3 = n + 3,
+        b = n + 4,
+        sc = n + 5,
+    )
+}
+
+/// `asm volatile("" : "+c"(x))` over every element of `arr[rows][4]` (`c` the constraint):
+/// keeps the compiler from moving reads or writes of MMA operands across the MMA's fence and
+/// wait.
+fn pin(arr: &str, rows: usize, c: char) -> String {
+    format!(
+        "    #pragma unroll\n    for (int n = 0; n < {rows}; ++n) {{ asm volatile(\"\" : \"+{c}\"({arr}[n][0]), \"+{c}\"({arr}[n][1]), \"+{c}\"({arr}[n][2]), \"+{c}\"({arr}[n][3]) :: \"memory\"); }}\n"
+    )
+}
+
+/// The kernel body (see the module docs); `stats` writes the backward's statistics (with `dO`
+/// as the fourth tensor of `s.heads`) instead of the output.
+pub(super) fn source(s: &Shape2, sp: &Spec) -> String {
+    let (sq, sk, d, dv) = (s.sq, s.sk, s.d, s.dv);
+    let elem = s.elem;
+    let qt = sq.div_ceil(BR);
+    let bh_count = sp.bsz * sp.heads;
+    let q_bytes = BR * d * 2;
+    let k_bytes = BC * d * 2;
+    let v_bytes = BC * dv * 2;
+    let mask_stmt = s.mask.clone().unwrap_or_default();
+    // S = Q·Kᵀ over the head dim in steps of 16: step `kk` lies in 64-column block kk / 4, at
+    // byte 32·(kk mod 4) of each 128-byte row (the swizzle is applied by the hardware to the
+    // address, so advancing the start address inside the pattern is how the K dim is walked).
+    let mut s_mma = String::new();
+    for kk in 0..d / 16 {
+        let (blk, off) = (kk / 4, (kk % 4) * 32);
+        s_mma.push_str(&format!(
+            "    RT_WGMMA_S(rt_desc(q_s + {qa}u + (unsigned)wg * 8192u, 16u), rt_desc(ks + {kb}u, 16u), {sc});\n",
+            qa = blk * BR * 128 + off,
+            kb = blk * BC * 128 + off,
+            sc = u32::from(kk > 0),
+        ));
+    }
+    // O += P·V over the keys in steps of 16 (two 8-row groups of V, 2048 bytes).
+    let mut o_mma = String::new();
+    for kk in 0..BC / 16 {
+        o_mma.push_str(&format!(
+            "    RT_WGMMA_O(pa[{kk}][0], pa[{kk}][1], pa[{kk}][2], pa[{kk}][3], rt_desc(vs + {off}u, {lbo}u));\n",
+            off = kk * 16 * 128,
+            lbo = BC * 128,
+        ));
+    }
+    let body = r#"// Flash attention forward for sm_90a: $WG warpgroups of 64 query rows, key tiles of $BC, wgmma ($E).
+#define RT_NEG_INF __int_as_float(0xff800000)
+#define RT_LOG2E 1.4426950408889634f
+$WGMMA_S$WGMMA_Oextern __shared__ __align__(1024) unsigned char rt_smem[];
+// The tiles, each a set of 64-column blocks of 128-byte rows, 128-byte swizzled: the query
+// tile, then two key tiles, then two value tiles.
+const unsigned q_s = ((unsigned)__cvta_generic_to_shared(rt_smem) + 1023u) & ~1023u;
+const unsigned k_s0 = q_s + $QBYTESu;
+const unsigned v_s0 = k_s0 + 2u * $KBYTESu;
+const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+const int g = lane >> 2, t4 = lane & 3;
+auto lim_of = [](long long i) -> int { return (int)($LIM); };
+auto pack = [](float lo, float hi) -> unsigned {
+  unsigned r; asm("cvt.rn.$Ex2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+};
+auto ex2 = [](float x) -> float { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; };
+// A shared-memory matrix descriptor: start address, leading byte offset, 1024 bytes between
+// 8-row groups, 128-byte swizzle.
+auto rt_desc = [](unsigned addr, unsigned lbo) -> unsigned long long {
+  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16)
+       | ((unsigned long long)(1024u >> 4) << 32) | (1ull << 62);
+};
+// Rows [first, first + rows) of a tensor of `limit` rows (`gstride` elements apart, `width`
+// wide) into the swizzled tile at `dst`; rows at or past `limit` are zero-filled.
+auto load = [&](const unsigned short* src, long long first, long long limit, int rows, int width, long long gstride, unsigned dst) {
+  const int chunks = width / 8;
+  for (int c = tid; c < rows * chunks; c += $THREADS) {
+    const int r = c / chunks, c8 = c - r * chunks;
+    const long long row = first + r;
+    const bool in = row < limit;
+    const unsigned short* from = src + (in ? row : 0LL) * gstride + c8 * 8;
+    const unsigned to = dst + (unsigned)((c8 >> 3) * rows * 128 + r * 128 + (((c8 & 7) ^ (r & 7)) << 4));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(to), "l"(from), "r"(in ? 16 : 0) : "memory");
+  }
+};
+for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
+  // The heaviest query tiles of every head first.
+  const long long bh = tile % $BHLL;
+  const int qt = (int)($QTLL - 1LL - tile / $BHLL);
+  const int i0 = qt * $BR + wg * 64 + warp * 16 + g, i1 = i0 + 8;
+  const unsigned short* qp = (const unsigned short*)q + $QH;
+  const unsigned short* kp = (const unsigned short*)k + $KH;
+  const unsigned short* vp = (const unsigned short*)v + $VH;
+  const int lim0 = lim_of(i0), lim1 = lim_of(i1);
+  const int lim_first = lim_of(qt * $BR);
+  const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
+  const int ntiles = (kend + $BC - 1) / $BC;
+  load(qp, (long long)qt * $BR, $SQLL, $BR, $D, $QRSLL, q_s);
+  if (ntiles > 0) {
+    load(kp, 0LL, $SKLL, $BC, $D, $KRSLL, k_s0);
+    load(vp, 0LL, $SKLL, $BC, $DV, $VRSLL, v_s0);
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  float o[$DV8][4];
+  #pragma unroll
+  for (int n = 0; n < $DV8; ++n) { o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f; }
+  float m0 = RT_NEG_INF, m1 = RT_NEG_INF, l0 = 0.f, l1 = 0.f;
+  // The scores (the first MMA of each tile overwrites them; zeroed once so that no register
+  // is read before it is written).
+  float s[$BC8][4];
+  #pragma unroll
+  for (int n = 0; n < $BC8; ++n) { s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f; }
+  for (int j = 0; j < ntiles; ++j) {
+    const unsigned buf = (unsigned)(j & 1);
+    const unsigned ks = k_s0 + buf * $KBYTESu, vs = v_s0 + buf * $VBYTESu;
+    // Tile j has landed (each thread's copies, then made visible to the tensor cores); after
+    // the barrier every warpgroup is done with tile j - 1, whose buffers take tile j + 1.
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    if (j + 1 < ntiles) {
+      load(kp, (long long)(j + 1) * $BC, $SKLL, $BC, $D, $KRSLL, k_s0 + (buf ^ 1u) * $KBYTESu);
+      load(vp, (long long)(j + 1) * $BC, $SKLL, $BC, $DV, $VRSLL, v_s0 + (buf ^ 1u) * $VBYTESu);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    // S = Q·Kᵀ for this warpgroup's 64 rows and the tile's keys.
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+$S_MMA    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+$PIN_S    // Scale into base 2; limits and the mask only where the tile crosses them.
+    const int kb = j * $BC;
+    const bool edge = $HAS_MASK || kb + $BC > lim_first;
+    #pragma unroll
+    for (int n = 0; n < $BC8; ++n) {
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[n][e] * $SCALEf;
+        if (edge) {
+          const int key = kb + n * 8 + t4 * 2 + (e & 1);
+          const int row = e < 2 ? i0 : i1;
+          if (key >= (e < 2 ? lim0 : lim1) || row >= $SQ) {
+            x = RT_NEG_INF;
+          } else {
+            $MASK
+          }
+        }
+        s[n][e] = x;
+      }
+    }
+    // Online softmax: the rows' maxima over the four lanes that share them.
+    float mx0 = RT_NEG_INF, mx1 = RT_NEG_INF;
+    #pragma unroll
+    for (int n = 0; n < $BC8; ++n) {
+      mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+      mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    // A row with nothing visible yet keeps a finite reference so that 2^(−∞ − ref) is 0.
+    const float r0 = mn0 == RT_NEG_INF ? 0.f : mn0, r1 = mn1 == RT_NEG_INF ? 0.f : mn1;
+    const float a0 = ex2(m0 - r0), a1 = ex2(m1 - r1);
+    m0 = mn0; m1 = mn1;
+    l0 *= a0; l1 *= a1;
+    #pragma unroll
+    for (int n = 0; n < $DV8; ++n) { o[n][0] *= a0; o[n][1] *= a0; o[n][2] *= a1; o[n][3] *= a1; }
+    #pragma unroll
+    for (int n = 0; n < $BC8; ++n) {
+      s[n][0] = ex2(s[n][0] - r0); s[n][1] = ex2(s[n][1] - r0);
+      s[n][2] = ex2(s[n][2] - r1); s[n][3] = ex2(s[n][3] - r1);
+      l0 += s[n][0] + s[n][1]; l1 += s[n][2] + s[n][3];
+    }
+    // O += P·V, P rounded from the score registers (pair 2kk, 2kk + 1 of 8-key groups is the
+    // A fragment of keys 16kk..16kk + 15).
+    unsigned pa[$BC16][4];
+    #pragma unroll
+    for (int kk = 0; kk < $BC16; ++kk) {
+      pa[kk][0] = pack(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pack(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+$PIN_P$PIN_O    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+$O_MMA    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+$PIN_O  }
+  // Each row's sum over its four lanes; a row that saw nothing is zero, a NaN row stays NaN.
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  const float inv0 = l0 == 0.f ? 0.f : 1.f / l0, inv1 = l1 == 0.f ? 0.f : 1.f / l1;
+$TAIL
+  // No copy may still be writing the tiles when the next query tile starts.
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  __syncthreads();
+}"#;
+    // Longer names first, so that no name is a prefix of one replaced before it.
+    let subs: Vec<(&str, String)> = vec![
+        ("$WGMMA_S", wgmma_s(elem)),
+        ("$WGMMA_O", wgmma_o(elem, dv)),
+        ("$QBYTES", q_bytes.to_string()),
+        ("$KBYTES", k_bytes.to_string()),
+        ("$VBYTES", v_bytes.to_string()),
+        ("$THREADS", THREADS.to_string()),
+        ("$TILES", tiles(sp).to_string()),
+        ("$HAS_MASK", s.mask.is_some().to_string()),
+        ("$S_MMA", s_mma),
+        ("$O_MMA", o_mma),
+        ("$PIN_S", pin("s", BC / 8, 'f')),
+        ("$PIN_O", pin("o", dv / 8, 'f')),
+        ("$PIN_P", pin("pa", BC / 16, 'r')),
+        ("$SCALE", format!("{:?}", s.scale_log2 as f32)),
+        ("$MASK", mask_stmt),
+        ("$TAIL", tail(s)),
+        ("$LIM", limit(s.causal, sq, sk)),
+        ("$QRS", s.strides[0].to_string()),
+        ("$KRS", s.strides[1].to_string()),
+        ("$VRS", s.strides[2].to_string()),
+        ("$DV8", (dv / 8).to_string()),
+        ("$BC16", (BC / 16).to_string()),
+        ("$BC8", (BC / 8).to_string()),
+        ("$QH", s.heads[0].clone()),
+        ("$KH", s.heads[1].clone()),
+        ("$VH", s.heads[2].clone()),
+        ("$BH", bh_count.to_string()),
+        ("$QT", qt.to_string()),
+        ("$SQ", sq.to_string()),
+        ("$SK", sk.to_string()),
+        ("$DV", dv.to_string()),
+        ("$WG", WARPGROUPS.to_string()),
+        ("$BR", BR.to_string()),
+        ("$BC", BC.to_string()),
+        ("$D", d.to_string()),
+        ("$E", elem.to_string()),
+    ];
+    let mut out = body.to_string();
+    for (k, v) in subs {
+        out = out.replace(k, &v);
+    }
+    out
+}

@@ -1,0 +1,242 @@
+//! The Hopper flash attention forward (warpgroup MMA, built for `sm_90a`) against a float64
+//! reference of the same inputs: f16 and bf16, head sizes 64 and 128 (value heads unlike the
+//! query's), Sq = Sk, Sq < Sk, Sq > Sk, Sk smaller than a key tile, no causal mask, the top-left
+//! and the bottom-right one (rows that see no key give zeros), additive masks with fully masked
+//! rows, bool masks, both layouts; and the three gradients, whose first kernel (the statistics
+//! pass) is the same forward.
+//!
+//! On the GPU machine (`RUSTYTORCH_TEST_CUDA=1`, an H200) the session lowers for Hopper; the
+//! variable `RUSTYTORCH_ATTENTION=flash` this test sets (process-wide, so everything runs in one
+//! test) keeps cuDNN's attention out. Elsewhere the device part prints a notice and returns; the
+//! lowering checks run everywhere.
+
+use rustytorch::codegen::cuda::{lower_step, with_target, Target};
+use rustytorch::compiler::Graph;
+use rustytorch::ops::testing::{assert_close, rand_tensor};
+use rustytorch::ops::{eval_cpu, AttnLayout, AttnMask, Causal, F64Bits, Op};
+use rustytorch::prelude::*;
+
+fn cuda() -> bool {
+    std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
+}
+
+/// Tolerance against the float64 reference, relative to the largest magnitude of the result
+/// (at least 1): `P` is rounded to the operands' type before `P·V` (as in every flash kernel) and
+/// the result once more, so f16 allows a few units of its last place and bf16 (8 bits of
+/// mantissa) 2e-2, as `tests/device_ops.rs` does.
+fn tol(d: DType) -> f64 {
+    match d {
+        DType::F16 => 4e-3,
+        _ => 2e-2,
+    }
+}
+
+/// Runs `op` over `inputs` as a one-op graph on CUDA.
+fn run(op: &Op, inputs: &[HostTensor]) -> HostTensor {
+    let mut g = Graph::new();
+    let mut ids = vec![];
+    for (i, x) in inputs.iter().enumerate() {
+        ids.push(g.add_input(&format!("x{i}"), x.ty()).unwrap());
+    }
+    let y = g.add(op.clone(), &ids).unwrap();
+    g.add_output("y", y).unwrap();
+    let opts = CompileOptions {
+        optimize: false,
+        ..CompileOptions::default()
+    };
+    let mut exe = rustytorch::compile_graph(&g, Device::Cuda(0), &opts).unwrap();
+    let names: Vec<String> = (0..inputs.len()).map(|i| format!("x{i}")).collect();
+    let args: Vec<(&str, HostTensor)> = names
+        .iter()
+        .zip(inputs)
+        .map(|(n, x)| (n.as_str(), x.clone()))
+        .collect();
+    exe.run(&args).unwrap().into_vec().remove(0)
+}
+
+/// The device result against the float64 reference of the same inputs, errors relative to the
+/// reference's largest magnitude.
+fn check(what: &str, op: &Op, inputs: &[HostTensor]) {
+    let wide: Vec<HostTensor> = inputs.iter().map(|x| x.cast(DType::F64)).collect();
+    let refs: Vec<&HostTensor> = wide.iter().collect();
+    let want = eval_cpu(op, &refs).unwrap_or_else(|e| panic!("{what}: f64 reference: {e}"));
+    let got = run(op, inputs);
+    assert_eq!(got.shape(), want.shape(), "{what}: shape");
+    let (mut got, mut want) = (got.to_f64_vec(), want.to_f64_vec());
+    let s = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+    for v in got.iter_mut().chain(want.iter_mut()) {
+        *v /= s;
+    }
+    assert_close(&got, &want, tol(inputs[0].dtype()), what);
+}
+
+/// `[B, H, S, D]` sizes `(b, h, sq, sk, d, dv)` the Hopper kernel takes.
+const SHAPES: [(usize, usize, usize, usize, usize, usize); 6] = [
+    (2, 3, 200, 77, 64, 64),
+    (1, 2, 1000, 1000, 128, 128),
+    (1, 2, 130, 257, 64, 128),
+    (1, 1, 300, 1000, 128, 64),
+    (1, 2, 1000, 7, 64, 64),
+    (2, 1, 65, 129, 128, 128),
+];
+
+fn heads(d: DType, layout: AttnLayout, bhsd: [usize; 4], seed: u64) -> HostTensor {
+    rand_tensor(&TensorType::new(d, layout.from_bhsd(bhsd)), seed, -1.0, 1.0)
+}
+
+/// The forward cases of one shape: unmasked, an additive mask (the first row and every fifth
+/// entry −∞) and a bool mask over the keys, each op with its inputs.
+fn cases(
+    d: DType,
+    layout: AttnLayout,
+    (b, h, sq, sk, hd, hv): (usize, usize, usize, usize, usize, usize),
+    seed: u64,
+) -> Vec<(AttnMask, Vec<HostTensor>)> {
+    let qkv = vec![
+        heads(d, layout, [b, h, sq, hd], seed),
+        heads(d, layout, [b, h, sk, hd], seed + 1),
+        heads(d, layout, [b, h, sk, hv], seed + 2),
+    ];
+    let mut m = rand_tensor(
+        &TensorType::new(DType::F64, Shape::new(vec![sq, sk])),
+        seed + 3,
+        -2.0,
+        1.0,
+    )
+    .to_f64_vec();
+    for (x, mv) in m.iter_mut().enumerate() {
+        if x < sk || x % 5 == 0 {
+            *mv = f64::NEG_INFINITY;
+        }
+    }
+    let add =
+        HostTensor::from_f64_slice(&TensorType::new(d, Shape::new(vec![sq, sk])), &m).unwrap();
+    let keep = rand_tensor(
+        &TensorType::new(DType::Bool, Shape::new(vec![b, 1, 1, sk])),
+        seed + 4,
+        0.0,
+        1.0,
+    );
+    let with = |x: &HostTensor| {
+        let mut v = qkv.clone();
+        v.push(x.clone());
+        v
+    };
+    vec![
+        (AttnMask::None, qkv.clone()),
+        (AttnMask::Additive, with(&add)),
+        (AttnMask::Bool, with(&keep)),
+    ]
+}
+
+/// The lowering for Hopper runs these shapes in the warpgroup-MMA kernel (and its statistics
+/// form for the gradients); the portable lowering does not.
+#[test]
+fn hopper_lowering_picks_the_warpgroup_kernel() {
+    for &(b, h, sq, sk, hd, hv) in &SHAPES {
+        for layout in [AttnLayout::Bhsd, AttnLayout::Bshd] {
+            let tys = [
+                TensorType::new(DType::BF16, layout.from_bhsd([b, h, sq, hd])),
+                TensorType::new(DType::BF16, layout.from_bhsd([b, h, sk, hd])),
+                TensorType::new(DType::BF16, layout.from_bhsd([b, h, sk, hv])),
+                TensorType::new(DType::BF16, layout.from_bhsd([b, h, sq, hv])),
+            ];
+            let refs: Vec<&TensorType> = tys.iter().collect();
+            let fwd = Op::Attention {
+                causal: Causal::TopLeft,
+                mask: AttnMask::None,
+                scale: F64Bits::new(0.1),
+                layout,
+            };
+            let out = rustytorch::ops::infer(&fwd, &refs[..3]).unwrap();
+            let name = |t: Target, op: &Op, ins: &[&TensorType], out: &TensorType| {
+                let step = with_target(t, || lower_step(op, ins, out)).unwrap();
+                step.launches()[0].kernel.name.clone()
+            };
+            assert!(
+                name(Target::Hopper, &fwd, &refs[..3], &out).starts_with("flash_attention_sm90")
+            );
+            assert!(!name(Target::Portable, &fwd, &refs[..3], &out).contains("sm90"));
+            let grad = Op::AttentionGrad {
+                causal: Causal::TopLeft,
+                mask: AttnMask::None,
+                scale: F64Bits::new(0.1),
+                wrt: 1,
+                layout,
+            };
+            let gout = rustytorch::ops::infer(&grad, &refs).unwrap();
+            assert!(
+                name(Target::Hopper, &grad, &refs, &gout).starts_with("flash_attention_stats_sm90")
+            );
+        }
+    }
+    // Too few query rows for a warpgroup tile, or a head size it does not take: the portable
+    // kernel.
+    for (sq, hd) in [(64, 64), (1, 128), (300, 80), (300, 32)] {
+        let tys = [
+            TensorType::new(DType::F16, Shape::new(vec![1, 2, sq, hd])),
+            TensorType::new(DType::F16, Shape::new(vec![1, 2, 100, hd])),
+            TensorType::new(DType::F16, Shape::new(vec![1, 2, 100, hd])),
+        ];
+        let refs: Vec<&TensorType> = tys.iter().collect();
+        let op = Op::Attention {
+            causal: Causal::None,
+            mask: AttnMask::None,
+            scale: F64Bits::new(0.1),
+            layout: AttnLayout::Bhsd,
+        };
+        let out = rustytorch::ops::infer(&op, &refs).unwrap();
+        let step = with_target(Target::Hopper, || lower_step(&op, &refs, &out)).unwrap();
+        let k = &step.launches()[0].kernel;
+        assert!(!k.name.contains("sm90"), "sq {sq} head {hd}: {}", k.name);
+    }
+}
+
+#[test]
+fn hopper_flash_forward_and_gradients_match_float64() {
+    if !cuda() {
+        eprintln!("skipped: RUSTYTORCH_TEST_CUDA is not 1 (no GPU run)");
+        return;
+    }
+    std::env::set_var("RUSTYTORCH_ATTENTION", "flash");
+    for d in [DType::BF16, DType::F16] {
+        for (n, &shape) in SHAPES.iter().enumerate() {
+            let (b, h, sq, sk, hd, hv) = shape;
+            for layout in [AttnLayout::Bhsd, AttnLayout::Bshd] {
+                for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+                    let seed = 700 + 10 * n as u64;
+                    let scale = F64Bits::new(1.0 / (hd as f64).sqrt());
+                    for (mask, ins) in cases(d, layout, shape, seed) {
+                        let what = format!(
+                            "{d:?} {layout:?} {causal:?} {mask:?} [{b},{h},{sq},{sk},{hd},{hv}]"
+                        );
+                        let op = Op::Attention {
+                            causal,
+                            mask,
+                            scale,
+                            layout,
+                        };
+                        check(&what, &op, &ins);
+                        // The gradients (their statistics pass is this kernel), on the shapes
+                        // whose float64 reference stays quick.
+                        if sq * sk > 300_000 || layout == AttnLayout::Bshd {
+                            continue;
+                        }
+                        let mut gins = ins.clone();
+                        gins.push(heads(d, layout, [b, h, sq, hv], seed + 5));
+                        for wrt in 0..3u8 {
+                            let grad = Op::AttentionGrad {
+                                causal,
+                                mask,
+                                scale,
+                                wrt,
+                                layout,
+                            };
+                            check(&format!("{what} grad {wrt}"), &grad, &gins);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
