@@ -57,7 +57,16 @@ fn run(op: &Op, inputs: &[HostTensor]) -> HostTensor {
 /// The device result against the float64 reference of the same inputs, errors relative to the
 /// reference's largest magnitude.
 fn check(what: &str, op: &Op, inputs: &[HostTensor]) {
-    let wide: Vec<HostTensor> = inputs.iter().map(|x| x.cast(DType::F64)).collect();
+    let wide: Vec<HostTensor> = inputs
+        .iter()
+        .map(|x| {
+            if x.dtype() == DType::Bool {
+                x.clone()
+            } else {
+                x.cast(DType::F64)
+            }
+        })
+        .collect();
     let refs: Vec<&HostTensor> = wide.iter().collect();
     let want = eval_cpu(op, &refs).unwrap_or_else(|e| panic!("{what}: f64 reference: {e}"));
     let got = run(op, inputs);

@@ -50,10 +50,10 @@ pub(super) fn supported(sp: &Spec) -> bool {
     [sp.d, sp.dv].iter().all(|&h| h == 64 || h == 128) && sp.sq >= MIN_ROWS
 }
 
-/// Bytes of dynamic shared memory: the query tile, two key and two value tiles, and 1 KiB to
-/// align the base to the swizzle's 1024-byte pattern.
+/// Bytes of dynamic shared memory: the query tile, two key and three value tiles, and 1 KiB
+/// to align the base to the swizzle's 1024-byte pattern.
 pub(super) fn smem_bytes(sp: &Spec) -> u32 {
-    (1024 + BR * sp.d * 2 + 2 * BC * sp.d * 2 + 2 * BC * sp.dv * 2) as u32
+    (1024 + BR * sp.d * 2 + 2 * BC * sp.d * 2 + 3 * BC * sp.dv * 2) as u32
 }
 
 /// Blocks: one per (query tile, batch·head).
@@ -109,9 +109,75 @@ fn wgmma_o(elem: &str, dv: usize) -> String {
 /// wait.
 fn pin(arr: &str, rows: usize, c: char) -> String {
     format!(
-        "    #pragma unroll\n    for (int n = 0; n < {rows}; ++n) {{ asm volatile(\"\" : \"+{c}\"({arr}[n][0]), \"+{c}\"({arr}[n][1]), \"+{c}\"({arr}[n][2]), \"+{c}\"({arr}[n][3]) :: \"memory\"); }}\n"
+        "        #pragma unroll\n        for (int n = 0; n < {rows}; ++n) {{ asm volatile(\"\" : \"+{c}\"({arr}[n][0]), \"+{c}\"({arr}[n][1]), \"+{c}\"({arr}[n][2]), \"+{c}\"({arr}[n][3]) :: \"memory\"); }}\n"
     )
 }
+
+/// The online softmax of score tile `t` in `s` (raw products): P into `pa`, the running
+/// maxima, sums and output rescaled. Off the edges (no mask, every key visible to every row of
+/// the block) the scale is folded into the exponent's multiply-add; on them the scores are
+/// scaled and masked first.
+const SOFTMAX: &str = r#"        const int kb = t * $BC;
+        float c = $SCALEf;
+        if ($HAS_MASK || kb + $BC > lim_first) {
+          c = 1.f;
+          #pragma unroll
+          for (int n = 0; n < $BC8; ++n) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              float x = s[n][e] * $SCALEf;
+              const int key = kb + n * 8 + t4 * 2 + (e & 1);
+              const int row = e < 2 ? i0 : i1;
+              if (key >= (e < 2 ? lim0 : lim1) || row >= $SQ) {
+                x = RT_NEG_INF;
+              } else {
+                $MASK
+              }
+              s[n][e] = x;
+            }
+          }
+        }
+        // The rows' maxima over the four lanes that share them (c > 0 keeps the order).
+        float mx0 = RT_NEG_INF, mx1 = RT_NEG_INF;
+        #pragma unroll
+        for (int n = 0; n < $BC8; ++n) {
+          mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+          mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m0, mx0 * c), mn1 = fmaxf(m1, mx1 * c);
+        // A row with nothing visible yet keeps a finite reference so that 2^(−∞ − ref) is 0.
+        const float r0 = mn0 == RT_NEG_INF ? 0.f : mn0, r1 = mn1 == RT_NEG_INF ? 0.f : mn1;
+        const float a0 = ex2(m0 - r0), a1 = ex2(m1 - r1);
+        m0 = mn0; m1 = mn1;
+        l0 *= a0; l1 *= a1;
+        if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
+          #pragma unroll
+          for (int n = 0; n < $DV8; ++n) { o[n][0] *= a0; o[n][1] *= a0; o[n][2] *= a1; o[n][3] *= a1; }
+        }
+        // P = 2^(c·s − ref), summed per row and rounded into A fragments (8-key groups 2kk and
+        // 2kk + 1 are the fragment of keys 16kk..16kk + 15).
+        #pragma unroll
+        for (int kk = 0; kk < $BC16; ++kk) {
+          float p[8];
+          #pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            p[4 * h + 0] = ex2(fmaf(s[2 * kk + h][0], c, -r0));
+            p[4 * h + 1] = ex2(fmaf(s[2 * kk + h][1], c, -r0));
+            p[4 * h + 2] = ex2(fmaf(s[2 * kk + h][2], c, -r1));
+            p[4 * h + 3] = ex2(fmaf(s[2 * kk + h][3], c, -r1));
+          }
+          l0 += (p[0] + p[1]) + (p[4] + p[5]);
+          l1 += (p[2] + p[3]) + (p[6] + p[7]);
+          pa[kk][0] = pack(p[0], p[1]);
+          pa[kk][1] = pack(p[2], p[3]);
+          pa[kk][2] = pack(p[4], p[5]);
+          pa[kk][3] = pack(p[6], p[7]);
+        }
+"#;
 
 /// The kernel body (see the module docs); `stats` writes the backward's statistics (with `dO`
 /// as the fourth tensor of `s.heads`) instead of the output.
@@ -124,34 +190,43 @@ pub(super) fn source(s: &Shape2, sp: &Spec) -> String {
     let k_bytes = BC * d * 2;
     let v_bytes = BC * dv * 2;
     let mask_stmt = s.mask.clone().unwrap_or_default();
-    // S = Q·Kᵀ over the head dim in steps of 16: step `kk` lies in 64-column block kk / 4, at
-    // byte 32·(kk mod 4) of each 128-byte row (the swizzle is applied by the hardware to the
-    // address, so advancing the start address inside the pattern is how the K dim is walked).
-    let mut s_mma = String::new();
+    // S = Q·Kᵀ of key tile `t` over the head dim in steps of 16: step `kk` lies in 64-column
+    // block kk / 4, at byte 32·(kk mod 4) of each 128-byte row (the hardware applies the swizzle
+    // to the address, so advancing the start address inside the pattern walks the K dim).
+    let mut s_gemm = String::from(
+        "        const unsigned ks = k_s0 + (unsigned)(t & 1) * $KBYTESu;\n        asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\");\n",
+    );
     for kk in 0..d / 16 {
         let (blk, off) = (kk / 4, (kk % 4) * 32);
-        s_mma.push_str(&format!(
-            "    RT_WGMMA_S(rt_desc(q_s + {qa}u + (unsigned)wg * 8192u, 16u), rt_desc(ks + {kb}u, 16u), {sc});\n",
+        s_gemm.push_str(&format!(
+            "        RT_WGMMA_S(rt_desc(q_s + {qa}u + (unsigned)wg * 8192u, 16u), rt_desc(ks + {kb}u, 16u), {sc});\n",
             qa = blk * BR * 128 + off,
             kb = blk * BC * 128 + off,
             sc = u32::from(kk > 0),
         ));
     }
-    // O += P·V over the keys in steps of 16 (two 8-row groups of V, 2048 bytes).
-    let mut o_mma = String::new();
+    s_gemm.push_str("        asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\");\n        asm volatile(\"wgmma.wait_group.sync.aligned 0;\" ::: \"memory\");\n");
+    s_gemm.push_str(&pin("s", BC / 8, 'f'));
+    // O += P·V of value tile `t` over the keys in steps of 16 (two 8-row groups, 2048 bytes).
+    let mut pv = String::from("        const unsigned vs = v_s0 + (unsigned)(t % 3) * $VBYTESu;\n");
+    pv.push_str(&pin("pa", BC / 16, 'r'));
+    pv.push_str(&pin("o", dv / 8, 'f'));
+    pv.push_str("        asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\");\n");
     for kk in 0..BC / 16 {
-        o_mma.push_str(&format!(
-            "    RT_WGMMA_O(pa[{kk}][0], pa[{kk}][1], pa[{kk}][2], pa[{kk}][3], rt_desc(vs + {off}u, {lbo}u));\n",
+        pv.push_str(&format!(
+            "        RT_WGMMA_O(pa[{kk}][0], pa[{kk}][1], pa[{kk}][2], pa[{kk}][3], rt_desc(vs + {off}u, {lbo}u));\n",
             off = kk * 16 * 128,
             lbo = BC * 128,
         ));
     }
+    pv.push_str("        asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\");\n        asm volatile(\"wgmma.wait_group.sync.aligned 0;\" ::: \"memory\");\n");
+    pv.push_str(&pin("o", dv / 8, 'f'));
     let body = r#"// Flash attention forward for sm_90a: $WG warpgroups of 64 query rows, key tiles of $BC, wgmma ($E).
 #define RT_NEG_INF __int_as_float(0xff800000)
 #define RT_LOG2E 1.4426950408889634f
 $WGMMA_S$WGMMA_Oextern __shared__ __align__(1024) unsigned char rt_smem[];
 // The tiles, each a set of 64-column blocks of 128-byte rows, 128-byte swizzled: the query
-// tile, then two key tiles, then two value tiles.
+// tile, then two key tiles, then three value tiles.
 const unsigned q_s = ((unsigned)__cvta_generic_to_shared(rt_smem) + 1023u) & ~1023u;
 const unsigned k_s0 = q_s + $QBYTESu;
 const unsigned v_s0 = k_s0 + 2u * $KBYTESu;
@@ -204,86 +279,39 @@ for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
   for (int n = 0; n < $DV8; ++n) { o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f; }
   float m0 = RT_NEG_INF, m1 = RT_NEG_INF, l0 = 0.f, l1 = 0.f;
   // The scores (the first MMA of each tile overwrites them; zeroed once so that no register
-  // is read before it is written).
+  // is read before it is written) and P as A fragments.
   float s[$BC8][4];
   #pragma unroll
   for (int n = 0; n < $BC8; ++n) { s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f; }
-  for (int j = 0; j < ntiles; ++j) {
-    const unsigned buf = (unsigned)(j & 1);
-    const unsigned ks = k_s0 + buf * $KBYTESu, vs = v_s0 + buf * $VBYTESu;
-    // Tile j has landed (each thread's copies, then made visible to the tensor cores); after
-    // the barrier every warpgroup is done with tile j - 1, whose buffers take tile j + 1.
+  unsigned pa[$BC16][4];
+  // Even warpgroups run tile j as S, softmax, P·V; odd ones run the softmax and P·V of tile
+  // j - 1, then S of tile j: while one warpgroup exponentiates, the other keeps the tensor
+  // cores busy. Key tiles take two buffers (tile j is read in step j only), value tiles three
+  // (tile j is read in steps j and j + 1).
+  for (int j = 0; j <= ntiles; ++j) {
+    // Tiles j have landed (each thread's copies, then made visible to the tensor cores); after
+    // the barrier no warpgroup reads the buffers that tiles j + 1 take.
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
     if (j + 1 < ntiles) {
-      load(kp, (long long)(j + 1) * $BC, $SKLL, $BC, $D, $KRSLL, k_s0 + (buf ^ 1u) * $KBYTESu);
-      load(vp, (long long)(j + 1) * $BC, $SKLL, $BC, $DV, $VRSLL, v_s0 + (buf ^ 1u) * $VBYTESu);
+      load(kp, (long long)(j + 1) * $BC, $SKLL, $BC, $D, $KRSLL, k_s0 + (unsigned)((j + 1) & 1) * $KBYTESu);
+      load(vp, (long long)(j + 1) * $BC, $SKLL, $BC, $DV, $VRSLL, v_s0 + (unsigned)((j + 1) % 3) * $VBYTESu);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
-    // S = Q·Kᵀ for this warpgroup's 64 rows and the tile's keys.
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-$S_MMA    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-$PIN_S    // Scale into base 2; limits and the mask only where the tile crosses them.
-    const int kb = j * $BC;
-    const bool edge = $HAS_MASK || kb + $BC > lim_first;
-    #pragma unroll
-    for (int n = 0; n < $BC8; ++n) {
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[n][e] * $SCALEf;
-        if (edge) {
-          const int key = kb + n * 8 + t4 * 2 + (e & 1);
-          const int row = e < 2 ? i0 : i1;
-          if (key >= (e < 2 ? lim0 : lim1) || row >= $SQ) {
-            x = RT_NEG_INF;
-          } else {
-            $MASK
-          }
-        }
-        s[n][e] = x;
-      }
+    if ((wg & 1) == 0) {
+      if (j < ntiles) {
+        const int t = j;
+$S_GEMM$SOFTMAX$PV      }
+    } else {
+      if (j > 0) {
+        const int t = j - 1;
+$SOFTMAX$PV      }
+      if (j < ntiles) {
+        const int t = j;
+$S_GEMM      }
     }
-    // Online softmax: the rows' maxima over the four lanes that share them.
-    float mx0 = RT_NEG_INF, mx1 = RT_NEG_INF;
-    #pragma unroll
-    for (int n = 0; n < $BC8; ++n) {
-      mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-      mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    // A row with nothing visible yet keeps a finite reference so that 2^(−∞ − ref) is 0.
-    const float r0 = mn0 == RT_NEG_INF ? 0.f : mn0, r1 = mn1 == RT_NEG_INF ? 0.f : mn1;
-    const float a0 = ex2(m0 - r0), a1 = ex2(m1 - r1);
-    m0 = mn0; m1 = mn1;
-    l0 *= a0; l1 *= a1;
-    #pragma unroll
-    for (int n = 0; n < $DV8; ++n) { o[n][0] *= a0; o[n][1] *= a0; o[n][2] *= a1; o[n][3] *= a1; }
-    #pragma unroll
-    for (int n = 0; n < $BC8; ++n) {
-      s[n][0] = ex2(s[n][0] - r0); s[n][1] = ex2(s[n][1] - r0);
-      s[n][2] = ex2(s[n][2] - r1); s[n][3] = ex2(s[n][3] - r1);
-      l0 += s[n][0] + s[n][1]; l1 += s[n][2] + s[n][3];
-    }
-    // O += P·V, P rounded from the score registers (pair 2kk, 2kk + 1 of 8-key groups is the
-    // A fragment of keys 16kk..16kk + 15).
-    unsigned pa[$BC16][4];
-    #pragma unroll
-    for (int kk = 0; kk < $BC16; ++kk) {
-      pa[kk][0] = pack(s[2 * kk][0], s[2 * kk][1]);
-      pa[kk][1] = pack(s[2 * kk][2], s[2 * kk][3]);
-      pa[kk][2] = pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[kk][3] = pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    }
-$PIN_P$PIN_O    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-$O_MMA    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-$PIN_O  }
+  }
   // Each row's sum over its four lanes; a row that saw nothing is zero, a NaN row stays NaN.
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -297,6 +325,10 @@ $TAIL
 }"#;
     // Longer names first, so that no name is a prefix of one replaced before it.
     let subs: Vec<(&str, String)> = vec![
+        // The blocks first: they hold names replaced below.
+        ("$S_GEMM", s_gemm),
+        ("$SOFTMAX", SOFTMAX.to_string()),
+        ("$PV", pv),
         ("$WGMMA_S", wgmma_s(elem)),
         ("$WGMMA_O", wgmma_o(elem, dv)),
         ("$QBYTES", q_bytes.to_string()),
@@ -305,11 +337,6 @@ $TAIL
         ("$THREADS", THREADS.to_string()),
         ("$TILES", tiles(sp).to_string()),
         ("$HAS_MASK", s.mask.is_some().to_string()),
-        ("$S_MMA", s_mma),
-        ("$O_MMA", o_mma),
-        ("$PIN_S", pin("s", BC / 8, 'f')),
-        ("$PIN_O", pin("o", dv / 8, 'f')),
-        ("$PIN_P", pin("pa", BC / 16, 'r')),
         ("$SCALE", format!("{:?}", s.scale_log2 as f32)),
         ("$MASK", mask_stmt),
         ("$TAIL", tail(s)),
