@@ -6,23 +6,32 @@
 //!
 //! A block of [`WARPGROUPS`] warpgroups owns [`BR`] query rows of one (batch, head), each
 //! warpgroup 64 of them. The block copies its query tile once and walks the keys in tiles of
-//! [`BC`], double-buffered: the copies (`cp.async`, 16 bytes a thread, rows past the end
-//! zero-filled) of tile `j + 1` run while tile `j` is computed. Per tile and warpgroup:
+//! [`BC`]; the copies (`cp.async`, 16 bytes a thread, rows past the end zero-filled) of tile
+//! `j + 1` run while tile `j` is computed. Per tile and warpgroup:
 //!
 //! 1. `S = Q·Kᵀ` (64 × [`BC`], f32) by `wgmma.m64n128k16` with both operands read from shared
 //!    memory through matrix descriptors (K-major, 128-byte swizzle: rows of 64 elements, the
 //!    16-byte chunks of row `r` stored at chunk `c ^ (r mod 8)`, so that the tensor cores read
 //!    without bank conflicts);
-//! 2. the online softmax in registers exactly as in the portable kernel ([`super`]): base-2
-//!    scores, the causal limit, the end of the keys and the mask applied only on tiles that
-//!    cross them, the rows' maxima over the four lanes that share a row;
+//! 2. the online softmax in registers with the portable kernel's semantics ([`super`]):
+//!    base-2 scores, the causal limit, the end of the keys and the mask applied only on tiles
+//!    that cross them (elsewhere the scale is folded into the exponent's multiply-add), the rows'
+//!    maxima over the four lanes that share a row, the output rescaled only when a maximum
+//!    moved;
 //! 3. `O += P·V` by `wgmma.m64nDk16` with `P` taken from registers (the accumulator layout of
 //!    `S`, rounded to the operands' type, is the A-fragment layout) and `V` read N-major from
 //!    shared memory (the descriptor's transpose bit; its 64-column blocks `LBO` apart).
 //!
+//! The two warpgroups are skewed by half a step: the even one runs tile `j` as S, softmax,
+//! P·V; the odd one runs the softmax and P·V of tile `j - 1`, then S of tile `j`. One barrier a
+//! step orders the copies, and between two barriers one warpgroup's exponentials overlap the
+//! other's matrix products (in lockstep both would exponentiate while the tensor cores idle).
+//! So key tiles take two buffers and value tiles three (tile `j` is read in steps `j` and
+//! `j + 1`).
+//!
 //! The accumulator layout of `wgmma.m64nN` is, per warp of the warpgroup, that of
-//! `mma.m16n8` repeated over the columns, so the masking, the softmax and the end (the
-//! normalized rows or the backward's statistics) are the portable kernel's code.
+//! `mma.m16n8` repeated over the columns, so the end of the kernel (the normalized rows or the
+//! backward's statistics) is the portable kernel's code.
 //!
 //! Causal blocks walk only the key tiles their rows see, and the grid runs the heaviest query
 //! tiles of every head first. What this kernel leaves to a later one: the tensor memory
@@ -61,24 +70,30 @@ pub(super) fn tiles(sp: &Spec) -> usize {
     sp.bsz * sp.heads * sp.sq.div_ceil(BR)
 }
 
-/// The `wgmma` of `S = Q·Kᵀ` as a C macro `RT_WGMMA_S(desc_a, desc_b, scale_d)` over the
-/// accumulators `s[BC / 8][4]`.
+/// The `wgmma`s of `S = Q·Kᵀ` as C macros over the accumulators `s[BC / 8][4]`:
+/// `RT_WGMMA_S0(desc_a, desc_b)` for the first step of the head dim, which overwrites `S`
+/// (scale-d 0; its outputs are write-only, so the previous tile's scores are dead once the
+/// softmax has read them), and `RT_WGMMA_S(desc_a, desc_b)`, which accumulates.
 fn wgmma_s(elem: &str) -> String {
     let n = BC / 2;
     let regs: Vec<String> = (0..n).map(|i| format!("%{i}")).collect();
-    let outs: Vec<String> = (0..n)
-        .map(|i| format!("\"+f\"(s[{}][{}])", i / 4, i % 4))
-        .collect();
-    format!(
-        "#define RT_WGMMA_S(da, db, sc) asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{sc}, 0;\\n\
-         wgmma.mma_async.sync.aligned.m64n{BC}k16.f32.{elem}.{elem} {{{regs}}}, %{a}, %{b}, p, 1, 1, 0, 0;\\n}}\\n\" \
-         : {outs} : \"l\"(da), \"l\"(db), \"r\"(sc))\n",
-        regs = regs.join(", "),
-        outs = outs.join(", "),
-        a = n,
-        b = n + 1,
-        sc = n + 2,
-    )
+    let mut out = String::new();
+    for (name, constraint, scale) in [("RT_WGMMA_S0", "=f", 0), ("RT_WGMMA_S", "+f", 1)] {
+        let outs: Vec<String> = (0..n)
+            .map(|i| format!("\"{constraint}\"(s[{}][{}])", i / 4, i % 4))
+            .collect();
+        out.push_str(&format!(
+            "#define {name}(da, db) asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{sc}, 0;\\n\
+             wgmma.mma_async.sync.aligned.m64n{BC}k16.f32.{elem}.{elem} {{{regs}}}, %{a}, %{b}, p, 1, 1, 0, 0;\\n}}\\n\" \
+             : {outs} : \"l\"(da), \"l\"(db), \"r\"({scale}))\n",
+            regs = regs.join(", "),
+            outs = outs.join(", "),
+            a = n,
+            b = n + 1,
+            sc = n + 2,
+        ));
+    }
+    out
 }
 
 /// The `wgmma` of `O += P·V` as a C macro `RT_WGMMA_O(a0, a1, a2, a3, desc_b)` over the
@@ -199,10 +214,10 @@ pub(super) fn source(s: &Shape2, sp: &Spec) -> String {
     for kk in 0..d / 16 {
         let (blk, off) = (kk / 4, (kk % 4) * 32);
         s_gemm.push_str(&format!(
-            "        RT_WGMMA_S(rt_desc(q_s + {qa}u + (unsigned)wg * 8192u, 16u), rt_desc(ks + {kb}u, 16u), {sc});\n",
+            "        {mac}(rt_desc(q_s + {qa}u + (unsigned)wg * 8192u, 16u), rt_desc(ks + {kb}u, 16u));\n",
+            mac = if kk == 0 { "RT_WGMMA_S0" } else { "RT_WGMMA_S" },
             qa = blk * BR * 128 + off,
             kb = blk * BC * 128 + off,
-            sc = u32::from(kk > 0),
         ));
     }
     s_gemm.push_str("        asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\");\n        asm volatile(\"wgmma.wait_group.sync.aligned 0;\" ::: \"memory\");\n");
@@ -278,11 +293,8 @@ for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
   #pragma unroll
   for (int n = 0; n < $DV8; ++n) { o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f; }
   float m0 = RT_NEG_INF, m1 = RT_NEG_INF, l0 = 0.f, l1 = 0.f;
-  // The scores (the first MMA of each tile overwrites them; zeroed once so that no register
-  // is read before it is written) and P as A fragments.
+  // The scores (each tile's first MMA writes them) and P as A fragments.
   float s[$BC8][4];
-  #pragma unroll
-  for (int n = 0; n < $BC8; ++n) { s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f; }
   unsigned pa[$BC16][4];
   // Even warpgroups run tile j as S, softmax, P·V; odd ones run the softmax and P·V of tile
   // j - 1, then S of tile j: while one warpgroup exponentiates, the other keeps the tensor
@@ -299,7 +311,7 @@ for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
       load(vp, (long long)(j + 1) * $BC, $SKLL, $BC, $DV, $VRSLL, v_s0 + (unsigned)((j + 1) % 3) * $VBYTESu);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
-    if ((wg & 1) == 0) {
+    if ($SKEW(wg & 1) == 0) {
       if (j < ntiles) {
         const int t = j;
 $S_GEMM$SOFTMAX$PV      }
@@ -325,6 +337,14 @@ $TAIL
 }"#;
     // Longer names first, so that no name is a prefix of one replaced before it.
     let subs: Vec<(&str, String)> = vec![
+        (
+            "$SKEW",
+            if std::env::var("RT_SKEW").as_deref() == Ok("0") {
+                "true || ".into()
+            } else {
+                String::new()
+            },
+        ),
         // The blocks first: they hold names replaced below.
         ("$S_GEMM", s_gemm),
         ("$SOFTMAX", SOFTMAX.to_string()),
