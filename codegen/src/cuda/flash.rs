@@ -253,7 +253,7 @@ impl Spec {
                 Kernel {
                     name: String::new(),
                     params,
-                    block: hopper::THREADS,
+                    block: hopper::tile(self).threads(),
                     smem: hopper::smem_bytes(self),
                     body: vec![Stmt::Verbatim(hopper::source(&shape, self))],
                 },

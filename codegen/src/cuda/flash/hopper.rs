@@ -4,12 +4,12 @@
 //!
 //! # The kernel
 //!
-//! A block of [`WARPGROUPS`] warpgroups owns [`BR`] query rows of one (batch, head), each
+//! A block of two warpgroups ([`Tile`]) owns 128 query rows of one (batch, head), each
 //! warpgroup 64 of them. The block copies its query tile once and walks the keys in tiles of
-//! [`BC`]; the copies (`cp.async`, 16 bytes a thread, rows past the end zero-filled) of tile
+//! 128; the copies (`cp.async`, 16 bytes a thread, rows past the end zero-filled) of tile
 //! `j + 1` run while tile `j` is computed. Per tile and warpgroup:
 //!
-//! 1. `S = Q·Kᵀ` (64 × [`BC`], f32) by `wgmma.m64n128k16` with both operands read from shared
+//! 1. `S = Q·Kᵀ` (64 × 128, f32) by `wgmma.m64n128k16` with both operands read from shared
 //!    memory through matrix descriptors (K-major, 128-byte swizzle: rows of 64 elements, the
 //!    16-byte chunks of row `r` stored at chunk `c ^ (r mod 8)`, so that the tensor cores read
 //!    without bank conflicts);
@@ -41,14 +41,40 @@
 
 use super::{limit, tail, Shape2, Spec};
 
-/// Consumer warpgroups per block.
-pub const WARPGROUPS: usize = 2;
-/// Query rows per block.
-pub const BR: usize = 64 * WARPGROUPS;
-/// Keys per tile.
-pub const BC: usize = 128;
-/// Threads per block.
-pub const THREADS: u32 = 128 * WARPGROUPS as u32;
+/// A block's shape: warpgroups (64 query rows each) and keys per tile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Tile {
+    /// Warpgroups per block.
+    pub wg: usize,
+    /// Keys per tile.
+    pub bc: usize,
+}
+
+impl Tile {
+    /// Query rows per block.
+    pub fn br(self) -> usize {
+        64 * self.wg
+    }
+
+    /// Threads per block.
+    pub fn threads(self) -> u32 {
+        128 * self.wg as u32
+    }
+}
+
+/// The block shape for `sp`: two warpgroups and key tiles of 128. (`RT_HOPPER_TILE=WxB`, such
+/// as `3x64`, picks another, for measurements.)
+pub(super) fn tile(_sp: &Spec) -> Tile {
+    if let Ok(v) = std::env::var("RT_HOPPER_TILE") {
+        if let Some((w, b)) = v.split_once('x') {
+            if let (Ok(wg), Ok(bc)) = (w.parse(), b.parse()) {
+                return Tile { wg, bc };
+            }
+        }
+    }
+    Tile { wg: 2, bc: 128 }
+}
+
 /// The fewest query rows for which the kernel runs (below it most of each 64-row warpgroup
 /// MMA would be wasted, and the portable kernel's 16-row warps do better).
 pub const MIN_ROWS: usize = 65;
@@ -62,20 +88,21 @@ pub(super) fn supported(sp: &Spec) -> bool {
 /// Bytes of dynamic shared memory: the query tile, two key and three value tiles, and 1 KiB
 /// to align the base to the swizzle's 1024-byte pattern.
 pub(super) fn smem_bytes(sp: &Spec) -> u32 {
-    (1024 + BR * sp.d * 2 + 2 * BC * sp.d * 2 + 3 * BC * sp.dv * 2) as u32
+    let t = tile(sp);
+    (1024 + t.br() * sp.d * 2 + 2 * t.bc * sp.d * 2 + 3 * t.bc * sp.dv * 2) as u32
 }
 
 /// Blocks: one per (query tile, batch·head).
 pub(super) fn tiles(sp: &Spec) -> usize {
-    sp.bsz * sp.heads * sp.sq.div_ceil(BR)
+    sp.bsz * sp.heads * sp.sq.div_ceil(tile(sp).br())
 }
 
 /// The `wgmma`s of `S = Q·Kᵀ` as C macros over the accumulators `s[BC / 8][4]`:
 /// `RT_WGMMA_S0(desc_a, desc_b)` for the first step of the head dim, which overwrites `S`
 /// (scale-d 0; its outputs are write-only, so the previous tile's scores are dead once the
 /// softmax has read them), and `RT_WGMMA_S(desc_a, desc_b)`, which accumulates.
-fn wgmma_s(elem: &str) -> String {
-    let n = BC / 2;
+fn wgmma_s(elem: &str, bc: usize) -> String {
+    let n = bc / 2;
     let regs: Vec<String> = (0..n).map(|i| format!("%{i}")).collect();
     let mut out = String::new();
     for (name, constraint, scale) in [("RT_WGMMA_S0", "=f", 0), ("RT_WGMMA_S", "+f", 1)] {
@@ -84,7 +111,7 @@ fn wgmma_s(elem: &str) -> String {
             .collect();
         out.push_str(&format!(
             "#define {name}(da, db) asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{sc}, 0;\\n\
-             wgmma.mma_async.sync.aligned.m64n{BC}k16.f32.{elem}.{elem} {{{regs}}}, %{a}, %{b}, p, 1, 1, 0, 0;\\n}}\\n\" \
+             wgmma.mma_async.sync.aligned.m64n{bc}k16.f32.{elem}.{elem} {{{regs}}}, %{a}, %{b}, p, 1, 1, 0, 0;\\n}}\\n\" \
              : {outs} : \"l\"(da), \"l\"(db), \"r\"({scale}))\n",
             regs = regs.join(", "),
             outs = outs.join(", "),
@@ -199,11 +226,13 @@ const SOFTMAX: &str = r#"        const int kb = t * $BC;
 pub(super) fn source(s: &Shape2, sp: &Spec) -> String {
     let (sq, sk, d, dv) = (s.sq, s.sk, s.d, s.dv);
     let elem = s.elem;
-    let qt = sq.div_ceil(BR);
+    let t = tile(sp);
+    let (br, bc) = (t.br(), t.bc);
+    let qt = sq.div_ceil(br);
     let bh_count = sp.bsz * sp.heads;
-    let q_bytes = BR * d * 2;
-    let k_bytes = BC * d * 2;
-    let v_bytes = BC * dv * 2;
+    let q_bytes = br * d * 2;
+    let k_bytes = bc * d * 2;
+    let v_bytes = bc * dv * 2;
     let mask_stmt = s.mask.clone().unwrap_or_default();
     // S = Q·Kᵀ of key tile `t` over the head dim in steps of 16: step `kk` lies in 64-column
     // block kk / 4, at byte 32·(kk mod 4) of each 128-byte row (the hardware applies the swizzle
@@ -216,22 +245,22 @@ pub(super) fn source(s: &Shape2, sp: &Spec) -> String {
         s_gemm.push_str(&format!(
             "        {mac}(rt_desc(q_s + {qa}u + (unsigned)wg * 8192u, 16u), rt_desc(ks + {kb}u, 16u));\n",
             mac = if kk == 0 { "RT_WGMMA_S0" } else { "RT_WGMMA_S" },
-            qa = blk * BR * 128 + off,
-            kb = blk * BC * 128 + off,
+            qa = blk * br * 128 + off,
+            kb = blk * bc * 128 + off,
         ));
     }
     s_gemm.push_str("        asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\");\n        asm volatile(\"wgmma.wait_group.sync.aligned 0;\" ::: \"memory\");\n");
-    s_gemm.push_str(&pin("s", BC / 8, 'f'));
+    s_gemm.push_str(&pin("s", bc / 8, 'f'));
     // O += P·V of value tile `t` over the keys in steps of 16 (two 8-row groups, 2048 bytes).
     let mut pv = String::from("        const unsigned vs = v_s0 + (unsigned)(t % 3) * $VBYTESu;\n");
-    pv.push_str(&pin("pa", BC / 16, 'r'));
+    pv.push_str(&pin("pa", bc / 16, 'r'));
     pv.push_str(&pin("o", dv / 8, 'f'));
     pv.push_str("        asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\");\n");
-    for kk in 0..BC / 16 {
+    for kk in 0..bc / 16 {
         pv.push_str(&format!(
             "        RT_WGMMA_O(pa[{kk}][0], pa[{kk}][1], pa[{kk}][2], pa[{kk}][3], rt_desc(vs + {off}u, {lbo}u));\n",
             off = kk * 16 * 128,
-            lbo = BC * 128,
+            lbo = bc * 128,
         ));
     }
     pv.push_str("        asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\");\n        asm volatile(\"wgmma.wait_group.sync.aligned 0;\" ::: \"memory\");\n");
@@ -349,12 +378,12 @@ $TAIL
         ("$S_GEMM", s_gemm),
         ("$SOFTMAX", SOFTMAX.to_string()),
         ("$PV", pv),
-        ("$WGMMA_S", wgmma_s(elem)),
+        ("$WGMMA_S", wgmma_s(elem, bc)),
         ("$WGMMA_O", wgmma_o(elem, dv)),
         ("$QBYTES", q_bytes.to_string()),
         ("$KBYTES", k_bytes.to_string()),
         ("$VBYTES", v_bytes.to_string()),
-        ("$THREADS", THREADS.to_string()),
+        ("$THREADS", t.threads().to_string()),
         ("$TILES", tiles(sp).to_string()),
         ("$HAS_MASK", s.mask.is_some().to_string()),
         ("$SCALE", format!("{:?}", s.scale_log2 as f32)),
@@ -365,8 +394,8 @@ $TAIL
         ("$KRS", s.strides[1].to_string()),
         ("$VRS", s.strides[2].to_string()),
         ("$DV8", (dv / 8).to_string()),
-        ("$BC16", (BC / 16).to_string()),
-        ("$BC8", (BC / 8).to_string()),
+        ("$BC16", (bc / 16).to_string()),
+        ("$BC8", (bc / 8).to_string()),
         ("$QH", s.heads[0].clone()),
         ("$KH", s.heads[1].clone()),
         ("$VH", s.heads[2].clone()),
@@ -375,9 +404,9 @@ $TAIL
         ("$SQ", sq.to_string()),
         ("$SK", sk.to_string()),
         ("$DV", dv.to_string()),
-        ("$WG", WARPGROUPS.to_string()),
-        ("$BR", BR.to_string()),
-        ("$BC", BC.to_string()),
+        ("$WG", t.wg.to_string()),
+        ("$BR", br.to_string()),
+        ("$BC", bc.to_string()),
         ("$D", d.to_string()),
         ("$E", elem.to_string()),
     ];
