@@ -208,9 +208,14 @@ fn hopper_flash_forward_and_gradients_match_float64() {
         return;
     }
     std::env::set_var("RUSTYTORCH_ATTENTION", "flash");
+    // `RUSTYTORCH_TEST_SMALL=1` keeps the shapes small enough for compute-sanitizer.
+    let small = std::env::var("RUSTYTORCH_TEST_SMALL").as_deref() == Ok("1");
     for d in [DType::BF16, DType::F16] {
         for (n, &shape) in SHAPES.iter().enumerate() {
             let (b, h, sq, sk, hd, hv) = shape;
+            if small && sq * sk > 40_000 {
+                continue;
+            }
             for layout in [AttnLayout::Bhsd, AttnLayout::Bshd] {
                 for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
                     let seed = 700 + 10 * n as u64;
