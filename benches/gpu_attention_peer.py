@@ -1,6 +1,7 @@
 # PyTorch's scaled_dot_product_attention (default backend choice, and each backend it has) on the
 # attention rows of `bench-gpu attention`, bf16, timed with CUDA events:
-#   python3 benches/gpu_attention_peer.py
+#   python3 benches/gpu_attention_peer.py [--forward]
+# (`--forward`: the default backend's forward only, the quick row beside `bench-gpu attention-flash`)
 # TFLOP/s counts 4·B·H·Sq·Sk·D (halved for causal); forward+backward counts 3.5× the forward.
 import os
 import sys
@@ -26,8 +27,10 @@ for (B, H, Sq, Sk, D, causal) in SHAPES:
     k, v = (torch.randn(B, H, Sk, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
     fl = 4 * B * H * Sq * Sk * D * (0.5 if causal else 1.0)
     tag = f"sdpa bf16 B{B} H{H} Sq{Sq} Sk{Sk} D{D} {'causal' if causal else 'full'}"
-    for name, backends in [("default", None), ("cudnn", [SDPBackend.CUDNN_ATTENTION]),
-                           ("flash", [SDPBackend.FLASH_ATTENTION])]:
+    quick = "--forward" in sys.argv
+    runs = [("default", None), ("cudnn", [SDPBackend.CUDNN_ATTENTION]),
+            ("flash", [SDPBackend.FLASH_ATTENTION])]
+    for name, backends in runs[:1] if quick else runs:
         try:
             def f():
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -37,7 +40,7 @@ for (B, H, Sq, Sk, D, causal) in SHAPES:
                 with sdpa_kernel(backends):
                     ms = bench(f)
             print(f"{tag} {name}: {ms * 1e3:.1f} us, {fl / ms / 1e9:.1f} TFLOP/s", flush=True)
-            if Sq > 1:
+            if Sq > 1 and not quick:
                 qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
                 o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
                 g = torch.randn_like(o)
