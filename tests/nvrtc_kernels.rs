@@ -289,5 +289,28 @@ fn flash_attention_hopper_compiles() {
             }
         }
     }
+    // The measurement knob's other block shape (key tiles of 64) for head size 64. The
+    // variable is process-wide; no other test here lowers for Hopper.
+    std::env::set_var("RUSTYTORCH_HOPPER_TILE", "2x64");
+    for causal in [Causal::None, Causal::BottomRight] {
+        let ins = [
+            t(DType::BF16, &[2, 3, 300, 64]),
+            t(DType::BF16, &[2, 3, 77, 64]),
+            t(DType::BF16, &[2, 3, 77, 64]),
+        ];
+        let refs: Vec<&TensorType> = ins.iter().collect();
+        let op = Op::Attention {
+            causal,
+            mask: AttnMask::None,
+            scale: F64Bits::new(0.125),
+            layout: AttnLayout::Bhsd,
+        };
+        let out = rustytorch::ops::infer(&op, &refs).expect("infer");
+        let step = with_target(Target::Hopper, || lower_step(&op, &refs, &out)).expect("lower");
+        let k = &step.launches()[0].kernel;
+        assert!(source(k).expect("source").contains("m64n64k16"));
+        sources.push((k.name.clone(), source(k).expect("source")));
+    }
+    std::env::remove_var("RUSTYTORCH_HOPPER_TILE");
     compile_all(&hopper, sources);
 }

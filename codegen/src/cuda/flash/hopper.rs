@@ -62,13 +62,18 @@ impl Tile {
     }
 }
 
-/// The block shape for `sp`: two warpgroups and key tiles of 128. (`RT_HOPPER_TILE=WxB`, such
-/// as `3x64`, picks another, for measurements.)
+/// The block shape for `sp`: two warpgroups and key tiles of 128, the shape every device
+/// test ran. `RUSTYTORCH_HOPPER_TILE=WxB` (such as `2x64`) picks another, for measurements:
+/// on the H200, `2x64` ran head size 64 at 1.12–1.19× the speed of `2x128` (128 registers a
+/// thread instead of 179, so two blocks share an SM) and head size 128 at 0.82×
+/// (docs/performance.md).
 pub(super) fn tile(_sp: &Spec) -> Tile {
-    if let Ok(v) = std::env::var("RT_HOPPER_TILE") {
+    if let Ok(v) = std::env::var("RUSTYTORCH_HOPPER_TILE") {
         if let Some((w, b)) = v.split_once('x') {
-            if let (Ok(wg), Ok(bc)) = (w.parse(), b.parse()) {
-                return Tile { wg, bc };
+            if let (Ok(wg), Ok(bc)) = (w.parse::<usize>(), b.parse::<usize>()) {
+                if (1..=3).contains(&wg) && matches!(bc, 64 | 128) {
+                    return Tile { wg, bc };
+                }
             }
         }
     }
@@ -340,7 +345,7 @@ for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
       load(vp, (long long)(j + 1) * $BC, $SKLL, $BC, $DV, $VRSLL, v_s0 + (unsigned)((j + 1) % 3) * $VBYTESu);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
-    if ($SKEW(wg & 1) == 0) {
+    if ((wg & 1) == 0) {
       if (j < ntiles) {
         const int t = j;
 $S_GEMM$SOFTMAX$PV      }
