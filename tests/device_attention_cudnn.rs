@@ -9,63 +9,17 @@
 //! Runs where `RUSTYTORCH_TEST_CUDA=1` (the GPU machine); elsewhere it prints a notice and
 //! returns. The variable it sets is process-wide, so everything runs in one test, in order.
 
-use rustytorch::compiler::Graph;
-use rustytorch::ops::testing::{assert_close, rand_tensor};
-use rustytorch::ops::{eval_cpu, AttnLayout, AttnMask, Causal, F64Bits, Op};
+use rustytorch::ops::testing::rand_tensor;
+use rustytorch::ops::{AttnLayout, AttnMask, Causal, F64Bits, Op};
 use rustytorch::prelude::*;
 
-fn cuda() -> bool {
-    std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
-}
-
-/// The tolerances of `tests/device_ops.rs` for f16/bf16 (against a float64 reference of the same
-/// inputs; `P` is rounded to the operands' type before `P·V`, as in the flash kernel).
-fn tol(d: DType) -> f64 {
-    match d {
-        DType::F16 => 4e-3,
-        _ => 2e-2,
-    }
-}
-
-/// Runs `op` over `inputs` as a one-op graph on CUDA; the error of compiling or running it.
-fn run(op: &Op, inputs: &[HostTensor]) -> Result<HostTensor, String> {
-    let mut g = Graph::new();
-    let mut ids = vec![];
-    for (i, x) in inputs.iter().enumerate() {
-        ids.push(g.add_input(&format!("x{i}"), x.ty()).unwrap());
-    }
-    let y = g.add(op.clone(), &ids).unwrap();
-    g.add_output("y", y).unwrap();
-    let opts = CompileOptions {
-        optimize: false,
-        ..CompileOptions::default()
-    };
-    let mut exe =
-        rustytorch::compile_graph(&g, Device::Cuda(0), &opts).map_err(|e| e.to_string())?;
-    let names: Vec<String> = (0..inputs.len()).map(|i| format!("x{i}")).collect();
-    let args: Vec<(&str, HostTensor)> = names
-        .iter()
-        .zip(inputs)
-        .map(|(n, x)| (n.as_str(), x.clone()))
-        .collect();
-    let out = exe.run(&args).map_err(|e| e.to_string())?;
-    Ok(out.into_vec().remove(0))
-}
+#[path = "common/attention_check.rs"]
+mod attention_check;
+use attention_check::{cuda, run};
 
 /// The device result against the float64 reference of the same inputs.
 fn check(what: &str, op: &Op, inputs: &[HostTensor]) {
-    let wide: Vec<HostTensor> = inputs.iter().map(|x| x.cast(DType::F64)).collect();
-    let refs: Vec<&HostTensor> = wide.iter().collect();
-    let want = eval_cpu(op, &refs).unwrap_or_else(|e| panic!("{what}: f64 reference: {e}"));
-    let got = run(op, inputs).unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert_eq!(got.dtype(), inputs[0].dtype(), "{what}: dtype");
-    assert_eq!(got.shape(), want.shape(), "{what}: shape");
-    assert_close(
-        &got.to_f64_vec(),
-        &want.to_f64_vec(),
-        tol(got.dtype()),
-        &format!("{what} {op:?}"),
-    );
+    attention_check::check_with(what, op, inputs, false)
 }
 
 /// q, k, v of `[B, H, S, D]` sizes in `layout`, uniform in [-1, 1] (never all zero).

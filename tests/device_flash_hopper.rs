@@ -11,72 +11,19 @@
 //! lowering checks run everywhere.
 
 use rustytorch::codegen::cuda::{lower_step, with_target, Target};
-use rustytorch::compiler::Graph;
-use rustytorch::ops::testing::{assert_close, rand_tensor};
-use rustytorch::ops::{eval_cpu, AttnLayout, AttnMask, Causal, F64Bits, Op};
+use rustytorch::ops::testing::rand_tensor;
+use rustytorch::ops::{AttnLayout, AttnMask, Causal, F64Bits, Op};
 use rustytorch::prelude::*;
 
-fn cuda() -> bool {
-    std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
-}
-
-/// Tolerance against the float64 reference, relative to the largest magnitude of the result
-/// (at least 1): `P` is rounded to the operands' type before `P·V` (as in every flash kernel) and
-/// the result once more, so f16 allows a few units of its last place and bf16 (8 bits of
-/// mantissa) 2e-2, as `tests/device_ops.rs` does.
-fn tol(d: DType) -> f64 {
-    match d {
-        DType::F16 => 4e-3,
-        _ => 2e-2,
-    }
-}
-
-/// Runs `op` over `inputs` as a one-op graph on CUDA.
-fn run(op: &Op, inputs: &[HostTensor]) -> HostTensor {
-    let mut g = Graph::new();
-    let mut ids = vec![];
-    for (i, x) in inputs.iter().enumerate() {
-        ids.push(g.add_input(&format!("x{i}"), x.ty()).unwrap());
-    }
-    let y = g.add(op.clone(), &ids).unwrap();
-    g.add_output("y", y).unwrap();
-    let opts = CompileOptions {
-        optimize: false,
-        ..CompileOptions::default()
-    };
-    let mut exe = rustytorch::compile_graph(&g, Device::Cuda(0), &opts).unwrap();
-    let names: Vec<String> = (0..inputs.len()).map(|i| format!("x{i}")).collect();
-    let args: Vec<(&str, HostTensor)> = names
-        .iter()
-        .zip(inputs)
-        .map(|(n, x)| (n.as_str(), x.clone()))
-        .collect();
-    exe.run(&args).unwrap().into_vec().remove(0)
-}
+#[path = "common/attention_check.rs"]
+mod attention_check;
+use attention_check::cuda;
 
 /// The device result against the float64 reference of the same inputs, errors relative to the
-/// reference's largest magnitude.
+/// reference's largest magnitude (f16 within 4e-3, bf16 within 2e-2: `P` is rounded to the
+/// operands' type before `P·V`, and the result once more).
 fn check(what: &str, op: &Op, inputs: &[HostTensor]) {
-    let wide: Vec<HostTensor> = inputs
-        .iter()
-        .map(|x| {
-            if x.dtype() == DType::Bool {
-                x.clone()
-            } else {
-                x.cast(DType::F64)
-            }
-        })
-        .collect();
-    let refs: Vec<&HostTensor> = wide.iter().collect();
-    let want = eval_cpu(op, &refs).unwrap_or_else(|e| panic!("{what}: f64 reference: {e}"));
-    let got = run(op, inputs);
-    assert_eq!(got.shape(), want.shape(), "{what}: shape");
-    let (mut got, mut want) = (got.to_f64_vec(), want.to_f64_vec());
-    let s = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-    for v in got.iter_mut().chain(want.iter_mut()) {
-        *v /= s;
-    }
-    assert_close(&got, &want, tol(inputs[0].dtype()), what);
+    attention_check::check_with(what, op, inputs, true);
     eprintln!("ok: {what}");
 }
 

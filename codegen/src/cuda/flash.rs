@@ -246,8 +246,7 @@ impl Spec {
         stats: bool,
     ) -> Result<(Kernel, u32)> {
         if self.hopper() {
-            let mut shape = self.shape2(stats);
-            shape.tiles = hopper::tiles(self);
+            let shape = self.shape2(stats);
             let kernel = finish(
                 &format!("{prefix}_sm90"),
                 Kernel {
@@ -531,6 +530,26 @@ fn tail(s: &Shape2) -> String {
     )
 }
 
+/// The running maxima `mx0`, `mx1` of a warp's two rows over the score fragments `s[n8][4]`
+/// and the four lanes that share each row (C statements, each line indented by `indent`).
+fn row_maxima(n8: &str, indent: &str) -> String {
+    [
+        "float mx0 = RT_NEG_INF, mx1 = RT_NEG_INF;".to_string(),
+        "#pragma unroll".into(),
+        format!("for (int n = 0; n < {n8}; ++n) {{"),
+        "  mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));".into(),
+        "  mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));".into(),
+        "}".into(),
+        "mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));".into(),
+        "mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));".into(),
+        "mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));".into(),
+        "mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));".into(),
+    ]
+    .iter()
+    .map(|l| format!("{indent}{l}\n"))
+    .collect()
+}
+
 /// The kernel body (see the module docs).
 fn source(s: &Shape2) -> String {
     let Shape2 {
@@ -655,17 +674,7 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
       }}
     }}
     // Online softmax: the rows' maxima over the four lanes that share them.
-    float mx0 = RT_NEG_INF, mx1 = RT_NEG_INF;
-    #pragma unroll
-    for (int n = 0; n < 8; ++n) {{
-      mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-      mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-    }}
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+{row_maxima}    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
     // A row with nothing visible yet keeps a finite reference so that 2^(−∞ − ref) is 0.
     const float r0 = mn0 == RT_NEG_INF ? 0.f : mn0, r1 = mn1 == RT_NEG_INF ? 0.f : mn1;
     const float a0 = ex2(m0 - r0), a1 = ex2(m1 - r1);
@@ -714,6 +723,7 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
   __syncthreads();
 }}"#,
         tail = tail(s),
+        row_maxima = row_maxima("8", "    "),
         qh = heads[0],
         kh = heads[1],
         vh = heads[2],

@@ -39,7 +39,7 @@
 //! buffers' addresses) and warp specialization (a producer warp and `setmaxnreg`), which FA3
 //! adds on top of the same products.
 
-use super::{limit, tail, Shape2, Spec};
+use super::{limit, row_maxima, tail, Shape2, Spec};
 
 /// A block's shape: warpgroups (64 query rows each) and keys per tile.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,53 +102,61 @@ pub(super) fn tiles(sp: &Spec) -> usize {
     sp.bsz * sp.heads * sp.sq.div_ceil(tile(sp).br())
 }
 
-/// The `wgmma`s of `S = Q·Kᵀ` as C macros over the accumulators `s[BC / 8][4]`:
-/// `RT_WGMMA_S0(desc_a, desc_b)` for the first step of the head dim, which overwrites `S`
-/// (scale-d 0; its outputs are write-only, so the previous tile's scores are dead once the
-/// softmax has read them), and `RT_WGMMA_S(desc_a, desc_b)`, which accumulates.
-fn wgmma_s(elem: &str, bc: usize) -> String {
-    let n = bc / 2;
-    let regs: Vec<String> = (0..n).map(|i| format!("%{i}")).collect();
-    let mut out = String::new();
-    for (name, constraint, scale) in [("RT_WGMMA_S0", "=f", 0), ("RT_WGMMA_S", "+f", 1)] {
-        let outs: Vec<String> = (0..n)
-            .map(|i| format!("\"{constraint}\"(s[{}][{}])", i / 4, i % 4))
-            .collect();
-        out.push_str(&format!(
-            "#define {name}(da, db) asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{sc}, 0;\\n\
-             wgmma.mma_async.sync.aligned.m64n{bc}k16.f32.{elem}.{elem} {{{regs}}}, %{a}, %{b}, p, 1, 1, 0, 0;\\n}}\\n\" \
-             : {outs} : \"l\"(da), \"l\"(db), \"r\"({scale}))\n",
-            regs = regs.join(", "),
-            outs = outs.join(", "),
-            a = n,
-            b = n + 1,
-            sc = n + 2,
-        ));
-    }
-    out
-}
-
-/// The `wgmma` of `O += P·V` as a C macro `RT_WGMMA_O(a0, a1, a2, a3, desc_b)` over the
-/// accumulators `o[dv / 8][4]`, `P` from registers and `V` N-major.
-fn wgmma_o(elem: &str, dv: usize) -> String {
-    let n = dv / 2;
-    let regs: Vec<String> = (0..n).map(|i| format!("%{i}")).collect();
-    let outs: Vec<String> = (0..n)
-        .map(|i| format!("\"+f\"(o[{}][{}])", i / 4, i % 4))
+/// A C macro `name(A..., db)` issuing one `wgmma.m64n{n}k16` into the f32 accumulators
+/// `acc[n / 8][4]` (`constraint` `=f` when it overwrites them, `+f` when it accumulates;
+/// `scale_d` 0 or 1): A from shared memory through a descriptor `da` (`a_regs` false, both
+/// operands K-major) or as four registers `a0..a3` (then B is read N-major).
+fn wgmma_macro(
+    name: &str,
+    elem: &str,
+    n: usize,
+    acc: &str,
+    constraint: &str,
+    scale_d: u32,
+    a_regs: bool,
+) -> String {
+    let m = n / 2;
+    let regs: Vec<String> = (0..m).map(|i| format!("%{i}")).collect();
+    let outs: Vec<String> = (0..m)
+        .map(|i| format!("\"{constraint}\"({acc}[{}][{}])", i / 4, i % 4))
         .collect();
+    let (params, a, ins, tail) = if a_regs {
+        (
+            "a0, a1, a2, a3, db",
+            format!("{{%{}, %{}, %{}, %{}}}", m, m + 1, m + 2, m + 3),
+            "\"r\"(a0), \"r\"(a1), \"r\"(a2), \"r\"(a3), \"l\"(db)",
+            "1, 1, 1",
+        )
+    } else {
+        (
+            "da, db",
+            format!("%{m}"),
+            "\"l\"(da), \"l\"(db)",
+            "1, 1, 0, 0",
+        )
+    };
+    let b = if a_regs { m + 4 } else { m + 1 };
     format!(
-        "#define RT_WGMMA_O(a0, a1, a2, a3, db) asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{sc}, 0;\\n\
-         wgmma.mma_async.sync.aligned.m64n{dv}k16.f32.{elem}.{elem} {{{regs}}}, {{%{a0}, %{a1}, %{a2}, %{a3}}}, %{b}, p, 1, 1, 1;\\n}}\\n\" \
-         : {outs} : \"r\"(a0), \"r\"(a1), \"r\"(a2), \"r\"(a3), \"l\"(db), \"r\"(1))\n",
+        "#define {name}({params}) asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{sc}, 0;\\n\
+         wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{elem}.{elem} {{{regs}}}, {a}, %{b}, p, {tail};\\n}}\\n\" \
+         : {outs} : {ins}, \"r\"({scale_d}))\n",
         regs = regs.join(", "),
         outs = outs.join(", "),
-        a0 = n,
-        a1 = n + 1,
-        a2 = n + 2,
-        a3 = n + 3,
-        b = n + 4,
-        sc = n + 5,
+        sc = b + 1,
     )
+}
+
+/// The `wgmma`s of the kernel: `RT_WGMMA_S0(da, db)` for the first step of `S = Q·Kᵀ` over the
+/// head dim, which overwrites `s` (its outputs write-only, so the previous tile's scores are
+/// dead once the softmax has read them), `RT_WGMMA_S(da, db)` for the others, and
+/// `RT_WGMMA_O(a0, a1, a2, a3, db)` for `O += P·V` with `P` from registers.
+fn wgmma_macros(elem: &str, bc: usize, dv: usize) -> String {
+    [
+        wgmma_macro("RT_WGMMA_S0", elem, bc, "s", "=f", 0, false),
+        wgmma_macro("RT_WGMMA_S", elem, bc, "s", "+f", 1, false),
+        wgmma_macro("RT_WGMMA_O", elem, dv, "o", "+f", 1, true),
+    ]
+    .concat()
 }
 
 /// `asm volatile("" : "+c"(x))` over every element of `arr[rows][4]` (`c` the constraint):
@@ -185,17 +193,7 @@ const SOFTMAX: &str = r#"        const int kb = t * $BC;
           }
         }
         // The rows' maxima over the four lanes that share them (c > 0 keeps the order).
-        float mx0 = RT_NEG_INF, mx1 = RT_NEG_INF;
-        #pragma unroll
-        for (int n = 0; n < $BC8; ++n) {
-          mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-          mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float mn0 = fmaxf(m0, mx0 * c), mn1 = fmaxf(m1, mx1 * c);
+$ROW_MAXIMA        const float mn0 = fmaxf(m0, mx0 * c), mn1 = fmaxf(m1, mx1 * c);
         // A row with nothing visible yet keeps a finite reference so that 2^(−∞ − ref) is 0.
         const float r0 = mn0 == RT_NEG_INF ? 0.f : mn0, r1 = mn1 == RT_NEG_INF ? 0.f : mn1;
         const float a0 = ex2(m0 - r0), a1 = ex2(m1 - r1);
@@ -273,7 +271,7 @@ pub(super) fn source(s: &Shape2, sp: &Spec) -> String {
     let body = r#"// Flash attention forward for sm_90a: $WG warpgroups of 64 query rows, key tiles of $BC, wgmma ($E).
 #define RT_NEG_INF __int_as_float(0xff800000)
 #define RT_LOG2E 1.4426950408889634f
-$WGMMA_S$WGMMA_Oextern __shared__ __align__(1024) unsigned char rt_smem[];
+$WGMMAextern __shared__ __align__(1024) unsigned char rt_smem[];
 // The tiles, each a set of 64-column blocks of 128-byte rows, 128-byte swizzled: the query
 // tile, then two key tiles, then three value tiles.
 const unsigned q_s = ((unsigned)__cvta_generic_to_shared(rt_smem) + 1023u) & ~1023u;
@@ -381,10 +379,12 @@ $TAIL
         ),
         // The blocks first: they hold names replaced below.
         ("$S_GEMM", s_gemm),
-        ("$SOFTMAX", SOFTMAX.to_string()),
+        (
+            "$SOFTMAX",
+            SOFTMAX.replace("$ROW_MAXIMA", &row_maxima("$BC8", "        ")),
+        ),
         ("$PV", pv),
-        ("$WGMMA_S", wgmma_s(elem, bc)),
-        ("$WGMMA_O", wgmma_o(elem, dv)),
+        ("$WGMMA", wgmma_macros(elem, bc, dv)),
         ("$QBYTES", q_bytes.to_string()),
         ("$KBYTES", k_bytes.to_string()),
         ("$VBYTES", v_bytes.to_string()),
