@@ -224,9 +224,7 @@ impl Spec {
             ],
         }
     }
-}
 
-impl Spec {
     /// Whether the forward runs the Hopper kernel: the lowering targets Hopper
     /// ([`super::target`]), the shape suits it, and `RUSTYTORCH_FLASH=portable` does not ask
     /// for the portable kernel.
@@ -246,18 +244,18 @@ impl Spec {
         stats: bool,
     ) -> Result<(Kernel, u32)> {
         if self.hopper() {
-            let shape = self.shape2(stats);
+            let built = hopper::build(&self.shape2(stats), self);
             let kernel = finish(
                 &format!("{prefix}_sm90"),
                 Kernel {
                     name: String::new(),
                     params,
-                    block: hopper::tile(self).threads(),
-                    smem: hopper::smem_bytes(self),
-                    body: vec![Stmt::Verbatim(hopper::source(&shape, self))],
+                    block: built.threads,
+                    smem: built.smem,
+                    body: vec![Stmt::Verbatim(built.source)],
                 },
             )?;
-            return Ok((kernel, grid_for(hopper::tiles(self) as u64, 1)));
+            return Ok((kernel, grid_for(built.blocks as u64, 1)));
         }
         let kernel = finish(
             prefix,

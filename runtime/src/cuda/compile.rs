@@ -38,11 +38,24 @@ pub fn cache_dir() -> Option<PathBuf> {
 /// for `sm_90a` runs on compute capability 9.0 exactly, which is the device it is built for);
 /// `sm_XY` elsewhere.
 pub fn arch_of(cc: (i32, i32)) -> String {
-    if cc == (9, 0) {
-        "sm_90a".into()
-    } else {
-        format!("sm_{}{}", cc.0, cc.1)
+    match rustytorch_codegen::cuda::Target::of(cc) {
+        rustytorch_codegen::cuda::Target::Hopper => "sm_90a".into(),
+        rustytorch_codegen::cuda::Target::Portable => format!("sm_{}{}", cc.0, cc.1),
     }
+}
+
+/// The log of NVRTC program `prog` (empty when it cannot be read).
+///
+/// # Safety
+/// `prog` must be a live program.
+unsafe fn program_log(prog: ns::nvrtcProgram) -> String {
+    // SAFETY: the caller's contract; the log is NUL-terminated.
+    unsafe { nr::get_program_log(prog) }
+        .map(|l| {
+            let bytes: Vec<u8> = l.iter().map(|&c| c as u8).take_while(|&b| b != 0).collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        })
+        .unwrap_or_default()
 }
 
 fn fnv(bytes: &[u8], mut h: u64) -> u64 {
@@ -193,14 +206,8 @@ impl KernelCompiler {
         let compiled = unsafe { nr::compile_program(prog, &opts) };
         let result = match compiled {
             Err(e) => {
-                // SAFETY: `prog` is live; the log is NUL-terminated.
-                let log = unsafe { nr::get_program_log(prog) }
-                    .map(|l| {
-                        let bytes: Vec<u8> =
-                            l.iter().map(|&c| c as u8).take_while(|&b| b != 0).collect();
-                        String::from_utf8_lossy(&bytes).into_owned()
-                    })
-                    .unwrap_or_default();
+                // SAFETY: `prog` is live.
+                let log = unsafe { program_log(prog) };
                 let numbered: String = src
                     .lines()
                     .enumerate()
@@ -212,12 +219,8 @@ impl KernelCompiler {
             }
             Ok(()) => {
                 if verbose {
-                    // SAFETY: `prog` is live; the log is NUL-terminated.
-                    if let Ok(l) = unsafe { nr::get_program_log(prog) } {
-                        let bytes: Vec<u8> =
-                            l.iter().map(|&c| c as u8).take_while(|&b| b != 0).collect();
-                        eprintln!("nvrtc {name}:\n{}", String::from_utf8_lossy(&bytes));
-                    }
+                    // SAFETY: `prog` is live.
+                    eprintln!("nvrtc {name}:\n{}", unsafe { program_log(prog) });
                 }
                 let mut n = 0usize;
                 // SAFETY: `prog` compiled; writes one usize.

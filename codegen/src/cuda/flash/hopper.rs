@@ -43,31 +43,31 @@ use super::{limit, row_maxima, tail, Shape2, Spec};
 
 /// A block's shape: warpgroups (64 query rows each) and keys per tile.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Tile {
+struct Tile {
     /// Warpgroups per block.
-    pub wg: usize,
+    wg: usize,
     /// Keys per tile.
-    pub bc: usize,
+    bc: usize,
 }
 
 impl Tile {
     /// Query rows per block.
-    pub fn br(self) -> usize {
+    fn br(self) -> usize {
         64 * self.wg
     }
 
     /// Threads per block.
-    pub fn threads(self) -> u32 {
+    fn threads(self) -> u32 {
         128 * self.wg as u32
     }
 }
 
-/// The block shape for `sp`: two warpgroups and key tiles of 128, the shape every device
+/// The block shape: two warpgroups and key tiles of 128, the shape every device
 /// test ran. `RUSTYTORCH_HOPPER_TILE=WxB` (such as `2x64`) picks another, for measurements:
 /// on the H200, `2x64` ran head size 64 at 1.12–1.19× the speed of `2x128` (128 registers a
 /// thread instead of 179, so two blocks share an SM) and head size 128 at 0.82×
 /// (docs/performance.md).
-pub(super) fn tile(_sp: &Spec) -> Tile {
+fn tile() -> Tile {
     if let Ok(v) = std::env::var("RUSTYTORCH_HOPPER_TILE") {
         if let Some((w, b)) = v.split_once('x') {
             if let (Ok(wg), Ok(bc)) = (w.parse::<usize>(), b.parse::<usize>()) {
@@ -92,14 +92,37 @@ pub(super) fn supported(sp: &Spec) -> bool {
 
 /// Bytes of dynamic shared memory: the query tile, two key and three value tiles, and 1 KiB
 /// to align the base to the swizzle's 1024-byte pattern.
-pub(super) fn smem_bytes(sp: &Spec) -> u32 {
-    let t = tile(sp);
+fn smem_bytes(sp: &Spec, t: Tile) -> u32 {
     (1024 + t.br() * sp.d * 2 + 2 * t.bc * sp.d * 2 + 3 * t.bc * sp.dv * 2) as u32
 }
 
 /// Blocks: one per (query tile, batch·head).
-pub(super) fn tiles(sp: &Spec) -> usize {
-    sp.bsz * sp.heads * sp.sq.div_ceil(tile(sp).br())
+fn tiles(sp: &Spec, t: Tile) -> usize {
+    sp.bsz * sp.heads * sp.sq.div_ceil(t.br())
+}
+
+/// The Hopper forward of `sp` specialized on `s`, as launched: the block shape is read once
+/// and sizes the threads, the shared memory, the grid and the source alike.
+pub(super) struct Built {
+    /// Threads per block.
+    pub threads: u32,
+    /// Bytes of dynamic shared memory.
+    pub smem: u32,
+    /// Blocks.
+    pub blocks: usize,
+    /// The kernel body.
+    pub source: String,
+}
+
+/// [`Built`] for `sp` and `s`.
+pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
+    let t = tile();
+    Built {
+        threads: t.threads(),
+        smem: smem_bytes(sp, t),
+        blocks: tiles(sp, t),
+        source: source(s, sp, t),
+    }
 }
 
 /// A C macro `name(A..., db)` issuing one `wgmma.m64n{n}k16` into the f32 accumulators
@@ -226,10 +249,9 @@ $ROW_MAXIMA        const float mn0 = fmaxf(m0, mx0 * c), mn1 = fmaxf(m1, mx1 * c
 
 /// The kernel body (see the module docs); `stats` writes the backward's statistics (with `dO`
 /// as the fourth tensor of `s.heads`) instead of the output.
-pub(super) fn source(s: &Shape2, sp: &Spec) -> String {
+fn source(s: &Shape2, sp: &Spec, t: Tile) -> String {
     let (sq, sk, d, dv) = (s.sq, s.sk, s.d, s.dv);
     let elem = s.elem;
-    let t = tile(sp);
     let (br, bc) = (t.br(), t.bc);
     let qt = sq.div_ceil(br);
     let bh_count = sp.bsz * sp.heads;
@@ -369,14 +391,6 @@ $TAIL
 }"#;
     // Longer names first, so that no name is a prefix of one replaced before it.
     let subs: Vec<(&str, String)> = vec![
-        (
-            "$SKEW",
-            if std::env::var("RT_SKEW").as_deref() == Ok("0") {
-                "true || ".into()
-            } else {
-                String::new()
-            },
-        ),
         // The blocks first: they hold names replaced below.
         ("$S_GEMM", s_gemm),
         (
@@ -389,7 +403,7 @@ $TAIL
         ("$KBYTES", k_bytes.to_string()),
         ("$VBYTES", v_bytes.to_string()),
         ("$THREADS", t.threads().to_string()),
-        ("$TILES", tiles(sp).to_string()),
+        ("$TILES", tiles(sp, t).to_string()),
         ("$HAS_MASK", s.mask.is_some().to_string()),
         ("$SCALE", format!("{:?}", s.scale_log2 as f32)),
         ("$MASK", mask_stmt),
