@@ -1,6 +1,7 @@
 //! cuBLASLt matmuls through cudarc's result layer: one handle per device, a 32 MiB workspace from
 //! the memory pool, and per [`MatmulDesc`] the descriptors and the heuristic's algorithm, made once
-//! and cached. f32 is computed in exact f32 (`CUBLAS_COMPUTE_32F`) unless TF32 was allowed;
+//! and cached; [`Blas::tune`] times up to eight of the heuristic's candidates on the step's
+//! buffers when a session prepares the step, and keeps the fastest. f32 is computed in exact f32 (`CUBLAS_COMPUTE_32F`) unless TF32 was allowed;
 //! f16/bf16 compute in f32; f64 in f64.
 //!
 //! `LtActivation::DGeluTanh` is the `DGELU` epilogue: the step's operand 2 (the pre-activation,
@@ -27,7 +28,14 @@ struct Prepared {
     b: sys::cublasLtMatrixLayout_t,
     d: sys::cublasLtMatrixLayout_t,
     algo: sys::cublasLtMatmulAlgo_t,
+    /// The heuristic's candidates, best guess first ([`Blas::tune`] times them).
+    candidates: Vec<sys::cublasLtMatmulAlgo_t>,
+    /// Whether `algo` is the measured fastest of `candidates` (or tuning was skipped).
+    tuned: bool,
 }
+
+/// Algorithms asked of cuBLASLt's heuristic per descriptor, timed once by [`Blas::tune`].
+const CANDIDATES: usize = 8;
 
 /// cuBLASLt state of one device.
 pub struct Blas {
@@ -236,19 +244,47 @@ impl Blas {
                 8,
             )?;
         }
-        // SAFETY: every descriptor is live.
-        let h = unsafe { lt::get_matmul_algo_heuristic(self.handle, desc, a, b, d, d, pref) };
+        let mut found = [std::mem::MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::uninit();
+            CANDIDATES];
+        let mut count = 0i32;
+        // SAFETY: every descriptor is live; `found` has room for CANDIDATES results, of which
+        // cuBLASLt initializes the first `count`.
+        let h = unsafe {
+            sys::cublasLtMatmulAlgoGetHeuristic(
+                self.handle,
+                desc,
+                a,
+                b,
+                d,
+                d,
+                pref,
+                CANDIDATES as i32,
+                found.as_mut_ptr() as *mut sys::cublasLtMatmulHeuristicResult_t,
+                &mut count,
+            )
+        };
         // SAFETY: `pref` is live and no longer needed.
         let _ = unsafe { lt::destroy_matmul_pref(pref) };
-        let h = h.map_err(|e| {
-            RuntimeError::Device(format!("cuBLASLt found no algorithm for {m:?}: {e:?}"))
-        })?;
+        let candidates: Vec<sys::cublasLtMatmulAlgo_t> = found[..(count.max(0) as usize).min(CANDIDATES)]
+            .iter()
+            // SAFETY: cuBLASLt initialized the first `count` results.
+            .map(|r| unsafe { r.assume_init() })
+            .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+            .map(|r| r.algo)
+            .collect();
+        if h != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || candidates.is_empty() {
+            return Err(RuntimeError::Device(format!(
+                "cuBLASLt found no algorithm for {m:?}: {h:?}"
+            )));
+        }
         Ok(Prepared {
             desc,
             a,
             b,
             d,
-            algo: h.algo,
+            algo: candidates[0],
+            tuned: candidates.len() < 2,
+            candidates,
         })
     }
 
@@ -256,6 +292,54 @@ impl Blas {
     /// algorithm for it.
     pub(crate) fn ready(&mut self, m: &MatmulDesc) -> Result<()> {
         self.prepare(m).map(|_| ())
+    }
+
+    /// Times the heuristic's candidate algorithms for `m` on the step's own buffers (as
+    /// [`Blas::run`] takes them; nothing in them may be live, since every candidate writes D and
+    /// the bias gradient) and keeps the fastest, once per descriptor; a candidate that fails is
+    /// skipped. cuBLASLt's first guess is not always its fastest kernel: its epilogue variants in
+    /// particular (`DGELU`, `GELU_AUX_BIAS`) and GEMMs with few output tiles. Must not run during
+    /// stream capture. `RUSTYTORCH_LT_TUNE=0` keeps the first guess.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn tune(
+        &mut self,
+        m: &MatmulDesc,
+        a: u64,
+        b: u64,
+        d: u64,
+        bias: Option<u64>,
+        bgrad: Option<u64>,
+        c: Option<u64>,
+        stream: sys::cudaStream_t,
+    ) -> Result<()> {
+        if self.prepare(m)?.tuned || std::env::var("RUSTYTORCH_LT_TUNE").as_deref() == Ok("0") {
+            return Ok(());
+        }
+        let candidates = self.cache[m].candidates.clone();
+        let mut best: Option<(f32, usize)> = None;
+        for (i, &algo) in candidates.iter().enumerate() {
+            self.cache.get_mut(m).expect("prepared").algo = algo;
+            let mut call = || self.run(m, a, b, d, bias, bgrad, c, stream);
+            // The best of two rounds (the first also warms the clocks).
+            let t = super::dnn::time(stream as _, &mut call)
+                .and_then(|t0| super::dnn::time(stream as _, &mut call).map(|t1| t0.min(t1)));
+            match t {
+                Ok(t) if best.is_none_or(|(b, _)| t < b) => best = Some((t, i)),
+                Ok(_) => {}
+                Err(e) => tracing::debug!("cuBLASLt candidate {i} of {m:?} failed: {e}"),
+            }
+        }
+        let Some((t, i)) = best else {
+            return Err(RuntimeError::Device(format!(
+                "cuBLASLt: none of the {} algorithms for {m:?} ran",
+                candidates.len()
+            )));
+        };
+        tracing::debug!("cuBLASLt {m:?}: candidate {i} of {} ({t:.4} ms)", candidates.len());
+        let p = self.cache.get_mut(m).expect("prepared");
+        p.algo = candidates[i];
+        p.tuned = true;
+        Ok(())
     }
 
     /// Runs `m` on `stream` with the step's buffers: `a`/`b` are cuBLASLt's A and B (the op's

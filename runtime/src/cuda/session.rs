@@ -820,6 +820,24 @@ impl CudaSession {
                             }
                         }
                     }
+                    // cuBLASLt's candidates timed once per descriptor, on this step's buffers
+                    // (nothing in them is live at prepare).
+                    dev.ctx.bind_to_thread().map_err(|e| {
+                        RuntimeError::Device(format!("binding the CUDA context: {e}"))
+                    })?;
+                    dev.with_blas(|bl| {
+                        bl.tune(
+                            &desc,
+                            ins[1],
+                            ins[0],
+                            out,
+                            desc.reads_operand2().then(|| ins[2]),
+                            bgrad_at.map(|(x, _)| x),
+                            desc.c_operand().map(|k| ins[k]),
+                            stream as _,
+                        )
+                    })
+                    .map_err(|e| RuntimeError::Device(format!("step {i} (matmul): {e}")))?;
                     Exec::Matmul {
                         a: ins[1],
                         b: ins[0],
@@ -1846,6 +1864,11 @@ fn choose_bgrad(
     }
     let mut plain = call.desc.clone();
     plain.bgrad = false;
+    // Each side with its own fastest algorithm.
+    dev.with_blas(|bl| {
+        bl.tune(call.desc, call.a, call.b, call.d, call.bias, Some(call.sum), None, stream as _)?;
+        bl.tune(&plain, call.a, call.b, call.d, call.bias, None, None, stream as _)
+    })?;
     let launch_all = |ls: &[Resolved]| -> Result<()> {
         for r in ls {
             // SAFETY: as in `CudaSession::launch`: the resolved arguments address the step's

@@ -62,12 +62,12 @@ impl Tile {
     }
 }
 
-/// The block shape: two warpgroups and key tiles of 128, the shape every device
-/// test ran. `RUSTYTORCH_HOPPER_TILE=WxB` (such as `2x64`) picks another, for measurements:
-/// on the H200, `2x64` ran head size 64 at 1.12–1.19× the speed of `2x128` (128 registers a
-/// thread instead of 179, so two blocks share an SM) and head size 128 at 0.82×
-/// (docs/performance.md).
-fn tile() -> Tile {
+/// The block shape: two warpgroups, and key tiles of 64 at head size 64 or 128 at head size 128.
+/// On the H200 the smaller tile ran head size 64 at 1.12–1.19× the speed of `2x128` (128
+/// registers a thread instead of 179, so two blocks share an SM) and head size 128 at 0.82×
+/// (docs/performance.md); both passed the float64 device test and compute-sanitizer.
+/// `RUSTYTORCH_HOPPER_TILE=WxB` (such as `2x64`) picks another, for measurements.
+fn tile(sp: &Spec) -> Tile {
     if let Ok(v) = std::env::var("RUSTYTORCH_HOPPER_TILE") {
         if let Some((w, b)) = v.split_once('x') {
             if let (Ok(wg), Ok(bc)) = (w.parse::<usize>(), b.parse::<usize>()) {
@@ -77,7 +77,8 @@ fn tile() -> Tile {
             }
         }
     }
-    Tile { wg: 2, bc: 128 }
+    let bc = if sp.d.max(sp.dv) <= 64 { 64 } else { 128 };
+    Tile { wg: 2, bc }
 }
 
 /// The fewest query rows for which the kernel runs (below it most of each 64-row warpgroup
@@ -116,7 +117,7 @@ pub(super) struct Built {
 
 /// [`Built`] for `sp` and `s`.
 pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
-    let t = tile();
+    let t = tile(sp);
     Built {
         threads: t.threads(),
         smem: smem_bytes(sp, t),
