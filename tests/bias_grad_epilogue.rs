@@ -10,38 +10,14 @@
 
 use rustytorch::codegen::cuda::matmul::{lower_bias_grad, LtActivation};
 use rustytorch::codegen::cuda::{interp, lower_plan, CudaStep};
-use rustytorch::compiler::plan::bias_grad_pair;
+use rustytorch::compiler::plan::{bias_grad_pair, gelu_aux_pair};
 use rustytorch::ops::testing::{assert_close, rand_tensor, tolerance};
 use rustytorch::ops::{eval_cpu, infer, Activation, Op, ReduceKind};
 use rustytorch::prelude::*;
 
-fn cuda() -> bool {
-    std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
-}
-
-/// `loss = mse(gelu_tanh(x·W1 + b1)·W2 + b2, y)` and its SGD step, every tensor of `dt`; `x` of
-/// `dims` (`[rows, 64]` or `[batch, seq, 64]`).
-fn mlp(dims: &[usize], dt: DType) -> (GraphBuilder, Tensor) {
-    let g = GraphBuilder::new();
-    let x = g.input("x", dt, dims.to_vec());
-    let mut yd = dims.to_vec();
-    *yd.last_mut().unwrap() = 32;
-    let y = g.input("y", dt, yd);
-    let p = |name: &str, shape: &[usize], init| {
-        g.param_typed(name, TensorType::new(dt, shape.to_vec()), init, true)
-    };
-    let w1 = p("w1", &[64, 128], Init::kaiming_uniform(64, 1));
-    let b1 = p("b1", &[128], Init::Full(0.1));
-    let w2 = p("w2", &[128, 32], Init::kaiming_uniform(128, 2));
-    let b2 = p("b2", &[32], Init::Full(-0.1));
-    let out = x.matmul(&w1).add(&b1).gelu_tanh().matmul(&w2).add(&b2);
-    let loss = out.mse_loss(&y);
-    g.train_step(&loss, Sgd::new(0.05), &StepOptions::default())
-        .unwrap();
-    (g, loss)
-}
-
-const DIMS: [&[usize]; 2] = [&[64, 64], &[2, 32, 64]];
+#[path = "common/gelu_mlp.rs"]
+mod gelu_mlp;
+use gelu_mlp::{mlp, train_modes_against_cpu, DIMS};
 
 #[test]
 fn the_plan_pairs_each_bias_gradient_with_a_gemm() {
@@ -55,6 +31,10 @@ fn the_plan_pairs_each_bias_gradient_with_a_gemm() {
         let mut kinds = vec![];
         for members in memory.groups.values() {
             assert_eq!(members.len(), 2, "{dims:?}");
+            // The forward's GEMM and GELU are the other pair (tests/gelu_aux_epilogue.rs).
+            if gelu_aux_pair(graph, members[0], members[1]).unwrap() {
+                continue;
+            }
             assert!(bias_grad_pair(graph, members[0], members[1]).unwrap());
             // Back to back, the GEMM first.
             let t = memory
@@ -130,7 +110,8 @@ fn the_cuda_lowering_takes_each_sum_into_its_gemm() {
                 [LtActivation::None, LtActivation::DGeluTanh],
                 "{dt} {dims:?}"
             );
-            assert_eq!(siblings, 2, "{dt} {dims:?}");
+            // The two sums, and the GELU of the forward's GEMM (tests/gelu_aux_epilogue.rs).
+            assert_eq!(siblings, 3, "{dt} {dims:?}");
         }
     }
 }
@@ -213,45 +194,9 @@ fn the_epilogue_sums_as_the_cpu_does() {
     }
 }
 
-/// Losses and `(b1, b2, w1)` after three SGD steps on `dev`.
-fn train(dims: &[usize], dt: DType, dev: Device) -> (Vec<f64>, Vec<Vec<f64>>) {
-    let (g, loss) = mlp(dims, dt);
-    let mut exe = compile(&g, &[&loss], dev).unwrap();
-    let n: usize = dims.iter().product();
-    let mut yd = dims.to_vec();
-    *yd.last_mut().unwrap() = 32;
-    let xt = rand_tensor(&TensorType::new(dt, dims.to_vec()), 3, -2.0, 2.0);
-    let yt = rand_tensor(&TensorType::new(dt, yd), 4, -1.0, 1.0);
-    assert_eq!(xt.shape().numel(), n);
-    let losses = (0..3)
-        .map(|_| exe.run(&[("x", xt.clone()), ("y", yt.clone())]).unwrap()[0].to_f64_vec()[0])
-        .collect();
-    let params = ["b1", "b2", "w1"]
-        .iter()
-        .map(|p| exe.param(p).unwrap().to_f64_vec())
-        .collect();
-    (losses, params)
-}
-
 /// The environment variable is read when a graph is compiled, so the modes run one after the
 /// other in this one test.
 #[test]
 fn training_with_bias_gradients_on_device_matches_cpu() {
-    let dev = if cuda() { Device::Cuda(0) } else { Device::Cpu };
-    for mode in ["1", "kernel", "0"] {
-        std::env::set_var("RUSTYTORCH_LT_BGRAD", mode);
-        for dt in [DType::F32, DType::BF16] {
-            for dims in DIMS {
-                let (lg, pg) = train(dims, dt, dev);
-                let (lc, pc) = train(dims, dt, Device::Cpu);
-                let tol = if dt == DType::F32 { 1e-4 } else { 3e-2 };
-                let what = format!("RUSTYTORCH_LT_BGRAD={mode} {dt} {dims:?} on {dev:?}");
-                assert_close(&lg, &lc, tol, &format!("losses, {what}"));
-                for (name, (g, c)) in ["b1", "b2", "w1"].iter().zip(pg.iter().zip(&pc)) {
-                    assert_close(g, c, tol, &format!("{name}, {what}"));
-                }
-            }
-        }
-    }
-    std::env::remove_var("RUSTYTORCH_LT_BGRAD");
+    train_modes_against_cpu("RUSTYTORCH_LT_BGRAD", &["1", "kernel", "0"]);
 }

@@ -32,6 +32,10 @@
 //!   gradient `matmul[trans_a](x, dy)` beside the bias gradient `Σ_rows dy`). The sum is moved
 //!   up to run right after the GEMM (its one operand is computed by then), so that a backend may
 //!   take it from the GEMM's epilogue (cuBLASLt's `DGELU_BGRAD` and `BGRADA`).
+//!   A third kind is a **GELU pair** ([`gelu_aux_pair`]): a biased `matmul_epilogue` whose
+//!   result (the pre-activation) is kept, and the tanh GELU of it. The GELU is moved up to run
+//!   right after the GEMM, so that a backend may write both from one call (cuBLASLt's
+//!   `GELU_AUX_BIAS`: the GELU as D, the pre-activation as the aux output).
 //! - **Saved attention statistics**: an `attention` forward whose three gradients form a sibling
 //!   group over the same q, k and v (no mask operand; [`saved_forwards`]) keeps its result live
 //!   until that group's step, and its slot holds, after the result (at [`stats_offset`]), room
@@ -49,7 +53,7 @@
 
 use crate::graph::{Graph, Node, NodeId};
 use crate::{CompileError, Result};
-use rustytorch_ops::{Op, ReduceKind};
+use rustytorch_ops::{Activation, Op, ReduceKind, UnaryOp};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 
@@ -315,6 +319,39 @@ fn bias_grad_pairs(graph: &Graph, schedule: &[NodeId]) -> Result<Vec<(NodeId, No
     Ok(pairs)
 }
 
+/// Whether `gemm` and `act` form a GELU pair (see the module docs): `act` is the tanh GELU of
+/// `gemm`'s result, of its type, and `gemm` a biased `matmul_epilogue` with no activation and no
+/// accumulated operand (the pre-activation a training graph keeps for the GELU's gradient).
+pub fn gelu_aux_pair(graph: &Graph, gemm: NodeId, act: NodeId) -> Result<bool> {
+    let (g, u) = (graph.node(gemm)?, graph.node(act)?);
+    Ok(matches!(u.op, Op::Unary(UnaryOp::GeluTanh))
+        && u.inputs == [gemm]
+        && u.ty == g.ty
+        && matches!(
+            g.op,
+            Op::MatmulEpilogue {
+                bias: true,
+                act: Activation::None,
+                accumulate: false,
+                ..
+            }
+        ))
+}
+
+/// The GELU pairs of `schedule`, as (GEMM, GELU).
+fn gelu_aux_pairs(graph: &Graph, schedule: &[NodeId]) -> Result<Vec<(NodeId, NodeId)>> {
+    let mut pairs = vec![];
+    for &u in schedule {
+        let node = graph.node(u)?;
+        if let (Op::Unary(UnaryOp::GeluTanh), [g]) = (&node.op, node.inputs.as_slice()) {
+            if gelu_aux_pair(graph, *g, u)? {
+                pairs.push((*g, u));
+            }
+        }
+    }
+    Ok(pairs)
+}
+
 /// Reorders `schedule` so that the members of each sibling group (same key, same operands) run
 /// back to back, in group order, where the first of them was; returns the groups of two or
 /// more, keyed by the member now scheduled first.
@@ -340,7 +377,14 @@ fn group_siblings(
     let mut groups = BTreeMap::new();
     let mut member_of: HashMap<NodeId, NodeId> = HashMap::new();
     // A bias-gradient pair runs where its GEMM was: the sum's one operand is computed by then.
-    for (g, r) in bias_grad_pairs(graph, &schedule)? {
+    // So does a GELU pair: the GELU's one operand is the GEMM's result.
+    let pairs = bias_grad_pairs(graph, &schedule)?
+        .into_iter()
+        .chain(gelu_aux_pairs(graph, &schedule)?);
+    for (g, r) in pairs {
+        if member_of.contains_key(&g) || member_of.contains_key(&r) {
+            continue;
+        }
         member_of.insert(g, g);
         member_of.insert(r, g);
         groups.insert(g, vec![g, r]);
@@ -839,7 +883,9 @@ impl MemoryPlan {
                 return bad(format!("group of %{} is not scheduled", first.index()));
             };
             let ops = graph.node(*first)?.inputs.clone();
-            let pair = members.len() == 2 && bias_grad_pair(graph, members[0], members[1])?;
+            let pair = members.len() == 2
+                && (bias_grad_pair(graph, members[0], members[1])?
+                    || gelu_aux_pair(graph, members[0], members[1])?);
             for (k, &m) in members.iter().enumerate() {
                 if self.schedule.get(t0 + k) != Some(&m) || !(pair || graph.node(m)?.inputs == ops)
                 {

@@ -2198,8 +2198,8 @@ fn atomic_sum(elem: CTy, old: Value, v: Value) -> Option<Value> {
 /// computes `D = op(A)·op(B)` in column-major terms (A is the step's operand 1, B its operand 0,
 /// with the descriptor's transposes, leading dimensions, batch strides and per-call offsets),
 /// accumulating in f64, then applies the epilogue — the bias (operand 2, one value per row of D)
-/// and ReLU or the tanh GELU, or the tanh GELU's derivative at the aux input (operand 2, laid out
-/// as D: `DGELU`) — after adding C (the operand [`super::matmul::MatmulDesc::c_operand`]
+/// and ReLU or the tanh GELU (also keeping the pre-activation: `GELU_AUX_BIAS`), or the tanh
+/// GELU's derivative at the aux input (operand 2, laid out as D: `DGELU`) — after adding C (the operand [`super::matmul::MatmulDesc::c_operand`]
 /// names, laid out as D) when the call accumulates, and rounds once to the output's dtype; `after` then runs through
 /// [`run_step`] on that result. Elements no call writes are zero.
 pub fn run_matmul_step(
@@ -2214,6 +2214,8 @@ pub fn run_matmul_step(
 /// [`run_matmul_step`] with the bias gradient of a `bgrad` descriptor: the epilogue's results
 /// summed over D's columns before rounding (`DGELU_BGRAD`), or A summed over the inner dimension
 /// (`BGRADA`), rounded once to `sum_out` (`m` values). `sum_out` is ignored without `bgrad`.
+/// With the `GeluTanhAux` epilogue, D is the GELU and the second result the pre-activation
+/// (`A·B + bias`, laid out and rounded as D).
 pub fn run_matmul_bgrad(
     desc: &super::matmul::MatmulDesc,
     after: &StepKernels,
@@ -2236,6 +2238,8 @@ pub fn run_matmul_bgrad(
     let mut d = vec![0f64; out.shape.numel()];
     let (m, n, k) = (desc.m as usize, desc.n as usize, desc.k as usize);
     let mut bias_grad = vec![0f64; if desc.bgrad { m } else { 0 }];
+    let aux_out = desc.act == LtActivation::GeluTanhAux;
+    let mut pre = vec![0f64; if aux_out { d.len() } else { 0 }];
     if desc.bgrad && (desc.bias || desc.batch != 1 || desc.calls.len() != 1) {
         return Err(bad("a bias gradient needs one call without a bias".into()));
     }
@@ -2296,6 +2300,12 @@ pub fn run_matmul_bgrad(
                         LtActivation::DGeluTanh => {
                             acc * dgelu(at(extra.as_deref().unwrap_or(&[]), di, "aux")?)
                         }
+                        LtActivation::GeluTanhAux => {
+                            if let Some(p) = pre.get_mut(di) {
+                                *p = acc;
+                            }
+                            gelu(acc)
+                        }
                     };
                     if desc.bgrad && desc.act == LtActivation::DGeluTanh {
                         bias_grad[i] += acc;
@@ -2312,6 +2322,9 @@ pub fn run_matmul_bgrad(
             Some(HostTensor::from_f64_slice(ty, &bias_grad).map_err(|e| bad(e.to_string()))?)
         }
         (true, None) => return Err(bad("the bias gradient's type is missing".into())),
+        (false, _) if aux_out => {
+            Some(HostTensor::from_f64_slice(out, &pre).map_err(|e| bad(e.to_string()))?)
+        }
         (false, _) => None,
     };
     if after.launches.is_empty() {

@@ -52,6 +52,11 @@ pub enum LtActivation {
     /// The tanh GELU's derivative at the aux input (the step's operand 2, laid out as D):
     /// `D = (A·B) ⊙ gelu_tanh'(aux)`, cuBLASLt's `DGELU`.
     DGeluTanh,
+    /// The tanh GELU of `A·B + bias` as D and the pre-activation `A·B + bias` as the aux output,
+    /// laid out as D (cuBLASLt's `GELU_AUX_BIAS`): the GEMM of a GELU pair
+    /// ([`lower_gelu_aux`]), whose step output is the pre-activation and whose D is the GELU's
+    /// value ([`super::ArgRef::With`]`(0)`).
+    GeluTanhAux,
 }
 
 /// One cuBLASLt matmul (possibly a strided batch), in column-major terms already swapped:
@@ -133,7 +138,17 @@ pub enum BgradMode {
 impl BgradMode {
     /// The mode `RUSTYTORCH_LT_BGRAD` sets.
     pub fn from_env() -> BgradMode {
-        match std::env::var("RUSTYTORCH_LT_BGRAD").as_deref() {
+        BgradMode::from_var("RUSTYTORCH_LT_BGRAD")
+    }
+
+    /// The mode `RUSTYTORCH_LT_GELU_AUX` sets for GELU pairs ([`lower_gelu_aux`]), with the same
+    /// values.
+    pub fn gelu_aux_from_env() -> BgradMode {
+        BgradMode::from_var("RUSTYTORCH_LT_GELU_AUX")
+    }
+
+    fn from_var(var: &str) -> BgradMode {
+        match std::env::var(var).as_deref() {
             Ok("0") => BgradMode::Off,
             Ok("1") => BgradMode::Epilogue,
             Ok("kernel") => BgradMode::Kernel,
@@ -389,6 +404,61 @@ pub fn lower_bias_grad(
         desc,
         after,
         bgrad: fallback,
+    }))
+}
+
+/// The one cuBLASLt call of a GELU pair (`compiler::plan::gelu_aux_pair`): the biased GEMM `op`
+/// (result `out`, the pre-activation) and the tanh GELU `act` of its result (`act_out`), as
+/// `GELU_AUX_BIAS` writing the GELU into [`ArgRef::With`]`(0)` and the pre-activation into the
+/// step's output. The `sibling` kernels are the GELU's own, from the step's output into
+/// `With(0)`, which the runtime runs after the plain biased GEMM instead when cuBLASLt has no
+/// algorithm for the epilogue (or is slower with it). `None` where the call does not apply: one
+/// unbatched f32/f16/bf16 call whose bias is in the epilogue and whose rows are multiples of 8.
+pub fn lower_gelu_aux(
+    op: &Op,
+    inputs: &[&TensorType],
+    out: &TensorType,
+    act: &Op,
+    act_out: &TensorType,
+) -> Result<Option<CudaStep>> {
+    let CudaStep::Matmul {
+        mut desc, after, ..
+    } = lower(op, inputs, out)?
+    else {
+        return Ok(None);
+    };
+    let plain = after.launches.is_empty()
+        && desc.bias
+        && desc.act == LtActivation::None
+        && desc.accumulate.is_none()
+        && desc.calls.len() == 1
+        && desc.batch == 1
+        && matches!(desc.dtype, DType::F16 | DType::BF16 | DType::F32)
+        && desc.out_dtype == desc.dtype
+        && act_out == out
+        && lt_dgelu(desc.dtype, desc.m as usize)
+        && desc.ldd == desc.m;
+    if !plain || out.shape.numel() == 0 {
+        return Ok(None);
+    }
+    let super::CudaStep::Kernels(mut sibling) = super::lower_step(act, &[out], act_out)? else {
+        return Ok(None);
+    };
+    for l in &mut sibling.launches {
+        for a in &mut l.args {
+            *a = match *a {
+                ArgRef::Input(0) => ArgRef::Output,
+                ArgRef::Output => ArgRef::With(0),
+                ArgRef::Input(_) | ArgRef::With(_) | ArgRef::Value(_) => return Ok(None),
+                other => other,
+            };
+        }
+    }
+    desc.act = LtActivation::GeluTanhAux;
+    Ok(Some(CudaStep::Matmul {
+        desc,
+        after,
+        bgrad: sibling,
     }))
 }
 

@@ -148,7 +148,9 @@ pub enum CudaStep {
         after: StepKernels,
         /// With `desc.bgrad`, the bias gradient's own kernels over the step's buffers (into
         /// [`ArgRef::With`]`(0)`), which the runtime runs after the GEMM (and `after`) instead
-        /// when cuBLASLt has no algorithm for the epilogue; empty otherwise.
+        /// when cuBLASLt has no algorithm for the epilogue; with the `GeluTanhAux` epilogue, the
+        /// GELU's own kernels (from the step's output into `With(0)`) in the same role; empty
+        /// otherwise.
         bgrad: StepKernels,
     },
     /// A cuDNN convolution or pooling call. Its workspace (and the recomputed forward result a
@@ -286,19 +288,34 @@ pub fn source(k: &Kernel) -> Result<String> {
 }
 
 /// The GEMM step of a bias-gradient pair that one cuBLASLt call computes with its sum
-/// ([`matmul::lower_bias_grad`]).
-fn lower_bias_grad_step(plan: &crate::Plan, s: &crate::Step) -> Result<Option<CudaStep>> {
-    let (&[v], Op::Matmul { .. } | Op::MatmulActGrad { .. }) = (s.with.as_slice(), &s.op) else {
+/// ([`matmul::lower_bias_grad`]), or of a GELU pair that one call computes with its GELU
+/// ([`matmul::lower_gelu_aux`]).
+fn lower_pair_step(plan: &crate::Plan, s: &crate::Step) -> Result<Option<CudaStep>> {
+    let &[v] = s.with.as_slice() else {
         return Ok(None);
     };
     let crate::Source::Step(j) = plan.sources[v] else {
         return Ok(None);
     };
+    let ins: Vec<&TensorType> = s.inputs.iter().map(|&v| &plan.types[v]).collect();
+    if let Op::MatmulEpilogue { .. } = s.op {
+        let act = &plan.steps[j];
+        if matmul::BgradMode::gelu_aux_from_env() == matmul::BgradMode::Off
+            || act.inputs != [s.output]
+        {
+            return Ok(None);
+        }
+        return matmul::lower_gelu_aux(&s.op, &ins, &plan.types[s.output], &act.op, &plan.types[v]);
+    }
+    if !matches!(s.op, Op::Matmul { .. } | Op::MatmulActGrad { .. })
+        || matmul::BgradMode::from_env() == matmul::BgradMode::Off
+    {
+        return Ok(None);
+    }
     let sum = &plan.steps[j];
     if !matches!(sum.op, Op::Reduce { .. }) || sum.inputs.len() != 1 {
         return Ok(None);
     }
-    let ins: Vec<&TensorType> = s.inputs.iter().map(|&v| &plan.types[v]).collect();
     matmul::lower_bias_grad(
         &s.op,
         &ins,
@@ -324,31 +341,30 @@ pub fn lower_plan(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
 /// Lowers every step of a plan for CUDA, each on its own (in step order). A step whose result
 /// aliases its operand's bytes in the memory plan runs nothing. A sibling group of attention
 /// gradients that the flash kernels take is one step at its first member (the others run
-/// nothing), as is a bias-gradient pair that cuBLASLt's epilogue computes; other groups run
+/// nothing), as is a bias-gradient or GELU pair that cuBLASLt's epilogue computes; other groups run
 /// member by member.
 pub fn lower_steps(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
     let grouped = |s: &crate::Step| {
         let ins: Vec<&TensorType> = s.inputs.iter().map(|&v| &plan.types[v]).collect();
         !s.with.is_empty() && matches!(s.op, Op::AttentionGrad { .. }) && flash::supported(&ins)
     };
-    let bgrad_on = matmul::BgradMode::from_env() != matmul::BgradMode::Off;
-    let mut bias_grads: Vec<Option<CudaStep>> = Vec::with_capacity(plan.steps.len());
+    let mut pairs: Vec<Option<CudaStep>> = Vec::with_capacity(plan.steps.len());
     for s in &plan.steps {
-        bias_grads.push(if bgrad_on && !s.with.is_empty() {
-            lower_bias_grad_step(plan, s)?
-        } else {
+        pairs.push(if s.with.is_empty() {
             None
+        } else {
+            lower_pair_step(plan, s)?
         });
     }
-    let fused: Vec<bool> = bias_grads.iter().map(Option::is_some).collect();
+    let fused: Vec<bool> = pairs.iter().map(Option::is_some).collect();
     plan.steps
         .iter()
-        .zip(bias_grads)
-        .map(|(s, bias_grad)| {
+        .zip(pairs)
+        .map(|(s, pair)| {
             if matches!(plan.storage[s.output], crate::Storage::Alias(_)) {
                 return Ok(CudaStep::Alias);
             }
-            if let Some(step) = bias_grad {
+            if let Some(step) = pair {
                 return Ok(step);
             }
             if s.sibling_of

@@ -10,6 +10,8 @@
 //!
 //! A descriptor with `bgrad` also writes a bias gradient through the bias pointer:
 //! `DGELU_BGRAD` with the GELU derivative, else `BGRADA` (A summed over the inner dimension).
+//! `LtActivation::GeluTanhAux` is `GELU_AUX_BIAS`: the GELU as D and the pre-activation through
+//! the aux pointer (the call's second buffer), laid out as D.
 //! [`Blas::ready`] tells before the first call whether cuBLASLt has an algorithm for it.
 
 use crate::{Result, RuntimeError};
@@ -151,6 +153,12 @@ impl Blas {
             (true, LtActivation::None) => E::CUBLASLT_EPILOGUE_BIAS,
             (true, LtActivation::Relu) => E::CUBLASLT_EPILOGUE_RELU_BIAS,
             (true, LtActivation::GeluTanh) => E::CUBLASLT_EPILOGUE_GELU_BIAS,
+            (true, LtActivation::GeluTanhAux) => E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+            (false, LtActivation::GeluTanhAux) => {
+                return Err(RuntimeError::Invalid(
+                    "matmul: the GELU pair's epilogue without its bias".into(),
+                ))
+            }
             (false, LtActivation::DGeluTanh) => E::CUBLASLT_EPILOGUE_DGELU,
             (true, LtActivation::DGeluTanh) => return Err(RuntimeError::Invalid(
                 "matmul: a bias with the GELU derivative epilogue (DGELU_BGRAD writes the bias \
@@ -223,8 +231,9 @@ impl Blas {
                 8,
             )?;
         }
-        if m.act == LtActivation::DGeluTanh {
-            // The aux input is laid out as D: same leading dimension, same batch stride.
+        if matches!(m.act, LtActivation::DGeluTanh | LtActivation::GeluTanhAux) {
+            // The aux input (or output) is laid out as D: same leading dimension, same batch
+            // stride.
             let (ld, stride, p) = (m.ldd as i64, m.stride_d, self.workspace);
             set_desc(
                 sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
@@ -244,8 +253,8 @@ impl Blas {
                 8,
             )?;
         }
-        let mut found = [std::mem::MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::uninit();
-            CANDIDATES];
+        let mut found =
+            [std::mem::MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::uninit(); CANDIDATES];
         let mut count = 0i32;
         // SAFETY: every descriptor is live; `found` has room for CANDIDATES results, of which
         // cuBLASLt initializes the first `count`.
@@ -265,7 +274,8 @@ impl Blas {
         };
         // SAFETY: `pref` is live and no longer needed.
         let _ = unsafe { lt::destroy_matmul_pref(pref) };
-        let candidates: Vec<sys::cublasLtMatmulAlgo_t> = found[..(count.max(0) as usize).min(CANDIDATES)]
+        let candidates: Vec<sys::cublasLtMatmulAlgo_t> = found
+            [..(count.max(0) as usize).min(CANDIDATES)]
             .iter()
             // SAFETY: cuBLASLt initialized the first `count` results.
             .map(|r| unsafe { r.assume_init() })
@@ -335,7 +345,10 @@ impl Blas {
                 candidates.len()
             )));
         };
-        tracing::debug!("cuBLASLt {m:?}: candidate {i} of {} ({t:.4} ms)", candidates.len());
+        tracing::debug!(
+            "cuBLASLt {m:?}: candidate {i} of {} ({t:.4} ms)",
+            candidates.len()
+        );
         let p = self.cache.get_mut(m).expect("prepared");
         p.algo = candidates[i];
         p.tuned = true;
@@ -345,8 +358,9 @@ impl Blas {
     /// Runs `m` on `stream` with the step's buffers: `a`/`b` are cuBLASLt's A and B (the op's
     /// operand 1 and 0), `d` the output, `bias` the op's operand 2: the bias, or the aux input of
     /// the `DGeluTanh` epilogue (laid out as D, so each call reads it at D's offset); `bgrad`
-    /// the bias gradient's buffer of a `bgrad` descriptor; `c` the C an accumulating descriptor
-    /// adds (laid out as D, read at D's offsets; it may be D itself).
+    /// the bias gradient's buffer of a `bgrad` descriptor, or the aux output (the
+    /// pre-activation, laid out as D) of the `GeluTanhAux` epilogue; `c` the C an accumulating
+    /// descriptor adds (laid out as D, read at D's offsets; it may be D itself).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn run(
         &mut self,
@@ -363,6 +377,7 @@ impl Blas {
         let (handle, workspace) = (self.handle, self.workspace);
         let p = self.prepare(m)?;
         let aux = m.act == LtActivation::DGeluTanh;
+        let aux_out = m.act == LtActivation::GeluTanhAux;
         if aux && bias.is_none() {
             return Err(RuntimeError::Invalid(
                 "matmul: the GELU derivative epilogue needs the pre-activation".into(),
@@ -373,9 +388,11 @@ impl Blas {
                 "matmul: an accumulating descriptor needs its C (and only it has one)".into(),
             ));
         }
-        if m.bgrad != bgrad.is_some() {
+        if (m.bgrad || aux_out) != bgrad.is_some() {
             return Err(RuntimeError::Invalid(
-                "matmul: a bias gradient epilogue needs its buffer (and only it has one)".into(),
+                "matmul: a bias gradient or GELU pair epilogue needs its second buffer (and only \
+                 they have one)"
+                    .into(),
             ));
         }
         // The bias pointer carries the bias, or the bias gradient's buffer.
@@ -407,7 +424,12 @@ impl Blas {
         for &(oa, ob, od) in &m.calls {
             let (pa, pb, pd) = (a + oa * elt, b + ob * elt, d + od * delt);
             let pc = c.map_or(pd, |c| c + od * delt);
-            if let (Some(pre), true) = (bias, aux) {
+            let pre = match (aux, aux_out) {
+                (true, _) => bias,
+                (false, true) => bgrad,
+                (false, false) => None,
+            };
+            if let Some(pre) = pre {
                 let pre = pre + od * delt;
                 // SAFETY: `desc` is live; the value is a device pointer (8 bytes).
                 unsafe {

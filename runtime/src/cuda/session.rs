@@ -16,6 +16,7 @@ use crate::{
 };
 use cudarc::driver::sys::{self as ds, CUstream};
 use cudarc::driver::{result as dr, CudaFunction};
+use rustytorch_codegen::cuda::matmul::LtActivation;
 use rustytorch_codegen::cuda::{
     lower_plan_for, source, ArgRef, CudaStep, DnnDesc, MatmulDesc, Part, StepKernels, Target,
 };
@@ -772,13 +773,35 @@ impl CudaSession {
                 } => {
                     let mut after = resolve(&after);
                     let fallback = resolve(&bgrad);
-                    let mut bgrad_at = None;
-                    if desc.bgrad {
+                    // The call's second buffer (the bias gradient, or a GELU pair's
+                    // pre-activation) and where D goes (a GELU pair's D is the GELU's value).
+                    let mut second = None;
+                    let mut d_at = (out, Some(step.output));
+                    let gelu_aux = desc.act == LtActivation::GeluTanhAux;
+                    if desc.bgrad || gelu_aux {
                         use rustytorch_codegen::cuda::matmul::BgradMode;
                         dev.ctx.bind_to_thread().map_err(|e| {
                             RuntimeError::Device(format!("binding the CUDA context: {e}"))
                         })?;
-                        let mode = BgradMode::from_env();
+                        let (mode, var, what) = if gelu_aux {
+                            (
+                                BgradMode::gelu_aux_from_env(),
+                                "RUSTYTORCH_LT_GELU_AUX",
+                                "GELU pair",
+                            )
+                        } else {
+                            (
+                                BgradMode::from_env(),
+                                "RUSTYTORCH_LT_BGRAD",
+                                "bias gradient",
+                            )
+                        };
+                        let with = at_val(ArgRef::With(0));
+                        let (epi_d, epi_second) = if gelu_aux {
+                            (with, (out, Some(step.output)))
+                        } else {
+                            ((out, Some(step.output)), with)
+                        };
                         let ready = match mode {
                             BgradMode::Kernel => Err(RuntimeError::Invalid("forced".into())),
                             _ => dev.with_blas(|bl| bl.ready(&desc)),
@@ -788,15 +811,16 @@ impl CudaSession {
                             if mode == BgradMode::Epilogue {
                                 return Ok(());
                             }
-                            let call = BgradCall {
+                            let call = PairCall {
                                 desc: &desc,
                                 a: ins[1],
                                 b: ins[0],
-                                d: out,
+                                d: epi_d.0,
+                                plain_d: out,
                                 bias: desc.reads_operand2().then(|| ins[2]),
-                                sum: at_val(ArgRef::With(0)).0,
+                                second: epi_second.0,
                             };
-                            match choose_bgrad(&dev, &call, &after, &fallback, stream)? {
+                            match choose_pair(&dev, &call, &after, &fallback, stream)? {
                                 true => Ok(()),
                                 false => {
                                     Err(RuntimeError::Invalid("the kernels are faster".into()))
@@ -804,18 +828,20 @@ impl CudaSession {
                             }
                         });
                         match ready {
-                            Ok(()) => bgrad_at = Some(at_val(ArgRef::With(0))),
+                            Ok(()) => {
+                                second = Some(epi_second);
+                                d_at = epi_d;
+                            }
                             Err(e) if mode == BgradMode::Epilogue => {
                                 return Err(RuntimeError::Device(format!(
-                                    "step {i} ({}): cuBLASLt's bias gradient epilogue \
-                                     (RUSTYTORCH_LT_BGRAD=1): {e}",
+                                    "step {i} ({}): cuBLASLt's {what} epilogue ({var}=1): {e}",
                                     step.op.name()
                                 )))
                             }
                             Err(e) => {
-                                // The sum runs as its own kernels after the GEMM.
-                                tracing::debug!("step {i}: bias gradient in a kernel: {e}");
-                                desc.bgrad = false;
+                                // The sibling runs as its own kernels after the GEMM.
+                                tracing::debug!("step {i}: {what} in a kernel: {e}");
+                                desc = plain_of(&desc);
                                 after.extend(fallback);
                             }
                         }
@@ -830,9 +856,9 @@ impl CudaSession {
                             &desc,
                             ins[1],
                             ins[0],
-                            out,
+                            d_at.0,
                             desc.reads_operand2().then(|| ins[2]),
-                            bgrad_at.map(|(x, _)| x),
+                            second.map(|(x, _)| x),
                             desc.c_operand().map(|k| ins[k]),
                             stream as _,
                         )
@@ -841,17 +867,17 @@ impl CudaSession {
                     Exec::Matmul {
                         a: ins[1],
                         b: ins[0],
-                        d: out,
+                        d: d_at.0,
                         bias: desc.reads_operand2().then(|| ins[2]),
                         c: desc.c_operand().map(|k| ins[k]),
                         vals: [
                             Some(step.inputs[1]),
                             Some(step.inputs[0]),
-                            Some(step.output),
+                            d_at.1,
                             desc.reads_operand2().then(|| step.inputs[2]),
                             desc.c_operand().map(|k| step.inputs[k]),
                         ],
-                        bgrad: bgrad_at,
+                        bgrad: second,
                         after,
                         desc,
                     }
@@ -1833,24 +1859,39 @@ fn grad_ptrs(at: &[u64]) -> dnn_attention::GradPtrs {
     }
 }
 
-/// The buffers of one GEMM step with a bias-gradient epilogue (see [`choose_bgrad`]).
-struct BgradCall<'a> {
+/// The buffers of one GEMM step with a paired epilogue (see [`choose_pair`]).
+struct PairCall<'a> {
     desc: &'a MatmulDesc,
     a: u64,
     b: u64,
+    /// D of the epilogue's call.
     d: u64,
+    /// D of the plain call (the step's output).
+    plain_d: u64,
     bias: Option<u64>,
-    sum: u64,
+    /// The epilogue's second buffer: the bias gradient, or a GELU pair's pre-activation.
+    second: u64,
 }
 
-/// Whether the bias gradient of `call` is faster from cuBLASLt's epilogue than from the plain
-/// GEMM followed by the sum's own kernels (`fallback`; `after` runs in both): timed once per
-/// descriptor on the step's own buffers at prepare (nothing in them is live yet), the outcome
-/// kept for the process. cuBLASLt's bias-gradient kernels are other kernels than its plain
-/// GEMM's, and not always the faster pair.
-fn choose_bgrad(
+/// `desc` without its paired epilogue: no bias gradient, and a GELU pair's GEMM as the plain
+/// biased GEMM of the pre-activation.
+fn plain_of(desc: &MatmulDesc) -> MatmulDesc {
+    let mut plain = desc.clone();
+    plain.bgrad = false;
+    if plain.act == LtActivation::GeluTanhAux {
+        plain.act = LtActivation::None;
+    }
+    plain
+}
+
+/// Whether the paired value of `call` (a bias gradient, or a GELU pair's GELU) is faster from
+/// cuBLASLt's epilogue than from the plain GEMM followed by the sibling's own kernels
+/// (`fallback`; `after` runs in both): timed once per descriptor on the step's own buffers at
+/// prepare (nothing in them is live yet), the outcome kept for the process. cuBLASLt's epilogue
+/// kernels are other kernels than its plain GEMM's, and not always the faster pair.
+fn choose_pair(
     dev: &GpuDevice,
-    call: &BgradCall,
+    call: &PairCall,
     after: &[Resolved],
     fallback: &[Resolved],
     stream: CUstream,
@@ -1859,22 +1900,39 @@ fn choose_bgrad(
         std::sync::Mutex<std::collections::HashMap<MatmulDesc, bool>>,
     > = std::sync::OnceLock::new();
     let choices = CHOICES.get_or_init(Default::default);
-    if let Some(&c) = choices.lock().expect("bgrad choices").get(call.desc) {
+    if let Some(&c) = choices.lock().expect("epilogue choices").get(call.desc) {
         return Ok(c);
     }
-    let mut plain = call.desc.clone();
-    plain.bgrad = false;
+    let plain = plain_of(call.desc);
     // Each side with its own fastest algorithm.
     dev.with_blas(|bl| {
-        bl.tune(call.desc, call.a, call.b, call.d, call.bias, Some(call.sum), None, stream as _)?;
-        bl.tune(&plain, call.a, call.b, call.d, call.bias, None, None, stream as _)
+        bl.tune(
+            call.desc,
+            call.a,
+            call.b,
+            call.d,
+            call.bias,
+            Some(call.second),
+            None,
+            stream as _,
+        )?;
+        bl.tune(
+            &plain,
+            call.a,
+            call.b,
+            call.plain_d,
+            call.bias,
+            None,
+            None,
+            stream as _,
+        )
     })?;
     let launch_all = |ls: &[Resolved]| -> Result<()> {
         for r in ls {
             // SAFETY: as in `CudaSession::launch`: the resolved arguments address the step's
             // buffers, in the kernel's parameter order.
             unsafe { super::launch_pointers(&r.func, r.grid, r.block, r.smem, &r.args, stream) }
-                .map_err(|e| RuntimeError::Device(format!("timing the bias gradient: {e}")))?;
+                .map_err(|e| RuntimeError::Device(format!("timing the paired epilogue: {e}")))?;
         }
         Ok(())
     };
@@ -1886,7 +1944,7 @@ fn choose_bgrad(
                 call.b,
                 call.d,
                 call.bias,
-                Some(call.sum),
+                Some(call.second),
                 None,
                 stream as _,
             )
@@ -1899,7 +1957,7 @@ fn choose_bgrad(
                 &plain,
                 call.a,
                 call.b,
-                call.d,
+                call.plain_d,
                 call.bias,
                 None,
                 None,
@@ -1917,12 +1975,12 @@ fn choose_bgrad(
     }
     let use_epilogue = t_epi <= t_sep;
     tracing::debug!(
-        "bias gradient of {:?}: epilogue {t_epi:.4} ms, GEMM + sum {t_sep:.4} ms",
+        "paired epilogue of {:?}: {t_epi:.4} ms, GEMM + kernels {t_sep:.4} ms",
         call.desc
     );
     choices
         .lock()
-        .expect("bgrad choices")
+        .expect("epilogue choices")
         .insert(call.desc.clone(), use_epilogue);
     Ok(use_epilogue)
 }
