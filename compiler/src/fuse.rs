@@ -28,7 +28,12 @@
 //! one (`x − mean`, `x̂ · rstd` and `g · w` of a LayerNorm and its backward, which autodiff of
 //! the primitives makes): each user reads the full-size operand where it would have read the
 //! value, so splitting costs no bytes and saves a kernel, its write, and the activation memory a
-//! backward would otherwise keep for it.
+//! backward would otherwise keep for it. Last, an elementwise value computed from two full-size
+//! tensors (through a cone of elementwise ops, with small operands besides) and used by two or
+//! three elementwise ops of its shape is recomputed in each: the users read the two tensors
+//! (4 or 6 reads) where the value cost 2 reads, a write and a read per user (5 or 6), and a
+//! kernel goes. LayerNorm's backward spelled in primitives has one (`g·w·rstd + (x − mean)·c`,
+//! read by the row sum after it and by that sum's user): 3 kernels instead of 4.
 //!
 //! A group therefore has one result, its root; it never creates a cycle (every path out of an
 //! interior member goes through the root). Operands that do not join become kernel inputs, which
@@ -256,9 +261,10 @@ pub fn fuse(graph: &Graph) -> Result<(Graph, FuseReport)> {
 }
 
 /// Gives each user of a shared cheap value its own copy (see the module docs): a fusable
-/// `Cast`, or a `Binary` that reads one operand of its own size and otherwise small
+/// `Cast`, a `Binary` that reads one operand of its own size and otherwise small
 /// ones (at most an eighth of its size, read through an `Expand`; at least one of them computed,
-/// not a constant), that is
+/// not a constant), or an elementwise value computed from two full-size tensors with at most
+/// three users ([`two_sources`]), that is
 /// no result and has two or more users that are all fusable elementwise ops of its shape (so
 /// each copy joins its user's kernel). Consumers go first, so a chain of such values (LayerNorm's
 /// `x − mean`, then its product with `rstd`) is recomputed whole in each user. Returns the number
@@ -268,12 +274,15 @@ fn split_shared_values(graph: &mut Graph, roots: &HashSet<NodeId>) -> Result<usi
     let mut order = graph.live_order();
     order.reverse();
     for n in order {
-        if roots.contains(&n) || !fusable(graph, n) || !cheap(graph, n) {
+        if roots.contains(&n) || !fusable(graph, n) {
             continue;
         }
         let users = graph.users(n);
         let shape = graph.g[n].ty.shape.clone();
-        if users.len() < 2
+        let recompute =
+            cheap(graph, n) || (users.len() <= 3 && two_sources(graph, n, roots).is_some());
+        if !recompute
+            || users.len() < 2
             || !users
                 .iter()
                 .all(|&u| fusable(graph, u) && graph.g[u].ty.shape == shape)
@@ -333,6 +342,51 @@ fn cheap(graph: &Graph, n: NodeId) -> bool {
         && sizes.iter().all(|&k| k == full || k * 8 <= full)
         && sizes.iter().any(|&k| k > 0 && k < full)
 }
+
+/// The full-size tensors an elementwise value `n` is computed from when it reads at most two
+/// (`None` otherwise): the leaves of its cone of fusable, same-shape, non-result elementwise
+/// nodes (at most [`CONE_MAX`] of them) that have `n`'s size (counted through an `Expand`;
+/// constants and small operands such as row statistics and weight rows are not counted). Such a
+/// value with two or three users, all elementwise of its shape, costs no more bytes recomputed in
+/// each user (each reads the two sources: 4 or 6 reads) than computed once (2 reads, a write,
+/// and a read per user: 5 or 6), and saves a kernel: LayerNorm's backward spelled in primitives
+/// makes one, `g·w·rstd + (x − mean)·c` read by the row sum after it and by the sum's user.
+fn two_sources(graph: &Graph, n: NodeId, roots: &HashSet<NodeId>) -> Option<[NodeId; 2]> {
+    let shape = &graph.g[n].ty.shape;
+    let full = shape.numel();
+    let size = |i: NodeId| match &graph.g[i].op {
+        Op::Full { .. } => 0,
+        Op::Expand { .. } => graph.g[i]
+            .inputs
+            .first()
+            .map_or(0, |&s| graph.g[s].ty.shape.numel()),
+        _ => graph.g[i].ty.shape.numel(),
+    };
+    let (mut cone, mut stack, mut sources) = (HashSet::new(), vec![n], Vec::new());
+    while let Some(v) = stack.pop() {
+        if !cone.insert(v) {
+            continue;
+        }
+        if cone.len() > CONE_MAX {
+            return None;
+        }
+        for &i in &graph.g[v].inputs {
+            let inner = fusable(graph, i) && graph.g[i].ty.shape == *shape && !roots.contains(&i);
+            if inner {
+                stack.push(i);
+            } else if size(i) == full && !sources.contains(&i) {
+                sources.push(i);
+            }
+        }
+    }
+    match sources.as_slice() {
+        &[a, b] => Some([a, b]),
+        _ => None,
+    }
+}
+
+/// The most elementwise nodes [`two_sources`] recomputes per user.
+const CONE_MAX: usize = 24;
 
 /// Whether `c` can be the core of a row kernel: a softmax, log-softmax, norm, or a float
 /// reduction (sum, mean, max, min, product) of a float input.
