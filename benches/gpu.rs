@@ -698,6 +698,9 @@ fn gpt2_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
             for line in rustytorch::runtime::cuda::attention_choices() {
                 println!("  cuDNN attention: {line}");
             }
+            for line in rustytorch::runtime::cuda::matmul_choices() {
+                println!("  cuBLASLt: {line}");
+            }
         }
         if train && typed && bgrad.is_none() && std::env::var_os("GPT2_PROFILE").is_some() {
             gpt2_train_profile(&graph);

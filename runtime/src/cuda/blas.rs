@@ -327,6 +327,7 @@ impl Blas {
         }
         let candidates = self.cache[m].candidates.clone();
         let mut best: Option<(f32, usize)> = None;
+        let mut times = vec![];
         for (i, &algo) in candidates.iter().enumerate() {
             self.cache.get_mut(m).expect("prepared").algo = algo;
             let mut call = || self.run(m, a, b, d, bias, bgrad, c, stream);
@@ -334,9 +335,16 @@ impl Blas {
             let t = super::dnn::time(stream as _, &mut call)
                 .and_then(|t0| super::dnn::time(stream as _, &mut call).map(|t1| t0.min(t1)));
             match t {
-                Ok(t) if best.is_none_or(|(b, _)| t < b) => best = Some((t, i)),
-                Ok(_) => {}
-                Err(e) => tracing::debug!("cuBLASLt candidate {i} of {m:?} failed: {e}"),
+                Ok(t) => {
+                    times.push(format!("{t:.4}"));
+                    if best.is_none_or(|(b, _)| t < b) {
+                        best = Some((t, i));
+                    }
+                }
+                Err(e) => {
+                    times.push("failed".into());
+                    tracing::debug!("cuBLASLt candidate {i} of {m:?} failed: {e}");
+                }
             }
         }
         let Some((t, i)) = best else {
@@ -349,6 +357,11 @@ impl Blas {
             "cuBLASLt {m:?}: candidate {i} of {} ({t:.4} ms)",
             candidates.len()
         );
+        log_matmul_choice(format!(
+            "{}: candidates (ms) [{}], kept {i}",
+            describe(m),
+            times.join(", ")
+        ));
         let p = self.cache.get_mut(m).expect("prepared");
         p.algo = candidates[i];
         p.tuned = true;
@@ -469,6 +482,43 @@ impl Blas {
         }
         Ok(())
     }
+}
+
+/// A short description of a descriptor for [`matmul_choices`]: sizes, batch, transposes, types
+/// and epilogue.
+pub(crate) fn describe(m: &MatmulDesc) -> String {
+    format!(
+        "m{} n{} k{} b{} ta{} tb{} {:?}->{:?} {:?}{}{}{}",
+        m.m,
+        m.n,
+        m.k,
+        m.batch,
+        m.trans_a as u8,
+        m.trans_b as u8,
+        m.dtype,
+        m.out_dtype,
+        m.act,
+        if m.bias { " bias" } else { "" },
+        if m.bgrad { " bgrad" } else { "" },
+        if m.accumulate.is_some() { " acc" } else { "" },
+    )
+}
+
+/// The choices cuBLASLt timing made in this process, one line each: per descriptor the
+/// candidates' milliseconds and the one kept ([`Blas::tune`]), and per paired epilogue its time
+/// against the plain GEMM with the sibling's kernels. For profiles and benchmarks.
+pub fn matmul_choices() -> Vec<String> {
+    choice_log().lock().expect("matmul choices").clone()
+}
+
+fn choice_log() -> &'static std::sync::Mutex<Vec<String>> {
+    static C: std::sync::OnceLock<std::sync::Mutex<Vec<String>>> = std::sync::OnceLock::new();
+    C.get_or_init(Default::default)
+}
+
+/// Appends a line to [`matmul_choices`].
+pub(crate) fn log_matmul_choice(line: String) {
+    choice_log().lock().expect("matmul choices").push(line);
 }
 
 impl Drop for Blas {

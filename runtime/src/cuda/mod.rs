@@ -18,6 +18,7 @@ pub mod nccl;
 mod session;
 pub mod sparse;
 
+pub use blas::matmul_choices;
 pub use dnn_attention::attention_choices;
 pub use nccl::{Collective, DeviceTensor, ReduceOp, UniqueId};
 pub use session::CudaSession;

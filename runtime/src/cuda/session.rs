@@ -1974,6 +1974,11 @@ fn choose_pair(
         t_sep = t_sep.min(super::dnn::time(stream as _, separate)?);
     }
     let use_epilogue = t_epi <= t_sep;
+    super::blas::log_matmul_choice(format!(
+        "{}: epilogue {t_epi:.4} ms, GEMM + kernels {t_sep:.4} ms, kept the {}",
+        super::blas::describe(call.desc),
+        if use_epilogue { "epilogue" } else { "kernels" }
+    ));
     tracing::debug!(
         "paired epilogue of {:?}: {t_epi:.4} ms, GEMM + kernels {t_sep:.4} ms",
         call.desc
