@@ -53,6 +53,8 @@ fn flash_attention_compiles() {
     for d in [DType::F16, DType::BF16] {
         for &(sq, sk, hd, hv) in &[
             (1, 300, 64, 64),
+            (1, 1000, 128, 128),
+            (1, 7, 64, 32),
             (100, 37, 80, 80),
             (65, 64, 16, 48),
             (1000, 1000, 128, 128),
@@ -84,12 +86,17 @@ fn flash_attention_compiles() {
                     let out = rustytorch::ops::infer(&op, &refs).expect("infer");
                     let step = lower_step(&op, &refs, &out).expect("lower");
                     let ls = step.launches();
-                    assert_eq!(ls.len(), 1);
-                    assert!(ls[0].kernel.name.starts_with("flash_attention"));
-                    sources.push((
-                        ls[0].kernel.name.clone(),
-                        source(&ls[0].kernel).expect("source"),
-                    ));
+                    // One query row: the split-key decoding kernels (chunks, then their sum).
+                    let names: &[&str] = if sq == 1 {
+                        &["flash_decode_split", "flash_decode_combine"]
+                    } else {
+                        &["flash_attention"]
+                    };
+                    assert_eq!(ls.len(), names.len());
+                    for (l, name) in ls.iter().zip(names) {
+                        assert!(l.kernel.name.starts_with(name), "{}", l.kernel.name);
+                        sources.push((l.kernel.name.clone(), source(&l.kernel).expect("source")));
+                    }
                 }
             }
         }

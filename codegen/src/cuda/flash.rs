@@ -34,6 +34,7 @@
 //! a Hopper-specific kernel (warpgroup MMA, TMA loads, warp specialization) is noted in
 //! docs/performance.md with its measured speed.
 
+mod decode;
 mod hopper;
 
 use super::ir::{CTy, Kernel, Param, Stmt};
@@ -271,12 +272,16 @@ impl Spec {
     }
 }
 
-/// Lowers `Attention` (operands q, k, v and the mask when it has one) to the flash kernel. The
-/// caller checks [`supported`].
+/// Lowers `Attention` (operands q, k, v and the mask when it has one) to the flash kernel, or
+/// for one query row to the split-key decoding kernels ([`decode`]). The caller checks
+/// [`supported`].
 pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKernels> {
     let Some(sp) = Spec::new(op, inputs, out)? else {
         return Ok(StepKernels::default());
     };
+    if decode::supported(&sp) {
+        return decode::lower(&sp, inputs.len());
+    }
     let mut params = sp.params.clone();
     params.push(param("out", sp.e, true));
     let (kernel, grid) = sp.forward_launch("flash_attention", params, false)?;
