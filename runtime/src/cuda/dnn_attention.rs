@@ -1344,17 +1344,9 @@ pub(crate) fn prepare_saving(
     Ok(plan)
 }
 
-/// The flash launch of a step, for timing.
-pub(crate) struct FlashLaunch<'a> {
-    /// The compiled kernel.
-    pub func: &'a cudarc::driver::CudaFunction,
-    /// Blocks.
-    pub grid: u32,
-    /// Threads per block.
-    pub block: u32,
-    /// Bytes of dynamic shared memory.
-    pub smem: u32,
-}
+/// Runs the flash kernels of the step on the given stream, over the step's own buffers (at
+/// prepare nothing in them is live): what [`choose`] times against cuDNN's plans.
+pub(crate) type FlashRun<'a> = &'a dyn Fn(ds::CUstream) -> Result<()>;
 
 /// Picks the plan to run for `d` from `p`: the only one when decided; else times each plan
 /// and the flash kernel on buffers of the step's sizes and keeps the fastest (forced cuDNN keeps
@@ -1364,7 +1356,7 @@ pub(crate) fn choose(
     d: &AttnDnnDesc,
     mut p: Prepared,
     choice: Choice,
-    flash: Option<FlashLaunch>,
+    flash: Option<FlashRun>,
     stream: ds::CUstream,
 ) -> Result<Option<GraphPlan>> {
     if p.plans.is_empty() {
@@ -1416,14 +1408,15 @@ pub(crate) fn choose(
 }
 
 /// The index and time of the fastest of the forward `plans` of `d` (with the statistics written
-/// out when `stats`), and the flash kernel's time when given, each timed on buffers of its own
-/// filled with ones: q, k, v, O, [the statistics,] the plans' workspace.
+/// out when `stats`), and the flash kernels' time when given: the plans on buffers of their own
+/// filled with ones (q, k, v, O, [the statistics,] the plans' workspace), the flash kernels on
+/// the step's buffers.
 fn fastest_forward(
     handle: sys::cudnnHandle_t,
     d: &AttnDnnDesc,
     plans: &mut [GraphPlan],
     stats: bool,
-    flash: Option<FlashLaunch>,
+    flash: Option<FlashRun>,
     stream: ds::CUstream,
 ) -> Result<((usize, f32), Option<f32>)> {
     let ws = plans.iter().map(|g| g.workspace).max().unwrap_or(0);
@@ -1452,12 +1445,7 @@ fn fastest_forward(
         RuntimeError::Device(format!("cuDNN fused attention{what}: no plan of {d:?} ran"))
     })?;
     let flash_ms = match flash {
-        Some(f) => Some(time(stream, || {
-            // SAFETY: the flash kernel's parameters are q, k, v and the output, in that order;
-            // the buffers hold the sizes of the step's tensors.
-            unsafe { super::launch_pointers(f.func, f.grid, f.block, f.smem, &ptrs[..4], stream) }
-                .map_err(|e| RuntimeError::Device(format!("timing the flash kernel: {e}")))
-        })?),
+        Some(f) => Some(time(stream, || f(stream))?),
         None => None,
     };
     Ok((best, flash_ms))

@@ -700,12 +700,25 @@ impl CudaSession {
                     let plan = if p.plans.is_empty() {
                         None
                     } else {
-                        let fl = flash.first().map(|r| dnn_attention::FlashLaunch {
-                            func: &r.func,
-                            grid: r.grid,
-                            block: r.block,
-                            smem: r.smem,
-                        });
+                        // Every launch of the flash step (the decoding kernels are two, with
+                        // scratch), on the step's own buffers.
+                        let run_flash = |st: CUstream| -> Result<()> {
+                            for r in &flash {
+                                // SAFETY: as in `CudaSession::launch`: the resolved arguments
+                                // address the step's buffers, in the kernel's parameter order.
+                                unsafe {
+                                    super::launch_pointers(
+                                        &r.func, r.grid, r.block, r.smem, &r.args, st,
+                                    )
+                                }
+                                .map_err(|e| {
+                                    RuntimeError::Device(format!("timing the flash kernel: {e}"))
+                                })?;
+                            }
+                            Ok(())
+                        };
+                        let fl: Option<dnn_attention::FlashRun> =
+                            (!flash.is_empty()).then_some(&run_flash);
                         dev.with_dnn(|dn| {
                             dnn_attention::choose(
                                 dn.handle,
