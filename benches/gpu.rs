@@ -588,7 +588,12 @@ fn fwd_bwd_row(
 fn attention_flash_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64), backward: bool) {
     use rustytorch::ops::{AttnMask, Causal, F64Bits};
     let bf = DType::BF16;
+    // `bench-gpu attention-decode`: the one-query-row shapes only.
+    let decode_only = std::env::args().any(|a| a == "attention-decode");
     for (b, h, sq, sk, d, causal) in ATTN_SHAPES {
+        if decode_only && sq != 1 {
+            continue;
+        }
         let mut graph = Graph::new();
         let q = graph.add_input("q", tt(bf, &[b, h, sq, d])).expect("q");
         let k = graph.add_input("k", tt(bf, &[b, h, sk, d])).expect("k");
@@ -1185,7 +1190,7 @@ fn main() {
     }
     // `bench-gpu attention-flash`: the flash kernel's forward rows only (on Hopper its
     // warpgroup-MMA kernel; `RUSTYTORCH_FLASH=portable` measures the portable one).
-    if only("attention-flash") {
+    if only("attention-flash") || only("attention-decode") {
         attention_rows(&mut push, false);
         return;
     }

@@ -1,7 +1,8 @@
 # PyTorch's scaled_dot_product_attention (default backend choice, and each backend it has) on the
 # attention rows of `bench-gpu attention`, bf16, timed with CUDA events:
-#   python3 benches/gpu_attention_peer.py [--forward]
-# (`--forward`: the default backend's forward only, the quick row beside `bench-gpu attention-flash`)
+#   python3 benches/gpu_attention_peer.py [--forward] [--decode]
+# (`--forward`: the default backend's forward only, the quick row beside `bench-gpu attention-flash`;
+# `--decode`: the one-query-row shape only, beside `bench-gpu attention-decode`)
 # TFLOP/s counts 4·B·H·Sq·Sk·D (halved for causal); forward+backward counts 3.5× the forward.
 import os
 import sys
@@ -23,6 +24,8 @@ SHAPES = [(4, 32, 4096, 4096, 128, False), (4, 32, 4096, 4096, 128, True),
 
 
 for (B, H, Sq, Sk, D, causal) in SHAPES:
+    if "--decode" in sys.argv and Sq != 1:
+        continue
     q = torch.randn(B, H, Sq, D, device=dev, dtype=torch.bfloat16)
     k, v = (torch.randn(B, H, Sk, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
     fl = 4 * B * H * Sq * Sk * D * (0.5 if causal else 1.0)

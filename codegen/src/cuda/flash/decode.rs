@@ -28,6 +28,16 @@ use rustytorch_ops::Causal;
 
 /// Keys per block.
 pub const CHUNK: usize = 256;
+
+/// Keys per block: [`CHUNK`], or `RUSTYTORCH_DECODE_CHUNK` (a power of two from 64 to 2048),
+/// for measurements.
+fn chunk_keys() -> usize {
+    std::env::var("RUSTYTORCH_DECODE_CHUNK")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|c| c.is_power_of_two() && (64..=2048).contains(c))
+        .unwrap_or(CHUNK)
+}
 /// Threads per block (both kernels).
 const THREADS: usize = 128;
 /// Key or value rows a lane loads before it uses any.
@@ -45,7 +55,7 @@ pub(super) fn supported(sp: &Spec) -> bool {
 /// The two launches (chunks, then their combination) and the scratch they share: per
 /// (head, chunk) `dv` f32 of `o`, then one f32 of `m` and one of `l`.
 pub(super) fn lower(sp: &Spec, n_inputs: usize) -> Result<StepKernels> {
-    let chunk = CHUNK.min(sp.sk.max(1));
+    let chunk = chunk_keys().min(sp.sk.max(1));
     let splits = sp.sk.max(1).div_ceil(chunk);
     let heads = sp.bsz * sp.heads;
     let blocks = heads * splits;
