@@ -3,7 +3,8 @@
 //!
 //! The tiled kernels give a block 64 query rows of one head, so a decoding step runs one block
 //! per (batch, head) with 63 of its rows idle, and its key walk is serial. Here the keys of each
-//! head are split into chunks of [`CHUNK`] and every (head, chunk) is a block of 128 threads:
+//! head are split into chunks (64 to 1024 keys, [`chunk_keys`]) and every (head, chunk) is a
+//! block of 128 threads:
 //!
 //! 1. **Scores.** The query row is held in registers, scaled into the base-2 domain. Each key
 //!    row is read by `d / 8` lanes as 16-byte vectors, [`BATCH`] rows a lane in flight before
@@ -26,18 +27,29 @@ use crate::cuda::{finish, grid_for, ArgRef, Launch, StepKernels};
 use crate::Result;
 use rustytorch_ops::Causal;
 
-/// Keys per block.
-pub const CHUNK: usize = 256;
+/// Blocks the split aims for: about eight per SM of an H100/H200 (132 SMs), enough to keep the
+/// memory system busy.
+const TARGET_BLOCKS: usize = 1024;
 
-/// Keys per block: [`CHUNK`], or `RUSTYTORCH_DECODE_CHUNK` (a power of two from 64 to 2048),
-/// for measurements.
-fn chunk_keys() -> usize {
-    std::env::var("RUSTYTORCH_DECODE_CHUNK")
+/// Keys per block: the largest power of two from 64 to 1024 that still gives `heads` heads of
+/// `sk` keys [`TARGET_BLOCKS`] blocks (64 when none does). Longer chunks mean fewer partial
+/// results to combine: on the H200, B8 H32 Sk8192 D128 ran in 245.5 µs with chunks of 256,
+/// 241.7 µs with 512 and 239.5 µs with 1024 (docs/performance.md).
+/// `RUSTYTORCH_DECODE_CHUNK` (a power of two from 64 to 2048) overrides it, for measurements.
+fn chunk_keys(heads: usize, sk: usize) -> usize {
+    if let Some(c) = std::env::var("RUSTYTORCH_DECODE_CHUNK")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
         .filter(|c| c.is_power_of_two() && (64..=2048).contains(c))
-        .unwrap_or(CHUNK)
+    {
+        return c;
+    }
+    [1024, 512, 256, 128]
+        .into_iter()
+        .find(|&c| heads * sk.div_ceil(c) >= TARGET_BLOCKS)
+        .unwrap_or(64)
 }
+
 /// Threads per block (both kernels).
 const THREADS: usize = 128;
 /// Key or value rows a lane loads before it uses any.
@@ -55,7 +67,7 @@ pub(super) fn supported(sp: &Spec) -> bool {
 /// The two launches (chunks, then their combination) and the scratch they share: per
 /// (head, chunk) `dv` f32 of `o`, then one f32 of `m` and one of `l`.
 pub(super) fn lower(sp: &Spec, n_inputs: usize) -> Result<StepKernels> {
-    let chunk = chunk_keys().min(sp.sk.max(1));
+    let chunk = chunk_keys(sp.bsz * sp.heads, sp.sk).min(sp.sk.max(1));
     let splits = sp.sk.max(1).div_ceil(chunk);
     let heads = sp.bsz * sp.heads;
     let blocks = heads * splits;
