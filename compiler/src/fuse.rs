@@ -313,6 +313,19 @@ fn split_shared_values(graph: &mut Graph, roots: &HashSet<NodeId>) -> Result<usi
     Ok(split)
 }
 
+/// Elements a kernel reads of operand `i`: none of a `Full` (an immediate), the source's of an
+/// `Expand` (read through), else its own.
+fn read_size(graph: &Graph, i: NodeId) -> usize {
+    match &graph.g[i].op {
+        Op::Full { .. } => 0,
+        Op::Expand { .. } => graph.g[i]
+            .inputs
+            .first()
+            .map_or(0, |&s| graph.g[s].ty.shape.numel()),
+        _ => graph.g[i].ty.shape.numel(),
+    }
+}
+
 /// Whether recomputing `n` in each of its users costs no more reading than materializing it
 /// once: a cast, or a binary op with one operand of its own size and the others small (an
 /// eighth of its size at most, counted through an `Expand`, or constants; one at least
@@ -326,15 +339,7 @@ fn cheap(graph: &Graph, n: NodeId) -> bool {
         _ => return false,
     }
     let full = node.ty.shape.numel();
-    let read = |i: NodeId| match &graph.g[i].op {
-        Op::Full { .. } => 0,
-        Op::Expand { .. } => graph.g[i]
-            .inputs
-            .first()
-            .map_or(0, |&s| graph.g[s].ty.shape.numel()),
-        _ => graph.g[i].ty.shape.numel(),
-    };
-    let sizes: Vec<usize> = node.inputs.iter().map(|&i| read(i)).collect();
+    let sizes: Vec<usize> = node.inputs.iter().map(|&i| read_size(graph, i)).collect();
     // A broadcast operand that is computed (a row statistic, a weight row) marks the pattern
     // this is for; a value made from one operand and constants alone stays shared (computed
     // once, as a group absorbs it when all its users are in the group).
@@ -354,14 +359,6 @@ fn cheap(graph: &Graph, n: NodeId) -> bool {
 fn two_sources(graph: &Graph, n: NodeId, roots: &HashSet<NodeId>) -> Option<[NodeId; 2]> {
     let shape = &graph.g[n].ty.shape;
     let full = shape.numel();
-    let size = |i: NodeId| match &graph.g[i].op {
-        Op::Full { .. } => 0,
-        Op::Expand { .. } => graph.g[i]
-            .inputs
-            .first()
-            .map_or(0, |&s| graph.g[s].ty.shape.numel()),
-        _ => graph.g[i].ty.shape.numel(),
-    };
     let (mut cone, mut stack, mut sources) = (HashSet::new(), vec![n], Vec::new());
     while let Some(v) = stack.pop() {
         if !cone.insert(v) {
@@ -374,7 +371,7 @@ fn two_sources(graph: &Graph, n: NodeId, roots: &HashSet<NodeId>) -> Option<[Nod
             let inner = fusable(graph, i) && graph.g[i].ty.shape == *shape && !roots.contains(&i);
             if inner {
                 stack.push(i);
-            } else if size(i) == full && !sources.contains(&i) {
+            } else if read_size(graph, i) == full && !sources.contains(&i) {
                 sources.push(i);
             }
         }

@@ -386,10 +386,30 @@ pub fn lower_bias_grad(
     if !plain || out.shape.numel() == 0 {
         return Ok(None);
     }
-    let super::CudaStep::Kernels(mut fallback) = super::lower_step(sum, &[sum_in], sum_out)? else {
+    let Some(fallback) = sibling_kernels(sum, sum_in, sum_out, src)? else {
         return Ok(None);
     };
-    for l in &mut fallback.launches {
+    desc.bgrad = true;
+    Ok(Some(CudaStep::Matmul {
+        desc,
+        after,
+        bgrad: fallback,
+    }))
+}
+
+/// The kernels of a pair's sibling `op` (one operand of type `ty_in`, result `ty_out`) over the
+/// pair's step buffers: its operand read from `src`, its result written to
+/// [`ArgRef::With`]`(0)`. `None` when they are not generated kernels of that one operand.
+fn sibling_kernels(
+    op: &Op,
+    ty_in: &TensorType,
+    ty_out: &TensorType,
+    src: ArgRef,
+) -> Result<Option<StepKernels>> {
+    let super::CudaStep::Kernels(mut k) = super::lower_step(op, &[ty_in], ty_out)? else {
+        return Ok(None);
+    };
+    for l in &mut k.launches {
         for a in &mut l.args {
             *a = match *a {
                 ArgRef::Input(0) => src,
@@ -399,12 +419,7 @@ pub fn lower_bias_grad(
             };
         }
     }
-    desc.bgrad = true;
-    Ok(Some(CudaStep::Matmul {
-        desc,
-        after,
-        bgrad: fallback,
-    }))
+    Ok(Some(k))
 }
 
 /// The one cuBLASLt call of a GELU pair (`compiler::plan::gelu_aux_pair`): the biased GEMM `op`
@@ -441,19 +456,9 @@ pub fn lower_gelu_aux(
     if !plain || out.shape.numel() == 0 {
         return Ok(None);
     }
-    let super::CudaStep::Kernels(mut sibling) = super::lower_step(act, &[out], act_out)? else {
+    let Some(sibling) = sibling_kernels(act, out, act_out, ArgRef::Output)? else {
         return Ok(None);
     };
-    for l in &mut sibling.launches {
-        for a in &mut l.args {
-            *a = match *a {
-                ArgRef::Input(0) => ArgRef::Output,
-                ArgRef::Output => ArgRef::With(0),
-                ArgRef::Input(_) | ArgRef::With(_) | ArgRef::Value(_) => return Ok(None),
-                other => other,
-            };
-        }
-    }
     desc.act = LtActivation::GeluTanhAux;
     Ok(Some(CudaStep::Matmul {
         desc,
