@@ -1917,29 +1917,25 @@ fn choose_pair(
         return Ok(c);
     }
     let plain = plain_of(call.desc);
+    // The two sides' GEMMs: the epilogue's call, and the plain one into the step's output.
+    let sides = [
+        (call.desc, call.d, Some(call.second)),
+        (&plain, call.plain_d, None),
+    ];
+    let gemm = |(m, d, second): (&MatmulDesc, u64, Option<u64>), tune: bool| -> Result<()> {
+        dev.with_blas(|bl| {
+            let (a, b, bias, st) = (call.a, call.b, call.bias, stream as _);
+            if tune {
+                bl.tune(m, a, b, d, bias, second, None, st)
+            } else {
+                bl.run(m, a, b, d, bias, second, None, st)
+            }
+        })
+    };
     // Each side with its own fastest algorithm.
-    dev.with_blas(|bl| {
-        bl.tune(
-            call.desc,
-            call.a,
-            call.b,
-            call.d,
-            call.bias,
-            Some(call.second),
-            None,
-            stream as _,
-        )?;
-        bl.tune(
-            &plain,
-            call.a,
-            call.b,
-            call.plain_d,
-            call.bias,
-            None,
-            None,
-            stream as _,
-        )
-    })?;
+    for side in sides {
+        gemm(side, true)?;
+    }
     let launch_all = |ls: &[Resolved]| -> Result<()> {
         for r in ls {
             // SAFETY: as in `CudaSession::launch`: the resolved arguments address the step's
@@ -1950,33 +1946,11 @@ fn choose_pair(
         Ok(())
     };
     let epilogue = || -> Result<()> {
-        dev.with_blas(|bl| {
-            bl.run(
-                call.desc,
-                call.a,
-                call.b,
-                call.d,
-                call.bias,
-                Some(call.second),
-                None,
-                stream as _,
-            )
-        })?;
+        gemm(sides[0], false)?;
         launch_all(after)
     };
     let separate = || -> Result<()> {
-        dev.with_blas(|bl| {
-            bl.run(
-                &plain,
-                call.a,
-                call.b,
-                call.plain_d,
-                call.bias,
-                None,
-                None,
-                stream as _,
-            )
-        })?;
+        gemm(sides[1], false)?;
         launch_all(after)?;
         launch_all(fallback)
     };
