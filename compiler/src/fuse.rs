@@ -279,10 +279,8 @@ fn split_shared_values(graph: &mut Graph, roots: &HashSet<NodeId>) -> Result<usi
         }
         let users = graph.users(n);
         let shape = graph.g[n].ty.shape.clone();
-        let recompute =
-            cheap(graph, n) || (users.len() <= 3 && two_sources(graph, n, roots).is_some());
-        if !recompute
-            || users.len() < 2
+        if users.len() < 2
+            || !(cheap(graph, n) || (users.len() <= 3 && two_sources(graph, n, roots)))
             || !users
                 .iter()
                 .all(|&u| fusable(graph, u) && graph.g[u].ty.shape == shape)
@@ -348,15 +346,15 @@ fn cheap(graph: &Graph, n: NodeId) -> bool {
         && sizes.iter().any(|&k| k > 0 && k < full)
 }
 
-/// The full-size tensors an elementwise value `n` is computed from when it reads at most two
-/// (`None` otherwise): the leaves of its cone of fusable, same-shape, non-result elementwise
-/// nodes (at most [`CONE_MAX`] of them) that have `n`'s size (counted through an `Expand`;
-/// constants and small operands such as row statistics and weight rows are not counted). Such a
+/// Whether an elementwise value `n` is computed from exactly two full-size tensors: the leaves
+/// of its cone of fusable, same-shape, non-result elementwise nodes (at most [`CONE_MAX`] of
+/// them) that have `n`'s size (counted through an `Expand`; constants and small operands such
+/// as row statistics and weight rows are not counted). Such a
 /// value with two or three users, all elementwise of its shape, costs no more bytes recomputed in
 /// each user (each reads the two sources: 4 or 6 reads) than computed once (2 reads, a write,
 /// and a read per user: 5 or 6), and saves a kernel: LayerNorm's backward spelled in primitives
 /// makes one, `g·w·rstd + (x − mean)·c` read by the row sum after it and by the sum's user.
-fn two_sources(graph: &Graph, n: NodeId, roots: &HashSet<NodeId>) -> Option<[NodeId; 2]> {
+fn two_sources(graph: &Graph, n: NodeId, roots: &HashSet<NodeId>) -> bool {
     let shape = &graph.g[n].ty.shape;
     let full = shape.numel();
     let (mut cone, mut stack, mut sources) = (HashSet::new(), vec![n], Vec::new());
@@ -365,7 +363,7 @@ fn two_sources(graph: &Graph, n: NodeId, roots: &HashSet<NodeId>) -> Option<[Nod
             continue;
         }
         if cone.len() > CONE_MAX {
-            return None;
+            return false;
         }
         for &i in &graph.g[v].inputs {
             let inner = fusable(graph, i) && graph.g[i].ty.shape == *shape && !roots.contains(&i);
@@ -373,13 +371,13 @@ fn two_sources(graph: &Graph, n: NodeId, roots: &HashSet<NodeId>) -> Option<[Nod
                 stack.push(i);
             } else if read_size(graph, i) == full && !sources.contains(&i) {
                 sources.push(i);
+                if sources.len() > 2 {
+                    return false;
+                }
             }
         }
     }
-    match sources.as_slice() {
-        &[a, b] => Some([a, b]),
-        _ => None,
-    }
+    sources.len() == 2
 }
 
 /// The most elementwise nodes [`two_sources`] recomputes per user.

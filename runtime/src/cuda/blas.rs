@@ -1,8 +1,8 @@
 //! cuBLASLt matmuls through cudarc's result layer: one handle per device, a 32 MiB workspace from
 //! the memory pool, and per [`MatmulDesc`] the descriptors and the heuristic's algorithm, made once
 //! and cached; [`Blas::tune`] times up to eight of the heuristic's candidates on the step's
-//! buffers when a session prepares the step, and keeps the fastest. f32 is computed in exact f32 (`CUBLAS_COMPUTE_32F`) unless TF32 was allowed;
-//! f16/bf16 compute in f32; f64 in f64.
+//! buffers when a session prepares the step, and keeps the fastest. f32 is computed in exact
+//! f32 (`CUBLAS_COMPUTE_32F`) unless TF32 was allowed; f16/bf16 compute in f32; f64 in f64.
 //!
 //! `LtActivation::DGeluTanh` is the `DGELU` epilogue: the step's operand 2 (the pre-activation,
 //! laid out as D) is the aux input, its leading dimension that of D and its batch stride D's; the

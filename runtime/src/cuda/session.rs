@@ -791,11 +791,12 @@ impl CudaSession {
                     let mut second = None;
                     let mut d_at = (out, Some(step.output));
                     let gelu_aux = desc.act == LtActivation::GeluTanhAux;
+                    // The timing below (paired epilogues, then the algorithm) runs GEMMs here.
+                    dev.ctx.bind_to_thread().map_err(|e| {
+                        RuntimeError::Device(format!("binding the CUDA context: {e}"))
+                    })?;
                     if desc.bgrad || gelu_aux {
                         use rustytorch_codegen::cuda::matmul::BgradMode;
-                        dev.ctx.bind_to_thread().map_err(|e| {
-                            RuntimeError::Device(format!("binding the CUDA context: {e}"))
-                        })?;
                         let (mode, var, what) = if gelu_aux {
                             (
                                 BgradMode::gelu_aux_from_env(),
@@ -861,9 +862,6 @@ impl CudaSession {
                     }
                     // cuBLASLt's candidates timed once per descriptor, on this step's buffers
                     // (nothing in them is live at prepare).
-                    dev.ctx.bind_to_thread().map_err(|e| {
-                        RuntimeError::Device(format!("binding the CUDA context: {e}"))
-                    })?;
                     dev.with_blas(|bl| {
                         bl.tune(
                             &desc,
