@@ -15,6 +15,8 @@ use rustytorch::prelude::*;
 
 #[path = "common/attention_check.rs"]
 mod attention_check;
+#[path = "common/one_op.rs"]
+mod one_op;
 use attention_check::{cuda, run};
 
 /// The device result against the float64 reference of the same inputs.

@@ -15,6 +15,8 @@ use rustytorch::prelude::*;
 
 #[path = "common/attention_check.rs"]
 mod attention_check;
+#[path = "common/one_op.rs"]
+mod one_op;
 use attention_check::cuda;
 
 fn attention(causal: Causal, mask: AttnMask, layout: AttnLayout, hd: usize) -> Op {

@@ -17,6 +17,8 @@ use rustytorch::prelude::*;
 
 #[path = "common/attention_check.rs"]
 mod attention_check;
+#[path = "common/one_op.rs"]
+mod one_op;
 use attention_check::cuda;
 
 /// The device result against the float64 reference of the same inputs, errors relative to the

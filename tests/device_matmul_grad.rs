@@ -10,10 +10,12 @@
 
 use rustytorch::codegen::cuda::matmul::LtActivation;
 use rustytorch::codegen::cuda::{interp, lower_step, source, CudaStep};
-use rustytorch::compiler::Graph;
 use rustytorch::ops::testing::{assert_close, rand_tensor, tolerance};
 use rustytorch::ops::{eval_cpu, infer, Activation, Op, Shape, TensorType};
 use rustytorch::prelude::*;
+
+#[path = "common/one_op.rs"]
+mod one_op;
 use rustytorch::runtime::cuda::compile::KernelCompiler;
 
 fn cuda() -> bool {
@@ -187,25 +189,7 @@ fn act_grad_kernels_compile() {
 
 /// Runs `op` as a one-node graph on the test device (unoptimized, so the op is what runs).
 fn on_device(op: &Op, ins: &[HostTensor]) -> HostTensor {
-    let mut g = Graph::new();
-    let mut ids = vec![];
-    for (i, x) in ins.iter().enumerate() {
-        ids.push(g.add_input(&format!("x{i}"), x.ty()).unwrap());
-    }
-    let y = g.add(op.clone(), &ids).unwrap();
-    g.add_output("y", y).unwrap();
-    let opts = CompileOptions {
-        optimize: false,
-        ..CompileOptions::default()
-    };
-    let mut exe = rustytorch::compile_graph(&g, device(), &opts).unwrap();
-    let names: Vec<String> = (0..ins.len()).map(|i| format!("x{i}")).collect();
-    let args: Vec<(&str, HostTensor)> = names
-        .iter()
-        .zip(ins)
-        .map(|(n, x)| (n.as_str(), x.clone()))
-        .collect();
-    exe.run(&args).unwrap().into_vec().remove(0)
+    one_op::run_one_op(op, ins, device()).unwrap()
 }
 
 #[test]

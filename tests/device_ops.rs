@@ -12,6 +12,9 @@ use rustytorch::ops::{
 };
 use rustytorch::prelude::*;
 
+#[path = "common/one_op.rs"]
+mod one_op;
+
 fn cuda() -> bool {
     std::env::var("RUSTYTORCH_TEST_CUDA").as_deref() == Ok("1")
 }
@@ -62,31 +65,8 @@ fn check(what: &str, op: Op, inputs: Vec<HostTensor>) {
 fn check_scaled(what: &str, op: Op, inputs: Vec<HostTensor>, scaled: bool) {
     let refs: Vec<&HostTensor> = inputs.iter().collect();
     let want = eval_cpu(&op, &refs).unwrap_or_else(|e| panic!("{what}: cpu: {e}"));
-    let mut g = Graph::new();
-    let mut ids = vec![];
-    for (i, x) in inputs.iter().enumerate() {
-        ids.push(g.add_input(&format!("x{i}"), x.ty()).unwrap());
-    }
-    let y = g.add(op.clone(), &ids).unwrap();
-    g.add_output("y", y).unwrap();
-    let opts = CompileOptions {
-        optimize: false,
-        ..CompileOptions::default()
-    };
-    let mut exe = rustytorch::compile_graph(&g, device(), &opts)
-        .unwrap_or_else(|e| panic!("{what}: compile: {e}"));
-    let names: Vec<String> = (0..inputs.len()).map(|i| format!("x{i}")).collect();
-    let args: Vec<(&str, HostTensor)> = names
-        .iter()
-        .zip(&inputs)
-        .map(|(n, x)| (n.as_str(), x.clone()))
-        .collect();
     let want_dtype = want.dtype();
-    let got = exe
-        .run(&args)
-        .unwrap_or_else(|e| panic!("{what}: run: {e}"))
-        .into_vec()
-        .remove(0);
+    let got = one_op::run_one_op(&op, &inputs, device()).unwrap_or_else(|e| panic!("{what}: {e}"));
     assert_eq!(got.ty(), want.ty(), "{what}: type");
     let (mut got, mut want) = (got.to_f64_vec(), want.to_f64_vec());
     if scaled {

@@ -3,7 +3,6 @@
 //! comparison against a float64 reference of the same inputs.
 #![allow(dead_code)]
 
-use rustytorch::compiler::Graph;
 use rustytorch::ops::testing::assert_close;
 use rustytorch::ops::{eval_cpu, Op};
 use rustytorch::prelude::*;
@@ -23,28 +22,9 @@ pub fn tol(d: DType) -> f64 {
 }
 
 /// Runs `op` over `inputs` as a one-op graph on CUDA; the error of compiling or running it.
+/// (Its includer also includes `common/one_op.rs` as `one_op`.)
 pub fn run(op: &Op, inputs: &[HostTensor]) -> Result<HostTensor, String> {
-    let mut g = Graph::new();
-    let mut ids = vec![];
-    for (i, x) in inputs.iter().enumerate() {
-        ids.push(g.add_input(&format!("x{i}"), x.ty()).unwrap());
-    }
-    let y = g.add(op.clone(), &ids).unwrap();
-    g.add_output("y", y).unwrap();
-    let opts = CompileOptions {
-        optimize: false,
-        ..CompileOptions::default()
-    };
-    let mut exe =
-        rustytorch::compile_graph(&g, Device::Cuda(0), &opts).map_err(|e| e.to_string())?;
-    let names: Vec<String> = (0..inputs.len()).map(|i| format!("x{i}")).collect();
-    let args: Vec<(&str, HostTensor)> = names
-        .iter()
-        .zip(inputs)
-        .map(|(n, x)| (n.as_str(), x.clone()))
-        .collect();
-    let out = exe.run(&args).map_err(|e| e.to_string())?;
-    Ok(out.into_vec().remove(0))
+    crate::one_op::run_one_op(op, inputs, Device::Cuda(0))
 }
 
 /// The device result against the float64 reference of the same inputs (bool masks as they
