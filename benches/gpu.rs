@@ -42,6 +42,7 @@ fn time_graph(graph: &Graph, iters: usize, replay: bool) -> (f64, usize) {
 fn cuda_opts() -> passes::Options {
     passes::Options {
         attention_layout: true,
+        attention_packed: true,
         defer_updates: true,
         ..Default::default()
     }

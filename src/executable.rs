@@ -735,6 +735,8 @@ pub(crate) fn pass_options(
         // transpose its operands itself, so CPU gradients keep the graph's transposes.
         attention_layout: true,
         attention_layout_grads: cuda,
+        // The CUDA kernels read q, k and v sliced from one linear layer's output in place.
+        attention_packed: cuda,
         // CUDA launches each level of the optimizer's tail as one multi-tensor kernel.
         defer_updates: cuda,
         ..Default::default()

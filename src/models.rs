@@ -118,11 +118,15 @@ pub fn gpt2_block_typed(
         let bb = g.param_typed(&p(&format!("{name}.b")), ty, Init::zeros(), true);
         layer_norm_primitives(x, &w, &bb, 1e-5)
     };
-    let heads = |t: &Tensor| t.reshape([b, s, h, d / h]).permute(&[0, 2, 1, 3]);
     let a = ln("ln1", x);
-    let q = heads(&linear(g, &p("attn.q"), &a, d, d, dt));
-    let k = heads(&linear(g, &p("attn.k"), &a, d, d, dt));
-    let v = heads(&linear(g, &p("attn.v"), &a, d, d, dt));
+    // q, k and v from one linear layer (GPT-2's `c_attn`), split and then into heads.
+    let qkv = linear(g, &p("attn.qkv"), &a, d, 3 * d, dt);
+    let heads = |j: usize| {
+        qkv.slice(-1, j * d, (j + 1) * d, 1)
+            .reshape([b, s, h, d / h])
+            .permute(&[0, 2, 1, 3])
+    };
+    let (q, k, v) = (heads(0), heads(1), heads(2));
     // The fused op (as a model calls SDPA), so that autodiff differentiates it as one op
     // (`attention_grad`, the flash backward on CUDA); the optimizer recognizes the same op
     // in `causal_attention_primitives` for graphs that spell it out.

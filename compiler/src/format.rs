@@ -31,8 +31,9 @@ use std::path::Path;
 pub const MAGIC: [u8; 8] = *b"RTGRAPH\0";
 /// The format version this build writes and the newest it reads (2 added named dims, 3 the
 /// channels-last layout of convolutions and pooling, 4 attention's `[B,S,H,D]` layout in the
-/// same table, 5 the table of convolution activations, 6 the table of accumulating matmuls).
-pub const VERSION: u32 = 6;
+/// same table, 5 the table of convolution activations, 6 the table of accumulating matmuls, 7
+/// the table of attention ops reading packed q, k and v).
+pub const VERSION: u32 = 7;
 /// The first version whose body holds named dims.
 const NAMED_DIMS_VERSION: u32 = 2;
 /// The first version whose body holds the table of channels-last nodes.
@@ -43,6 +44,8 @@ const ATTN_LAYOUT_VERSION: u32 = 4;
 const ACTS_VERSION: u32 = 5;
 /// The first version whose body holds the table of accumulating matmuls.
 const ACCUMS_VERSION: u32 = 6;
+/// The first version whose body holds the table of packed attention ops.
+const PACKED_VERSION: u32 = 7;
 /// Bytes before the body.
 pub const HEADER_LEN: usize = 24;
 
@@ -96,6 +99,48 @@ struct GraphDef {
     /// The `matmul_epilogue` nodes with an accumulated operand, ascending (version 6; the flag
     /// is not part of the op's own encoding, so older files read without one).
     accums: Vec<u32>,
+    /// The attention and attention-gradient nodes reading packed q, k and v, ascending
+    /// (version 7; the layout is not part of the op's own encoding).
+    packed: Vec<u32>,
+}
+
+/// The body of version 6: [`GraphDef`] without the table of packed attention ops.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+struct GraphDefV6 {
+    nodes: Vec<NodeDef>,
+    inputs: Vec<InputDecl>,
+    params: Vec<ParamDecl>,
+    constants: Vec<TensorDef>,
+    outputs: Vec<(String, u32)>,
+    updates: Vec<(u32, u32)>,
+    guards: Vec<(String, u32)>,
+    sidecar: Option<String>,
+    dims: Vec<DimDecl>,
+    shapes: Vec<(u32, Vec<DimDef>)>,
+    layouts: Vec<u32>,
+    acts: Vec<(u32, Activation)>,
+    accums: Vec<u32>,
+}
+
+impl From<GraphDefV6> for GraphDef {
+    fn from(d: GraphDefV6) -> GraphDef {
+        GraphDef {
+            nodes: d.nodes,
+            inputs: d.inputs,
+            params: d.params,
+            constants: d.constants,
+            outputs: d.outputs,
+            updates: d.updates,
+            guards: d.guards,
+            sidecar: d.sidecar,
+            dims: d.dims,
+            shapes: d.shapes,
+            layouts: d.layouts,
+            acts: d.acts,
+            accums: d.accums,
+            packed: Vec::new(),
+        }
+    }
 }
 
 /// The body of version 5: [`GraphDef`] without the table of accumulating matmuls.
@@ -131,6 +176,7 @@ impl From<GraphDefV5> for GraphDef {
             layouts: d.layouts,
             acts: d.acts,
             accums: Vec::new(),
+            packed: Vec::new(),
         }
     }
 }
@@ -167,6 +213,7 @@ impl From<GraphDefV4> for GraphDef {
             layouts: d.layouts,
             acts: Vec::new(),
             accums: Vec::new(),
+            packed: Vec::new(),
         }
     }
 }
@@ -200,6 +247,7 @@ impl From<GraphDefV1> for GraphDef {
             layouts: Vec::new(),
             acts: Vec::new(),
             accums: Vec::new(),
+            packed: Vec::new(),
         }
     }
 }
@@ -235,6 +283,7 @@ impl From<GraphDefV2> for GraphDef {
             layouts: Vec::new(),
             acts: Vec::new(),
             accums: Vec::new(),
+            packed: Vec::new(),
         }
     }
 }
@@ -307,6 +356,27 @@ fn apply_layouts(def: &mut GraphDef, version: u32) -> Result<()> {
             ))
         })?;
         geom.layout = rustytorch_ops::Layout::ChannelsLast;
+    }
+    Ok(())
+}
+
+/// Marks the attention nodes of the `packed` table as reading packed q, k and v, checking it
+/// first: ascending node ids, each an attention or attention-gradient node.
+fn apply_packed(def: &mut GraphDef) -> Result<()> {
+    for (k, &id) in def.packed.iter().enumerate() {
+        let prev = k.checked_sub(1).map(|j| def.packed[j]);
+        let node = listed_node(&mut def.nodes, "packed", prev, id)?;
+        let name = node.op.name();
+        match &mut node.op {
+            Op::Attention { layout, .. } | Op::AttentionGrad { layout, .. } => {
+                *layout = rustytorch_ops::AttnLayout::Packed;
+            }
+            _ => {
+                return Err(fmt_err(format!(
+                    "packed names node {id} ({name}), which is not attention"
+                )))
+            }
+        }
     }
     Ok(())
 }
@@ -803,6 +873,7 @@ fn encode(
         layouts: Vec::new(),
         acts: Vec::new(),
         accums: Vec::new(),
+        packed: Vec::new(),
     };
     let mut def = def;
     def.layouts = (0..def.nodes.len())
@@ -821,6 +892,21 @@ fn encode(
                 def.nodes[i].op,
                 Op::MatmulEpilogue {
                     accumulate: true,
+                    ..
+                }
+            )
+        })
+        .map(|i| i as u32)
+        .collect();
+    def.packed = (0..def.nodes.len())
+        .filter(|&i| {
+            matches!(
+                def.nodes[i].op,
+                Op::Attention {
+                    layout: rustytorch_ops::AttnLayout::Packed,
+                    ..
+                } | Op::AttentionGrad {
+                    layout: rustytorch_ops::AttnLayout::Packed,
                     ..
                 }
             )
@@ -973,8 +1059,15 @@ fn decode_body(body: &[u8]) -> Result<GraphDef> {
 
 /// Decodes the body of a file of `version` (an older version through its own schema).
 fn decode_versioned(body: &[u8], version: u32) -> Result<GraphDef> {
-    if version >= ACCUMS_VERSION {
+    if version >= PACKED_VERSION {
         return decode_body(body);
+    }
+    if version >= ACCUMS_VERSION {
+        return write_options()
+            .with_limit(body.len() as u64)
+            .deserialize::<GraphDefV6>(body)
+            .map(GraphDef::from)
+            .map_err(|e| fmt_err(format!("malformed body (version {version}): {e}")));
     }
     if version >= ACTS_VERSION {
         return write_options()
@@ -1011,6 +1104,7 @@ fn decode(bytes: &[u8], sidecar: &mut dyn FnMut(&str) -> Result<Vec<u8>>) -> Res
     apply_layouts(&mut def, version)?;
     apply_acts(&mut def)?;
     apply_accums(&mut def)?;
+    apply_packed(&mut def)?;
     validate(&def)?;
     let mut side: HashMap<String, HostTensor> = HashMap::new();
     if def.params.iter().any(|p| p.data == ParamData::Sidecar) {
@@ -1474,6 +1568,46 @@ mod tests {
         // Without the table the accumulating node has one operand too many for its op.
         let mut d = def;
         d.accums.clear();
+        assert!(from_bytes(&frame(&d).unwrap()).is_err());
+    }
+
+    /// A packed attention and its gradient, read back; then the `packed` table spoiled.
+    #[test]
+    fn the_packed_table_is_checked() {
+        use rustytorch_ops::{AttnLayout, AttnMask, Causal, F64Bits, ATTN_WRT_PACKED};
+        let mut g = Graph::new();
+        let p = g
+            .add_input("p", TensorType::new(DType::BF16, [2, 5, 3, 2, 16]))
+            .unwrap();
+        let d = g
+            .add_input("d", TensorType::new(DType::BF16, [2, 5, 2, 16]))
+            .unwrap();
+        let fwd = Op::Attention {
+            causal: Causal::TopLeft,
+            mask: AttnMask::None,
+            scale: F64Bits::new(0.25),
+            layout: AttnLayout::Packed,
+        };
+        let grad = fwd.attention_grad(ATTN_WRT_PACKED).unwrap();
+        let y = g.add(fwd.clone(), &[p, p, p]).unwrap();
+        let dp = g.add(grad.clone(), &[p, p, p, d]).unwrap();
+        g.add_output("y", y).unwrap();
+        g.add_output("dp", dp).unwrap();
+        let bytes = to_bytes(&g, ParamStorage::Embedded).unwrap();
+        let def = decode_body(unframe(&bytes).unwrap()).unwrap();
+        assert_eq!(def.packed, vec![2, 3]);
+        let back = from_bytes(&bytes).unwrap();
+        assert_eq!(back.node(back.output_nodes()[0]).unwrap().op, fwd);
+        assert_eq!(back.node(back.output_nodes()[1]).unwrap().op, grad);
+        let mut d = def.clone();
+        d.packed = vec![0];
+        assert!(load_err(&d).contains("which is not attention"));
+        let mut d = def.clone();
+        d.packed = vec![3, 2];
+        assert!(load_err(&d).contains("must be ascending"));
+        // Without the table the packed operands do not fit the op.
+        let mut d = def;
+        d.packed.clear();
         assert!(from_bytes(&frame(&d).unwrap()).is_err());
     }
 

@@ -4,6 +4,7 @@
 
 pub mod accumulate;
 pub mod attn_layout;
+pub mod attn_packed;
 pub mod autocast;
 pub mod autodiff;
 pub mod builder;

@@ -8,6 +8,7 @@
 
 use crate::accumulate::{accumulate, AccumulateReport};
 use crate::attn_layout::{attention_layout, AttnLayoutReport};
+use crate::attn_packed::{attention_packed, AttnPackedReport};
 use crate::autocast::{autocast, AutocastReport};
 use crate::fuse::{fuse, FuseReport};
 use crate::graph::Graph;
@@ -41,6 +42,9 @@ pub struct Options {
     /// (on by default; a target whose gradient kernel would transpose its operands itself keeps
     /// the graph's transposes, which the forward's rewrite leaves for the gradients).
     pub attention_layout_grads: bool,
+    /// With `attention_layout`, whether attention reads q, k and v sliced from one tensor in
+    /// place ([`crate::attn_packed`]; decided by the target, off by default).
+    pub attention_packed: bool,
     /// Schedule the optimizer's per-parameter kernels (updates and finiteness guards) after the
     /// backward, level by level ([`crate::plan::PlanOptions::defer_tail`]), so that the target
     /// can launch each level as one multi-tensor kernel (decided by the target: on for CUDA, off
@@ -63,6 +67,7 @@ impl Default for Options {
             autocast: None,
             attention_layout: false,
             attention_layout_grads: true,
+            attention_packed: false,
             defer_updates: false,
             accumulate: true,
             dump: std::env::var("RUSTYTORCH_DUMP")
@@ -96,6 +101,8 @@ pub struct Report {
     pub autocast: Option<AutocastReport>,
     /// The attention layout pass.
     pub attention_layout: Option<AttnLayoutReport>,
+    /// The packed-attention pass.
+    pub attention_packed: Option<AttnPackedReport>,
     /// The accumulate pass.
     pub accumulate: Option<AccumulateReport>,
     /// Fusion.
@@ -190,6 +197,15 @@ pub fn run(graph: &Graph, opts: &Options) -> Result<Compiled> {
             Ok(out)
         })?;
         report.attention_layout = rep;
+    }
+    if opts.optimize && opts.attention_layout && opts.attention_packed {
+        let mut rep = None;
+        g = step(&mut report, opts, "attention_packed", g, |g| {
+            let (out, r) = attention_packed(g, opts.attention_layout_grads)?;
+            rep = Some(r);
+            Ok(out)
+        })?;
+        report.attention_packed = rep;
     }
     if opts.optimize && opts.accumulate {
         let mut rep = None;

@@ -258,7 +258,7 @@ pub fn bias_grad_pair(graph: &Graph, gemm: NodeId, sum: NodeId) -> Result<bool> 
             bt.shape.rank() == 2
                 && bt.shape.dims()[1] == n
                 && bt.dtype == xt.dtype
-                && through_reshapes(graph, g.inputs[1])? == x
+                && through_reshapes(graph, g.inputs[1])? == through_reshapes(graph, x)?
         }
         _ => false,
     })
@@ -433,8 +433,9 @@ pub fn stats_offset(out: &rustytorch_ops::TensorType) -> usize {
 }
 
 /// The attention forwards whose statistics the group of their gradients reads (see the module
-/// docs): group's first node → forward, for each group of all three gradients (`wrt` 0, 1, 2)
-/// without a mask operand whose q, k, v and attributes are a forward's scheduled before it.
+/// docs): group's first node → forward, for each group of all three gradients (`wrt` 0, 1, 2),
+/// or packed gradient, without a mask operand whose q, k, v and attributes are a forward's
+/// scheduled before it.
 pub fn saved_forwards(
     graph: &Graph,
     schedule: &[NodeId],
@@ -449,6 +450,20 @@ pub fn saved_forwards(
                 forwards
                     .entry((node.op.clone(), node.inputs.clone()))
                     .or_insert(n);
+            }
+            // A packed attention's one gradient reads its forward's statistics alone.
+            Op::AttentionGrad {
+                wrt: rustytorch_ops::ATTN_WRT_PACKED,
+                ..
+            } if node.inputs.len() == 4 => {
+                let fwd = forwards.iter().find_map(|((op, ins), &f)| {
+                    (op.attention_grad(rustytorch_ops::ATTN_WRT_PACKED).as_ref() == Some(&node.op)
+                        && ins[..] == node.inputs[..3])
+                        .then_some(f)
+                });
+                if let Some(f) = fwd {
+                    saved.insert(n, f);
+                }
             }
             Op::AttentionGrad { wrt: 0, .. } if node.inputs.len() == 4 => {
                 let Some(members) = groups.get(&n) else {

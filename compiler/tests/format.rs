@@ -1032,6 +1032,31 @@ fn a_version_5_file_still_loads_without_accumulation() {
     assert_same(&graph, &from_bytes(&again).unwrap());
 }
 
+/// The golden file as version 6 wrote it (frozen: never blessed again), with its values. It has
+/// no table of packed attention ops, and none of its attention nodes is packed.
+const GOLDEN_V6: &str = "every_op_v6.rtg";
+const GOLDEN_V6_VALUES: &str = "every_op_v6.values.safetensors";
+
+#[test]
+fn a_version_6_file_still_loads() {
+    let bytes = std::fs::read(fixture(GOLDEN_V6)).unwrap();
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 6);
+    let graph = from_bytes(&bytes).unwrap();
+    for id in graph.topo_order().unwrap() {
+        if let Op::Attention { layout, .. } | Op::AttentionGrad { layout, .. } =
+            &graph.node(id).unwrap().op
+        {
+            assert_ne!(*layout, AttnLayout::Packed);
+        }
+    }
+    assert_eq!(
+        runs_to_recorded_values(&graph, GOLDEN_V6_VALUES),
+        Op::VARIANT_COUNT
+    );
+    let again = to_bytes(&graph, ParamStorage::Embedded).unwrap();
+    assert_same(&graph, &from_bytes(&again).unwrap());
+}
+
 /// A convolution's activation keeps it through a file (the current golden file holds one too).
 #[test]
 fn conv_activation_round_trips() {
@@ -1107,7 +1132,17 @@ fn as_version_3(g: &Graph, bytes: &[u8]) -> Vec<u8> {
                 Op::Conv { act, .. } if *act != rustytorch_ops::Activation::None)
         })
         .count();
-    let body = &bytes[24..bytes.len() - 8 - 8 * acts - 8 - 4 * accums];
+    let packed = g
+        .topo_order()
+        .unwrap()
+        .into_iter()
+        .filter(|&id| {
+            matches!(&g.node(id).unwrap().op,
+                Op::Attention { layout, .. } | Op::AttentionGrad { layout, .. }
+                    if *layout == AttnLayout::Packed)
+        })
+        .count();
+    let body = &bytes[24..bytes.len() - 8 - 8 * acts - 8 - 4 * accums - 8 - 4 * packed];
     let mut out = bytes[..8].to_vec();
     out.extend(3u32.to_le_bytes());
     out.extend((body.len() as u64).to_le_bytes());

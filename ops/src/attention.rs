@@ -16,6 +16,7 @@ use crate::norm::{acc_sum, compute_view, from_compute, Real};
 use crate::util::{arity, attr_err, dtype_err, shape_err, PAR_THRESHOLD};
 use crate::{
     AttnLayout, AttnMask, Causal, DType, HostTensor, Op, Result, Shape, TensorType, Value, VjpCtx,
+    ATTN_WRT_PACKED,
 };
 use rayon::prelude::*;
 
@@ -73,13 +74,22 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
     if k.dtype != q.dtype || v.dtype != q.dtype {
         return Err(dtype_err(op, inputs, "q, k and v must have one dtype"));
     }
-    if q.shape.rank() != 4 || k.shape.rank() != 4 || v.shape.rank() != 4 {
+    if layout == AttnLayout::Packed {
+        let d = q.shape.dims();
+        if d.len() != 5 || d[2] != 3 || k != q || v != q {
+            return Err(shape_err(
+                op,
+                inputs,
+                "packed q, k and v must be one [B,S,3,H,D] tensor",
+            ));
+        }
+    } else if q.shape.rank() != 4 || k.shape.rank() != 4 || v.shape.rank() != 4 {
         return Err(shape_err(
             op,
             inputs,
             match layout {
                 AttnLayout::Bhsd => "q, k and v must be [B,H,Sq,D], [B,H,Sk,D], [B,H,Sk,Dv]",
-                AttnLayout::Bshd => "q, k and v must be [B,Sq,H,D], [B,Sk,H,D], [B,Sk,H,Dv]",
+                _ => "q, k and v must be [B,Sq,H,D], [B,Sk,H,D], [B,Sk,H,Dv]",
             },
         ));
     }
@@ -143,8 +153,13 @@ pub fn infer(op: &Op, inputs: &[&TensorType]) -> Result<TensorType> {
                     format!("grad_out must be the output's type {out}"),
                 ));
             }
-            match w {
-                0..=2 => Ok(inputs[w as usize].clone()),
+            match (w, layout) {
+                (ATTN_WRT_PACKED, AttnLayout::Packed) => Ok(q.clone()),
+                (_, AttnLayout::Packed) => Err(attr_err(
+                    op,
+                    format!("a packed attention's gradient has wrt {ATTN_WRT_PACKED}, got {w}"),
+                )),
+                (0..=2, _) => Ok(inputs[w as usize].clone()),
                 _ => Err(attr_err(op, format!("wrt must be 0, 1 or 2, got {w}"))),
             }
         }
@@ -280,6 +295,9 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
     if let Some(r) = crate::attention_cpu::forward_f32(op, inputs, out)? {
         return Ok(r);
     }
+    if a.layout == AttnLayout::Packed {
+        return cpu_packed(op, inputs, out, a.wrt.is_some());
+    }
     if a.layout == AttnLayout::Bshd {
         let swap = || Op::Permute {
             perm: vec![0, 2, 1, 3],
@@ -306,6 +324,69 @@ pub fn cpu(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTens
     } else {
         cpu_in::<f32>(op, inputs, out)
     }
+}
+
+/// The packed layout on the CPU: q, k and v sliced out of their `[B,S,3,H,D]` tensor, the
+/// `[B,S,H,D]` kernel, and for the gradient its three results concatenated where q, k and v lie.
+fn cpu_packed(op: &Op, inputs: &[&HostTensor], out: &TensorType, grad: bool) -> Result<HostTensor> {
+    let pd = inputs[0].dims().to_vec();
+    let part = |j: usize| -> Result<HostTensor> {
+        let mut starts = vec![0; 5];
+        let mut ends = pd.clone();
+        starts[2] = j;
+        ends[2] = j + 1;
+        let s = crate::eval_cpu(
+            &Op::Slice {
+                starts,
+                ends,
+                steps: vec![1; 5],
+            },
+            &[inputs[0]],
+        )?;
+        crate::eval_cpu(
+            &Op::Reshape {
+                shape: Shape::new([pd[0], pd[1], pd[3], pd[4]]),
+            },
+            &[&s],
+        )
+    };
+    let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+    let mut args = vec![&q, &k, &v];
+    args.extend(&inputs[3..]);
+    let bshd = op.with_attn_layout(AttnLayout::Bshd);
+    let one = TensorType::new(out.dtype, Shape::new([pd[0], pd[1], pd[3], pd[4]]));
+    if !grad {
+        return cpu(&bshd, &args, &one);
+    }
+    let part_ty = TensorType::new(out.dtype, Shape::new([pd[0], pd[1], 1, pd[3], pd[4]]));
+    let grads = (0..3u8)
+        .map(|w| {
+            let Op::AttentionGrad {
+                causal,
+                mask,
+                scale,
+                ..
+            } = *op
+            else {
+                return Err(attr_err(op, "not an attention gradient"));
+            };
+            let g = Op::AttentionGrad {
+                causal,
+                mask,
+                scale,
+                wrt: w,
+                layout: AttnLayout::Bshd,
+            };
+            let r = cpu(&g, &args, &one)?;
+            crate::eval_cpu(
+                &Op::Reshape {
+                    shape: part_ty.shape.clone(),
+                },
+                &[&r],
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    crate::eval_cpu(&Op::Concat { axis: 2 }, &grads.iter().collect::<Vec<_>>())
 }
 
 fn cpu_in<C: Real>(op: &Op, inputs: &[&HostTensor], out: &TensorType) -> Result<HostTensor> {
@@ -439,6 +520,21 @@ fn attention_grad_head<C: Real>(
 pub fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Value>>> {
     let op = cx.op.clone();
     match op {
+        Op::Attention {
+            layout: AttnLayout::Packed,
+            mask,
+            ..
+        } => {
+            // q, k and v are one tensor: its whole gradient comes through the first operand.
+            let mut args: Vec<Value> = cx.inputs.to_vec();
+            args.push(cx.grad);
+            let grad = op.attention_grad(ATTN_WRT_PACKED).expect("an attention op");
+            let mut out = vec![Some(cx.emit(grad, &args)?), None, None];
+            if mask != AttnMask::None {
+                out.push(None);
+            }
+            Ok(out)
+        }
         Op::Attention { mask, .. } => {
             let mut args: Vec<Value> = cx.inputs.to_vec();
             args.push(cx.grad);

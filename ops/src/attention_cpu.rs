@@ -43,7 +43,7 @@ impl Geo<'_> {
     fn rows(&self, bh: usize, s: usize, w: usize) -> (usize, usize) {
         match self.layout {
             AttnLayout::Bhsd => (bh * s * w, w),
-            AttnLayout::Bshd => {
+            AttnLayout::Bshd | AttnLayout::Packed => {
                 let (b, hh) = (bh / self.h, bh % self.h);
                 ((b * s * self.h + hh) * w, self.h * w)
             }

@@ -198,14 +198,26 @@ pub enum AttnLayout {
     /// `[B, S, H, D]`: each position's heads contiguous, as a linear layer's output
     /// `[B, S, H·D]` reshaped, so attention reads and writes it without a transpose.
     Bshd,
+    /// q, k and v are one `[B, S, 3, H, D]` tensor read in place (q at index 0 of its third
+    /// dim, k at 1, v at 2): one linear layer's `[B, S, 3·H·D]` output split into q, k and v
+    /// and then into heads, as GPT-2's `c_attn`. The result (and `grad_out`) is `[B, S, H, D]`
+    /// as in [`AttnLayout::Bshd`]; the gradient is one op (`wrt` [`ATTN_WRT_PACKED`]) whose
+    /// result is `[B, S, 3, H, D]`, dq, dk and dv where q, k and v lie. Self-attention only.
+    Packed,
 }
 
+/// The `wrt` of the one gradient of a [`AttnLayout::Packed`] attention: with respect to q, k
+/// and v at once, in their packed tensor.
+pub const ATTN_WRT_PACKED: u8 = 3;
+
 impl AttnLayout {
-    /// The `[B, H, S, D]` dims of a tensor of `dims` (rank 4) in this layout.
+    /// The `[B, H, S, D]` dims of a tensor of `dims` in this layout (rank 4, or rank 5 for a
+    /// packed `[B, S, 3, H, D]` operand, whose q, k and v each have the dims returned).
     pub fn to_bhsd(self, dims: &[usize]) -> [usize; 4] {
         match self {
             AttnLayout::Bhsd => [dims[0], dims[1], dims[2], dims[3]],
-            AttnLayout::Bshd => [dims[0], dims[2], dims[1], dims[3]],
+            AttnLayout::Packed if dims.len() == 5 => [dims[0], dims[3], dims[1], dims[4]],
+            AttnLayout::Bshd | AttnLayout::Packed => [dims[0], dims[2], dims[1], dims[3]],
         }
     }
 

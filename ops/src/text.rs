@@ -19,7 +19,8 @@
 //!   `reduction=mean|sum|none`, pooling `kind=max|avg` (with the flag `count_include_pad`).
 //! - Convolution/pooling geometry is spread over `stride`, `padding` and `dilation` lists, and
 //!   the flag `channels_last` marks the channels-last layout (absent: channels-first).
-//! - Attention's flag `bshd` marks operands and result laid out `[B,S,H,D]` (absent: `[B,H,S,D]`).
+//! - Attention's flag `bshd` marks operands and result laid out `[B,S,H,D]` (absent: `[B,H,S,D]`),
+//!   `packed` q, k and v read from one `[B,S,3,H,D]` tensor.
 //! - A fused kernel is `fused[n_inputs=N,out=TY,instrs=I;I;...]`, each instruction being
 //!   `OP@ARGS@DTYPE` (`mul@0:1@f32`: the op text, its `:`-separated operands and its dtype);
 //!   separators inside nested brackets belong to the nested op.
@@ -491,6 +492,7 @@ fn attrs_of(op: &Op) -> AttrOut {
             a.kv("mask", mask_text(*mask));
             a.kv("scale", format_f64(*scale));
             a.flag("bshd", *layout == AttnLayout::Bshd);
+            a.flag("packed", *layout == AttnLayout::Packed);
         }
         Op::AttentionGrad {
             causal,
@@ -504,6 +506,7 @@ fn attrs_of(op: &Op) -> AttrOut {
             a.kv("scale", format_f64(*scale));
             a.kv("wrt", wrt);
             a.flag("bshd", *layout == AttnLayout::Bshd);
+            a.flag("packed", *layout == AttnLayout::Packed);
         }
         Op::CrossEntropy {
             reduction,
@@ -707,10 +710,11 @@ impl<'a> Attrs<'a> {
         })
     }
     fn attn_layout(&mut self) -> PResult<AttnLayout> {
-        Ok(if self.flag("bshd")? {
-            AttnLayout::Bshd
-        } else {
-            AttnLayout::Bhsd
+        Ok(match (self.flag("bshd")?, self.flag("packed")?) {
+            (true, true) => return Err("flags `bshd` and `packed` exclude each other".into()),
+            (true, false) => AttnLayout::Bshd,
+            (false, true) => AttnLayout::Packed,
+            (false, false) => AttnLayout::Bhsd,
         })
     }
     fn finish(&self) -> PResult<()> {
@@ -1323,6 +1327,19 @@ mod tests {
                 });
             }
         }
+        ops.push(Op::Attention {
+            causal: Causal::TopLeft,
+            mask: AttnMask::None,
+            scale: f(0.125),
+            layout: AttnLayout::Packed,
+        });
+        ops.push(Op::AttentionGrad {
+            causal: Causal::TopLeft,
+            mask: AttnMask::Bool,
+            scale: f(0.125),
+            wrt: crate::ATTN_WRT_PACKED,
+            layout: AttnLayout::Packed,
+        });
         for (_, reduction) in REDUCTIONS {
             ops.push(Op::CrossEntropy {
                 reduction,

@@ -19,7 +19,7 @@
 //! for the forward and the gradient alike.
 
 use crate::{CodegenError, Result};
-use rustytorch_ops::{AttnLayout, AttnMask, Causal, DType, Op, TensorType};
+use rustytorch_ops::{AttnLayout, AttnMask, Causal, DType, Op, TensorType, ATTN_WRT_PACKED};
 
 /// Head sizes the cuDNN path takes (those its GPU test covers).
 pub const HEAD_SIZES: [usize; 4] = [32, 64, 80, 128];
@@ -114,10 +114,14 @@ impl AttnDnnDesc {
         else {
             return None;
         };
+        // A packed attention's one gradient is dq, dk and dv in q's packed type.
+        let wrt_ok = match layout {
+            AttnLayout::Packed => *wrt == ATTN_WRT_PACKED && inputs[0] == out,
+            _ => *wrt <= 2 && inputs[*wrt as usize] == out,
+        };
         if inputs.len() != 4
             || *mask != AttnMask::None
-            || *wrt > 2
-            || inputs[*wrt as usize] != out
+            || !wrt_ok
             || inputs.iter().any(|t| t.shape.numel() == 0)
         {
             return None;
@@ -139,11 +143,13 @@ impl AttnDnnDesc {
         out: &TensorType,
     ) -> Option<AttnDnnDesc> {
         let dt = qkv[0].dtype;
+        let qkv_rank = if layout == AttnLayout::Packed { 5 } else { 4 };
         if !matches!(dt, DType::F16 | DType::BF16)
             || qkv
                 .iter()
-                .chain([&o])
-                .any(|t| t.dtype != dt || t.shape.rank() != 4)
+                .any(|t| t.dtype != dt || t.shape.rank() != qkv_rank)
+            || o.dtype != dt
+            || o.shape.rank() != 4
             || out.dtype != dt
             || out.shape.numel() == 0
         {
@@ -177,27 +183,58 @@ impl AttnDnnDesc {
         f32::from_bits(self.scale_bits)
     }
 
-    /// The `[B, H, S, D]` dims and strides of a tensor of `rows` rows of this head size (q and
-    /// the output: `sq`; k and v: `sk`) in the desc's layout.
+    /// The `[B, H, S, D]` dims and strides of the output O or dO (`rows` = `sq`) in the
+    /// desc's layout.
     pub fn dims_strides(&self, rows: usize) -> ([i64; 4], [i64; 4]) {
         let (b, h, s, d) = (self.b as i64, self.h as i64, rows as i64, self.d as i64);
         let st = match self.layout {
             AttnLayout::Bhsd => [h * s * d, s * d, d, 1],
-            AttnLayout::Bshd => [s * h * d, d, h * d, 1],
+            AttnLayout::Bshd | AttnLayout::Packed => [s * h * d, d, h * d, 1],
         };
         ([b, h, s, d], st)
+    }
+
+    /// The `[B, H, S, D]` dims and strides of q, k or v, or of its gradient (`rows`: `sq` for
+    /// q, `sk` for k and v): O's, except that packed operands' rows are three heads' widths
+    /// apart (each addressed at [`AttnDnnDesc::part_offset`]).
+    pub fn operand(&self, rows: usize) -> ([i64; 4], [i64; 4]) {
+        let (dims, mut st) = self.dims_strides(rows);
+        if self.layout == AttnLayout::Packed {
+            st[0] *= 3;
+            st[2] *= 3;
+        }
+        (dims, st)
     }
 
     /// Kᵀ as cuDNN's first product reads it: `[B, H, D, Sk]`, the strides of k's last two dims
     /// swapped (no copy).
     pub fn k_transposed(&self) -> ([i64; 4], [i64; 4]) {
-        let (d, s) = self.dims_strides(self.sk);
+        let (d, s) = self.operand(self.sk);
         ([d[0], d[1], d[3], d[2]], [s[0], s[1], s[3], s[2]])
     }
 
     /// Bytes of one `[B, H, rows, D]` tensor.
     pub fn bytes(&self, rows: usize) -> usize {
         self.b * self.h * rows * self.d * self.dtype.size_bytes()
+    }
+
+    /// Bytes of the tensor that holds q, k or v (`rows` rows): the packed one when packed.
+    pub fn operand_bytes(&self, rows: usize) -> usize {
+        let n = if self.layout == AttnLayout::Packed {
+            3
+        } else {
+            1
+        };
+        n * self.bytes(rows)
+    }
+
+    /// Where operand `j` (0 = q, 1 = k, 2 = v, or its gradient) starts, in bytes from its
+    /// tensor's address: `j` heads' widths into a packed tensor, else 0.
+    pub fn part_offset(&self, j: usize) -> u64 {
+        match self.layout {
+            AttnLayout::Packed => (j * self.h * self.d * self.dtype.size_bytes()) as u64,
+            _ => 0,
+        }
     }
 }
 

@@ -40,7 +40,7 @@ mod hopper;
 use super::ir::{CTy, Kernel, Param, Stmt};
 use super::{finish, grid_for, ArgRef, Launch, StepKernels};
 use crate::Result;
-use rustytorch_ops::{AttnLayout, AttnMask, Causal, DType, Op, Shape, TensorType};
+use rustytorch_ops::{AttnLayout, AttnMask, Causal, DType, Op, Shape, TensorType, ATTN_WRT_PACKED};
 
 /// Query rows per block (four warps of 16).
 const BR: usize = 64;
@@ -56,13 +56,26 @@ pub const MAX_HEAD: usize = 128;
 /// the other implementations instead.
 pub fn supported(inputs: &[&TensorType]) -> bool {
     let (q, v) = (inputs[0], inputs[2]);
-    let (d, dv) = (q.shape.dims()[3], v.shape.dims()[3]);
+    // The head sizes are the last dims in every layout (a packed operand is [B, S, 3, H, D]).
+    let last = |t: &TensorType| t.shape.dims().last().copied().unwrap_or(0);
+    let (d, dv) = (last(q), last(v));
     let env = std::env::var("RUSTYTORCH_ATTENTION");
     matches!(q.dtype, DType::F16 | DType::BF16)
         && [d, dv]
             .iter()
             .all(|&h| h > 0 && h % 16 == 0 && h <= MAX_HEAD)
         && !matches!(env.as_deref(), Ok("gemm") | Ok("kernel"))
+}
+
+/// Which tensor of attention a pointer or stride is for: q, k or v (or the gradient with
+/// respect to it), or O (the result, or dO). Q, K and V are also their index in a packed
+/// `[B, S, 3, H, D]` tensor.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Q = 0,
+    K = 1,
+    V = 2,
+    O = 3,
 }
 
 /// Sizes, types and the mask of one attention op, as the kernels are specialized on them.
@@ -158,24 +171,43 @@ impl Spec {
         }))
     }
 
-    /// The C expression of head `bh`'s first element in a tensor of `rows` rows of `width`
-    /// (q, k, v, dO, the result or a gradient).
-    fn head(&self, rows: usize, width: usize) -> String {
-        match self.layout {
-            AttnLayout::Bhsd => format!("bh * {rows}LL * {width}LL"),
-            AttnLayout::Bshd => format!(
+    /// The rows and row width of `part`'s tensor (a gradient has its operand's).
+    fn extent(&self, part: Part) -> (usize, usize) {
+        match part {
+            Part::Q => (self.sq, self.d),
+            Part::K => (self.sk, self.d),
+            Part::V => (self.sk, self.dv),
+            Part::O => (self.sq, self.dv),
+        }
+    }
+
+    /// The C expression of head `bh`'s first element in `part`'s tensor (q, k or v and their
+    /// gradients; O for the result and dO). A packed q, k or v lies in one `[B, S, 3, H, D]`
+    /// tensor, at its index in the third dim.
+    fn head(&self, part: Part) -> String {
+        let (rows, width) = self.extent(part);
+        let h = self.heads;
+        match (self.layout, part) {
+            (AttnLayout::Bhsd, _) => format!("bh * {rows}LL * {width}LL"),
+            (AttnLayout::Packed, Part::Q | Part::K | Part::V) => format!(
+                "(bh / {h}LL) * {}LL + (bh % {h}LL) * {width}LL + {}LL",
+                rows * 3 * h * width,
+                part as usize * h * width
+            ),
+            (AttnLayout::Bshd | AttnLayout::Packed, _) => format!(
                 "(bh / {h}LL) * {}LL + (bh % {h}LL) * {width}LL",
-                rows * self.heads * width,
-                h = self.heads
+                rows * h * width
             ),
         }
     }
 
-    /// Elements between consecutive rows of one head in a tensor of rows of `width`.
-    fn stride(&self, width: usize) -> usize {
-        match self.layout {
-            AttnLayout::Bhsd => width,
-            AttnLayout::Bshd => self.heads * width,
+    /// Elements between consecutive rows of one head in `part`'s tensor.
+    fn stride(&self, part: Part) -> usize {
+        let (_, width) = self.extent(part);
+        match (self.layout, part) {
+            (AttnLayout::Bhsd, _) => width,
+            (AttnLayout::Packed, Part::Q | Part::K | Part::V) => 3 * self.heads * width,
+            (AttnLayout::Bshd | AttnLayout::Packed, _) => self.heads * width,
         }
     }
 
@@ -212,16 +244,16 @@ impl Spec {
             mask: self.mask.clone(),
             stats,
             heads: [
-                self.head(self.sq, self.d),
-                self.head(self.sk, self.d),
-                self.head(self.sk, self.dv),
-                self.head(self.sq, self.dv),
+                self.head(Part::Q),
+                self.head(Part::K),
+                self.head(Part::V),
+                self.head(Part::O),
             ],
             strides: [
-                self.stride(self.d),
-                self.stride(self.d),
-                self.stride(self.dv),
-                self.stride(self.dv),
+                self.stride(Part::Q),
+                self.stride(Part::K),
+                self.stride(Part::V),
+                self.stride(Part::O),
             ],
         }
     }
@@ -321,6 +353,11 @@ pub fn lower_grad(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<S
     let Some(sp) = Spec::new(op, inputs, out)? else {
         return Ok(StepKernels::default());
     };
+    if *wrt == ATTN_WRT_PACKED {
+        // dq, dk and dv into one [B, S, 3, H, D] result, each where its operand lies.
+        let all: Vec<(u8, ArgRef)> = (0..3).map(|w| (w, ArgRef::Output)).collect();
+        return grad_kernels(&sp, inputs.len(), &all);
+    }
     grad_kernels(&sp, inputs.len(), &[(*wrt, ArgRef::Output)])
 }
 
@@ -868,17 +905,16 @@ fn store_rows(
 
 /// The gradient kernels' pointers to head `bh` of q, k, v and dO (`qp`, `kp`, `vp`, `gp`).
 fn head_pointers(sp: &Spec) -> String {
-    let (sq, sk, d, dv) = (sp.sq, sp.sk, sp.d, sp.dv);
     format!(
         r#"  const unsigned short* qp = (const unsigned short*)q + {};
   const unsigned short* kp = (const unsigned short*)k + {};
   const unsigned short* vp = (const unsigned short*)v + {};
   const unsigned short* gp = (const unsigned short*)dout + {};
 "#,
-        sp.head(sq, d),
-        sp.head(sk, d),
-        sp.head(sk, dv),
-        sp.head(sq, dv)
+        sp.head(Part::Q),
+        sp.head(Part::K),
+        sp.head(Part::V),
+        sp.head(Part::O)
     )
 }
 
@@ -886,7 +922,7 @@ fn head_pointers(sp: &Spec) -> String {
 fn grad_q(sp: &Spec) -> String {
     let (sq, sk, d, dv) = (sp.sq, sp.sk, sp.d, sp.dv);
     let (ks, vs) = (d + 8, dv + 8);
-    let (krs, vrs) = (sp.stride(d), sp.stride(dv));
+    let (krs, vrs) = (sp.stride(Part::K), sp.stride(Part::V));
     let qt = sq.div_ceil(BR);
     let sl2 = (sp.scale * std::f64::consts::LOG2_E) as f32;
     let mask = sp.mask.clone().unwrap_or_default();
@@ -904,8 +940,8 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
         ptrs = head_pointers(sp),
         tiles = sp.tiles(sq)
     );
-    c += &a_frags("qa", "qp", "i0", sq, d, sp.stride(d));
-    c += &a_frags("ga", "gp", "i0", sq, dv, sp.stride(dv));
+    c += &a_frags("qa", "qp", "i0", sq, d, sp.stride(Part::Q));
+    c += &a_frags("ga", "gp", "i0", sq, dv, sp.stride(Part::O));
     c += &format!(
         r#"  const float lse0 = i0 < {sq} ? lse[bh * {sq}LL + i0] : RT_POS_INF;
   const float lse1 = i1 < {sq} ? lse[bh * {sq}LL + i1] : RT_POS_INF;
@@ -951,9 +987,17 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
     c += "    __syncthreads();\n  }\n";
     c += &format!(
         "  unsigned short* op = (unsigned short*)out + {};\n",
-        sp.head(sq, d)
+        sp.head(Part::Q)
     );
-    c += &store_rows("acc", "op", "i0", sq, d, sp.stride(d), sp.scale as f32);
+    c += &store_rows(
+        "acc",
+        "op",
+        "i0",
+        sq,
+        d,
+        sp.stride(Part::Q),
+        sp.scale as f32,
+    );
     c += "}\n";
     c
 }
@@ -972,7 +1016,7 @@ fn grad_kv(sp: &Spec, which: Kv) -> String {
     let (sq, sk, d, dv) = (sp.sq, sp.sk, sp.d, sp.dv);
     let (wk, wv) = (which != Kv::V, which != Kv::K);
     let (qs, gs) = (d + 8, dv + 8);
-    let (qrs, grs) = (sp.stride(d), sp.stride(dv));
+    let (qrs, grs) = (sp.stride(Part::Q), sp.stride(Part::O));
     let (qt, kt) = (sq.div_ceil(BR), sk.div_ceil(BC));
     let sl2 = (sp.scale * std::f64::consts::LOG2_E) as f32;
     let mask = sp.mask.clone().unwrap_or_default();
@@ -997,9 +1041,9 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
         ptrs = head_pointers(sp),
         tiles = sp.tiles(sk)
     );
-    c += &a_frags("ka", "kp", "j0", sk, d, sp.stride(d));
+    c += &a_frags("ka", "kp", "j0", sk, d, sp.stride(Part::K));
     if wk {
-        c += &a_frags("va", "vp", "j0", sk, dv, sp.stride(dv));
+        c += &a_frags("va", "vp", "j0", sk, dv, sp.stride(Part::V));
         c += &zeros("acck", d / 8);
     }
     if wv {
@@ -1069,16 +1113,24 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
     if wk {
         c += &format!(
             "  unsigned short* okp = (unsigned short*){ko} + {};\n",
-            sp.head(sk, d)
+            sp.head(Part::K)
         );
-        c += &store_rows("acck", "okp", "j0", sk, d, sp.stride(d), sp.scale as f32);
+        c += &store_rows(
+            "acck",
+            "okp",
+            "j0",
+            sk,
+            d,
+            sp.stride(Part::K),
+            sp.scale as f32,
+        );
     }
     if wv {
         c += &format!(
             "  unsigned short* ovp = (unsigned short*){vo} + {};\n",
-            sp.head(sk, dv)
+            sp.head(Part::V)
         );
-        c += &store_rows("accv", "ovp", "j0", sk, dv, sp.stride(dv), 1.0);
+        c += &store_rows("accv", "ovp", "j0", sk, dv, sp.stride(Part::V), 1.0);
     }
     c += "}\n";
     c

@@ -396,18 +396,30 @@ pub fn lower_steps(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
                 let desc = (wrts == [0, 1, 2])
                     .then(|| AttnDnnDesc::of_grad(&s.op, &ins, outs[0]))
                     .flatten();
-                return match (attention_cudnn::Choice::from_env(), desc) {
-                    (attention_cudnn::Choice::Flash, _) => Ok(CudaStep::Kernels(flash)),
-                    (_, Some(cudnn)) => Ok(CudaStep::AttentionGrad { cudnn, flash }),
-                    (attention_cudnn::Choice::Cudnn, None) if outs[0].shape.numel() > 0 => {
-                        attention_cudnn::forced_error(&s.op, &ins)
-                    }
-                    _ => Ok(CudaStep::Kernels(flash)),
-                };
+                return grad_step(&s.op, &ins, outs[0], flash, desc);
             }
             lower_step(&s.op, &ins, &plan.types[s.output])
         })
         .collect()
+}
+
+/// An attention gradient step that cuDNN's fused backward (`desc`, when it covers the op) or
+/// the flash kernels run, as [`attention_cudnn::Choice`] and measurement decide.
+fn grad_step(
+    op: &Op,
+    ins: &[&TensorType],
+    out: &TensorType,
+    flash: StepKernels,
+    desc: Option<AttnDnnDesc>,
+) -> Result<CudaStep> {
+    match (attention_cudnn::Choice::from_env(), desc) {
+        (attention_cudnn::Choice::Flash, _) => Ok(CudaStep::Kernels(flash)),
+        (_, Some(cudnn)) => Ok(CudaStep::AttentionGrad { cudnn, flash }),
+        (attention_cudnn::Choice::Cudnn, None) if out.shape.numel() > 0 => {
+            attention_cudnn::forced_error(op, ins)
+        }
+        _ => Ok(CudaStep::Kernels(flash)),
+    }
 }
 
 /// The saved statistics of step `i` of `plan` (lowered as `steps`), a group of attention
@@ -511,6 +523,39 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
             layout: AttnLayout::Bshd,
             ..
         } if !flash::supported(inputs) => attention::lower_bshd(op, inputs, out),
+        // The compiler packs q, k and v only where the flash kernels run (see
+        // `rustytorch_compiler::attn_layout`).
+        Op::Attention {
+            layout: AttnLayout::Packed,
+            ..
+        }
+        | Op::AttentionGrad {
+            layout: AttnLayout::Packed,
+            ..
+        } if !flash::supported(inputs) => Err(CodegenError::Unsupported {
+            op: op.name(),
+            device: "cuda",
+            reason: format!(
+                "packed q, k and v run on the flash kernels only (f16/bf16, head sizes that \
+                 are multiples of 16 up to {}); got {}",
+                flash::MAX_HEAD,
+                inputs[0]
+            ),
+        }),
+        // A packed attention's one gradient (dq, dk and dv in one tensor).
+        Op::AttentionGrad {
+            layout: AttnLayout::Packed,
+            ..
+        } => {
+            let flash = flash::lower_grad(op, inputs, out)?;
+            grad_step(
+                op,
+                inputs,
+                out,
+                flash,
+                AttnDnnDesc::of_grad(op, inputs, out),
+            )
+        }
         Op::AttentionGrad { .. } if flash::supported(inputs) => {
             flash::lower_grad(op, inputs, out).map(CudaStep::Kernels)
         }

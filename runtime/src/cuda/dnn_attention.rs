@@ -340,9 +340,9 @@ fn op_graph(
     let io = data_type(d.dtype);
     let f = Dt::CUDNN_DATA_FLOAT;
     let mut g = Builder::new();
-    let q = g.real(uid::Q, io, d.dims_strides(d.sq))?;
+    let q = g.real(uid::Q, io, d.operand(d.sq))?;
     let k = g.real(uid::K, io, d.k_transposed())?;
-    let v = g.real(uid::V, io, d.dims_strides(d.sk))?;
+    let v = g.real(uid::V, io, d.operand(d.sk))?;
     let o = g.real(uid::O, io, d.dims_strides(d.sq))?;
     let scale = g.scalar(uid::SCALE, f)?;
     let scores = scaled_scores(&mut g, d, q, k, scale)?;
@@ -589,16 +589,16 @@ fn bwd_graph(handle: sys::cudnnHandle_t, d: &AttnDnnDesc, form: BwdForm) -> Resu
     let f = Dt::CUDNN_DATA_FLOAT;
     let (b, h, sq, hd) = (d.b as i64, d.h as i64, d.sq as i64, d.d as i64);
     let mut g = Builder::new();
-    let q = g.real(uid::Q, io, d.dims_strides(d.sq))?;
+    let q = g.real(uid::Q, io, d.operand(d.sq))?;
     let kt = g.real(uid::K, io, d.k_transposed())?;
     // V has K's sizes and layout: Vᵀ is the same view.
     let vt = g.real(uid::V, io, d.k_transposed())?;
     let o = g.real(uid::O, io, d.dims_strides(d.sq))?;
     let dout = g.real(uid::DO, io, d.dims_strides(d.sq))?;
     let stats = g.real(uid::STATS, f, row_geometry(d))?;
-    let dq = g.real(uid::DQ, io, d.dims_strides(d.sq))?;
-    let dk = g.real(uid::DK, io, d.dims_strides(d.sk))?;
-    let dv = g.real(uid::DV, io, d.dims_strides(d.sk))?;
+    let dq = g.real(uid::DQ, io, d.operand(d.sq))?;
+    let dk = g.real(uid::DK, io, d.operand(d.sk))?;
+    let dv = g.real(uid::DV, io, d.operand(d.sk))?;
     let scale = g.scalar(uid::SCALE, f)?;
     let one = g.scalar(uid::ONE, f)?;
     let seq = if form.pad {
@@ -660,7 +660,7 @@ fn bwd_graph(handle: sys::cudnnHandle_t, d: &AttnDnnDesc, form: BwdForm) -> Resu
     g.matmul_with(dst, q, dk, [lk, None, lq])?;
 
     // 6. dQ = dS·K.
-    let k = g.virt(if form.k_io { io } else { f }, d.dims_strides(d.sk))?;
+    let k = g.virt(if form.k_io { io } else { f }, d.operand(d.sk))?;
     g.reshape(kt, k)?;
     if form.accum {
         let accum = g.real(uid::DQ_ACCUM, f, accum_geometry(d))?;
@@ -942,17 +942,19 @@ fn pick(
         .max()
         .unwrap_or(0);
     let layout = GradLayout::new(d, form, ws);
-    let (sq, sk) = (d.bytes(d.sq), d.bytes(d.sk));
-    let bufs = Buffers::new(&[sq, sk, sk, sq, sq, sk, sk, layout.total], d.dtype, stream)?;
+    let sq = d.bytes(d.sq);
+    let (pq, pk) = (d.operand_bytes(d.sq), d.operand_bytes(d.sk));
+    let bufs = Buffers::new(&[pq, pk, pk, sq, pq, pk, pk, layout.total], d.dtype, stream)?;
     let b = &bufs.ptrs;
+    // Packed operands lie at their offsets into buffers of the packed size.
     let ptrs = GradPtrs {
-        q: b[0],
-        k: b[1],
-        v: b[2],
+        q: b[0] + d.part_offset(0),
+        k: b[1] + d.part_offset(1),
+        v: b[2] + d.part_offset(2),
         dout: b[3],
-        dq: b[4],
-        dk: b[5],
-        dv: b[6],
+        dq: b[4] + d.part_offset(0),
+        dk: b[5] + d.part_offset(1),
+        dv: b[6] + d.part_offset(2),
         o: 0,
         stats: 0,
     };
@@ -1420,14 +1422,23 @@ fn fastest_forward(
     stream: ds::CUstream,
 ) -> Result<((usize, f32), Option<f32>)> {
     let ws = plans.iter().map(|g| g.workspace).max().unwrap_or(0);
-    let mut sizes = vec![d.bytes(d.sq), d.bytes(d.sk), d.bytes(d.sk), d.bytes(d.sq)];
+    let mut sizes = vec![
+        d.operand_bytes(d.sq),
+        d.operand_bytes(d.sk),
+        d.operand_bytes(d.sk),
+        d.bytes(d.sq),
+    ];
     if stats {
         sizes.push(d.b * d.h * d.sq * 4);
     }
     sizes.push(ws);
     let bufs = Buffers::new(&sizes, d.dtype, stream)?;
     let n = sizes.len() - 1;
-    let ptrs = bufs.ptrs[..n].to_vec();
+    // Packed q, k and v lie at their offsets into buffers of the packed size.
+    let mut ptrs = bufs.ptrs[..n].to_vec();
+    for (j, p) in ptrs.iter_mut().take(3).enumerate() {
+        *p += d.part_offset(j);
+    }
     let workspace = bufs.ptrs[n];
     set_stream(handle, stream)?;
     let (best, times) = fastest_of(plans.len(), |i| {

@@ -45,6 +45,23 @@ fn pick(addr: u64, v: Option<usize>, io: Option<&[u64]>) -> u64 {
     }
 }
 
+/// An attention call's pointer: the address resolved at prepare, the value it lies in, and its
+/// byte offset into that value (a packed q, k or v, or its gradient; else 0).
+type AttnPtr = (u64, Option<usize>, u64);
+
+/// [`pick`] for an [`AttnPtr`]: the offset stays when the run re-points the value.
+fn pick_attn(p: AttnPtr, io: Option<&[u64]>) -> u64 {
+    match (io, p.1) {
+        (Some(t), Some(v)) => t[v] + p.2,
+        _ => p.0,
+    }
+}
+
+/// `at` moved `off` bytes into its value.
+fn offset_by((a, v): (u64, Option<usize>), off: u64) -> AttnPtr {
+    (a + off, v, off)
+}
+
 enum Exec {
     Kernels(Vec<Resolved>),
     Matmul {
@@ -80,7 +97,7 @@ enum Exec {
         plan: Option<std::sync::Mutex<GraphPlan>>,
         /// q, k, v and the output: addresses and values; then the statistics' address when
         /// the plan writes them for a later gradient step.
-        ptrs: Vec<(u64, Option<usize>)>,
+        ptrs: Vec<AttnPtr>,
         workspace: u64,
         flash: Vec<Resolved>,
     },
@@ -90,7 +107,7 @@ enum Exec {
         plans: Option<Box<std::sync::Mutex<dnn_attention::GradPlans>>>,
         /// q, k, v, dO, dQ, dK and dV: addresses and values; then the forward's O and
         /// statistics when it saved them (address 0 when not).
-        ptrs: [(u64, Option<usize>); 9],
+        ptrs: [AttnPtr; 9],
         workspace: u64,
         flash: Vec<Resolved>,
     },
@@ -732,13 +749,13 @@ impl CudaSession {
                         .map_err(|e| RuntimeError::Device(format!("step {i} (attention): {e}")))?
                     };
                     let mut ptrs = vec![
-                        at_val(ArgRef::Input(0)),
-                        at_val(ArgRef::Input(1)),
-                        at_val(ArgRef::Input(2)),
-                        at_val(ArgRef::Output),
+                        offset_by(at_val(ArgRef::Input(0)), cudnn.part_offset(0)),
+                        offset_by(at_val(ArgRef::Input(1)), cudnn.part_offset(1)),
+                        offset_by(at_val(ArgRef::Input(2)), cudnn.part_offset(2)),
+                        offset_by(at_val(ArgRef::Output), 0),
                     ];
                     if let Some(off) = stats_at[i] {
-                        ptrs.push((out + off as u64, None));
+                        ptrs.push((out + off as u64, None, 0));
                     }
                     Exec::Attention {
                         plan: plan.map(std::sync::Mutex::new),
@@ -751,18 +768,27 @@ impl CudaSession {
                     let flash = resolve(&flash);
                     let (o, stats) = match saved_at[i] {
                         Some((v, off)) if saving.contains(&v) => {
-                            ((s.ptrs[v], Some(v)), (s.ptrs[v] + off as u64, None))
+                            ((s.ptrs[v], Some(v), 0), (s.ptrs[v] + off as u64, None, 0))
                         }
-                        _ => ((0, None), (0, None)),
+                        _ => ((0, None, 0), (0, None, 0)),
+                    };
+                    let part = |j: usize| offset_by(at_val(ArgRef::Input(j)), cudnn.part_offset(j));
+                    // Packed dq, dk and dv lie in the one result; else in the step's and its
+                    // two siblings'.
+                    let grads = if cudnn.layout == rustytorch_ops::AttnLayout::Packed {
+                        [0, 1, 2].map(|j| offset_by(at_val(ArgRef::Output), cudnn.part_offset(j)))
+                    } else {
+                        [ArgRef::Output, ArgRef::With(0), ArgRef::With(1)]
+                            .map(|a| offset_by(at_val(a), 0))
                     };
                     let ptrs = [
-                        at_val(ArgRef::Input(0)),
-                        at_val(ArgRef::Input(1)),
-                        at_val(ArgRef::Input(2)),
-                        at_val(ArgRef::Input(3)),
-                        at_val(ArgRef::Output),
-                        at_val(ArgRef::With(0)),
-                        at_val(ArgRef::With(1)),
+                        part(0),
+                        part(1),
+                        part(2),
+                        offset_by(at_val(ArgRef::Input(3)), 0),
+                        grads[0],
+                        grads[1],
+                        grads[2],
                         o,
                         stats,
                     ];
@@ -1214,7 +1240,7 @@ impl CudaSession {
                     workspace,
                     flash,
                 } => {
-                    let at: Vec<u64> = ptrs.iter().map(|&(a, v)| pick(a, v, io)).collect();
+                    let at: Vec<u64> = ptrs.iter().map(|&p| pick_attn(p, io)).collect();
                     match plan {
                         Some(m) if GraphPlan::aligned(&at, *workspace) => {
                             let mut g = m.lock().expect("attention plan lock");
@@ -1247,7 +1273,7 @@ impl CudaSession {
                     workspace,
                     flash,
                 } => {
-                    let at: Vec<u64> = ptrs.iter().map(|&(a, v)| pick(a, v, io)).collect();
+                    let at: Vec<u64> = ptrs.iter().map(|&p| pick_attn(p, io)).collect();
                     match plans {
                         Some(m) if GraphPlan::aligned(&at, *workspace) => {
                             let mut g = m.lock().expect("attention gradient plans lock");
@@ -1984,7 +2010,7 @@ fn choose_grad(
     dev: &GpuDevice,
     d: &rustytorch_codegen::cuda::AttnDnnDesc,
     mut g: dnn_attention::GradPlans,
-    ptrs: &[(u64, Option<usize>); 9],
+    ptrs: &[AttnPtr; 9],
     scratch: u64,
     flash: &[Resolved],
     stream: CUstream,

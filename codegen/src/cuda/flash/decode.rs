@@ -21,7 +21,7 @@
 //! has `L = 0` and is zero, and a NaN score makes the row NaN, as in the tiled kernels. The
 //! weights stay in f32 (the tiled kernels round `P` to f16/bf16 before `P·V`).
 
-use super::{param, Spec};
+use super::{param, Part, Spec};
 use crate::cuda::ir::{CTy, Kernel, Stmt};
 use crate::cuda::{finish, grid_for, ArgRef, Launch, StepKernels};
 use crate::Result;
@@ -152,8 +152,8 @@ fn split_source(sp: &Spec, chunk: usize, splits: usize) -> String {
     };
     let mask = sp.mask.clone().unwrap_or_default();
     let scale = sp.scale * std::f64::consts::LOG2_E;
-    let (qh, kh, vh) = (sp.head(1, d), sp.head(sk, d), sp.head(sk, dv));
-    let (k_rs, v_rs) = (sp.stride(d), sp.stride(dv));
+    let (qh, kh, vh) = (sp.head(Part::Q), sp.head(Part::K), sp.head(Part::V));
+    let (k_rs, v_rs) = (sp.stride(Part::K), sp.stride(Part::V));
     let w = widen(sp);
     let blocks = sp.bsz * sp.heads * splits;
     format!(
@@ -287,7 +287,7 @@ for (long long tile = blockIdx.x; tile < {blocks}LL; tile += gridDim.x) {{
 fn combine_source(sp: &Spec, splits: usize) -> String {
     let dv = sp.dv;
     let heads = sp.bsz * sp.heads;
-    let oh = sp.head(1, dv);
+    let oh = sp.head(Part::O);
     let narrow = if sp.e == CTy::BF16 {
         "rt_f2bf"
     } else {
