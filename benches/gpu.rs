@@ -664,11 +664,11 @@ fn gpt2_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
         ("training step autocast bf16", true, false, true, None),
         ("training step bf16 weights", true, true, true, None),
         (
-            "training step bf16 weights, bias grads as kernels",
+            "training step bf16 weights, bias grads timed against epilogues",
             true,
             true,
             true,
-            Some("0"),
+            Some("auto"),
         ),
     ];
     for (label, train, typed, in_place, bgrad) in rows {
@@ -829,8 +829,8 @@ fn gpt2_step_plan(list: bool) -> (Graph, Arc<rustytorch::codegen::Plan>) {
 }
 
 /// Runs `body` with `RUSTYTORCH_LT_BGRAD` set to `mode` (read when a graph is compiled): `None`
-/// the runtime's choice, `Some("0")` each bias gradient's sum as its own kernel, `Some("1")`
-/// always cuBLASLt's epilogue.
+/// the default (each bias gradient's sum as its own kernel), `Some("auto")` the runtime's timed
+/// choice, `Some("1")` always cuBLASLt's epilogue.
 fn with_bgrad(mode: Option<&str>, body: impl FnOnce()) {
     match mode {
         Some(v) => std::env::set_var("RUSTYTORCH_LT_BGRAD", v),
@@ -883,13 +883,17 @@ fn mlp_grad_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
     }
     // Forward 2 GEMMs, backward 4 (dx, dW1, dh, dW2), each 2·t·d·h FLOPs.
     let flops = 6.0 * 2.0 * (t * d * h) as f64;
-    // The last field: bias gradients as the runtime chooses (from the GEMMs' epilogues,
+    // The last field: bias gradients as the runtime chooses (=auto: from the GEMMs' epilogues,
     // DGELU_BGRAD and BGRADA, where cuBLASLt's are faster), from the epilogues always
-    // (RUSTYTORCH_LT_BGRAD=1), or each sum as its own kernel (=0). Twice over, so that no row
-    // is measured only while the clocks rise.
+    // (RUSTYTORCH_LT_BGRAD=1), or each sum as its own kernel (the default). Twice over, so
+    // that no row is measured only while the clocks rise.
     for pass in 1..=2 {
         for (label, disabled, bgrad) in [
-            ("mlp block fwd+bwd bf16, dgelu in the gemm", vec![], None),
+            (
+                "mlp block fwd+bwd bf16, dgelu in the gemm",
+                vec![],
+                Some("auto"),
+            ),
             (
                 "mlp block fwd+bwd bf16, dgelu+bgrad in the gemm",
                 vec![],

@@ -8,7 +8,9 @@
 //!   the MLP with the epilogue required (`RUSTYTORCH_LT_BGRAD=1`), with the sum's fallback
 //!   kernels (`kernel`) and with separate steps (`0`), each against the CPU.
 
-use rustytorch::codegen::cuda::matmul::{lower_bias_grad, LtActivation};
+use rustytorch::codegen::cuda::matmul::{
+    lower_bias_grad, with_bgrad_mode, BgradMode, LtActivation,
+};
 use rustytorch::codegen::cuda::{interp, lower_plan, CudaStep};
 use rustytorch::compiler::plan::{bias_grad_pair, gelu_aux_pair};
 use rustytorch::ops::testing::{assert_close, rand_tensor, tolerance};
@@ -84,7 +86,12 @@ fn the_cuda_lowering_takes_each_sum_into_its_gemm() {
             let (g, loss) = mlp(dims, dt);
             let exe = compile(&g, &[&loss], Device::Cpu).unwrap();
             let plan = exe.plan();
-            let steps = lower_plan(plan).unwrap();
+            // By default each member runs on its own.
+            let apart = with_bgrad_mode(BgradMode::Off, || lower_plan(plan)).unwrap();
+            assert!(!apart
+                .iter()
+                .any(|s| matches!(s, CudaStep::Matmul { desc, .. } if desc.bgrad)));
+            let steps = with_bgrad_mode(BgradMode::Auto, || lower_plan(plan)).unwrap();
             let mut acts = vec![];
             for (s, st) in plan.steps.iter().zip(&steps) {
                 if let CudaStep::Matmul { desc, bgrad, .. } = st {
@@ -198,5 +205,5 @@ fn the_epilogue_sums_as_the_cpu_does() {
 /// other in this one test.
 #[test]
 fn training_with_bias_gradients_on_device_matches_cpu() {
-    train_modes_against_cpu("RUSTYTORCH_LT_BGRAD", &["1", "kernel", "0"]);
+    train_modes_against_cpu("RUSTYTORCH_LT_BGRAD", &["1", "kernel", "auto", "0"]);
 }

@@ -71,7 +71,7 @@ fn packed_part(g: &Graph, v: NodeId) -> Option<(NodeId, usize, Option<Op>)> {
         || steps.iter().any(|&x| x != 1)
         || starts[..2] != [0, 0]
         || ends[..2] != [b, s]
-        || starts[2] % width.max(1) != 0
+        || !starts[2].is_multiple_of(width.max(1))
         || ends[2] != starts[2] + width
     {
         return None;
@@ -81,7 +81,10 @@ fn packed_part(g: &Graph, v: NodeId) -> Option<(NodeId, usize, Option<Op>)> {
 
 /// Whether the target's kernels take packed operands of this type and head size.
 fn packable(dtype: DType, d: usize) -> bool {
-    matches!(dtype, DType::F16 | DType::BF16) && d > 0 && d % 16 == 0 && d <= MAX_PACKED_HEAD
+    matches!(dtype, DType::F16 | DType::BF16)
+        && d > 0
+        && d.is_multiple_of(16)
+        && d <= MAX_PACKED_HEAD
 }
 
 /// The packed tensor `p'` (`[B, S, 3, H, D]`, cast as q, k and v were) of an attention's

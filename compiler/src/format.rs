@@ -1928,8 +1928,9 @@ mod tests {
         body.push(0); // no name
         body.extend([0u8; 8 * 6]); // six empty tables
         body.push(0); // no sidecar
-        body.extend([0u8; 8 * 5]); // no named dims, symbolic shapes, layouts, activations or
-                                   // accumulating matmuls
+                      // No named dims, symbolic shapes, layouts, activations, accumulating matmuls or packed
+                      // attention.
+        body.extend([0u8; 8 * 6]);
         body
     }
 

@@ -119,10 +119,17 @@ impl MatmulDesc {
     }
 }
 
-/// How bias-gradient pairs run on CUDA (`RUSTYTORCH_LT_BGRAD`): `0` each member on its own, `1`
-/// through cuBLASLt's epilogue or an error when it has no algorithm, `kernel` in the pair's one
-/// step but with the sum's own kernels (the fallback, for tests), unset the faster of the two
-/// (timed by the runtime once per GEMM descriptor; the kernels when cuBLASLt has no algorithm).
+/// How bias-gradient pairs run on CUDA (`RUSTYTORCH_LT_BGRAD`): `0` each member on its own (the
+/// default), `1` through cuBLASLt's epilogue or an error when it has no algorithm, `kernel` in
+/// the pair's one step but with the sum's own kernels (the fallback, for tests), `auto` the
+/// faster of the two (timed by the runtime once per GEMM descriptor; the kernels when cuBLASLt
+/// has no algorithm).
+///
+/// Separate is the default for bias gradients: on their own the column sums merge with the
+/// step's other column sums into shared launches (`merge`), which the pair's timing cannot
+/// see. On GPT-2 small's bf16 training step on the H200 the `BGRADB` epilogues timed within 1%
+/// of their GEMM and sum, and the step ran 0.1–0.25 ms faster with the sums separate in five of
+/// six runs (docs/performance.md). GELU pairs (`RUSTYTORCH_LT_GELU_AUX`) default to `auto`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BgradMode {
     /// Separate steps.
@@ -135,24 +142,46 @@ pub enum BgradMode {
     Kernel,
 }
 
+thread_local! {
+    // A mode for the lowerings of this thread that overrides `RUSTYTORCH_LT_BGRAD` (tests that
+    // lower plans while others set the variable); `with_bgrad_mode` scopes it.
+    static BGRAD_MODE: std::cell::Cell<Option<BgradMode>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` (lowerings) with bias-gradient pairs in `mode` whatever `RUSTYTORCH_LT_BGRAD`
+/// says, then restores the previous setting.
+pub fn with_bgrad_mode<R>(mode: BgradMode, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<BgradMode>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            BGRAD_MODE.with(|m| m.set(self.0));
+        }
+    }
+    let _restore = Restore(BGRAD_MODE.with(|m| m.replace(Some(mode))));
+    f()
+}
+
 impl BgradMode {
     /// The mode `RUSTYTORCH_LT_BGRAD` sets.
     pub fn from_env() -> BgradMode {
-        BgradMode::from_var("RUSTYTORCH_LT_BGRAD")
+        BGRAD_MODE
+            .with(|m| m.get())
+            .unwrap_or_else(|| BgradMode::from_var("RUSTYTORCH_LT_BGRAD", BgradMode::Off))
     }
 
     /// The mode `RUSTYTORCH_LT_GELU_AUX` sets for GELU pairs ([`lower_gelu_aux`]), with the same
-    /// values.
+    /// values (unset: `auto`).
     pub fn gelu_aux_from_env() -> BgradMode {
-        BgradMode::from_var("RUSTYTORCH_LT_GELU_AUX")
+        BgradMode::from_var("RUSTYTORCH_LT_GELU_AUX", BgradMode::Auto)
     }
 
-    fn from_var(var: &str) -> BgradMode {
+    fn from_var(var: &str, default: BgradMode) -> BgradMode {
         match std::env::var(var).as_deref() {
             Ok("0") => BgradMode::Off,
             Ok("1") => BgradMode::Epilogue,
             Ok("kernel") => BgradMode::Kernel,
-            _ => BgradMode::Auto,
+            Ok("auto") => BgradMode::Auto,
+            _ => default,
         }
     }
 }
