@@ -233,8 +233,10 @@ fn through_reshapes(g: &Graph, mut x: NodeId) -> NodeId {
 }
 
 /// A leaf of a gradient sum as part `j` of a packed gradient `G` (`[B, S, 3, H, D]`):
-/// `pad(reshape…(slice(G)))`, zeros around the part's columns of `[B, S, 3·H·D]`.
-fn padded_part(g: &Graph, leaf: NodeId) -> Option<(NodeId, usize)> {
+/// `pad(reshape…(slice(G)))`, zeros around the part's columns of `[B, S, 3·H·D]`, possibly with
+/// a widening cast among the reshapes (autocast's f32 gradient of a bf16 attention). Returns `G`,
+/// `j` and whether the leaf is cast.
+fn padded_part(g: &Graph, leaf: NodeId) -> Option<(NodeId, usize, bool)> {
     let n = g.node(leaf).ok()?;
     let Op::Pad { pads, value } = &n.op else {
         return None;
@@ -242,7 +244,13 @@ fn padded_part(g: &Graph, leaf: NodeId) -> Option<(NodeId, usize)> {
     if value.get() != 0.0 {
         return None;
     }
-    let sl = g.node(through_reshapes(g, n.inputs[0])).ok()?;
+    let mut x = through_reshapes(g, n.inputs[0]);
+    let mut cast = false;
+    if let Op::Cast { .. } = g.node(x).ok()?.op {
+        cast = true;
+        x = through_reshapes(g, g.node(x).ok()?.inputs[0]);
+    }
+    let sl = g.node(x).ok()?;
     let Op::Slice { starts, ends, .. } = &sl.op else {
         return None;
     };
@@ -255,6 +263,9 @@ fn padded_part(g: &Graph, leaf: NodeId) -> Option<(NodeId, usize)> {
             ..
         }
     ) {
+        return None;
+    }
+    if cast && !widens(an.ty.dtype, n.ty.dtype) {
         return None;
     }
     let d5 = an.ty.shape.dims();
@@ -270,7 +281,42 @@ fn padded_part(g: &Graph, leaf: NodeId) -> Option<(NodeId, usize)> {
             .enumerate()
             .all(|(i, &e)| if i == 2 { e == j + 1 } else { e == d5[i] });
     (n.ty.shape.dims() == [d5[0], d5[1], 3 * width] && pads[..] == want_pads && want_slice)
-        .then_some((all, j))
+        .then_some((all, j, cast))
+}
+
+/// Whether every `from` value converts to `to` and back unchanged (f16/bf16 to f32 or f64, f32
+/// to f64).
+fn widens(from: DType, to: DType) -> bool {
+    matches!(
+        (from, to),
+        (DType::F16 | DType::BF16, DType::F32 | DType::F64) | (DType::F32, DType::F64)
+    )
+}
+
+/// Points the readers of `wide` (a widening cast of `narrow`, or reshapes of it) that cast it
+/// back to `narrow`'s type at `narrow` itself (reshaped): the round trip is exact.
+fn narrow_back(g: &mut Graph, wide: NodeId, narrow: NodeId) -> Result<()> {
+    let dtype = g.ty(narrow).dtype;
+    let mut frontier = vec![wide];
+    while let Some(v) = frontier.pop() {
+        for u in g.users(v) {
+            let un = g.node(u)?.clone();
+            match un.op {
+                Op::Reshape { .. } => frontier.push(u),
+                Op::Cast { to } if to == dtype => {
+                    let r = g.add(
+                        Op::Reshape {
+                            shape: un.ty.shape.clone(),
+                        },
+                        &[narrow],
+                    )?;
+                    g.replace_uses(u, r);
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Replaces each sum of the three padded parts of one packed gradient (plus any other terms)
@@ -301,31 +347,41 @@ fn reassemble(g: &mut Graph) -> Result<usize> {
         if leaves.iter().any(|&l| g.ty(l) != &node.ty) {
             continue;
         }
-        let parts: Vec<Option<(NodeId, usize)>> =
+        let parts: Vec<Option<(NodeId, usize, bool)>> =
             leaves.iter().map(|&l| padded_part(g, l)).collect();
-        let Some(all) = parts.iter().flatten().map(|x| x.0).next() else {
+        let Some((all, _, cast)) = parts.iter().flatten().copied().next() else {
             continue;
         };
         let mine: Vec<usize> = (0..leaves.len())
-            .filter(|&i| parts[i].is_some_and(|x| x.0 == all))
+            .filter(|&i| parts[i].is_some_and(|x| x.0 == all && x.2 == cast))
             .collect();
         let mut js: Vec<usize> = mine.iter().map(|&i| parts[i].expect("kept").1).collect();
         js.sort();
         if js != [0, 1, 2] {
             continue;
         }
-        let mut sum = g.add(
+        let base = g.add(
             Op::Reshape {
                 shape: node.ty.shape.clone(),
             },
             &[all],
         )?;
+        let wide = if cast {
+            g.add(Op::Cast { to: node.ty.dtype }, &[base])?
+        } else {
+            base
+        };
+        let mut sum = wide;
         for (i, &l) in leaves.iter().enumerate() {
             if !mine.contains(&i) {
                 sum = g.add(node.op.clone(), &[sum, l])?;
             }
         }
         g.replace_uses(id, sum);
+        if cast && sum == wide {
+            // Autocast's casts back to the attention's type read the packed gradient itself.
+            narrow_back(g, wide, base)?;
+        }
         replaced += 1;
     }
     Ok(replaced)
