@@ -132,12 +132,12 @@ const SMALL: Gpt2Config = Gpt2Config {
     heads: 4,
 };
 
-/// A bf16 GPT-2 block (q, k and v from one linear layer) with the mean square of what it adds
-/// to its input as the loss, trained by SGD.
-fn block_graph(cfg: &Gpt2Config) -> Graph {
+/// A GPT-2 block of `dt` (q, k and v from one linear layer) with the mean square of what it
+/// adds to its input as the loss, trained by SGD.
+fn block_graph(cfg: &Gpt2Config, dt: DType) -> Graph {
     let g = GraphBuilder::new();
-    let x = g.input("x", DType::BF16, [cfg.batch, cfg.seq, cfg.d_model]);
-    let h = rustytorch::models::gpt2_block_typed(&g, cfg, 0, &x, DType::BF16);
+    let x = g.input("x", dt, [cfg.batch, cfg.seq, cfg.d_model]);
+    let h = rustytorch::models::gpt2_block_typed(&g, cfg, 0, &x, dt);
     let r = h.sub(&x);
     let loss = r.mul(&r).mean_all();
     g.train_step(&loss, Sgd::new(2.0), &StepOptions::default())
@@ -145,6 +145,24 @@ fn block_graph(cfg: &Gpt2Config) -> Graph {
     let mut graph = g.graph().unwrap();
     graph.add_output("loss", loss.node().unwrap()).unwrap();
     graph
+}
+
+/// The losses of four training steps of `graph` on the CPU after the CUDA compile passes
+/// (`autocast` as given, packing on or off), on input `x`.
+fn cpu_losses(graph: &Graph, autocast: Option<DType>, packed: bool, x: &HostTensor) -> Vec<f64> {
+    let opts = passes::Options {
+        autocast,
+        ..cuda_passes(packed)
+    };
+    let passed = passes::run(graph, &opts).unwrap().graph;
+    let run_opts = CompileOptions {
+        optimize: false,
+        ..CompileOptions::default()
+    };
+    let mut exe = rustytorch::compile_graph(&passed, Device::Cpu, &run_opts).unwrap();
+    (0..4)
+        .map(|_| exe.run(&[("x", x.clone())]).unwrap()[0].to_f64_vec()[0])
+        .collect()
 }
 
 fn cuda_passes(packed: bool) -> passes::Options {
@@ -166,7 +184,7 @@ fn count(g: &Graph, f: impl Fn(&Op) -> bool) -> usize {
 /// and no slice, pad or attention in another layout.
 #[test]
 fn the_pass_packs_a_gpt2_block() {
-    let graph = block_graph(&SMALL);
+    let graph = block_graph(&SMALL, DType::BF16);
     let c = passes::run(&graph, &cuda_passes(true)).unwrap();
     let r = c.report.attention_packed.clone().unwrap();
     assert_eq!((r.packed, r.gradients, r.sums_removed), (1, 1, 1), "{r:?}");
@@ -216,15 +234,7 @@ fn the_pass_packs_a_gpt2_block() {
     assert!(count(&off.graph, |op| matches!(op, Op::Slice { .. })) >= 3);
     // Under bf16 autocast (an f32 model) too: the gradient's casts to f32 and back to bf16
     // for the layer's GEMMs leave no slice, pad or round trip behind.
-    let g32 = GraphBuilder::new();
-    let x = g32.input("x", DType::F32, [2, 16, 64]);
-    let h = rustytorch::models::gpt2_block(&g32, &SMALL, 0, &x);
-    let r = h.sub(&x);
-    let loss = r.mul(&r).mean_all();
-    g32.train_step(&loss, Sgd::new(2.0), &StepOptions::default())
-        .unwrap();
-    let mut auto = g32.graph().unwrap();
-    auto.add_output("loss", loss.node().unwrap()).unwrap();
+    let auto = block_graph(&SMALL, DType::F32);
     let opts = passes::Options {
         autocast: Some(DType::BF16),
         ..cuda_passes(true)
@@ -246,22 +256,11 @@ fn the_pass_packs_a_gpt2_block() {
         -1.0,
         1.0,
     );
-    let losses = |packed: bool| {
-        let opts = passes::Options {
-            autocast: Some(DType::BF16),
-            ..cuda_passes(packed)
-        };
-        let passed = passes::run(&auto, &opts).unwrap().graph;
-        let run_opts = CompileOptions {
-            optimize: false,
-            ..CompileOptions::default()
-        };
-        let mut exe = rustytorch::compile_graph(&passed, Device::Cpu, &run_opts).unwrap();
-        (0..4)
-            .map(|_| exe.run(&[("x", x.clone())]).unwrap()[0].to_f64_vec()[0])
-            .collect::<Vec<f64>>()
-    };
-    let (want, got) = (losses(false), losses(true));
+    let bf16 = Some(DType::BF16);
+    let (want, got) = (
+        cpu_losses(&auto, bf16, false, &x),
+        cpu_losses(&auto, bf16, true, &x),
+    );
     assert!(want[3] < want[0], "the loss falls: {want:?}");
     assert_close(
         &got,
@@ -270,11 +269,7 @@ fn the_pass_packs_a_gpt2_block() {
         "autocast losses, packed against unpacked",
     );
     // f32 operands are not packed (the kernels that read packed operands are f16/bf16).
-    let g32 = GraphBuilder::new();
-    let x = g32.input("x", DType::F32, [2, 16, 64]);
-    let h = rustytorch::models::gpt2_block(&g32, &SMALL, 0, &x);
-    g32.output("h", &h);
-    let c = passes::run(&g32.graph().unwrap(), &cuda_passes(true)).unwrap();
+    let c = passes::run(&auto, &cuda_passes(true)).unwrap();
     assert_eq!(c.report.attention_packed.unwrap().packed, 0);
 }
 
@@ -282,25 +277,17 @@ fn the_pass_packs_a_gpt2_block() {
 /// four SGD steps.
 #[test]
 fn packed_graph_trains_as_the_unpacked_one() {
-    let graph = block_graph(&SMALL);
+    let graph = block_graph(&SMALL, DType::BF16);
     let x = rand_tensor(
         &TensorType::new(DType::BF16, Shape::new([2, 16, 64])),
         9,
         -1.0,
         1.0,
     );
-    let losses = |packed: bool| {
-        let passed = passes::run(&graph, &cuda_passes(packed)).unwrap().graph;
-        let opts = CompileOptions {
-            optimize: false,
-            ..CompileOptions::default()
-        };
-        let mut exe = rustytorch::compile_graph(&passed, Device::Cpu, &opts).unwrap();
-        (0..4)
-            .map(|_| exe.run(&[("x", x.clone())]).unwrap()[0].to_f64_vec()[0])
-            .collect::<Vec<f64>>()
-    };
-    let (want, got) = (losses(false), losses(true));
+    let (want, got) = (
+        cpu_losses(&graph, None, false, &x),
+        cpu_losses(&graph, None, true, &x),
+    );
     assert!(want[3] < want[0], "the loss falls: {want:?}");
     assert_close(&got, &want, 1e-6, "losses, packed against unpacked");
 }
@@ -351,6 +338,11 @@ fn cuda_lowering_of_packed_attention() {
         }
     }
     assert!(AttnDnnDesc::of_grad(&grad, &[&p, &p, &p, &o], &p).is_some());
+    // The pass packs the head sizes the flash kernels take, no larger.
+    assert_eq!(
+        rustytorch::compiler::attn_packed::MAX_PACKED_HEAD,
+        rustytorch::codegen::cuda::flash::MAX_HEAD
+    );
     // f32, or a head size the kernels do not take: refused with the reason.
     for (dt, d) in [(DType::F32, 64), (DType::BF16, 40)] {
         let [p, o] = packed_types(dt, (1, 10, 2, d));
@@ -455,7 +447,7 @@ fn packed_attention_on_the_device() {
         heads: 2,
         ..SMALL
     };
-    let graph = block_graph(&cfg);
+    let graph = block_graph(&cfg, DType::BF16);
     let x = rand_tensor(
         &TensorType::new(DType::BF16, Shape::new([2, 128, 128])),
         11,

@@ -22,6 +22,7 @@
 //! kernels' range, which the CUDA lowering checks again).
 
 use crate::graph::{Graph, NodeId};
+use crate::plan::through_reshapes;
 use crate::Result;
 use rustytorch_ops::{AttnLayout, DType, Op, Shape, ATTN_WRT_PACKED};
 use std::collections::HashMap;
@@ -221,17 +222,6 @@ pub fn attention_packed(graph: &Graph, grads: bool) -> Result<(Graph, AttnPacked
     Ok((g, report))
 }
 
-/// `x` with reshapes stripped.
-fn through_reshapes(g: &Graph, mut x: NodeId) -> NodeId {
-    while let Ok(n) = g.node(x) {
-        match n.op {
-            Op::Reshape { .. } => x = n.inputs[0],
-            _ => break,
-        }
-    }
-    x
-}
-
 /// A leaf of a gradient sum as part `j` of a packed gradient `G` (`[B, S, 3, H, D]`):
 /// `pad(reshape…(slice(G)))`, zeros around the part's columns of `[B, S, 3·H·D]`, possibly with
 /// a widening cast among the reshapes (autocast's f32 gradient of a bf16 attention). Returns `G`,
@@ -244,11 +234,11 @@ fn padded_part(g: &Graph, leaf: NodeId) -> Option<(NodeId, usize, bool)> {
     if value.get() != 0.0 {
         return None;
     }
-    let mut x = through_reshapes(g, n.inputs[0]);
+    let mut x = through_reshapes(g, n.inputs[0]).ok()?;
     let mut cast = false;
     if let Op::Cast { .. } = g.node(x).ok()?.op {
         cast = true;
-        x = through_reshapes(g, g.node(x).ok()?.inputs[0]);
+        x = through_reshapes(g, g.node(x).ok()?.inputs[0]).ok()?;
     }
     let sl = g.node(x).ok()?;
     let Op::Slice { starts, ends, .. } = &sl.op else {

@@ -214,7 +214,7 @@ fn sibling_key(op: &Op) -> Option<(Op, u8)> {
 }
 
 /// Follows reshape aliases (see [`is_alias`]) down from `id` to the value whose bytes it reads.
-fn through_reshapes(graph: &Graph, mut id: NodeId) -> Result<NodeId> {
+pub(crate) fn through_reshapes(graph: &Graph, mut id: NodeId) -> Result<NodeId> {
     loop {
         let node = graph.node(id)?;
         match &node.op {

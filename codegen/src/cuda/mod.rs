@@ -524,7 +524,7 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
             ..
         } if !flash::supported(inputs) => attention::lower_bshd(op, inputs, out),
         // The compiler packs q, k and v only where the flash kernels run (see
-        // `rustytorch_compiler::attn_layout`).
+        // `rustytorch_compiler::attn_packed`).
         Op::Attention {
             layout: AttnLayout::Packed,
             ..
