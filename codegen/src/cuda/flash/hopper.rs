@@ -174,7 +174,7 @@ fn wgmma_macro(
 /// head dim, which overwrites `s` (its outputs write-only, so the previous tile's scores are
 /// dead once the softmax has read them), `RT_WGMMA_S(da, db)` for the others, and
 /// `RT_WGMMA_O(a0, a1, a2, a3, db)` for `O += P·V` with `P` from registers.
-fn wgmma_macros(elem: &str, bc: usize, dv: usize) -> String {
+pub(super) fn wgmma_macros(elem: &str, bc: usize, dv: usize) -> String {
     [
         wgmma_macro("RT_WGMMA_S0", elem, bc, "s", "=f", 0, false),
         wgmma_macro("RT_WGMMA_S", elem, bc, "s", "+f", 1, false),
@@ -186,17 +186,18 @@ fn wgmma_macros(elem: &str, bc: usize, dv: usize) -> String {
 /// `asm volatile("" : "+c"(x))` over every element of `arr[rows][4]` (`c` the constraint):
 /// keeps the compiler from moving reads or writes of MMA operands across the MMA's fence and
 /// wait.
-fn pin(arr: &str, rows: usize, c: char) -> String {
+pub(super) fn pin(arr: &str, rows: usize, c: char) -> String {
     format!(
         "        #pragma unroll\n        for (int n = 0; n < {rows}; ++n) {{ asm volatile(\"\" : \"+{c}\"({arr}[n][0]), \"+{c}\"({arr}[n][1]), \"+{c}\"({arr}[n][2]), \"+{c}\"({arr}[n][3]) :: \"memory\"); }}\n"
     )
 }
 
-/// The online softmax of score tile `t` in `s` (raw products): P into `pa`, the running
-/// maxima, sums and output rescaled. Off the edges (no mask, every key visible to every row of
-/// the block) the scale is folded into the exponent's multiply-add; on them the scores are
-/// scaled and masked first.
-const SOFTMAX: &str = r#"        const int kb = t * $BC;
+/// The first part of the online softmax of score tile `t` in `s` (raw products): the scores
+/// masked, the running maxima moved, the sums rescaled, and `c`, `r0`, `r1` (the exponent's
+/// scale and references) and `a0`, `a1` (the rows' rescaling factors) defined. Off the edges (no
+/// mask, every key visible to every row of the block) the scale is folded into the exponent's
+/// multiply-add; on them the scores are scaled and masked first.
+pub(super) const SOFTMAX_SCORES: &str = r#"        const int kb = t * $BC;
         float c = $SCALEf;
         if ($HAS_MASK || kb + $BC > lim_first) {
           c = 1.f;
@@ -223,11 +224,17 @@ $ROW_MAXIMA        const float mn0 = fmaxf(m0, mx0 * c), mn1 = fmaxf(m1, mx1 * c
         const float a0 = ex2(m0 - r0), a1 = ex2(m1 - r1);
         m0 = mn0; m1 = mn1;
         l0 *= a0; l1 *= a1;
-        if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
+"#;
+
+/// The output rows rescaled by `a0`, `a1` when a maximum moved.
+pub(super) const RESCALE: &str = r#"        if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
           #pragma unroll
           for (int n = 0; n < $DV8; ++n) { o[n][0] *= a0; o[n][1] *= a0; o[n][2] *= a1; o[n][3] *= a1; }
         }
-        // P = 2^(c·s − ref), summed per row and rounded into A fragments (8-key groups 2kk and
+"#;
+
+/// P = 2^(c·s − ref) into the A fragments `pa`, summed into the rows' sums.
+const EXP_PACK: &str = r#"        // P = 2^(c·s − ref), summed per row and rounded into A fragments (8-key groups 2kk and
         // 2kk + 1 are the fragment of keys 16kk..16kk + 15).
         #pragma unroll
         for (int kk = 0; kk < $BC16; ++kk) {
@@ -248,61 +255,16 @@ $ROW_MAXIMA        const float mn0 = fmaxf(m0, mx0 * c), mn1 = fmaxf(m1, mx1 * c
         }
 "#;
 
-/// The kernel body (see the module docs); `stats` writes the backward's statistics (with `dO`
-/// as the fourth tensor of `s.heads`) instead of the output.
-fn source(s: &Shape2, sp: &Spec, t: Tile) -> String {
-    let (sq, sk, d, dv) = (s.sq, s.sk, s.d, s.dv);
-    let elem = s.elem;
-    let (br, bc) = (t.br(), t.bc);
-    let qt = sq.div_ceil(br);
-    let bh_count = sp.bsz * sp.heads;
-    let q_bytes = br * d * 2;
-    let k_bytes = bc * d * 2;
-    let v_bytes = bc * dv * 2;
-    let mask_stmt = s.mask.clone().unwrap_or_default();
-    // S = Q·Kᵀ of key tile `t` over the head dim in steps of 16: step `kk` lies in 64-column
-    // block kk / 4, at byte 32·(kk mod 4) of each 128-byte row (the hardware applies the swizzle
-    // to the address, so advancing the start address inside the pattern walks the K dim).
-    let mut s_gemm = String::from(
-        "        const unsigned ks = k_s0 + (unsigned)(t & 1) * $KBYTESu;\n        asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\");\n",
-    );
-    for kk in 0..d / 16 {
-        let (blk, off) = (kk / 4, (kk % 4) * 32);
-        s_gemm.push_str(&format!(
-            "        {mac}(rt_desc(q_s + {qa}u + (unsigned)wg * 8192u, 16u), rt_desc(ks + {kb}u, 16u));\n",
-            mac = if kk == 0 { "RT_WGMMA_S0" } else { "RT_WGMMA_S" },
-            qa = blk * br * 128 + off,
-            kb = blk * bc * 128 + off,
-        ));
-    }
-    s_gemm.push_str("        asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\");\n        asm volatile(\"wgmma.wait_group.sync.aligned 0;\" ::: \"memory\");\n");
-    s_gemm.push_str(&pin("s", bc / 8, 'f'));
-    // O += P·V of value tile `t` over the keys in steps of 16 (two 8-row groups, 2048 bytes).
-    let mut pv = String::from("        const unsigned vs = v_s0 + (unsigned)(t % 3) * $VBYTESu;\n");
-    pv.push_str(&pin("pa", bc / 16, 'r'));
-    pv.push_str(&pin("o", dv / 8, 'f'));
-    pv.push_str("        asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\");\n");
-    for kk in 0..bc / 16 {
-        pv.push_str(&format!(
-            "        RT_WGMMA_O(pa[{kk}][0], pa[{kk}][1], pa[{kk}][2], pa[{kk}][3], rt_desc(vs + {off}u, {lbo}u));\n",
-            off = kk * 16 * 128,
-            lbo = bc * 128,
-        ));
-    }
-    pv.push_str("        asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\");\n        asm volatile(\"wgmma.wait_group.sync.aligned 0;\" ::: \"memory\");\n");
-    pv.push_str(&pin("o", dv / 8, 'f'));
-    let body = r#"// Flash attention forward for sm_90a: $WG warpgroups of 64 query rows, key tiles of $BC, wgmma ($E).
-#define RT_NEG_INF __int_as_float(0xff800000)
-#define RT_LOG2E 1.4426950408889634f
-$WGMMAextern __shared__ __align__(1024) unsigned char rt_smem[];
-// The tiles, each a set of 64-column blocks of 128-byte rows, 128-byte swizzled: the query
-// tile, then two key tiles, then three value tiles.
-const unsigned q_s = ((unsigned)__cvta_generic_to_shared(rt_smem) + 1023u) & ~1023u;
-const unsigned k_s0 = q_s + $QBYTESu;
-const unsigned v_s0 = k_s0 + 2u * $KBYTESu;
-const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-const int g = lane >> 2, t4 = lane & 3;
-auto lim_of = [](long long i) -> int { return (int)($LIM); };
+/// The online softmax of score tile `t` in `s`: P into `pa`, the running maxima, sums and
+/// output rescaled.
+fn softmax() -> String {
+    [SOFTMAX_SCORES, RESCALE, EXP_PACK].concat()
+}
+
+/// The kernel's helpers, after the thread indices: the causal limit `lim_of`, `pack` (two f32
+/// into the operands' type), `ex2`, the shared-memory matrix descriptor `rt_desc` and `load`
+/// (a swizzled tile by `cp.async`, `$THREADS` threads from `tid`).
+pub(super) const PRELUDE: &str = r#"auto lim_of = [](long long i) -> int { return (int)($LIM); };
 auto pack = [](float lo, float hi) -> unsigned {
   unsigned r; asm("cvt.rn.$Ex2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
 };
@@ -326,7 +288,136 @@ auto load = [&](const unsigned short* src, long long first, long long limit, int
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(to), "l"(from), "r"(in ? 16 : 0) : "memory");
   }
 };
-for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
+"#;
+
+/// `S = Q·Kᵀ` of the key tile at shared address `ks` (C, defined before) into `s`, issued and
+/// committed, not waited for: over the head dim in steps of 16, step `kk` lies in 64-column
+/// block kk / 4, at byte 32·(kk mod 4) of each 128-byte row (the hardware applies the swizzle
+/// to the address, so advancing the start address inside the pattern walks the K dim). `rows`
+/// is the C expression of the warpgroup's 64-row block in the query tile.
+pub(super) fn s_issue(d: usize, br: usize, bc: usize, rows: &str) -> String {
+    let mut out =
+        String::from("        asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\");\n");
+    for kk in 0..d / 16 {
+        let (blk, off) = (kk / 4, (kk % 4) * 32);
+        out.push_str(&format!(
+            "        {mac}(rt_desc(q_s + {qa}u + (unsigned)({rows}) * 8192u, 16u), rt_desc(ks + {kb}u, 16u));\n",
+            mac = if kk == 0 { "RT_WGMMA_S0" } else { "RT_WGMMA_S" },
+            qa = blk * br * 128 + off,
+            kb = blk * bc * 128 + off,
+        ));
+    }
+    out.push_str("        asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\");\n");
+    out
+}
+
+/// `O += P·V` of the value tile at shared address `vs` (C, defined before), `P` from the
+/// registers `pa`, issued and committed, not waited for: over the keys in steps of 16 (two
+/// 8-row groups, 2048 bytes).
+pub(super) fn pv_issue(bc: usize, dv: usize) -> String {
+    let mut out = pin("pa", bc / 16, 'r');
+    out.push_str(&pin("o", dv / 8, 'f'));
+    out.push_str("        asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\");\n");
+    for kk in 0..bc / 16 {
+        out.push_str(&format!(
+            "        RT_WGMMA_O(pa[{kk}][0], pa[{kk}][1], pa[{kk}][2], pa[{kk}][3], rt_desc(vs + {off}u, {lbo}u));\n",
+            off = kk * 16 * 128,
+            lbo = bc * 128,
+        ));
+    }
+    out.push_str("        asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\");\n");
+    out
+}
+
+/// `wgmma.wait_group n`, then `arr[rows][4]` pinned after it.
+pub(super) fn wait(n: u32, arr: &str, rows: usize) -> String {
+    format!(
+        "        asm volatile(\"wgmma.wait_group.sync.aligned {n};\" ::: \"memory\");\n{}",
+        pin(arr, rows, if arr == "pa" { 'r' } else { 'f' })
+    )
+}
+
+/// The names both Hopper kernels share, replaced in this order (longer names first, so that
+/// no name is a prefix of one replaced before it; the blocks before the names they hold).
+pub(super) fn common_subs(
+    s: &Shape2,
+    sp: &Spec,
+    br: usize,
+    bc: usize,
+    loaders: u32,
+    blocks: usize,
+) -> Vec<(&'static str, String)> {
+    let (sq, sk, d, dv) = (s.sq, s.sk, s.d, s.dv);
+    vec![
+        ("$PRELUDE", PRELUDE.to_string()),
+        ("$WGMMA", wgmma_macros(s.elem, bc, dv)),
+        ("$QBYTES", (br * d * 2).to_string()),
+        ("$KBYTES", (bc * d * 2).to_string()),
+        ("$VBYTES", (bc * dv * 2).to_string()),
+        ("$THREADS", loaders.to_string()),
+        ("$TILES", blocks.to_string()),
+        ("$HAS_MASK", s.mask.is_some().to_string()),
+        ("$SCALE", format!("{:?}", s.scale_log2 as f32)),
+        ("$MASK", s.mask.clone().unwrap_or_default()),
+        ("$TAIL", tail(s)),
+        ("$LIM", limit(s.causal, sq, sk)),
+        ("$QRS", s.strides[0].to_string()),
+        ("$KRS", s.strides[1].to_string()),
+        ("$VRS", s.strides[2].to_string()),
+        ("$DV8", (dv / 8).to_string()),
+        ("$BC16", (bc / 16).to_string()),
+        ("$BC8", (bc / 8).to_string()),
+        ("$QH", s.heads[0].clone()),
+        ("$KH", s.heads[1].clone()),
+        ("$VH", s.heads[2].clone()),
+        ("$BH", (sp.bsz * sp.heads).to_string()),
+        ("$QT", sq.div_ceil(br).to_string()),
+        ("$SQ", sq.to_string()),
+        ("$SK", sk.to_string()),
+        ("$DV", dv.to_string()),
+        ("$BR", br.to_string()),
+        ("$BC", bc.to_string()),
+        ("$D", d.to_string()),
+        ("$E", s.elem.to_string()),
+    ]
+}
+
+/// `body` with `first`, then `common`, replaced in order.
+pub(super) fn substitute(
+    body: &str,
+    first: Vec<(&'static str, String)>,
+    common: Vec<(&'static str, String)>,
+) -> String {
+    let mut out = body.to_string();
+    for (k, v) in first.into_iter().chain(common) {
+        out = out.replace(k, &v);
+    }
+    out
+}
+
+/// The kernel body (see the module docs); `stats` writes the backward's statistics (with `dO`
+/// as the fourth tensor of `s.heads`) instead of the output.
+fn source(s: &Shape2, sp: &Spec, t: Tile) -> String {
+    let (br, bc) = (t.br(), t.bc);
+    let mut s_gemm =
+        String::from("        const unsigned ks = k_s0 + (unsigned)(t & 1) * $KBYTESu;\n");
+    s_gemm.push_str(&s_issue(s.d, br, bc, "wg"));
+    s_gemm.push_str(&wait(0, "s", bc / 8));
+    let mut pv = String::from("        const unsigned vs = v_s0 + (unsigned)(t % 3) * $VBYTESu;\n");
+    pv.push_str(&pv_issue(bc, s.dv));
+    pv.push_str(&wait(0, "o", s.dv / 8));
+    let body = r#"// Flash attention forward for sm_90a: $NWG warpgroups of 64 query rows, key tiles of $BC, wgmma ($E).
+#define RT_NEG_INF __int_as_float(0xff800000)
+#define RT_LOG2E 1.4426950408889634f
+$WGMMAextern __shared__ __align__(1024) unsigned char rt_smem[];
+// The tiles, each a set of 64-column blocks of 128-byte rows, 128-byte swizzled: the query
+// tile, then two key tiles, then three value tiles.
+const unsigned q_s = ((unsigned)__cvta_generic_to_shared(rt_smem) + 1023u) & ~1023u;
+const unsigned k_s0 = q_s + $QBYTESu;
+const unsigned v_s0 = k_s0 + 2u * $KBYTESu;
+const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+const int g = lane >> 2, t4 = lane & 3;
+$PRELUDEfor (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
   // The heaviest query tiles of every head first.
   const long long bh = tile % $BHLL;
   const int qt = (int)($QTLL - 1LL - tile / $BHLL);
@@ -390,49 +481,18 @@ $TAIL
   asm volatile("cp.async.wait_group 0;" ::: "memory");
   __syncthreads();
 }"#;
-    // Longer names first, so that no name is a prefix of one replaced before it.
-    let subs: Vec<(&str, String)> = vec![
-        // The blocks first: they hold names replaced below.
+    let first = vec![
         ("$S_GEMM", s_gemm),
         (
             "$SOFTMAX",
-            SOFTMAX.replace("$ROW_MAXIMA", &row_maxima("$BC8", "        ")),
+            softmax().replace("$ROW_MAXIMA", &row_maxima("$BC8", "        ")),
         ),
         ("$PV", pv),
-        ("$WGMMA", wgmma_macros(elem, bc, dv)),
-        ("$QBYTES", q_bytes.to_string()),
-        ("$KBYTES", k_bytes.to_string()),
-        ("$VBYTES", v_bytes.to_string()),
-        ("$THREADS", t.threads().to_string()),
-        ("$TILES", tiles(sp, t).to_string()),
-        ("$HAS_MASK", s.mask.is_some().to_string()),
-        ("$SCALE", format!("{:?}", s.scale_log2 as f32)),
-        ("$MASK", mask_stmt),
-        ("$TAIL", tail(s)),
-        ("$LIM", limit(s.causal, sq, sk)),
-        ("$QRS", s.strides[0].to_string()),
-        ("$KRS", s.strides[1].to_string()),
-        ("$VRS", s.strides[2].to_string()),
-        ("$DV8", (dv / 8).to_string()),
-        ("$BC16", (bc / 16).to_string()),
-        ("$BC8", (bc / 8).to_string()),
-        ("$QH", s.heads[0].clone()),
-        ("$KH", s.heads[1].clone()),
-        ("$VH", s.heads[2].clone()),
-        ("$BH", bh_count.to_string()),
-        ("$QT", qt.to_string()),
-        ("$SQ", sq.to_string()),
-        ("$SK", sk.to_string()),
-        ("$DV", dv.to_string()),
-        ("$WG", t.wg.to_string()),
-        ("$BR", br.to_string()),
-        ("$BC", bc.to_string()),
-        ("$D", d.to_string()),
-        ("$E", elem.to_string()),
+        ("$NWG", t.wg.to_string()),
     ];
-    let mut out = body.to_string();
-    for (k, v) in subs {
-        out = out.replace(k, &v);
-    }
-    out
+    substitute(
+        body,
+        first,
+        common_subs(s, sp, br, bc, t.threads(), tiles(sp, t)),
+    )
 }
