@@ -115,6 +115,9 @@ fn hopper_lowering_picks_the_warpgroup_kernel() {
             assert!(
                 name(Target::Hopper, &fwd, &refs[..3], &out).starts_with("flash_attention_sm90")
             );
+            // The warp-specialized kernel: a producer and two consumer warpgroups.
+            let step = with_target(Target::Hopper, || lower_step(&fwd, &refs[..3], &out)).unwrap();
+            assert_eq!(step.launches()[0].kernel.block, 384);
             assert!(!name(Target::Portable, &fwd, &refs[..3], &out).contains("sm90"));
             let grad = Op::AttentionGrad {
                 causal: Causal::TopLeft,
@@ -197,6 +200,13 @@ fn hopper_flash_forward_and_gradients_match_float64() {
                 layout,
             };
             check(&what, &op, ins);
+            // Sections of four heads in the tile order: with six (batch, head) pairs the last
+            // section holds two.
+            if b * h == 6 && causal == Causal::TopLeft && mask == AttnMask::None {
+                std::env::set_var("RUSTYTORCH_HOPPER_SECTION_HEADS", "4");
+                check(&format!("{what} sections of 4 heads"), &op, ins);
+                std::env::remove_var("RUSTYTORCH_HOPPER_SECTION_HEADS");
+            }
             // The gradients (their statistics pass is this kernel) where the float64
             // reference stays quick.
             if sq * sk > 60_000 || (causal, mask) != (Causal::TopLeft, AttnMask::None) {

@@ -296,14 +296,34 @@ fn flash_attention_hopper_compiles() {
             }
         }
     }
-    // The measurement knob's other block shape (key tiles of 64) for head size 64. The
-    // variable is process-wide; no other test here lowers for Hopper.
-    std::env::set_var("RUSTYTORCH_HOPPER_TILE", "2x64");
-    for causal in [Causal::None, Causal::BottomRight] {
+    // The measurement knobs: the two-warpgroup kernel (with its other block shape, key tiles of
+    // 64, at head size 64), and the warp-specialized one with three consumers or three
+    // buffers. The variables are process-wide; no other test here lowers for Hopper.
+    let knobs: [&[(&str, &str)]; 4] = [
+        &[
+            ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
+            ("RUSTYTORCH_HOPPER_TILE", "2x64"),
+        ],
+        &[("RUSTYTORCH_HOPPER_KERNEL", "skew")],
+        &[("RUSTYTORCH_HOPPER_WS", "3")],
+        &[
+            ("RUSTYTORCH_HOPPER_WS_STAGES", "3"),
+            ("RUSTYTORCH_HOPPER_PINGPONG", "0"),
+        ],
+    ];
+    for (knob, (hd, causal)) in knobs.iter().zip([
+        (64, Causal::None),
+        (128, Causal::BottomRight),
+        (64, Causal::TopLeft),
+        (128, Causal::None),
+    ]) {
+        for (k, v) in knob.iter() {
+            std::env::set_var(k, v);
+        }
         let ins = [
-            t(DType::BF16, &[2, 3, 300, 64]),
-            t(DType::BF16, &[2, 3, 77, 64]),
-            t(DType::BF16, &[2, 3, 77, 64]),
+            t(DType::BF16, &[2, 3, 300, hd]),
+            t(DType::BF16, &[2, 3, 77, hd]),
+            t(DType::BF16, &[2, 3, 77, hd]),
         ];
         let refs: Vec<&TensorType> = ins.iter().collect();
         let op = Op::Attention {
@@ -315,9 +335,23 @@ fn flash_attention_hopper_compiles() {
         let out = rustytorch::ops::infer(&op, &refs).expect("infer");
         let step = with_target(Target::Hopper, || lower_step(&op, &refs, &out)).expect("lower");
         let k = &step.launches()[0].kernel;
-        assert!(source(k).expect("source").contains("m64n64k16"));
-        sources.push((k.name.clone(), source(k).expect("source")));
+        let src = source(k).expect("source");
+        // Threads: two warpgroups, or a producer and two or three consumers.
+        let threads = match knob[0] {
+            ("RUSTYTORCH_HOPPER_KERNEL", _) => 256,
+            ("RUSTYTORCH_HOPPER_WS", _) => 512,
+            _ => 384,
+        };
+        assert_eq!(k.block, threads, "{knob:?}");
+        assert!(src.contains(if hd == 64 && threads == 256 {
+            "m64n64k16"
+        } else {
+            "m64n128k16"
+        }));
+        sources.push((k.name.clone(), src));
+        for (k, _) in knob.iter() {
+            std::env::remove_var(k);
+        }
     }
-    std::env::remove_var("RUSTYTORCH_HOPPER_TILE");
     compile_all(&hopper, sources);
 }

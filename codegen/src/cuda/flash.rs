@@ -36,6 +36,7 @@
 
 mod decode;
 mod hopper;
+mod hopper_ws;
 
 use super::ir::{CTy, Kernel, Param, Stmt};
 use super::{finish, grid_for, ArgRef, Launch, StepKernels};

@@ -33,11 +33,15 @@
 //! `mma.m16n8` repeated over the columns, so the end of the kernel (the normalized rows or the
 //! backward's statistics) is the portable kernel's code.
 //!
-//! Causal blocks walk only the key tiles their rows see, and the grid runs the heaviest query
-//! tiles of every head first. What this kernel leaves to a later one: the tensor memory
-//! accelerator (bulk tensor copies need a tensor map per operand, made on the host with the
-//! buffers' addresses) and warp specialization (a producer warp and `setmaxnreg`), which FA3
-//! adds on top of the same products.
+//! Causal blocks walk only the key tiles their rows see, and the tiles run in the order of
+//! [`ORDER`] (heads in L2-sized sections, the heaviest query tiles of a section first).
+//!
+//! This kernel is kept behind `RUSTYTORCH_HOPPER_KERNEL=skew`: the warp-specialized kernel
+//! ([`super::hopper_ws`]), built from the same pieces (the products, the softmax, the tile
+//! order and the end are shared from here), ran faster on every measured shape. What both
+//! leave to a later kernel is the tensor memory accelerator: bulk tensor copies need a tensor
+//! map per operand, made on the host with the buffers' addresses (docs/performance.md has the
+//! measurement that points there).
 
 use super::{limit, row_maxima, tail, Shape2, Spec};
 
@@ -115,8 +119,13 @@ pub(super) struct Built {
     pub source: String,
 }
 
-/// [`Built`] for `sp` and `s`.
+/// [`Built`] for `sp` and `s`: the warp-specialized kernel ([`super::hopper_ws`]), faster on
+/// every measured shape (docs/performance.md), unless `RUSTYTORCH_HOPPER_KERNEL=skew` asks for
+/// this module's.
 pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
+    if std::env::var("RUSTYTORCH_HOPPER_KERNEL").as_deref() != Ok("skew") {
+        return super::hopper_ws::build(s, sp);
+    }
     let t = tile(sp);
     Built {
         threads: t.threads(),
@@ -337,6 +346,39 @@ pub(super) fn wait(n: u32, arr: &str, rows: usize) -> String {
     )
 }
 
+/// The bytes of keys and values that the blocks running at once should share through L2: a
+/// third of the H200's 50 MiB, so that the heads of a section stay cached while they are read.
+const L2_SHARE: usize = 16 << 20;
+
+/// Heads per section of the tile order ([`ORDER`]): as many as `L2_SHARE` holds the keys and
+/// values of, at least one (`RUSTYTORCH_HOPPER_SECTION_HEADS=N` sets it, for tests and
+/// measurements).
+fn section_heads(sp: &Spec) -> usize {
+    let bh = sp.bsz * sp.heads;
+    if let Some(n) = std::env::var("RUSTYTORCH_HOPPER_SECTION_HEADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        return n.clamp(1, bh);
+    }
+    (L2_SHARE / (sp.sk * (sp.d + sp.dv) * 2).max(1)).clamp(1, bh)
+}
+
+/// The batch·head `bh` and the query tile `qt` of `tile` (C, at the loop's indent). Blocks are
+/// launched in tile order, so the blocks running at once hold neighbouring tiles: the heads
+/// are taken in sections of `$HS` whose keys and values fit in L2 together, and within a
+/// section the heaviest query tiles (causal) of every head come first. Ordered by head
+/// fastest over all heads instead, the blocks running at once read as many heads' keys and
+/// values as there are SMs, L2 could not hold them, and every query tile read its keys and
+/// values from memory again (68% of the H200's DRAM bandwidth at 412 TFLOP/s; with the loads
+/// left out the same kernel ran 663).
+pub(super) const ORDER: &str = r#"    const long long sec = tile / ($HSLL * $QTLL);
+    const long long r = tile - sec * ($HSLL * $QTLL);
+    const long long hs = min($HSLL, $BHLL - sec * $HSLL);
+    const long long bh = sec * $HSLL + r % hs;
+    const int qt = (int)($QTLL - 1LL - r / hs);
+"#;
+
 /// The names both Hopper kernels share, replaced in this order (longer names first, so that
 /// no name is a prefix of one replaced before it; the blocks before the names they hold).
 pub(super) fn common_subs(
@@ -349,7 +391,9 @@ pub(super) fn common_subs(
 ) -> Vec<(&'static str, String)> {
     let (sq, sk, d, dv) = (s.sq, s.sk, s.d, s.dv);
     vec![
+        ("$ORDER", ORDER.to_string()),
         ("$PRELUDE", PRELUDE.to_string()),
+        ("$HS", section_heads(sp).to_string()),
         ("$WGMMA", wgmma_macros(s.elem, bc, dv)),
         ("$QBYTES", (br * d * 2).to_string()),
         ("$KBYTES", (bc * d * 2).to_string()),
@@ -418,10 +462,7 @@ const unsigned v_s0 = k_s0 + 2u * $KBYTESu;
 const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
 const int g = lane >> 2, t4 = lane & 3;
 $PRELUDEfor (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
-  // The heaviest query tiles of every head first.
-  const long long bh = tile % $BHLL;
-  const int qt = (int)($QTLL - 1LL - tile / $BHLL);
-  const int i0 = qt * $BR + wg * 64 + warp * 16 + g, i1 = i0 + 8;
+$ORDER  const int i0 = qt * $BR + wg * 64 + warp * 16 + g, i1 = i0 + 8;
   const unsigned short* qp = (const unsigned short*)q + $QH;
   const unsigned short* kp = (const unsigned short*)k + $KH;
   const unsigned short* vp = (const unsigned short*)v + $VH;
@@ -495,4 +536,44 @@ $TAIL
         first,
         common_subs(s, sp, br, bc, t.threads(), tiles(sp, t)),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    /// [`super::ORDER`] in Rust: the (batch·head, query tile) of `tile`.
+    fn order(tile: i64, hs: i64, qt: i64, bh: i64) -> (i64, i64) {
+        let sec = tile / (hs * qt);
+        let r = tile - sec * (hs * qt);
+        let n = hs.min(bh - sec * hs);
+        (sec * hs + r % n, qt - 1 - r / n)
+    }
+
+    /// Every (head, query tile) is visited once, whether or not the last section is full, and
+    /// within a section the query tiles run from the last (the heaviest under a causal mask).
+    #[test]
+    fn tile_order_covers_every_tile_once() {
+        assert!(super::ORDER.contains("const long long hs = min($HSLL, $BHLL - sec * $HSLL);"));
+        for bh in [1i64, 5, 6, 96, 128] {
+            for hs in [1i64, 4, 8, 64, 200] {
+                let hs = hs.min(bh);
+                for qt in [1i64, 3, 8] {
+                    let mut seen = vec![false; (bh * qt) as usize];
+                    let mut last = (-1i64, i64::MAX);
+                    for tile in 0..bh * qt {
+                        let (h, q) = order(tile, hs, qt, bh);
+                        assert!((0..bh).contains(&h) && (0..qt).contains(&q));
+                        let i = (h * qt + q) as usize;
+                        assert!(!seen[i], "bh {bh} hs {hs} qt {qt}: tile {tile} repeats");
+                        seen[i] = true;
+                        let sec = h / hs;
+                        if sec == last.0 {
+                            assert!(q <= last.1, "heaviest first within a section");
+                        }
+                        last = (sec, q);
+                    }
+                    assert!(seen.iter().all(|&s| s));
+                }
+            }
+        }
+    }
 }

@@ -1,0 +1,344 @@
+//! The warp-specialized flash attention forward for Hopper: one producer warpgroup copies the
+//! tiles, two (or, at head size 64, three) consumer warpgroups of 64 query rows compute on them,
+//! the two sides handing buffers over through shared-memory barriers (`mbarrier`) instead of
+//! block-wide barriers.
+//!
+//! # The kernel
+//!
+//! - **Roles and registers.** Warpgroup 0 is the producer; it gives registers back
+//!   (`setmaxnreg.dec`) and the consumers take them (`setmaxnreg.inc`), so the consumers hold
+//!   the scores, `P` and the output of a 64 × 128 tile in registers without spilling.
+//! - **The producer** walks the same query tiles as the consumers and copies, in the order the
+//!   consumers read them, the query tile, key tile 0, then key tile `j` and value tile `j − 1`
+//!   for each `j`, then the last value tile, into two key and two value buffers (`cp.async`,
+//!   rows past the end zero-filled). Before it writes a buffer it waits on that buffer's *empty*
+//!   barrier; `cp.async.mbarrier.arrive.noinc` makes the buffer's *full* barrier complete when
+//!   the copies have landed. The next query tile's copies start as soon as the consumers' last
+//!   `Q·Kᵀ` of the current one is done.
+//! - **A consumer** waits on a buffer's full barrier (then a proxy fence makes the copied bytes
+//!   visible to the tensor cores), and once the matrix product that read it is complete, one
+//!   lane a warp arrives on its empty barrier. Within a consumer, `S_j = Q·K_jᵀ` and
+//!   `O += P_{j−1}·V_{j−1}` are issued together; the softmax of `S_j` runs while `P·V` is on the
+//!   tensor cores (its exponentials kept in the score registers until `P·V` has read the previous
+//!   `P`), then the output is rescaled and `P_j` packed.
+//! - **Ping-pong.** The consumers take turns issuing their matrix products (named barriers
+//!   `1 + c`, each consumer releasing the next), so that one warpgroup's softmax overlaps the
+//!   other's products. Per query tile each consumer issues `n + 1` times for `n` key tiles; the
+//!   last consumer opens the first turn and does not pass on its last, so every named barrier
+//!   ends each tile with its arrivals matched. `RUSTYTORCH_HOPPER_PINGPONG=0` turns the turns
+//!   off, for measurements.
+//!
+//! The products (descriptors, swizzle, `wgmma` shapes), the softmax (masks, causal limits,
+//! maxima, rescaling) and the end of the kernel (the output or the backward's statistics) are
+//! the two-warpgroup kernel's ([`super::hopper`]), shared with it.
+
+use super::hopper::{
+    common_subs, pin, pv_issue, s_issue, substitute, wait, Built, RESCALE, SOFTMAX_SCORES,
+};
+use super::{row_maxima, Shape2, Spec};
+
+/// Threads of the producer warpgroup, which also copies the tiles.
+const PRODUCER: u32 = 128;
+
+/// Consumer warpgroups (64 query rows each) per block: two (`RUSTYTORCH_HOPPER_WS=3` asks for
+/// three at head size 64, for measurements: 160 registers a consumer thread).
+fn consumers(sp: &Spec) -> usize {
+    let small = sp.d.max(sp.dv) <= 64;
+    match std::env::var("RUSTYTORCH_HOPPER_WS").as_deref() {
+        Ok("3") if small => 3,
+        _ => 2,
+    }
+}
+
+/// The registers a thread of the producer and of a consumer holds after `setmaxnreg`: the
+/// block's 64 Ki registers shared as the launch bound left them (168 a thread for 384 threads,
+/// 128 for 512), the producer giving up what the consumers take.
+fn registers(nc: usize) -> (u32, u32) {
+    if nc == 2 {
+        (56, 224)
+    } else {
+        (32, 160)
+    }
+}
+
+/// Keys per tile.
+const BC: usize = 128;
+
+/// Key and value buffers (each): two, or three where `RUSTYTORCH_HOPPER_WS_STAGES=3` asks
+/// (for measurements).
+fn stages() -> usize {
+    match std::env::var("RUSTYTORCH_HOPPER_WS_STAGES").as_deref() {
+        Ok("3") => 3,
+        _ => 2,
+    }
+}
+
+/// [`Built`] for `sp` and `s`.
+pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
+    let nc = consumers(sp);
+    let br = 64 * nc;
+    let st = stages();
+    // The tiles, then full and empty barriers for the query tile and each buffer.
+    let smem = 1024 + br * sp.d * 2 + st * BC * (sp.d + sp.dv) * 2 + (2 + 4 * st) * 8;
+    let blocks = sp.bsz * sp.heads * sp.sq.div_ceil(br);
+    let pingpong = std::env::var("RUSTYTORCH_HOPPER_PINGPONG").as_deref() != Ok("0");
+    Built {
+        threads: PRODUCER + 128 * nc as u32,
+        smem: smem as u32,
+        blocks,
+        source: source(s, sp, nc, st, pingpong, blocks),
+    }
+}
+
+/// The C of a consumer's turn: waiting for it, and passing it on (`last` the C condition under
+/// which the last consumer keeps it, at its last turn of a query tile).
+fn turns(nc: usize, pingpong: bool) -> (String, String, String) {
+    if !pingpong {
+        return (String::new(), String::new(), String::new());
+    }
+    let threads = 256;
+    let sync = format!(
+        "        asm volatile(\"bar.sync %0, {threads};\" :: \"r\"(1 + cw) : \"memory\");\n"
+    );
+    let pass = format!(
+        "        asm volatile(\"bar.arrive %0, {threads};\" :: \"r\"(1 + (cw + 1) % {nc}) : \"memory\");\n"
+    );
+    let pass_unless_last = format!(
+        "        if (cw != {last}) {{\n  {pass}        }}\n",
+        last = nc - 1,
+        pass = pass.trim_start()
+    );
+    (sync, pass, pass_unless_last)
+}
+
+/// The kernel body (see the module docs).
+fn source(s: &Shape2, sp: &Spec, nc: usize, st: usize, pingpong: bool, blocks: usize) -> String {
+    let br = 64 * nc;
+    let (bc8, bc16, dv8) = (BC / 8, BC / 16, s.dv / 8);
+    let (reg_p, reg_c) = registers(nc);
+    let (turn, pass, pass_last) = turns(nc, pingpong);
+    let k_slot = "        const unsigned ks = k_s0 + (kc % $STu) * $KBYTESu;\n";
+    let v_slot = "        const unsigned vs = v_s0 + (vc % $STu) * $VBYTESu;\n";
+    // The exponentials in place, summed per row.
+    let exps = r#"        #pragma unroll
+        for (int n = 0; n < $BC8; ++n) {
+          s[n][0] = ex2(fmaf(s[n][0], c, -r0));
+          s[n][1] = ex2(fmaf(s[n][1], c, -r0));
+          s[n][2] = ex2(fmaf(s[n][2], c, -r1));
+          s[n][3] = ex2(fmaf(s[n][3], c, -r1));
+          l0 += s[n][0] + s[n][1];
+          l1 += s[n][2] + s[n][3];
+        }
+"#;
+    // P rounded into A fragments (8-key groups 2kk and 2kk + 1 are the fragment of keys
+    // 16kk..16kk + 15).
+    let pack = r#"        #pragma unroll
+        for (int kk = 0; kk < $BC16; ++kk) {
+          pa[kk][0] = pack(s[2 * kk][0], s[2 * kk][1]);
+          pa[kk][1] = pack(s[2 * kk][2], s[2 * kk][3]);
+          pa[kk][2] = pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+          pa[kk][3] = pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+"#;
+    let scores = SOFTMAX_SCORES.replace("$ROW_MAXIMA", &row_maxima("$BC8", "        "));
+    let full_k = "        mb_wait(kfull + 8u * (kc % $STu), (kc / $STu) & 1u);\n";
+    let full_v = "        mb_wait(vfull + 8u * (vc % $STu), (vc / $STu) & 1u);\n";
+    let fence = "        asm volatile(\"fence.proxy.async.shared::cta;\" ::: \"memory\");\n";
+    let free_k = "        if (lane == 0) mb_arrive(kempty + 8u * (kc % $STu));\n        ++kc;\n";
+    let free_v = "        if (lane == 0) mb_arrive(vempty + 8u * (vc % $STu));\n        ++vc;\n";
+    let free_q = "        if (lane == 0) mb_arrive(qempty);\n";
+
+    // The first key tile: S_0, its softmax (the output is still zero: no rescale) and P_0.
+    let mut first = String::new();
+    first.push_str(full_k);
+    first.push_str(fence);
+    first.push_str(&turn);
+    first.push_str(k_slot);
+    first.push_str(&s_issue(s.d, br, BC, "cw"));
+    first.push_str(&pass);
+    first.push_str(&wait(0, "s", bc8));
+    first.push_str(free_k);
+    first.push_str(&format!(
+        "        if (ntiles == 1) {{\n  {}        }}\n",
+        free_q.trim_start()
+    ));
+    first.push_str("        {\n        const int t = 0;\n");
+    first.push_str(&scores);
+    first.push_str(exps);
+    first.push_str("        }\n");
+    first.push_str(pack);
+
+    // Key tile j: S_j and P_{j-1}·V_{j-1} issued together, the softmax of S_j while P·V runs.
+    let mut step = String::new();
+    step.push_str(full_k);
+    step.push_str(full_v);
+    step.push_str(fence);
+    step.push_str(&turn);
+    step.push_str(k_slot);
+    step.push_str(&s_issue(s.d, br, BC, "cw"));
+    step.push_str(v_slot);
+    step.push_str(&pv_issue(BC, s.dv));
+    step.push_str(&pass);
+    step.push_str(&wait(1, "s", bc8));
+    step.push_str(free_k);
+    step.push_str(&format!(
+        "        if (j == ntiles - 1) {{\n  {}        }}\n",
+        free_q.trim_start()
+    ));
+    step.push_str("        const int t = j;\n");
+    step.push_str(&scores);
+    step.push_str(exps);
+    step.push_str(&wait(0, "o", dv8));
+    step.push_str(&pin("pa", bc16, 'r'));
+    step.push_str(free_v);
+    step.push_str(RESCALE);
+    step.push_str(pack);
+
+    // The last value tile.
+    let mut last = String::new();
+    last.push_str(full_v);
+    last.push_str(fence);
+    last.push_str(&turn);
+    last.push_str(v_slot);
+    last.push_str(&pv_issue(BC, s.dv));
+    last.push_str(&pass_last);
+    last.push_str(&wait(0, "o", dv8));
+    last.push_str(&pin("pa", bc16, 'r'));
+    last.push_str(free_v);
+
+    let open = if pingpong {
+        format!(
+            "    if (cw == {}) asm volatile(\"bar.arrive 1, 256;\" ::: \"memory\");\n",
+            nc - 1
+        )
+    } else {
+        String::new()
+    };
+
+    let body = r#"// Flash attention forward for sm_90a, warp-specialized: a producer warpgroup and $NC consumer warpgroups of 64 query rows, key tiles of $BC, wgmma ($E).
+#define RT_NEG_INF __int_as_float(0xff800000)
+#define RT_LOG2E 1.4426950408889634f
+$WGMMAextern __shared__ __align__(1024) unsigned char rt_smem[];
+// The query tile, two key and two value buffers (each a set of 64-column blocks of 128-byte
+// rows, 128-byte swizzled), then the barriers.
+const unsigned q_s = ((unsigned)__cvta_generic_to_shared(rt_smem) + 1023u) & ~1023u;
+const unsigned k_s0 = q_s + $QBYTESu;
+const unsigned v_s0 = k_s0 + $STu * $KBYTESu;
+const unsigned qfull = v_s0 + $STu * $VBYTESu, qempty = qfull + 8u;
+const unsigned kfull = qfull + 16u, kempty = kfull + 8u * $STu, vfull = kempty + 8u * $STu, vempty = vfull + 8u * $STu;
+const int tid = threadIdx.x, lane = tid & 31;
+auto mb_init = [](unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+};
+auto mb_arrive = [](unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+};
+// Waits until the phase of parity `parity` of the barrier has completed.
+auto mb_wait = [](unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+};
+if (tid == 0) {
+  // Full: the producer's threads (their copies landed); empty: the consumers' warps.
+  mb_init(qfull, $PRODUCERu);
+  mb_init(qempty, $CWARPSu);
+  for (unsigned b = 0; b < $STu; ++b) {
+    mb_init(kfull + 8u * b, $PRODUCERu);
+    mb_init(vfull + 8u * b, $PRODUCERu);
+    mb_init(kempty + 8u * b, $CWARPSu);
+    mb_init(vempty + 8u * b, $CWARPSu);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__syncthreads();
+$PRELUDEif (tid < $PRODUCER) {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 $REG_P;" ::: "memory");
+  // Buffers used so far (their parities and slots follow from the counts).
+  unsigned qc = 0, kc = 0, vc = 0;
+  for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
+$ORDER    const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
+    const int ntiles = (kend + $BC - 1) / $BC;
+    if (ntiles == 0) continue;
+    const unsigned short* qp = (const unsigned short*)q + $QH;
+    const unsigned short* kp = (const unsigned short*)k + $KH;
+    const unsigned short* vp = (const unsigned short*)v + $VH;
+    mb_wait(qempty, (qc & 1u) ^ 1u);
+    load(qp, (long long)qt * $BR, $SQLL, $BR, $D, $QRSLL, q_s);
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(qfull) : "memory");
+    ++qc;
+    for (int j = 0; j <= ntiles; ++j) {
+      if (j < ntiles) {
+        const unsigned slot = kc % $STu;
+        mb_wait(kempty + 8u * slot, ((kc / $STu) & 1u) ^ 1u);
+        load(kp, (long long)j * $BC, $SKLL, $BC, $D, $KRSLL, k_s0 + slot * $KBYTESu);
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(kfull + 8u * slot) : "memory");
+        ++kc;
+      }
+      if (j > 0) {
+        const unsigned slot = vc % $STu;
+        mb_wait(vempty + 8u * slot, ((vc / $STu) & 1u) ^ 1u);
+        load(vp, (long long)(j - 1) * $BC, $SKLL, $BC, $DV, $VRSLL, v_s0 + slot * $VBYTESu);
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(vfull + 8u * slot) : "memory");
+        ++vc;
+      }
+    }
+  }
+  // Every copy has landed before the producer leaves.
+  asm volatile("cp.async.wait_all;" ::: "memory");
+} else {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 $REG_C;" ::: "memory");
+  const int cw = (tid >> 7) - 1, warp = (tid >> 5) & 3;
+  const int g = lane >> 2, t4 = lane & 3;
+  unsigned qc = 0, kc = 0, vc = 0;
+  for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
+$ORDER    const int i0 = qt * $BR + cw * 64 + warp * 16 + g, i1 = i0 + 8;
+    const int lim0 = lim_of(i0), lim1 = lim_of(i1);
+    const int lim_first = lim_of(qt * $BR);
+    const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
+    const int ntiles = (kend + $BC - 1) / $BC;
+    float o[$DV8][4];
+    #pragma unroll
+    for (int n = 0; n < $DV8; ++n) { o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f; }
+    float m0 = RT_NEG_INF, m1 = RT_NEG_INF, l0 = 0.f, l1 = 0.f;
+    if (ntiles > 0) {
+      float s[$BC8][4];
+      unsigned pa[$BC16][4];
+$OPEN      mb_wait(qfull, qc & 1u);
+      ++qc;
+      {
+$FIRST      }
+      for (int j = 1; j < ntiles; ++j) {
+$STEP      }
+      {
+$LAST      }
+    }
+    // Each row's sum over its four lanes; a row that saw nothing is zero, a NaN row stays NaN.
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = l0 == 0.f ? 0.f : 1.f / l0, inv1 = l1 == 0.f ? 0.f : 1.f / l1;
+$TAIL
+  }
+}"#;
+    let first_subs = vec![
+        ("$FIRST", first),
+        ("$STEP", step),
+        ("$LAST", last),
+        ("$OPEN", open),
+        ("$NC", nc.to_string()),
+        ("$ST", st.to_string()),
+        ("$CWARPS", (4 * nc).to_string()),
+        ("$PRODUCER", PRODUCER.to_string()),
+        ("$REG_P", reg_p.to_string()),
+        ("$REG_C", reg_c.to_string()),
+    ];
+    substitute(
+        body,
+        first_subs,
+        common_subs(s, sp, br, BC, PRODUCER, blocks),
+    )
+}
