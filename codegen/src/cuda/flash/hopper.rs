@@ -379,6 +379,15 @@ pub(super) const ORDER: &str = r#"    const long long sec = tile / ($HSLL * $QTL
     const int qt = (int)($QTLL - 1LL - r / hs);
 "#;
 
+/// The end of the key walk: each row's sum over its four lanes and its inverse (`inv0`,
+/// `inv1`), before [`super::tail`]; a row that saw nothing is zero, a NaN row stays NaN.
+const ROW_SUMS: &str = r#"    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = l0 == 0.f ? 0.f : 1.f / l0, inv1 = l1 == 0.f ? 0.f : 1.f / l1;
+"#;
+
 /// The names both Hopper kernels share, replaced in this order (longer names first, so that
 /// no name is a prefix of one replaced before it; the blocks before the names they hold).
 pub(super) fn common_subs(
@@ -392,6 +401,7 @@ pub(super) fn common_subs(
     let (sq, sk, d, dv) = (s.sq, s.sk, s.d, s.dv);
     vec![
         ("$ORDER", ORDER.to_string()),
+        ("$ROW_SUMS", ROW_SUMS.to_string()),
         ("$PRELUDE", PRELUDE.to_string()),
         ("$HS", section_heads(sp).to_string()),
         ("$WGMMA", wgmma_macros(s.elem, bc, dv)),
@@ -511,13 +521,7 @@ $SOFTMAX$PV      }
 $S_GEMM      }
     }
   }
-  // Each row's sum over its four lanes; a row that saw nothing is zero, a NaN row stays NaN.
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  const float inv0 = l0 == 0.f ? 0.f : 1.f / l0, inv1 = l1 == 0.f ? 0.f : 1.f / l1;
-$TAIL
+$ROW_SUMS$TAIL
   // No copy may still be writing the tiles when the next query tile starts.
   asm volatile("cp.async.wait_group 0;" ::: "memory");
   __syncthreads();

@@ -148,63 +148,64 @@ fn source(s: &Shape2, sp: &Spec, nc: usize, st: usize, pingpong: bool, blocks: u
     let free_v = "        if (lane == 0) mb_arrive(vempty + 8u * (vc % $STu));\n        ++vc;\n";
     let free_q = "        if (lane == 0) mb_arrive(qempty);\n";
 
+    let release_q = |cond: &str| {
+        format!(
+            "        if ({cond}) {{\n  {}        }}\n",
+            free_q.trim_start()
+        )
+    };
+    let (s_gemm, pv_gemm) = (s_issue(s.d, br, BC, "cw"), pv_issue(BC, s.dv));
+    let (wait_o, pin_pa) = (wait(0, "o", dv8), pin("pa", bc16, 'r'));
+
     // The first key tile: S_0, its softmax (the output is still zero: no rescale) and P_0.
-    let mut first = String::new();
-    first.push_str(full_k);
-    first.push_str(fence);
-    first.push_str(&turn);
-    first.push_str(k_slot);
-    first.push_str(&s_issue(s.d, br, BC, "cw"));
-    first.push_str(&pass);
-    first.push_str(&wait(0, "s", bc8));
-    first.push_str(free_k);
-    first.push_str(&format!(
-        "        if (ntiles == 1) {{\n  {}        }}\n",
-        free_q.trim_start()
-    ));
-    first.push_str("        {\n        const int t = 0;\n");
-    first.push_str(&scores);
-    first.push_str(exps);
-    first.push_str("        }\n");
-    first.push_str(pack);
+    let first = [
+        full_k,
+        fence,
+        &turn,
+        k_slot,
+        &s_gemm,
+        &pass,
+        &wait(0, "s", bc8),
+        free_k,
+        &release_q("ntiles == 1"),
+        "        {\n        const int t = 0;\n",
+        &scores,
+        exps,
+        "        }\n",
+        pack,
+    ]
+    .concat();
 
     // Key tile j: S_j and P_{j-1}·V_{j-1} issued together, the softmax of S_j while P·V runs.
-    let mut step = String::new();
-    step.push_str(full_k);
-    step.push_str(full_v);
-    step.push_str(fence);
-    step.push_str(&turn);
-    step.push_str(k_slot);
-    step.push_str(&s_issue(s.d, br, BC, "cw"));
-    step.push_str(v_slot);
-    step.push_str(&pv_issue(BC, s.dv));
-    step.push_str(&pass);
-    step.push_str(&wait(1, "s", bc8));
-    step.push_str(free_k);
-    step.push_str(&format!(
-        "        if (j == ntiles - 1) {{\n  {}        }}\n",
-        free_q.trim_start()
-    ));
-    step.push_str("        const int t = j;\n");
-    step.push_str(&scores);
-    step.push_str(exps);
-    step.push_str(&wait(0, "o", dv8));
-    step.push_str(&pin("pa", bc16, 'r'));
-    step.push_str(free_v);
-    step.push_str(RESCALE);
-    step.push_str(pack);
+    let step = [
+        full_k,
+        full_v,
+        fence,
+        &turn,
+        k_slot,
+        &s_gemm,
+        v_slot,
+        &pv_gemm,
+        &pass,
+        &wait(1, "s", bc8),
+        free_k,
+        &release_q("j == ntiles - 1"),
+        "        const int t = j;\n",
+        &scores,
+        exps,
+        &wait_o,
+        &pin_pa,
+        free_v,
+        RESCALE,
+        pack,
+    ]
+    .concat();
 
     // The last value tile.
-    let mut last = String::new();
-    last.push_str(full_v);
-    last.push_str(fence);
-    last.push_str(&turn);
-    last.push_str(v_slot);
-    last.push_str(&pv_issue(BC, s.dv));
-    last.push_str(&pass_last);
-    last.push_str(&wait(0, "o", dv8));
-    last.push_str(&pin("pa", bc16, 'r'));
-    last.push_str(free_v);
+    let last = [
+        full_v, fence, &turn, v_slot, &pv_gemm, &pass_last, &wait_o, &pin_pa, free_v,
+    ]
+    .concat();
 
     let open = if pingpong {
         format!(
@@ -315,13 +316,7 @@ $STEP      }
       {
 $LAST      }
     }
-    // Each row's sum over its four lanes; a row that saw nothing is zero, a NaN row stays NaN.
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = l0 == 0.f ? 0.f : 1.f / l0, inv1 = l1 == 0.f ? 0.f : 1.f / l1;
-$TAIL
+$ROW_SUMS$TAIL
   }
 }"#;
     let first_subs = vec![
