@@ -370,8 +370,8 @@ fn section_heads(sp: &Spec) -> usize {
 /// section the heaviest query tiles (causal) of every head come first. Ordered by head
 /// fastest over all heads instead, the blocks running at once read as many heads' keys and
 /// values as there are SMs, L2 could not hold them, and every query tile read its keys and
-/// values from memory again (68% of the H200's DRAM bandwidth at 412 TFLOP/s; with the loads
-/// left out the same kernel ran 663).
+/// values from memory again (68% of the H200's DRAM bandwidth at 412 TFLOP/s; this order took
+/// it to 5.5%, docs/performance.md).
 pub(super) const ORDER: &str = r#"    const long long sec = tile / ($HSLL * $QTLL);
     const long long r = tile - sec * ($HSLL * $QTLL);
     const long long hs = min($HSLL, $BHLL - sec * $HSLL);

@@ -1,7 +1,7 @@
 //! The warp-specialized flash attention forward for Hopper: one producer warpgroup copies the
-//! tiles, two (or, at head size 64, three) consumer warpgroups of 64 query rows compute on them,
-//! the two sides handing buffers over through shared-memory barriers (`mbarrier`) instead of
-//! block-wide barriers.
+//! tiles, two consumer warpgroups of 64 query rows compute on them (three at head size 64 where
+//! `RUSTYTORCH_HOPPER_WS=3` asks), the two sides handing buffers over through shared-memory
+//! barriers (`mbarrier`) instead of block-wide barriers.
 //!
 //! # The kernel
 //!
