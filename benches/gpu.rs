@@ -1199,6 +1199,11 @@ fn main() {
         attention_rows(&mut push, false);
         return;
     }
+    // `bench-gpu attention-flash-bwd`: the flash kernels' forward and forward+backward rows.
+    if only("attention-flash-bwd") {
+        attention_rows(&mut push, true);
+        return;
+    }
     // `bench-gpu attention-auto`: the default mode's rows only.
     if only("attention-auto") {
         attention_cudnn_rows(&mut push, false);

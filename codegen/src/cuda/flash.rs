@@ -34,6 +34,7 @@
 //! a Hopper-specific kernel (warpgroup MMA, TMA loads, warp specialization) is noted in
 //! docs/performance.md with its measured speed.
 
+mod backward;
 mod decode;
 mod hopper;
 mod hopper_ws;
@@ -363,9 +364,10 @@ pub fn lower_grad(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<S
 }
 
 /// Lowers a group of `AttentionGrad` siblings (the same attention's gradients, `ops[i]` with
-/// result type `outs[i]`, in increasing `wrt`) to one step: the statistics kernel once, then
-/// `dK` and `dV` together in one kernel per key tile (for head sizes up to [`KV_BOTH_HEAD`],
-/// else one kernel each) and `dQ` per query tile. Result `i` binds to [`ArgRef::Output`] for the
+/// result type `outs[i]`, in increasing `wrt`) to one step: the statistics kernel once, then,
+/// when `dQ` is asked for with `dK` and/or `dV`, the fused backward ([`backward`]: all of them
+/// in one kernel per key tile, `dQ` through an f32 buffer); else `dK` and `dV` together in one
+/// kernel per key tile (for head sizes up to [`KV_BOTH_HEAD`], else one kernel each). Result `i` binds to [`ArgRef::Output`] for the
 /// first member and [`ArgRef::With`]`(i - 1)` for the others. The caller checks [`supported`].
 pub fn lower_grad_group(
     ops: &[&Op],
@@ -432,6 +434,9 @@ fn grad_kernels(sp: &Spec, n_in: usize, wanted: &[(u8, ArgRef)]) -> Result<StepK
             "attention gradient with respect to operand {w}"
         )));
     }
+    if let (Some(q), true) = (at(0), at(1).is_some() || at(2).is_some()) {
+        return fused_grads(sp, n_in, &grad_params, launches, q, at(1), at(2), rows);
+    }
     // (body, its outputs' names and places, tiles)
     let mut grads: Vec<(String, Vec<(&str, ArgRef)>, usize)> = vec![];
     if let Some(q) = at(0) {
@@ -476,6 +481,93 @@ fn grad_kernels(sp: &Spec, n_in: usize, wanted: &[(u8, ArgRef)]) -> Result<StepK
     Ok(StepKernels {
         launches,
         scratch_bytes: delta_at + rows * 4,
+    })
+}
+
+/// After the statistics kernel (`launches`): the fused backward ([`backward`]) for `dQ` with
+/// `dK` and/or `dV`, between a kernel zeroing its f32 `dQ` buffer and one rounding it into the
+/// result.
+#[allow(clippy::too_many_arguments)]
+fn fused_grads(
+    sp: &Spec,
+    n_in: usize,
+    grad_params: &[Param],
+    mut launches: Vec<Launch>,
+    q: ArgRef,
+    k: Option<ArgRef>,
+    v: Option<ArgRef>,
+    rows: usize,
+) -> Result<StepKernels> {
+    let delta_at = (rows * 4).next_multiple_of(256);
+    let acc_at = (delta_at + rows * 4).next_multiple_of(256);
+    let acc_len = rows * sp.d;
+    let buffer = |name: &str, writes: bool| param(name, CTy::F32, writes);
+    let small = |prefix: &str, params: Vec<Param>, body: String| {
+        finish(
+            prefix,
+            Kernel {
+                name: String::new(),
+                params,
+                block: backward::BUFFER_THREADS,
+                smem: 0,
+                body: vec![Stmt::Verbatim(body)],
+            },
+        )
+    };
+    let buffer_grid = grid_for(acc_len as u64 / 2, backward::BUFFER_THREADS as u64);
+    launches.push(Launch {
+        kernel: small(
+            "flash_attention_bwd_zero",
+            vec![buffer("dq_acc", true)],
+            backward::zero_source(acc_len),
+        )?,
+        args: vec![ArgRef::ScratchAt(acc_at)],
+        grid: buffer_grid,
+    });
+    let built = backward::build(sp, k.is_some(), v.is_some());
+    let mut params = grad_params.to_vec();
+    params.push(buffer("dq_acc", true));
+    let mut args: Vec<ArgRef> = (0..n_in)
+        .map(ArgRef::Input)
+        .chain([
+            ArgRef::ScratchAt(0),
+            ArgRef::ScratchAt(delta_at),
+            ArgRef::ScratchAt(acc_at),
+        ])
+        .collect();
+    for (name, at) in [("out_k", k), ("out_v", v)] {
+        if let Some(at) = at {
+            params.push(param(name, sp.e, true));
+            args.push(at);
+        }
+    }
+    let tiles = sp.bsz * sp.heads * sp.sk.div_ceil(built.keys);
+    launches.push(Launch {
+        kernel: finish(
+            "flash_attention_bwd",
+            Kernel {
+                name: String::new(),
+                params,
+                block: built.threads,
+                smem: built.smem,
+                body: vec![Stmt::Verbatim(built.source)],
+            },
+        )?,
+        args,
+        grid: grid_for(tiles as u64, 1),
+    });
+    launches.push(Launch {
+        kernel: small(
+            "flash_attention_bwd_dq",
+            vec![buffer("dq_acc", false), param("out", sp.e, true)],
+            backward::dq_source(sp),
+        )?,
+        args: vec![ArgRef::ScratchAt(acc_at), q],
+        grid: buffer_grid,
+    });
+    Ok(StepKernels {
+        launches,
+        scratch_bytes: acc_at + acc_len * 4,
     })
 }
 
@@ -778,21 +870,8 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
 /// Definitions the gradient kernels share: constants, conversions, the `mma`/`ldmatrix`
 /// macros, the causal limit and a tile loader.
 fn grad_prelude(sp: &Spec) -> String {
-    let elem = sp.elem();
-    r#"#define RT_NEG_INF __int_as_float(0xff800000)
-#define RT_POS_INF __int_as_float(0x7f800000)
-#define RT_LOG2E 1.4426950408889634f
-#define RT_MMA(c, a, b0, b1) asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.$E.$E.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
-#define RT_LDSM(b0, b1, b2, b3, addr) asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(addr))
-#define RT_LDSM_T(b0, b1, b2, b3, addr) asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(addr))
-const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-const int g = lane >> 2, t4 = lane & 3;
-auto lim_of = [](long long i) -> int { return (int)($LIM); };
-auto pack = [](float lo, float hi) -> unsigned {
-  unsigned r; asm("cvt.rn.$Ex2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
-};
-auto ex2 = [](float x) -> float { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; };
-// Rows [j·64, j·64 + 64) of an [n, width] matrix (rows gstride apart) into shared memory,
+    grad_defs(sp)
+        + r#"// Rows [j·64, j·64 + 64) of an [n, width] matrix (rows gstride apart) into shared memory,
 // rows past n zero.
 auto load_tile = [&](const unsigned short* src, unsigned base, int j, int width, int stride, int n, int gstride) {
   const int chunks = width / 8;
@@ -810,6 +889,26 @@ auto load_tile = [&](const unsigned short* src, unsigned base, int j, int width,
 auto frag = [](const unsigned short* p, int r0, int n, int rs, int c) -> unsigned {
   return r0 < n ? *(const unsigned*)(p + (long long)r0 * rs + c) : 0u;
 };
+"#
+}
+
+/// The constants, `mma`/`ldmatrix` macros, thread coordinates, causal limit and conversions
+/// every gradient kernel starts with.
+fn grad_defs(sp: &Spec) -> String {
+    let elem = sp.elem();
+    r#"#define RT_NEG_INF __int_as_float(0xff800000)
+#define RT_POS_INF __int_as_float(0x7f800000)
+#define RT_LOG2E 1.4426950408889634f
+#define RT_MMA(c, a, b0, b1) asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.$E.$E.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+#define RT_LDSM(b0, b1, b2, b3, addr) asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(addr))
+#define RT_LDSM_T(b0, b1, b2, b3, addr) asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(addr))
+const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+const int g = lane >> 2, t4 = lane & 3;
+auto lim_of = [](long long i) -> int { return (int)($LIM); };
+auto pack = [](float lo, float hi) -> unsigned {
+  unsigned r; asm("cvt.rn.$Ex2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+};
+auto ex2 = [](float x) -> float { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; };
 "#
     .replace("$E", elem)
     .replace("$LIM", &limit(sp.causal, sp.sq, sp.sk))
@@ -835,17 +934,23 @@ fn a_frags(name: &str, ptr: &str, r0: &str, n: usize, width: usize, rs: usize) -
 /// `acc[8][4] += A·Bᵀ` over `k16` steps: A fragments `a[k16][4]`, B's 64 rows (the n dimension)
 /// in shared memory at `base` with row stride `stride` (non-transposed `ldmatrix`).
 fn mma_abt(acc: &str, a: &str, base: &str, stride: usize, k16: usize) -> String {
+    abt(acc, "", &format!("{a}[kk]"), base, stride, k16)
+}
+
+/// `acc[8][4] += A·Bᵀ` as [`mma_abt`], the A fragment of step `kk` named `a` after the
+/// statement `load_a` (empty when `a` is already in registers).
+fn abt(acc: &str, load_a: &str, a: &str, base: &str, stride: usize, k16: usize) -> String {
     format!(
         r#"  #pragma unroll
   for (int kk = 0; kk < {k16}; ++kk) {{
-    #pragma unroll
+{load_a}    #pragma unroll
     for (int np = 0; np < 4; ++np) {{
       const int row = np * 16 + (lane & 7) + (lane >> 4) * 8;
       const int col = kk * 16 + ((lane >> 3) & 1) * 8;
       unsigned b0, b1, b2, b3;
       RT_LDSM(b0, b1, b2, b3, {base} + (unsigned)((row * {stride} + col) * 2));
-      RT_MMA({acc}[2 * np], {a}[kk], b0, b1);
-      RT_MMA({acc}[2 * np + 1], {a}[kk], b2, b3);
+      RT_MMA({acc}[2 * np], {a}, b0, b1);
+      RT_MMA({acc}[2 * np + 1], {a}, b2, b3);
     }}
   }}
 "#
@@ -1003,6 +1108,15 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
     c
 }
 
+/// The first query that sees key `kb`, as C over `int kb`.
+fn first_query(sp: &Spec) -> String {
+    match sp.causal {
+        Causal::None => "0".to_string(),
+        Causal::TopLeft => "kb".to_string(),
+        Causal::BottomRight => format!("max(kb - ({}), 0)", sp.sk as i64 - sp.sq as i64),
+    }
+}
+
 /// Which key-side gradients a kernel computes.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kv {
@@ -1021,12 +1135,7 @@ fn grad_kv(sp: &Spec, which: Kv) -> String {
     let (qt, kt) = (sq.div_ceil(BR), sk.div_ceil(BC));
     let sl2 = (sp.scale * std::f64::consts::LOG2_E) as f32;
     let mask = sp.mask.clone().unwrap_or_default();
-    // The first query that sees key `kb`.
-    let first = match sp.causal {
-        Causal::None => "0".to_string(),
-        Causal::TopLeft => "kb".to_string(),
-        Causal::BottomRight => format!("max(kb - ({}), 0)", sk as i64 - sq as i64),
-    };
+    let first = first_query(sp);
     let mut c = grad_prelude(sp);
     c += &format!(
         r#"__shared__ __align__(16) unsigned short qs[64 * {qs}];
