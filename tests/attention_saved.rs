@@ -1,7 +1,8 @@
 //! An attention forward whose three gradients are computed in the same graph saves its softmax
 //! statistics for them: the memory plan keeps O live until the gradients' step with room for
 //! the statistics after it (`MemoryPlan::saved`), CUDA runs cuDNN's forward with statistics
-//! there and cuDNN's backward reads O and the statistics instead of recomputing the forward.
+//! there, or the flash forward that writes the same, and cuDNN's backward or the flash
+//! gradients read O and the statistics instead of recomputing the forward.
 //! These tests check the plan and the lowering here, and the values on the test device (CUDA
 //! where `RUSTYTORCH_TEST_CUDA=1`, else the CPU executable) against the CPU kernels, in the
 //! default mode and with `RUSTYTORCH_ATTENTION=cudnn|flash` set by the caller.
@@ -108,7 +109,28 @@ fn the_plan_saves_the_statistics_for_the_gradients() {
         let fwd_steps: Vec<usize> = (0..steps.len())
             .filter(|&i| matches!(steps[i], CudaStep::Attention { .. }))
             .collect();
-        // Forcing the flash kernels (`RUSTYTORCH_ATTENTION=flash`) leaves cuDNN out: no saving.
+        // The flash forward writes the statistics too, and the flash gradients read them: their
+        // first kernel derives `rowsum(dO ∘ O)` instead of recomputing the forward.
+        if saved {
+            let first = |i: usize| steps[i].launches()[0].kernel.name.clone();
+            let v = plan.steps.iter().find_map(|s| s.saved).unwrap();
+            let rustytorch::codegen::Source::Step(fi) = plan.sources[v] else {
+                panic!("the forward is a step")
+            };
+            let gi = plan.steps.iter().position(|s| s.saved.is_some()).unwrap();
+            assert!(
+                first(fi).starts_with("flash_attention_saving"),
+                "{}",
+                first(fi)
+            );
+            assert!(
+                first(gi).starts_with("flash_attention_delta"),
+                "{}",
+                first(gi)
+            );
+        }
+        // Forcing the flash kernels (`RUSTYTORCH_ATTENTION=flash`) leaves cuDNN out: no saving
+        // by cuDNN.
         let flash = std::env::var("RUSTYTORCH_ATTENTION").as_deref() == Ok("flash");
         if !saved || flash {
             assert!(grad_steps
@@ -151,9 +173,10 @@ fn saved_statistics_give_the_cpu_gradients() {
                 let d = shape[4];
                 let op = attention(causal, layout, d);
                 let g = graph(&op, &operands(dt, layout, shape, seed));
+                let what = format!("{dt} {layout:?} {shape:?} {causal:?} on {dev:?}");
+                eprintln!("compiling: {what}");
                 let mut exe = rustytorch::compile_graph(&g, dev, &no_opt()).unwrap();
                 let names = ["x0", "x1", "x2", "x3"];
-                let what = format!("{dt} {layout:?} {shape:?} {causal:?} on {dev:?}");
                 // Twice, on other operands: the second run reads the statistics its own forward
                 // wrote, not the first run's.
                 for run in 0..2 {
@@ -185,6 +208,7 @@ fn saved_statistics_give_the_cpu_gradients() {
                         );
                     }
                 }
+                eprintln!("ok: {what}");
             }
         }
     }

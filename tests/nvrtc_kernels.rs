@@ -360,3 +360,77 @@ fn flash_attention_hopper_compiles() {
     }
     compile_all(&hopper, sources);
 }
+
+/// The forward that saves its statistics (the Hopper kernel for sm_90a, the portable one for
+/// both) and the gradients that read them (their first kernel derives `rowsum(dO ∘ O)` from the
+/// saved O), both element types, head sizes 64 and 128, both layouts.
+#[test]
+fn flash_attention_saving_compiles() {
+    let Some(compilers) = compilers() else { return };
+    let mut portable = vec![];
+    let mut hopper = vec![];
+    for d in [DType::F16, DType::BF16] {
+        for &(sq, sk, hd) in &[(1000, 1000, 128), (100, 37, 64)] {
+            for layout in [AttnLayout::Bhsd, AttnLayout::Bshd] {
+                let qkv = vec![
+                    heads(d, layout, [2, 3, sq, hd]),
+                    heads(d, layout, [2, 3, sk, hd]),
+                    heads(d, layout, [2, 3, sk, hd]),
+                ];
+                let refs: Vec<&TensorType> = qkv.iter().collect();
+                let op = Op::Attention {
+                    causal: Causal::TopLeft,
+                    mask: AttnMask::None,
+                    scale: F64Bits::new(0.125),
+                    layout,
+                };
+                let out = rustytorch::ops::infer(&op, &refs).expect("infer");
+                let at = rustytorch::compiler::plan::stats_offset(&out);
+                for (target, into) in [
+                    (Target::Hopper, &mut hopper),
+                    (Target::Portable, &mut portable),
+                ] {
+                    let step = with_target(target, || flash::lower_saving(&op, &refs, &out, at))
+                        .expect("lower");
+                    let k = &step.launches[0].kernel;
+                    assert!(k.name.starts_with("flash_attention_saving"));
+                    into.push((k.name.clone(), source(k).expect("source")));
+                }
+                let mut g = qkv.clone();
+                g.push(out.clone());
+                let refs: Vec<&TensorType> = g.iter().collect();
+                let ops: Vec<Op> = (0..3).map(|w| op.attention_grad(w).unwrap()).collect();
+                let outs: Vec<TensorType> = ops
+                    .iter()
+                    .map(|o| rustytorch::ops::infer(o, &refs).expect("infer"))
+                    .collect();
+                let saved = flash::Saved {
+                    o: rustytorch::codegen::cuda::ArgRef::Value(0),
+                    stats_at: at,
+                };
+                let step = flash::lower_grad_group_saved(
+                    &ops.iter().collect::<Vec<_>>(),
+                    &refs,
+                    &outs.iter().collect::<Vec<_>>(),
+                    Some(saved),
+                )
+                .expect("lower");
+                assert_eq!(step.launches.len(), 4);
+                assert!(step.launches[0]
+                    .kernel
+                    .name
+                    .starts_with("flash_attention_delta"));
+                assert_eq!(step.launches[0].args[1], saved.o);
+                let k = &step.launches[0].kernel;
+                portable.push((k.name.clone(), source(k).expect("source")));
+            }
+        }
+    }
+    for c in &compilers {
+        let mut all = portable.clone();
+        if c.arch() == "sm_90a" {
+            all.extend(hopper.iter().cloned());
+        }
+        compile_all(std::slice::from_ref(c), all);
+    }
+}

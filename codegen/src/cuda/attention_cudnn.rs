@@ -369,7 +369,7 @@ mod tests {
         let refs: Vec<&TensorType> = ins.iter().collect();
         let o = op(Causal::TopLeft, AttnMask::None, l);
         let step = super::super::lower_step(&o, &refs, &out).unwrap();
-        let super::super::CudaStep::Attention { cudnn, flash } = &step else {
+        let super::super::CudaStep::Attention { cudnn, flash, .. } = &step else {
             panic!("{step:?}");
         };
         assert_eq!(cudnn, &AttnDnnDesc::of(&o, &refs, &out).unwrap());

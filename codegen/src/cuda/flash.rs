@@ -226,14 +226,13 @@ impl Spec {
         self.bsz * self.heads * rows.div_ceil(BR)
     }
 
-    /// The forward source, writing the output or (with `stats`) each query row's log-sum-exp
-    /// and `D = rowsum(dO ∘ O)`.
-    fn forward(&self, stats: bool) -> String {
-        source(&self.shape2(stats))
+    /// The forward source, ending as `tail` says.
+    fn forward(&self, tail: Tail) -> String {
+        source(&self.shape2(tail))
     }
 
     /// What the forward kernels are specialized on.
-    fn shape2(&self, stats: bool) -> Shape2 {
+    fn shape2(&self, tail: Tail) -> Shape2 {
         Shape2 {
             sq: self.sq,
             sk: self.sk,
@@ -244,7 +243,7 @@ impl Spec {
             scale_log2: self.scale * std::f64::consts::LOG2_E,
             elem: self.elem(),
             mask: self.mask.clone(),
-            stats,
+            tail,
             heads: [
                 self.head(Part::Q),
                 self.head(Part::K),
@@ -269,17 +268,16 @@ impl Spec {
             && std::env::var("RUSTYTORCH_FLASH").as_deref() != Ok("portable")
     }
 
-    /// The forward kernel over `params` (the output or, with `stats`, the backward's
-    /// statistics) and its grid: the Hopper kernel where [`Spec::hopper`] says so, else the
-    /// portable one.
+    /// The forward kernel over `params` (what `tail` writes) and its grid: the Hopper kernel
+    /// where [`Spec::hopper`] says so, else the portable one.
     fn forward_launch(
         &self,
         prefix: &str,
         params: Vec<Param>,
-        stats: bool,
+        tail: Tail,
     ) -> Result<(Kernel, u32)> {
         if self.hopper() {
-            let built = hopper::build(&self.shape2(stats), self);
+            let built = hopper::build(&self.shape2(tail), self);
             let kernel = finish(
                 &format!("{prefix}_sm90"),
                 Kernel {
@@ -299,7 +297,7 @@ impl Spec {
                 params,
                 block: THREADS,
                 smem: 0,
-                body: vec![Stmt::Verbatim(self.forward(stats))],
+                body: vec![Stmt::Verbatim(self.forward(tail))],
             },
         )?;
         Ok((kernel, grid_for(self.tiles(self.sq) as u64, 1)))
@@ -318,7 +316,38 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
     }
     let mut params = sp.params.clone();
     params.push(param("out", sp.e, true));
-    let (kernel, grid) = sp.forward_launch("flash_attention", params, false)?;
+    let (kernel, grid) = sp.forward_launch("flash_attention", params, Tail::Out)?;
+    Ok(StepKernels {
+        launches: vec![Launch {
+            kernel,
+            args: (0..inputs.len())
+                .map(ArgRef::Input)
+                .chain([ArgRef::Output])
+                .collect(),
+            grid,
+        }],
+        scratch_bytes: 0,
+    })
+}
+
+/// Lowers `Attention` as [`lower`] does (never the decoding kernels), the kernel also writing
+/// each query row's natural log-sum-exp of the scaled scores (f32 `[B, H, Sq]`, +∞ for a row
+/// that sees no key) `stats_at` bytes past the output's start, where the memory plan keeps
+/// room for them (`rustytorch_compiler::plan::stats_offset`): the statistics a gradient step
+/// then reads ([`Saved`]) instead of recomputing the forward.
+pub fn lower_saving(
+    op: &Op,
+    inputs: &[&TensorType],
+    out: &TensorType,
+    stats_at: usize,
+) -> Result<StepKernels> {
+    let Some(sp) = Spec::new(op, inputs, out)? else {
+        return Ok(StepKernels::default());
+    };
+    let mut params = sp.params.clone();
+    params.push(param("out", sp.e, true));
+    let (kernel, grid) =
+        sp.forward_launch("flash_attention_saving", params, Tail::Save(stats_at))?;
     Ok(StepKernels {
         launches: vec![Launch {
             kernel,
@@ -346,6 +375,29 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
 /// `dQ` and `dK` end scaled by the attention scale. Masked pairs have `P = 0`; a fully masked
 /// query row has an infinite log-sum-exp, so it contributes nothing.
 pub fn lower_grad(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKernels> {
+    lower_grad_saved(op, inputs, out, None)
+}
+
+/// Where a gradient step finds its forward's saved output and statistics: O is the value
+/// bound at `o` (the forward's result, in the op's layout), and the f32 natural log-sum-exp of
+/// each query row (`[B, H, Sq]`, as [`lower_saving`] and cuDNN's forward with statistics write
+/// it) lies `stats_at` bytes past O's start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Saved {
+    /// The forward's result.
+    pub o: ArgRef,
+    /// Byte offset of the statistics from O's start.
+    pub stats_at: usize,
+}
+
+/// [`lower_grad`], reading the forward's statistics where `saved` says instead of recomputing
+/// the forward: the first kernel then only computes `D = rowsum(dO ∘ O)` from the saved O.
+pub fn lower_grad_saved(
+    op: &Op,
+    inputs: &[&TensorType],
+    out: &TensorType,
+    saved: Option<Saved>,
+) -> Result<StepKernels> {
     let Op::AttentionGrad { wrt, .. } = op else {
         return Err(crate::CodegenError::Invalid(format!(
             "{} is not an attention gradient",
@@ -358,9 +410,9 @@ pub fn lower_grad(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<S
     if *wrt == ATTN_WRT_PACKED {
         // dq, dk and dv into one [B, S, 3, H, D] result, each where its operand lies.
         let all: Vec<(u8, ArgRef)> = (0..3).map(|w| (w, ArgRef::Output)).collect();
-        return grad_kernels(&sp, inputs.len(), &all);
+        return grad_kernels(&sp, inputs.len(), &all, saved);
     }
-    grad_kernels(&sp, inputs.len(), &[(*wrt, ArgRef::Output)])
+    grad_kernels(&sp, inputs.len(), &[(*wrt, ArgRef::Output)], saved)
 }
 
 /// Lowers a group of `AttentionGrad` siblings (the same attention's gradients, `ops[i]` with
@@ -373,6 +425,17 @@ pub fn lower_grad_group(
     ops: &[&Op],
     inputs: &[&TensorType],
     outs: &[&TensorType],
+) -> Result<StepKernels> {
+    lower_grad_group_saved(ops, inputs, outs, None)
+}
+
+/// [`lower_grad_group`], reading the forward's statistics where `saved` says (see
+/// [`lower_grad_saved`]).
+pub fn lower_grad_group_saved(
+    ops: &[&Op],
+    inputs: &[&TensorType],
+    outs: &[&TensorType],
+    saved: Option<Saved>,
 ) -> Result<StepKernels> {
     let mut wanted = vec![];
     for (i, (op, out)) in ops.iter().zip(outs).enumerate() {
@@ -394,16 +457,21 @@ pub fn lower_grad_group(
     let Some(sp) = Spec::new(ops[0], inputs, outs[0])? else {
         return Ok(StepKernels::default());
     };
-    grad_kernels(&sp, inputs.len(), &wanted)
+    grad_kernels(&sp, inputs.len(), &wanted, saved)
 }
 
 /// Head sizes up to which one kernel computes `dK` and `dV` together (their fragments and
 /// accumulators must fit a thread's registers).
 pub const KV_BOTH_HEAD: usize = 64;
 
-/// The statistics kernel, then the gradient kernels of `wanted` (`wrt` and where its result
-/// goes).
-fn grad_kernels(sp: &Spec, n_in: usize, wanted: &[(u8, ArgRef)]) -> Result<StepKernels> {
+/// The statistics kernel (or, with `saved`, the kernel deriving them from the saved forward),
+/// then the gradient kernels of `wanted` (`wrt` and where its result goes).
+fn grad_kernels(
+    sp: &Spec,
+    n_in: usize,
+    wanted: &[(u8, ArgRef)],
+    saved: Option<Saved>,
+) -> Result<StepKernels> {
     let rows = sp.bsz * sp.heads * sp.sq;
     let delta_at = (rows * 4).next_multiple_of(256);
     let mut base = sp.params.clone();
@@ -420,13 +488,43 @@ fn grad_kernels(sp: &Spec, n_in: usize, wanted: &[(u8, ArgRef)]) -> Result<StepK
             param("delta", CTy::F32, false),
         ])
         .collect();
-    let (stats, stats_grid) = sp.forward_launch("flash_attention_stats", stats_params, true)?;
     let ins = || (0..n_in).map(ArgRef::Input);
     let scratch = [ArgRef::ScratchAt(0), ArgRef::ScratchAt(delta_at)];
-    let mut launches = vec![Launch {
-        kernel: stats,
-        args: ins().chain(scratch).collect(),
-        grid: stats_grid,
+    let mut launches = vec![match saved {
+        None => {
+            let (stats, stats_grid) =
+                sp.forward_launch("flash_attention_stats", stats_params, Tail::Stats)?;
+            Launch {
+                kernel: stats,
+                args: ins().chain(scratch).collect(),
+                grid: stats_grid,
+            }
+        }
+        Some(saved) => {
+            let threads = backward::BUFFER_THREADS;
+            Launch {
+                kernel: finish(
+                    "flash_attention_delta",
+                    Kernel {
+                        name: String::new(),
+                        params: vec![
+                            param("dout", sp.e, false),
+                            param("o", sp.e, false),
+                            param("lse", CTy::F32, true),
+                            param("delta", CTy::F32, true),
+                        ],
+                        block: threads,
+                        smem: 0,
+                        body: vec![Stmt::Verbatim(backward::delta_source(sp, saved.stats_at))],
+                    },
+                )?,
+                args: [ArgRef::Input(n_in - 1), saved.o]
+                    .into_iter()
+                    .chain(scratch)
+                    .collect(),
+                grid: grid_for(rows as u64 * 32, threads as u64),
+            }
+        }
     }];
     let at = |w: u8| wanted.iter().find(|(x, _)| *x == w).map(|(_, a)| *a);
     if let Some(w) = wanted.iter().map(|(w, _)| *w).find(|&w| w > 2) {
@@ -579,6 +677,20 @@ fn param(name: &str, elem: CTy, writes: bool) -> Param {
     }
 }
 
+/// What the forward kernel writes at its end.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Tail {
+    /// The output.
+    Out,
+    /// The backward's statistics instead of the output: each query row's base-2 log-sum-exp
+    /// of the scaled scores (`lse`) and `D = rowsum(dO ∘ O)` (`delta`).
+    Stats,
+    /// The output and, `.0` bytes past its start, each query row's natural log-sum-exp of the
+    /// scaled scores (f32 `[B, H, Sq]`, +∞ for a row that sees no key): the statistics a
+    /// gradient step reads ([`lower_saving`]), in the form cuDNN's forward writes them.
+    Save(usize),
+}
+
 /// What the forward source is specialized on.
 struct Shape2 {
     sq: usize,
@@ -592,8 +704,8 @@ struct Shape2 {
     elem: &'static str,
     /// The statement that applies the mask to score `x` of row `row`, key `key`.
     mask: Option<String>,
-    /// Write the statistics of the backward instead of the output.
-    stats: bool,
+    /// What the kernel writes at its end.
+    tail: Tail,
     /// The offsets of head `bh` in q, k, v and the output (or dO), as C expressions.
     heads: [String; 4],
     /// Elements between a head's consecutive rows in q, k, v and the output (or dO).
@@ -617,17 +729,32 @@ fn tail(s: &Shape2) -> String {
     let (sq, dv, elem) = (s.sq, s.dv, s.elem);
     let (head, rs) = (&s.heads[3], s.strides[3]);
     let widen = if elem == "bf16" { "rt_bf2f" } else { "rt_h2f" };
-    if !s.stats {
-        return format!(
-            r#"  unsigned short* op = (unsigned short*)out + {head};
+    let out = format!(
+        r#"  unsigned short* op = (unsigned short*)out + {head};
   #pragma unroll
   for (int n = 0; n < {dv8}; ++n) {{
     const int c = n * 8 + t4 * 2;
     if (i0 < {sq}) *(unsigned*)(op + (long long)i0 * {rs} + c) = pack(o[n][0] * inv0, o[n][1] * inv0);
     if (i1 < {sq}) *(unsigned*)(op + (long long)i1 * {rs} + c) = pack(o[n][2] * inv1, o[n][3] * inv1);
   }}"#,
-            dv8 = dv / 8
-        );
+        dv8 = dv / 8
+    );
+    match s.tail {
+        Tail::Out => return out,
+        Tail::Save(at) => {
+            return out
+                + &format!(
+                    r#"
+  // The natural log-sum-exp of the scaled scores (m is in the base-2 domain), +∞ for a row
+  // that sees nothing, at the statistics' place past the output.
+  if (t4 == 0) {{
+    float* st = (float*)((unsigned char*)out + {at}LL) + bh * {sq}LL;
+    if (i0 < {sq}) st[i0] = l0 == 0.f ? __int_as_float(0x7f800000) : (m0 + __log2f(l0)) * 0.6931471805599453f;
+    if (i1 < {sq}) st[i1] = l1 == 0.f ? __int_as_float(0x7f800000) : (m1 + __log2f(l1)) * 0.6931471805599453f;
+  }}"#
+                )
+        }
+        Tail::Stats => {}
     }
     format!(
         r#"  // D = rowsum(dO ∘ O) and the base-2 log-sum-exp (+∞ for a row that sees nothing).

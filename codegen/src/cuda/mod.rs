@@ -167,6 +167,10 @@ pub enum CudaStep {
         cudnn: AttnDnnDesc,
         /// The flash kernel (operands q, k, v, the output).
         flash: StepKernels,
+        /// Whether a gradient step reads the statistics the flash kernel writes past the output
+        /// ([`flash::lower_saving`]): the runtime then runs either it or cuDNN's forward with
+        /// statistics, which writes the same there, never cuDNN's forward without them.
+        saves: bool,
     },
     /// The three gradients of one attention (a sibling group, see [`crate::Step::with`]): cuDNN's
     /// SDPA backward (after its forward writes O and the statistics into the workspace) or the
@@ -357,6 +361,7 @@ pub fn lower_steps(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
         });
     }
     let fused: Vec<bool> = pairs.iter().map(Option::is_some).collect();
+    let saved = flash_saved(plan);
     plan.steps
         .iter()
         .zip(pairs)
@@ -373,6 +378,18 @@ pub fn lower_steps(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
                 return Ok(CudaStep::Sibling);
             }
             let ins: Vec<&TensorType> = s.inputs.iter().map(|&v| &plan.types[v]).collect();
+            if let (Some(&stats_at), Op::Attention { .. }) = (saved.get(&s.output), &s.op) {
+                let out = &plan.types[s.output];
+                let flash = flash::lower_saving(&s.op, &ins, out, stats_at)?;
+                return attention_step(&s.op, &ins, out, flash, true);
+            }
+            // Where the forward's flash kernel saves its statistics, the gradients read them.
+            let reads = s.saved.and_then(|v| {
+                saved.get(&v).map(|&stats_at| flash::Saved {
+                    o: ArgRef::Value(v),
+                    stats_at,
+                })
+            });
             if grouped(s) {
                 let ops: Vec<&Op> = std::iter::once(&s.op)
                     .chain(s.with.iter().map(|&v| match plan.sources[v] {
@@ -384,7 +401,7 @@ pub fn lower_steps(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
                     .chain(s.with.iter().copied())
                     .map(|v| &plan.types[v])
                     .collect();
-                let flash = flash::lower_grad_group(&ops, &ins, &outs)?;
+                let flash = flash::lower_grad_group_saved(&ops, &ins, &outs, reads)?;
                 let wrts: Vec<u8> = ops
                     .iter()
                     .filter_map(|o| match o {
@@ -401,6 +418,33 @@ pub fn lower_steps(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
             lower_step(&s.op, &ins, &plan.types[s.output])
         })
         .collect()
+}
+
+/// An attention forward step that cuDNN's fused attention or the flash kernels (`flash`, which
+/// with `saves` write the statistics a gradient step reads) run, as
+/// [`attention_cudnn::Choice`] and measurement decide.
+fn attention_step(
+    op: &Op,
+    inputs: &[&TensorType],
+    out: &TensorType,
+    flash: StepKernels,
+    saves: bool,
+) -> Result<CudaStep> {
+    match (
+        attention_cudnn::Choice::from_env(),
+        AttnDnnDesc::of(op, inputs, out),
+    ) {
+        (attention_cudnn::Choice::Flash, _) => Ok(CudaStep::Kernels(flash)),
+        (_, Some(cudnn)) => Ok(CudaStep::Attention {
+            cudnn,
+            flash,
+            saves,
+        }),
+        (attention_cudnn::Choice::Cudnn, None) if out.shape.numel() > 0 => {
+            attention_cudnn::forced_error(op, inputs)
+        }
+        _ => Ok(CudaStep::Kernels(flash)),
+    }
 }
 
 /// An attention gradient step that cuDNN's fused backward (`desc`, when it covers the op) or
@@ -420,6 +464,36 @@ fn grad_step(
         }
         _ => Ok(CudaStep::Kernels(flash)),
     }
+}
+
+/// The attention forwards whose flash kernels save their statistics (value → the statistics'
+/// byte offset past the result): those a group of all three gradients reads (`Step::saved`,
+/// set by the memory plan for groups without a mask operand), whose slot is in the arena (with
+/// room after O) and whose forward and gradients the flash kernels take. A packed gradient
+/// (`AttnLayout::Packed`, one step for dq, dk and dv) still recomputes the statistics: its
+/// lowering supports reading them (`flash::lower_grad_saved`), but that combination has not yet
+/// been checked on a device.
+fn flash_saved(plan: &crate::Plan) -> std::collections::HashMap<crate::ValueId, usize> {
+    let flash_ins = |s: &crate::Step| {
+        let ins: Vec<&TensorType> = s.inputs.iter().map(|&v| &plan.types[v]).collect();
+        flash::supported(&ins)
+    };
+    plan.steps
+        .iter()
+        .filter_map(|g| {
+            let v = g.saved?;
+            let crate::Source::Step(f) = plan.sources[v] else {
+                return None;
+            };
+            let fw = &plan.steps[f];
+            (matches!(plan.storage[v], crate::Storage::Arena { .. })
+                && matches!(fw.op, Op::Attention { .. })
+                && matches!(g.op, Op::AttentionGrad { layout, .. } if layout != AttnLayout::Packed)
+                && flash_ins(fw)
+                && flash_ins(g))
+            .then(|| (v, rustytorch_compiler::plan::stats_offset(&plan.types[v])))
+        })
+        .collect()
 }
 
 /// The saved statistics of step `i` of `plan` (lowered as `steps`), a group of attention
@@ -566,17 +640,7 @@ pub fn lower_step(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<C
         Op::CumSum { .. } | Op::TopK { .. } => unsupported(),
         Op::Attention { .. } if flash::supported(inputs) => {
             let flash = flash::lower(op, inputs, out)?;
-            match (
-                attention_cudnn::Choice::from_env(),
-                AttnDnnDesc::of(op, inputs, out),
-            ) {
-                (attention_cudnn::Choice::Flash, _) => Ok(CudaStep::Kernels(flash)),
-                (_, Some(cudnn)) => Ok(CudaStep::Attention { cudnn, flash }),
-                (attention_cudnn::Choice::Cudnn, None) if out.shape.numel() > 0 => {
-                    attention_cudnn::forced_error(op, inputs)
-                }
-                _ => Ok(CudaStep::Kernels(flash)),
-            }
+            attention_step(op, inputs, out, flash, false)
         }
         Op::Attention { .. } if attention::gemm_path(inputs) => {
             attention::lower_gemm(op, inputs, out)

@@ -535,14 +535,20 @@ impl CudaSession {
                 CudaStep::Matmul { after, bgrad, .. } => {
                     after.scratch_bytes.max(bgrad.scratch_bytes)
                 }
-                CudaStep::Attention { cudnn, flash } => {
+                CudaStep::Attention {
+                    cudnn,
+                    flash,
+                    saves,
+                } => {
                     use rustytorch_codegen::cuda::attention_cudnn::Choice;
                     dev.ctx.bind_to_thread().map_err(|e| {
                         RuntimeError::Device(format!("binding the CUDA context: {e}"))
                     })?;
                     // A forward whose gradient step reads its statistics runs cuDNN's forward
-                    // with statistics; if cuDNN makes none, the gradient recomputes them.
-                    if attn_choice != Choice::Flash && read.contains(&plan.steps[i].output) {
+                    // with statistics; if cuDNN makes none, the gradient recomputes them, or
+                    // (`saves`: the flash kernel writes them too) the flash kernel runs.
+                    let reads = read.contains(&plan.steps[i].output);
+                    if attn_choice != Choice::Flash && (reads || *saves) {
                         match dev.with_dnn(|dn| {
                             dnn_attention::prepare_saving(dn.handle, cudnn, stream as _)
                         }) {
@@ -560,6 +566,17 @@ impl CudaSession {
                                 return Err(RuntimeError::Device(format!(
                                     "step {i} (attention forward with statistics): {e}"
                                 )))
+                            }
+                            Err(e) if *saves => {
+                                tracing::debug!(
+                                    "step {i}: the flash kernel writes the statistics: {e}"
+                                );
+                                attn_prep[i] = Some(dnn_attention::Prepared {
+                                    plans: vec![],
+                                    decided: true,
+                                });
+                                scratch_bytes = scratch_bytes.max(flash.scratch_bytes);
+                                continue;
                             }
                             Err(e) => tracing::debug!(
                                 "step {i}: attention forward without statistics: {e}"
@@ -711,7 +728,7 @@ impl CudaSession {
             };
             let e = match st {
                 CudaStep::Kernels(k) => Exec::Kernels(resolve(&k)),
-                CudaStep::Attention { cudnn, flash } => {
+                CudaStep::Attention { cudnn, flash, .. } => {
                     let flash = resolve(&flash);
                     let p = attn_prep[i].take().expect("prepared above");
                     let plan = if p.plans.is_empty() {

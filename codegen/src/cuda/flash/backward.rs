@@ -314,3 +314,40 @@ pub(super) fn dq_source(sp: &Spec) -> String {
         scale = sp.scale as f32,
     )
 }
+
+/// The kernel deriving the backward's statistics from a saved forward: per query row (a warp
+/// each) `D = rowsum(dO ∘ O)` into `delta`, and the saved natural log-sum-exp (`stats_at` bytes
+/// past O's start) in the base-2 domain into `lse`.
+pub(super) fn delta_source(sp: &Spec, stats_at: usize) -> String {
+    let (sq, dv) = (sp.sq, sp.dv);
+    let rows = sp.bsz * sp.heads * sq;
+    let widen = if sp.elem() == "bf16" {
+        "rt_bf2f"
+    } else {
+        "rt_h2f"
+    };
+    format!(
+        r#"const int lane = threadIdx.x & 31;
+const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < {rows}LL; r += warps) {{
+  const long long bh = r / {sq}LL, row = r % {sq}LL;
+  const unsigned short* gp = (const unsigned short*)dout + {head} + row * {rs}LL;
+  const unsigned short* op = (const unsigned short*)o + {head} + row * {rs}LL;
+  float acc = 0.f;
+  for (int c = lane * 2; c < {dv}; c += 64) {{
+    const unsigned a = *(const unsigned*)(gp + c), b = *(const unsigned*)(op + c);
+    acc += {widen}((unsigned short)(a & 0xffffu)) * {widen}((unsigned short)(b & 0xffffu))
+         + {widen}((unsigned short)(a >> 16)) * {widen}((unsigned short)(b >> 16));
+  }}
+  #pragma unroll
+  for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+  if (lane == 0) {{
+    delta[r] = acc;
+    lse[r] = ((const float*)((const unsigned char*)o + {stats_at}LL))[r] * 1.4426950408889634f;
+  }}
+}}
+"#,
+        head = sp.head(Part::O),
+        rs = sp.stride(Part::O),
+    )
+}
