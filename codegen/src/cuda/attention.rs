@@ -154,18 +154,11 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
             body: all,
         },
     )?;
-    let n_in = inputs.len();
-    Ok(StepKernels {
-        launches: vec![Launch {
-            kernel,
-            args: (0..n_in)
-                .map(ArgRef::Input)
-                .chain([ArgRef::Output])
-                .collect(),
-            grid: grid_for(rows as u64, WARPS as u64),
-        }],
-        scratch_bytes: 0,
-    })
+    Ok(StepKernels::over_operands(
+        kernel,
+        inputs.len(),
+        grid_for(rows as u64, WARPS as u64),
+    ))
 }
 
 /// The attributes of `Attention` or `AttentionGrad` (`wrt` is 0 for the forward) once `out` is
@@ -597,17 +590,11 @@ fn lower_tiled(
             body: all,
         },
     )?;
-    Ok(StepKernels {
-        launches: vec![Launch {
-            kernel,
-            args: (0..n_inputs)
-                .map(ArgRef::Input)
-                .chain([ArgRef::Output])
-                .collect(),
-            grid: grid_for(blocks as u64, 1),
-        }],
-        scratch_bytes: 0,
-    })
+    Ok(StepKernels::over_operands(
+        kernel,
+        n_inputs,
+        grid_for(blocks as u64, 1),
+    ))
 }
 
 /// The end of the keys query row `i` sees.

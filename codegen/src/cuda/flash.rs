@@ -278,29 +278,27 @@ impl Spec {
     ) -> Result<(Kernel, u32)> {
         if self.hopper() {
             let built = hopper::build(&self.shape2(tail), self);
-            let kernel = finish(
+            let kernel = verbatim(
                 &format!("{prefix}_sm90"),
-                Kernel {
-                    name: String::new(),
-                    params,
-                    block: built.threads,
-                    smem: built.smem,
-                    body: vec![Stmt::Verbatim(built.source)],
-                },
+                params,
+                built.threads,
+                built.smem,
+                built.source,
             )?;
             return Ok((kernel, grid_for(built.blocks as u64, 1)));
         }
-        let kernel = finish(
-            prefix,
-            Kernel {
-                name: String::new(),
-                params,
-                block: THREADS,
-                smem: 0,
-                body: vec![Stmt::Verbatim(self.forward(tail))],
-            },
-        )?;
+        let kernel = verbatim(prefix, params, THREADS, 0, self.forward(tail))?;
         Ok((kernel, grid_for(self.tiles(self.sq) as u64, 1)))
+    }
+}
+
+impl Spec {
+    /// The forward as a step of one launch over the `n_in` operands and the output.
+    fn forward_step(&self, n_in: usize, prefix: &str, tail: Tail) -> Result<StepKernels> {
+        let mut params = self.params.clone();
+        params.push(param("out", self.e, true));
+        let (kernel, grid) = self.forward_launch(prefix, params, tail)?;
+        Ok(StepKernels::over_operands(kernel, n_in, grid))
     }
 }
 
@@ -314,20 +312,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
     if decode::supported(&sp) {
         return decode::lower(&sp, inputs.len());
     }
-    let mut params = sp.params.clone();
-    params.push(param("out", sp.e, true));
-    let (kernel, grid) = sp.forward_launch("flash_attention", params, Tail::Out)?;
-    Ok(StepKernels {
-        launches: vec![Launch {
-            kernel,
-            args: (0..inputs.len())
-                .map(ArgRef::Input)
-                .chain([ArgRef::Output])
-                .collect(),
-            grid,
-        }],
-        scratch_bytes: 0,
-    })
+    sp.forward_step(inputs.len(), "flash_attention", Tail::Out)
 }
 
 /// Lowers `Attention` as [`lower`] does (never the decoding kernels), the kernel also writing
@@ -344,21 +329,7 @@ pub fn lower_saving(
     let Some(sp) = Spec::new(op, inputs, out)? else {
         return Ok(StepKernels::default());
     };
-    let mut params = sp.params.clone();
-    params.push(param("out", sp.e, true));
-    let (kernel, grid) =
-        sp.forward_launch("flash_attention_saving", params, Tail::Save(stats_at))?;
-    Ok(StepKernels {
-        launches: vec![Launch {
-            kernel,
-            args: (0..inputs.len())
-                .map(ArgRef::Input)
-                .chain([ArgRef::Output])
-                .collect(),
-            grid,
-        }],
-        scratch_bytes: 0,
-    })
+    sp.forward_step(inputs.len(), "flash_attention_saving", Tail::Save(stats_at))
 }
 
 /// Lowers `AttentionGrad` (operands q, k, v, [mask], dO) to two kernels: the forward in its
@@ -503,20 +474,17 @@ fn grad_kernels(
         Some(saved) => {
             let threads = backward::BUFFER_THREADS;
             Launch {
-                kernel: finish(
+                kernel: verbatim(
                     "flash_attention_delta",
-                    Kernel {
-                        name: String::new(),
-                        params: vec![
-                            param("dout", sp.e, false),
-                            param("o", sp.e, false),
-                            param("lse", CTy::F32, true),
-                            param("delta", CTy::F32, true),
-                        ],
-                        block: threads,
-                        smem: 0,
-                        body: vec![Stmt::Verbatim(backward::delta_source(sp, saved.stats_at))],
-                    },
+                    vec![
+                        param("dout", sp.e, false),
+                        param("o", sp.e, false),
+                        param("lse", CTy::F32, true),
+                        param("delta", CTy::F32, true),
+                    ],
+                    threads,
+                    0,
+                    backward::delta_source(sp, saved.stats_at),
                 )?,
                 args: [ArgRef::Input(n_in - 1), saved.o]
                     .into_iter()
@@ -557,16 +525,7 @@ fn grad_kernels(
     for (body, outs, tiles) in grads {
         let mut params = grad_params.clone();
         params.extend(outs.iter().map(|(name, _)| param(name, sp.e, true)));
-        let kernel = finish(
-            "flash_attention_grad",
-            Kernel {
-                name: String::new(),
-                params,
-                block: THREADS,
-                smem: 0,
-                body: vec![Stmt::Verbatim(body)],
-            },
-        )?;
+        let kernel = verbatim("flash_attention_grad", params, THREADS, 0, body)?;
         launches.push(Launch {
             kernel,
             args: ins()
@@ -601,16 +560,7 @@ fn fused_grads(
     let acc_len = rows * sp.d;
     let buffer = |name: &str, writes: bool| param(name, CTy::F32, writes);
     let small = |prefix: &str, params: Vec<Param>, body: String| {
-        finish(
-            prefix,
-            Kernel {
-                name: String::new(),
-                params,
-                block: backward::BUFFER_THREADS,
-                smem: 0,
-                body: vec![Stmt::Verbatim(body)],
-            },
-        )
+        verbatim(prefix, params, backward::BUFFER_THREADS, 0, body)
     };
     let buffer_grid = grid_for(acc_len as u64 / 2, backward::BUFFER_THREADS as u64);
     launches.push(Launch {
@@ -641,15 +591,12 @@ fn fused_grads(
     }
     let tiles = sp.bsz * sp.heads * sp.sk.div_ceil(built.keys);
     launches.push(Launch {
-        kernel: finish(
+        kernel: verbatim(
             "flash_attention_bwd",
-            Kernel {
-                name: String::new(),
-                params,
-                block: built.threads,
-                smem: built.smem,
-                body: vec![Stmt::Verbatim(built.source)],
-            },
+            params,
+            built.threads,
+            built.smem,
+            built.source,
         )?,
         args,
         grid: grid_for(tiles as u64, 1),
@@ -667,6 +614,26 @@ fn fused_grads(
         launches,
         scratch_bytes: acc_at + acc_len * 4,
     })
+}
+
+/// A kernel named after `prefix` whose body is the CUDA C `source` (see [`finish`]).
+fn verbatim(
+    prefix: &str,
+    params: Vec<Param>,
+    block: u32,
+    smem: u32,
+    source: String,
+) -> Result<Kernel> {
+    finish(
+        prefix,
+        Kernel {
+            name: String::new(),
+            params,
+            block,
+            smem,
+            body: vec![Stmt::Verbatim(source)],
+        },
+    )
 }
 
 fn param(name: &str, elem: CTy, writes: bool) -> Param {
@@ -1347,7 +1314,16 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
         Kv::Both => ("out_k", "out_v"),
         _ => ("out", "out"),
     };
-    if wk {
+    c += &store_kv(sp, wk.then_some(ko), wv.then_some(vo));
+    c += "}\n";
+    c
+}
+
+/// Stores a key tile's `acck` (times the scale) into `dK` at `k` and `accv` into `dV` at `v`
+/// (rows `j0`/`j0 + 8`), each when named.
+fn store_kv(sp: &Spec, k: Option<&str>, v: Option<&str>) -> String {
+    let mut c = String::new();
+    if let Some(ko) = k {
         c += &format!(
             "  unsigned short* okp = (unsigned short*){ko} + {};\n",
             sp.head(Part::K)
@@ -1356,19 +1332,18 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
             "acck",
             "okp",
             "j0",
-            sk,
-            d,
+            sp.sk,
+            sp.d,
             sp.stride(Part::K),
             sp.scale as f32,
         );
     }
-    if wv {
+    if let Some(vo) = v {
         c += &format!(
             "  unsigned short* ovp = (unsigned short*){vo} + {};\n",
             sp.head(Part::V)
         );
-        c += &store_rows("accv", "ovp", "j0", sk, dv, sp.stride(Part::V), 1.0);
+        c += &store_rows("accv", "ovp", "j0", sp.sk, sp.dv, sp.stride(Part::V), 1.0);
     }
-    c += "}\n";
     c
 }

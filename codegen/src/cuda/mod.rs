@@ -134,6 +134,23 @@ pub struct StepKernels {
     pub scratch_bytes: usize,
 }
 
+impl StepKernels {
+    /// One launch of `kernel` over the step's `n_in` operands, then its result.
+    pub fn over_operands(kernel: Kernel, n_in: usize, grid: u32) -> StepKernels {
+        StepKernels {
+            launches: vec![Launch {
+                kernel,
+                args: (0..n_in)
+                    .map(ArgRef::Input)
+                    .chain([ArgRef::Output])
+                    .collect(),
+                grid,
+            }],
+            scratch_bytes: 0,
+        }
+    }
+}
+
 /// How one plan step runs on CUDA.
 #[derive(Clone, Debug, PartialEq)]
 pub enum CudaStep {

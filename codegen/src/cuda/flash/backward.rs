@@ -25,7 +25,7 @@
 //! Eight warps (128 keys) when the head size is a multiple of 32, which halves the `dQ`
 //! reductions and the query-tile loads per key; else four.
 
-use super::{abt, first_query, grad_defs, head_pointers, mma_pb, store_rows, zeros, Part, Spec};
+use super::{abt, first_query, grad_defs, head_pointers, mma_pb, store_kv, zeros, Part, Spec};
 
 /// Query rows per tile of the walk.
 const QT: usize = 64;
@@ -216,9 +216,7 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
 "#,
         row8 = 8 * dss * 2,
     );
-    let mut c0 = 0;
-    while c0 < cw {
-        let w16 = ((cw - c0) / 16).min(2);
+    for (c0, w16) in dq_chunks(cw) {
         c += &format!(
             r#"      {{
 {acc}        #pragma unroll
@@ -243,31 +241,9 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
             acc = zeros("qacc", w16 * 2).replace("\n  ", "\n        "),
             n8 = w16 * 2,
         );
-        c0 += w16 * 16;
     }
     c += "    }\n    __syncthreads();\n  }\n  asm volatile(\"cp.async.wait_group 0;\");\n";
-    if wk {
-        c += &format!(
-            "  unsigned short* okp = (unsigned short*)out_k + {};\n",
-            sp.head(Part::K)
-        );
-        c += &store_rows(
-            "acck",
-            "okp",
-            "j0",
-            sk,
-            d,
-            sp.stride(Part::K),
-            sp.scale as f32,
-        );
-    }
-    if wv {
-        c += &format!(
-            "  unsigned short* ovp = (unsigned short*)out_v + {};\n",
-            sp.head(Part::V)
-        );
-        c += &store_rows("accv", "ovp", "j0", sk, dv, sp.stride(Part::V), 1.0);
-    }
+    c += &store_kv(sp, wk.then_some("out_k"), wv.then_some("out_v"));
     // The next tile's loads overwrite the key and value tiles.
     c += "  __syncthreads();\n}\n";
     Built {
@@ -276,6 +252,15 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
         smem: smem as u32,
         keys: bk,
     }
+}
+
+/// The chunks a warp computes its `cw` columns of `dQ` in: (first column, 16-column groups),
+/// 32 columns at most (16 accumulator registers).
+fn dq_chunks(cw: usize) -> Vec<(usize, usize)> {
+    (0..cw)
+        .step_by(32)
+        .map(|c0| (c0, ((cw - c0) / 16).min(2)))
+        .collect()
 }
 
 /// Threads per block of the buffer kernels.
@@ -350,4 +335,56 @@ for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < 
         head = sp.head(Part::O),
         rs = sp.stride(Part::O),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Spec;
+    use rustytorch_ops::{AttnLayout, AttnMask, Causal, DType, F64Bits, Op, Shape, TensorType};
+
+    fn spec(d: usize, dv: usize) -> Spec {
+        let t = |s: usize, w: usize| TensorType::new(DType::BF16, Shape::new(vec![2, 3, s, w]));
+        let ins = [t(100, d), t(90, d), t(90, dv), t(100, dv)];
+        let refs: Vec<&TensorType> = ins.iter().collect();
+        let op = Op::AttentionGrad {
+            causal: Causal::TopLeft,
+            mask: AttnMask::None,
+            scale: F64Bits::new(0.125),
+            wrt: 0,
+            layout: AttnLayout::Bhsd,
+        };
+        let out = rustytorch_ops::infer(&op, &refs).unwrap();
+        Spec::new(&op, &refs, &out).unwrap().unwrap()
+    }
+
+    /// Every head size the flash kernels take gets a block that fits an SM's shared memory
+    /// (227 KiB on Hopper, 163 KiB on the A100; the 8-warp blocks are the larger), with eight
+    /// warps exactly when the `dQ` columns split into 16-column halves, and the `dQ` chunks of
+    /// the source cover each warp's columns.
+    #[test]
+    fn blocks_fit_and_cover_the_columns() {
+        for d in (16..=128).step_by(16) {
+            for dv in (16..=128).step_by(16) {
+                let b = super::build(&spec(d, dv), true, true);
+                let warps = if d % 32 == 0 { 8 } else { 4 };
+                assert_eq!(b.threads as usize, warps * 32, "d {d}");
+                assert_eq!(b.keys, warps * 16);
+                assert!(
+                    b.smem as usize <= 163 * 1024,
+                    "d {d} dv {dv}: {} bytes",
+                    b.smem
+                );
+                // The chunks tile the warp's columns, each one or two 16-column groups.
+                let cols = d / (warps / 4);
+                let mut next = 0;
+                for (c0, w16) in super::dq_chunks(cols) {
+                    assert_eq!(c0, next, "d {d}");
+                    assert!((1..=2).contains(&w16), "d {d}");
+                    next += w16 * 16;
+                }
+                assert_eq!(next, cols, "d {d}");
+                assert!(b.source.contains("red2(dq0"));
+            }
+        }
+    }
 }
