@@ -290,9 +290,7 @@ impl Spec {
         let kernel = verbatim(prefix, params, THREADS, 0, self.forward(tail))?;
         Ok((kernel, grid_for(self.tiles(self.sq) as u64, 1)))
     }
-}
 
-impl Spec {
     /// The forward as a step of one launch over the `n_in` operands and the output.
     fn forward_step(&self, n_in: usize, prefix: &str, tail: Tail) -> Result<StepKernels> {
         let mut params = self.params.clone();
@@ -344,7 +342,9 @@ pub fn lower_saving(
 ///   `dK += dSᵀ·Q`;
 ///
 /// `dQ` and `dK` end scaled by the attention scale. Masked pairs have `P = 0`; a fully masked
-/// query row has an infinite log-sum-exp, so it contributes nothing.
+/// query row has an infinite log-sum-exp, so it contributes nothing. The packed gradient (all
+/// three into one tensor) runs the fused backward after the statistics, as
+/// [`lower_grad_group`] does.
 pub fn lower_grad(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKernels> {
     lower_grad_saved(op, inputs, out, None)
 }
@@ -390,8 +390,9 @@ pub fn lower_grad_saved(
 /// result type `outs[i]`, in increasing `wrt`) to one step: the statistics kernel once, then,
 /// when `dQ` is asked for with `dK` and/or `dV`, the fused backward ([`backward`]: all of them
 /// in one kernel per key tile, `dQ` through an f32 buffer); else `dK` and `dV` together in one
-/// kernel per key tile (for head sizes up to [`KV_BOTH_HEAD`], else one kernel each). Result `i` binds to [`ArgRef::Output`] for the
-/// first member and [`ArgRef::With`]`(i - 1)` for the others. The caller checks [`supported`].
+/// kernel per key tile (for head sizes up to [`KV_BOTH_HEAD`], else one kernel each). Result
+/// `i` binds to [`ArgRef::Output`] for the first member and [`ArgRef::With`]`(i - 1)` for the
+/// others. The caller checks [`supported`].
 pub fn lower_grad_group(
     ops: &[&Op],
     inputs: &[&TensorType],
@@ -501,7 +502,9 @@ fn grad_kernels(
         )));
     }
     if let (Some(q), true) = (at(0), at(1).is_some() || at(2).is_some()) {
-        return fused_grads(sp, n_in, &grad_params, launches, q, at(1), at(2), rows);
+        let base: Vec<ArgRef> = ins().chain(scratch).collect();
+        let used = delta_at + rows * 4;
+        return fused_grads(sp, &grad_params, &base, used, launches, q, [at(1), at(2)]);
     }
     // (body, its outputs' names and places, tiles)
     let mut grads: Vec<(String, Vec<(&str, ArgRef)>, usize)> = vec![];
@@ -541,23 +544,21 @@ fn grad_kernels(
     })
 }
 
-/// After the statistics kernel (`launches`): the fused backward ([`backward`]) for `dQ` with
-/// `dK` and/or `dV`, between a kernel zeroing its f32 `dQ` buffer and one rounding it into the
-/// result.
-#[allow(clippy::too_many_arguments)]
+/// After the statistics kernel (`launches`): the fused backward ([`backward`]) for `dQ` (into
+/// `q`) with `dK` and/or `dV` (into `kv`), between a kernel zeroing its f32 `dQ` buffer and one
+/// rounding it into the result. The gradient kernels' parameters `grad_params` bind to `base`
+/// (the operands, the statistics in the first `used` bytes of scratch); the buffer follows.
 fn fused_grads(
     sp: &Spec,
-    n_in: usize,
     grad_params: &[Param],
+    base: &[ArgRef],
+    used: usize,
     mut launches: Vec<Launch>,
     q: ArgRef,
-    k: Option<ArgRef>,
-    v: Option<ArgRef>,
-    rows: usize,
+    [k, v]: [Option<ArgRef>; 2],
 ) -> Result<StepKernels> {
-    let delta_at = (rows * 4).next_multiple_of(256);
-    let acc_at = (delta_at + rows * 4).next_multiple_of(256);
-    let acc_len = rows * sp.d;
+    let acc_at = used.next_multiple_of(256);
+    let acc_len = sp.bsz * sp.heads * sp.sq * sp.d;
     let buffer = |name: &str, writes: bool| param(name, CTy::F32, writes);
     let small = |prefix: &str, params: Vec<Param>, body: String| {
         verbatim(prefix, params, backward::BUFFER_THREADS, 0, body)
@@ -575,13 +576,10 @@ fn fused_grads(
     let built = backward::build(sp, k.is_some(), v.is_some());
     let mut params = grad_params.to_vec();
     params.push(buffer("dq_acc", true));
-    let mut args: Vec<ArgRef> = (0..n_in)
-        .map(ArgRef::Input)
-        .chain([
-            ArgRef::ScratchAt(0),
-            ArgRef::ScratchAt(delta_at),
-            ArgRef::ScratchAt(acc_at),
-        ])
+    let mut args: Vec<ArgRef> = base
+        .iter()
+        .copied()
+        .chain([ArgRef::ScratchAt(acc_at)])
         .collect();
     for (name, at) in [("out_k", k), ("out_v", v)] {
         if let Some(at) = at {
@@ -677,6 +675,25 @@ struct Shape2 {
     heads: [String; 4],
     /// Elements between a head's consecutive rows in q, k, v and the output (or dO).
     strides: [usize; 4],
+}
+
+/// `pack` (two f32 into the operands' type `$E`, the first in the low half), the helper every
+/// flash kernel that rounds its results defines.
+const PACK: &str = r#"auto pack = [](float lo, float hi) -> unsigned {
+  unsigned r; asm("cvt.rn.$Ex2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+};
+"#;
+
+/// The helpers the flash kernels define after their thread indices: `lim_of` (the end of the
+/// keys row `i` sees, `$LIM`), [`PACK`] and `ex2` (the hardware 2^x). The caller substitutes
+/// `$LIM` and `$E`.
+fn helpers() -> String {
+    [
+        "auto lim_of = [](long long i) -> int { return (int)($LIM); };\n",
+        PACK,
+        "auto ex2 = [](float x) -> float { float y; asm(\"ex2.approx.ftz.f32 %0, %1;\" : \"=f\"(y) : \"f\"(x)); return y; };\n",
+    ]
+    .concat()
 }
 
 /// The end of the keys row `i` sees, as C over `long long i`.
@@ -796,6 +813,7 @@ fn source(s: &Shape2) -> String {
     let qt = sq.div_ceil(BR);
     let (ks, vs) = (d + 8, dv + 8);
     let lim = limit(causal, sq, sk);
+    let helpers = helpers().replace("$LIM", &lim).replace("$E", elem);
     let has_mask = mask.is_some();
     let mask_stmt = mask.clone().unwrap_or_default();
     format!(
@@ -808,12 +826,7 @@ const unsigned ks_base = (unsigned)__cvta_generic_to_shared(ks);
 const unsigned vs_base = (unsigned)__cvta_generic_to_shared(vs);
 const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 const int g = lane >> 2, t4 = lane & 3;
-auto lim_of = [](long long i) -> int {{ return (int)({lim}); }};
-auto pack = [](float lo, float hi) -> unsigned {{
-  unsigned r; asm("cvt.rn.{elem}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
-}};
-auto ex2 = [](float x) -> float {{ float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }};
-for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
+{helpers}for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
   const long long bh = tile / {qt}LL;
   const int qt = (int)({qt}LL - 1LL - tile % {qt}LL);
   const int i0 = qt * {BR} + warp * 16 + g, i1 = i0 + 8;
@@ -998,12 +1011,8 @@ fn grad_defs(sp: &Spec) -> String {
 #define RT_LDSM_T(b0, b1, b2, b3, addr) asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(addr))
 const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 const int g = lane >> 2, t4 = lane & 3;
-auto lim_of = [](long long i) -> int { return (int)($LIM); };
-auto pack = [](float lo, float hi) -> unsigned {
-  unsigned r; asm("cvt.rn.$Ex2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
-};
-auto ex2 = [](float x) -> float { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; };
-"#
+$HELPERS"#
+    .replace("$HELPERS", &helpers())
     .replace("$E", elem)
     .replace("$LIM", &limit(sp.causal, sp.sq, sp.sk))
 }

@@ -318,7 +318,7 @@ fn lower_pair_step(plan: &crate::Plan, s: &crate::Step) -> Result<Option<CudaSte
     let crate::Source::Step(j) = plan.sources[v] else {
         return Ok(None);
     };
-    let ins: Vec<&TensorType> = s.inputs.iter().map(|&v| &plan.types[v]).collect();
+    let ins = operand_types(plan, s);
     if let Op::MatmulEpilogue { .. } = s.op {
         let act = &plan.steps[j];
         if matmul::BgradMode::gelu_aux_from_env() == matmul::BgradMode::Off
@@ -359,6 +359,11 @@ pub fn lower_plan(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
     Ok(steps)
 }
 
+/// The types of step `s`'s operands.
+fn operand_types<'a>(plan: &'a crate::Plan, s: &crate::Step) -> Vec<&'a TensorType> {
+    s.inputs.iter().map(|&v| &plan.types[v]).collect()
+}
+
 /// Lowers every step of a plan for CUDA, each on its own (in step order). A step whose result
 /// aliases its operand's bytes in the memory plan runs nothing. A sibling group of attention
 /// gradients that the flash kernels take is one step at its first member (the others run
@@ -366,8 +371,9 @@ pub fn lower_plan(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
 /// member by member.
 pub fn lower_steps(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
     let grouped = |s: &crate::Step| {
-        let ins: Vec<&TensorType> = s.inputs.iter().map(|&v| &plan.types[v]).collect();
-        !s.with.is_empty() && matches!(s.op, Op::AttentionGrad { .. }) && flash::supported(&ins)
+        !s.with.is_empty()
+            && matches!(s.op, Op::AttentionGrad { .. })
+            && flash::supported(&operand_types(plan, s))
     };
     let mut pairs: Vec<Option<CudaStep>> = Vec::with_capacity(plan.steps.len());
     for s in &plan.steps {
@@ -394,7 +400,7 @@ pub fn lower_steps(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
             {
                 return Ok(CudaStep::Sibling);
             }
-            let ins: Vec<&TensorType> = s.inputs.iter().map(|&v| &plan.types[v]).collect();
+            let ins = operand_types(plan, s);
             if let (Some(&stats_at), Op::Attention { .. }) = (saved.get(&s.output), &s.op) {
                 let out = &plan.types[s.output];
                 let flash = flash::lower_saving(&s.op, &ins, out, stats_at)?;
@@ -491,10 +497,7 @@ fn grad_step(
 /// lowering supports reading them (`flash::lower_grad_saved`), but that combination has not yet
 /// been checked on a device.
 fn flash_saved(plan: &crate::Plan) -> std::collections::HashMap<crate::ValueId, usize> {
-    let flash_ins = |s: &crate::Step| {
-        let ins: Vec<&TensorType> = s.inputs.iter().map(|&v| &plan.types[v]).collect();
-        flash::supported(&ins)
-    };
+    let flash_ins = |s: &crate::Step| flash::supported(&operand_types(plan, s));
     plan.steps
         .iter()
         .filter_map(|g| {

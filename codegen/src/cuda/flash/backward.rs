@@ -25,7 +25,9 @@
 //! Eight warps (128 keys) when the head size is a multiple of 32, which halves the `dQ`
 //! reductions and the query-tile loads per key; else four.
 
-use super::{abt, first_query, grad_defs, head_pointers, mma_pb, store_kv, zeros, Part, Spec};
+use super::{
+    abt, first_query, grad_defs, head_pointers, mma_pb, store_kv, zeros, Part, Spec, PACK,
+};
 
 /// Query rows per tile of the walk.
 const QT: usize = 64;
@@ -280,10 +282,7 @@ pub(super) fn zero_source(n: usize) -> String {
 pub(super) fn dq_source(sp: &Spec) -> String {
     let (sq, d) = (sp.sq, sp.d);
     let n = sp.bsz * sp.heads * sq * d / 2;
-    let defs = format!(
-        "auto pack = [](float lo, float hi) -> unsigned {{\n  unsigned r; asm(\"cvt.rn.{}x2.f32 %0, %1, %2;\" : \"=r\"(r) : \"f\"(hi), \"f\"(lo)); return r;\n}};\n",
-        sp.elem()
-    );
+    let defs = PACK.replace("$E", sp.elem());
     format!(
         r#"{defs}for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < {n}LL; i += (long long)gridDim.x * blockDim.x) {{
   const long long c = (i % {h2}LL) * 2, r = i / {h2}LL;

@@ -270,15 +270,10 @@ fn softmax() -> String {
     [SOFTMAX_SCORES, RESCALE, EXP_PACK].concat()
 }
 
-/// The kernel's helpers, after the thread indices: the causal limit `lim_of`, `pack` (two f32
-/// into the operands' type), `ex2`, the shared-memory matrix descriptor `rt_desc` and `load`
-/// (a swizzled tile by `cp.async`, `$THREADS` threads from `tid`).
-pub(super) const PRELUDE: &str = r#"auto lim_of = [](long long i) -> int { return (int)($LIM); };
-auto pack = [](float lo, float hi) -> unsigned {
-  unsigned r; asm("cvt.rn.$Ex2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
-};
-auto ex2 = [](float x) -> float { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; };
-// A shared-memory matrix descriptor: start address, leading byte offset, 1024 bytes between
+/// The kernel's helpers after the flash kernels' own ([`super::helpers`]), after the thread
+/// indices: the shared-memory matrix descriptor `rt_desc` and `load` (a swizzled tile by
+/// `cp.async`, `$THREADS` threads from `tid`).
+pub(super) const PRELUDE: &str = r#"// A shared-memory matrix descriptor: start address, leading byte offset, 1024 bytes between
 // 8-row groups, 128-byte swizzle.
 auto rt_desc = [](unsigned addr, unsigned lbo) -> unsigned long long {
   return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16)
@@ -402,7 +397,7 @@ pub(super) fn common_subs(
     vec![
         ("$ORDER", ORDER.to_string()),
         ("$ROW_SUMS", ROW_SUMS.to_string()),
-        ("$PRELUDE", PRELUDE.to_string()),
+        ("$PRELUDE", super::helpers() + PRELUDE),
         ("$HS", section_heads(sp).to_string()),
         ("$WGMMA", wgmma_macros(s.elem, bc, dv)),
         ("$QBYTES", (br * d * 2).to_string()),
