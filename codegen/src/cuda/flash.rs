@@ -1211,6 +1211,36 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
     c
 }
 
+/// The loop over a warp's `Sᵀ` tile (`s[8][4]`: its keys `j0`/`j1`, the 64 queries of tile `it`)
+/// computing each `p = 2^(score·scale·log2 e − lse)` (masked pairs 0, the base-2 log-sum-exp
+/// of query `local` read from `ls[local]`), then running `assign` over `p`; `what` names the
+/// result in the loop's comment.
+fn transposed_probabilities(sp: &Spec, what: &str, ls: &str, assign: &str) -> String {
+    let sq = sp.sq;
+    let sl2 = (sp.scale * std::f64::consts::LOG2_E) as f32;
+    let mask = sp.mask.clone().unwrap_or_default();
+    format!(
+        r#"    // {what} for this warp's keys and the tile's queries; masked pairs 0.
+    #pragma unroll
+    for (int n = 0; n < 8; ++n) {{
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {{
+        const int local = n * 8 + t4 * 2 + (e & 1);
+        const int row = it * 64 + local;
+        const int key = e < 2 ? j0 : j1;
+        float p = 0.f;
+        if (row < {sq} && key < lim_of(row)) {{
+          float x = s[n][e] * {sl2:?}f;
+          {mask}
+          p = ex2(x - {ls}[local]);
+        }}
+        {assign}
+      }}
+    }}
+"#
+    )
+}
+
 /// The first query that sees key `kb`, as C over `int kb`.
 fn first_query(sp: &Spec) -> String {
     match sp.causal {
@@ -1236,8 +1266,6 @@ fn grad_kv(sp: &Spec, which: Kv) -> String {
     let (qs, gs) = (d + 8, dv + 8);
     let (qrs, grs) = (sp.stride(Part::Q), sp.stride(Part::O));
     let (qt, kt) = (sq.div_ceil(BR), sk.div_ceil(BC));
-    let sl2 = (sp.scale * std::f64::consts::LOG2_E) as f32;
-    let mask = sp.mask.clone().unwrap_or_default();
     let first = first_query(sp);
     let mut c = grad_prelude(sp);
     c += &format!(
@@ -1290,26 +1318,7 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
         Kv::V => "p",
         Kv::Both => "p * (dpt[n][e] - dls[local]);\n        pt[n][e] = p",
     };
-    c += &format!(
-        r#"    // Pᵀ (and/or dSᵀ) for this warp's keys and the tile's queries; masked pairs 0.
-    #pragma unroll
-    for (int n = 0; n < 8; ++n) {{
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) {{
-        const int local = n * 8 + t4 * 2 + (e & 1);
-        const int row = it * 64 + local;
-        const int key = e < 2 ? j0 : j1;
-        float p = 0.f;
-        if (row < {sq} && key < lim_of(row)) {{
-          float x = s[n][e] * {sl2:?}f;
-          {mask}
-          p = ex2(x - ls[local]);
-        }}
-        s[n][e] = {value};
-      }}
-    }}
-"#
-    );
+    c += &transposed_probabilities(sp, "Pᵀ (and/or dSᵀ)", "ls", &format!("s[n][e] = {value};"));
     match which {
         Kv::K => c += &mma_pb("acck", "s", "qs_base", qs, d),
         Kv::V => c += &mma_pb("accv", "s", "gs_base", gs, dv),

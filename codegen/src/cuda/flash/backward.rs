@@ -26,7 +26,8 @@
 //! reductions and the query-tile loads per key; else four.
 
 use super::{
-    abt, first_query, grad_defs, head_pointers, mma_pb, store_kv, zeros, Part, Spec, PACK,
+    abt, first_query, grad_defs, head_pointers, mma_pb, store_kv, transposed_probabilities, zeros,
+    Part, Spec, PACK,
 };
 
 /// Query rows per tile of the walk.
@@ -77,8 +78,6 @@ pub(super) fn build(sp: &Spec, wk: bool, wv: bool) -> Built {
     );
     let (qt, kt) = (sq.div_ceil(QT), sk.div_ceil(bk));
     let tiles = sp.bsz * sp.heads * kt;
-    let sl2 = (sp.scale * std::f64::consts::LOG2_E) as f32;
-    let mask = sp.mask.clone().unwrap_or_default();
     let first = first_query(sp);
     let mut c = grad_defs(sp);
     c += &format!(
@@ -165,26 +164,11 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
     c += &abt("s", &a_rows("ks_base", ks), "af", "qs_base", qs, d / 16);
     c += &zeros("dpt", 8);
     c += &abt("dpt", &a_rows("vs_base", vs), "af", "gs_base", gs, dv / 16);
-    c += &format!(
-        r#"    // Pᵀ and dSᵀ for this warp's keys and the tile's queries; masked pairs 0.
-    #pragma unroll
-    for (int n = 0; n < 8; ++n) {{
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) {{
-        const int local = n * 8 + t4 * 2 + (e & 1);
-        const int row = it * {QT} + local;
-        const int key = e < 2 ? j0 : j1;
-        float p = 0.f;
-        if (row < {sq} && key < lim_of(row)) {{
-          float x = s[n][e] * {sl2:?}f;
-          {mask}
-          p = ex2(x - lsb[local]);
-        }}
-        dpt[n][e] = p * (dpt[n][e] - dlsb[local]);
-        s[n][e] = p;
-      }}
-    }}
-"#
+    c += &transposed_probabilities(
+        sp,
+        "Pᵀ and dSᵀ",
+        "lsb",
+        "dpt[n][e] = p * (dpt[n][e] - dlsb[local]);\n        s[n][e] = p;",
     );
     if wv {
         c += &mma_pb("accv", "s", "gs_base", gs, dv);
