@@ -434,3 +434,68 @@ fn flash_attention_saving_compiles() {
         compile_all(std::slice::from_ref(c), all);
     }
 }
+
+/// The Hopper fused backward (warpgroup MMA, built for `sm_90a`) at head sizes 64 and 128, both
+/// element types, the causal kinds, unmasked and masked, all three gradients and `dQ` with one
+/// of the others.
+#[test]
+fn flash_attention_hopper_backward_compiles() {
+    let Some(compilers) = compilers() else { return };
+    let hopper: Vec<KernelCompiler> = compilers
+        .into_iter()
+        .filter(|c| c.arch() == "sm_90a")
+        .collect();
+    let mut sources = vec![];
+    for d in [DType::F16, DType::BF16] {
+        for &(sq, sk, hd) in &[(1000, 777, 128), (100, 37, 64)] {
+            for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+                for (mask, mt) in [
+                    (AttnMask::None, None),
+                    (AttnMask::Bool, Some(t(DType::Bool, &[2, 1, 1, sk]))),
+                ] {
+                    if d == DType::F16 && (causal != Causal::TopLeft || mask != AttnMask::None) {
+                        continue;
+                    }
+                    let layout = AttnLayout::Bhsd;
+                    let mut ins = vec![
+                        heads(d, layout, [2, 3, sq, hd]),
+                        heads(d, layout, [2, 3, sk, hd]),
+                        heads(d, layout, [2, 3, sk, hd]),
+                    ];
+                    ins.extend(mt);
+                    ins.push(heads(d, layout, [2, 3, sq, hd]));
+                    let refs: Vec<&TensorType> = ins.iter().collect();
+                    for wrts in [&[0u8, 1, 2][..], &[0, 2]] {
+                        let ops: Vec<Op> = wrts
+                            .iter()
+                            .map(|&wrt| Op::AttentionGrad {
+                                causal,
+                                mask,
+                                scale: F64Bits::new(0.125),
+                                wrt,
+                                layout,
+                            })
+                            .collect();
+                        let outs: Vec<TensorType> = ops
+                            .iter()
+                            .map(|op| rustytorch::ops::infer(op, &refs).expect("infer"))
+                            .collect();
+                        let step = with_target(Target::Hopper, || {
+                            flash::lower_grad_group(
+                                &ops.iter().collect::<Vec<_>>(),
+                                &refs,
+                                &outs.iter().collect::<Vec<_>>(),
+                            )
+                        })
+                        .expect("lower");
+                        let k = &step.launches[2].kernel;
+                        assert!(k.name.starts_with("flash_attention_bwd_sm90"), "{}", k.name);
+                        assert_eq!(k.block, 256);
+                        sources.push((k.name.clone(), source(k).expect("source")));
+                    }
+                }
+            }
+        }
+    }
+    compile_all(&hopper, sources);
+}

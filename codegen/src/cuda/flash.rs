@@ -37,6 +37,7 @@
 mod backward;
 mod decode;
 mod hopper;
+mod hopper_bwd;
 mod hopper_ws;
 
 use super::ir::{CTy, Kernel, Param, Stmt};
@@ -265,6 +266,15 @@ impl Spec {
     fn hopper(&self) -> bool {
         super::target() == super::Target::Hopper
             && hopper::supported(self)
+            && std::env::var("RUSTYTORCH_FLASH").as_deref() != Ok("portable")
+    }
+
+    /// Whether the fused backward runs the Hopper kernel ([`hopper_bwd`]): the lowering targets
+    /// Hopper, the shape suits it, and `RUSTYTORCH_FLASH=portable` does not ask for the
+    /// portable kernel.
+    fn hopper_backward(&self) -> bool {
+        super::target() == super::Target::Hopper
+            && hopper_bwd::supported(self)
             && std::env::var("RUSTYTORCH_FLASH").as_deref() != Ok("portable")
     }
 
@@ -573,7 +583,17 @@ fn fused_grads(
         args: vec![ArgRef::ScratchAt(acc_at)],
         grid: buffer_grid,
     });
-    let built = backward::build(sp, k.is_some(), v.is_some());
+    let (built, prefix) = if sp.hopper_backward() {
+        (
+            hopper_bwd::build(sp, k.is_some(), v.is_some()),
+            "flash_attention_bwd_sm90",
+        )
+    } else {
+        (
+            backward::build(sp, k.is_some(), v.is_some()),
+            "flash_attention_bwd",
+        )
+    };
     let mut params = grad_params.to_vec();
     params.push(buffer("dq_acc", true));
     let mut args: Vec<ArgRef> = base
@@ -589,13 +609,7 @@ fn fused_grads(
     }
     let tiles = sp.bsz * sp.heads * sp.sk.div_ceil(built.keys);
     launches.push(Launch {
-        kernel: verbatim(
-            "flash_attention_bwd",
-            params,
-            built.threads,
-            built.smem,
-            built.source,
-        )?,
+        kernel: verbatim(prefix, params, built.threads, built.smem, built.source)?,
         args,
         grid: grid_for(tiles as u64, 1),
     });
@@ -1211,22 +1225,22 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
     c
 }
 
-/// The loop over a warp's `Sᵀ` tile (`s[8][4]`: its keys `j0`/`j1`, the 64 queries of tile `it`)
-/// computing each `p = 2^(score·scale·log2 e − lse)` (masked pairs 0, the base-2 log-sum-exp
-/// of query `local` read from `ls[local]`), then running `assign` over `p`; `what` names the
-/// result in the loop's comment.
-fn transposed_probabilities(sp: &Spec, what: &str, ls: &str, assign: &str) -> String {
+/// The loop over a warp's `Sᵀ` tile (`s[br / 8][4]`: its keys `j0`/`j1`, the `br` queries of
+/// tile `it`) computing each `p = 2^(score·scale·log2 e − lse)` (masked pairs 0, the base-2
+/// log-sum-exp of query `local` read from `ls[local]`), then running `assign` over `p`; `what`
+/// names the result in the loop's comment.
+fn transposed_probabilities(sp: &Spec, what: &str, ls: &str, assign: &str, br: usize) -> String {
     let sq = sp.sq;
     let sl2 = (sp.scale * std::f64::consts::LOG2_E) as f32;
     let mask = sp.mask.clone().unwrap_or_default();
     format!(
         r#"    // {what} for this warp's keys and the tile's queries; masked pairs 0.
     #pragma unroll
-    for (int n = 0; n < 8; ++n) {{
+    for (int n = 0; n < {n8}; ++n) {{
       #pragma unroll
       for (int e = 0; e < 4; ++e) {{
         const int local = n * 8 + t4 * 2 + (e & 1);
-        const int row = it * 64 + local;
+        const int row = it * {br} + local;
         const int key = e < 2 ? j0 : j1;
         float p = 0.f;
         if (row < {sq} && key < lim_of(row)) {{
@@ -1237,7 +1251,8 @@ fn transposed_probabilities(sp: &Spec, what: &str, ls: &str, assign: &str) -> St
         {assign}
       }}
     }}
-"#
+"#,
+        n8 = br / 8
     )
 }
 
@@ -1318,7 +1333,13 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
         Kv::V => "p",
         Kv::Both => "p * (dpt[n][e] - dls[local]);\n        pt[n][e] = p",
     };
-    c += &transposed_probabilities(sp, "Pᵀ (and/or dSᵀ)", "ls", &format!("s[n][e] = {value};"));
+    c += &transposed_probabilities(
+        sp,
+        "Pᵀ (and/or dSᵀ)",
+        "ls",
+        &format!("s[n][e] = {value};"),
+        BR,
+    );
     match which {
         Kv::K => c += &mma_pb("acck", "s", "qs_base", qs, d),
         Kv::V => c += &mma_pb("accv", "s", "gs_base", gs, dv),

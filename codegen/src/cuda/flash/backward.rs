@@ -98,15 +98,7 @@ auto load_rows = [&](const unsigned short* src, unsigned base, int r0, int rows,
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(to), "l"(from), "r"(row < n ? 16 : 0));
   }}
 }};
-auto red2 = [](float* p, float a, float b) {{
-#if __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {{%1, %2}};" :: "l"(p), "f"(a), "f"(b) : "memory");
-#else
-  atomicAdd(p, a);
-  atomicAdd(p + 1, b);
-#endif
-}};
-for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
+{RED2}for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
   const long long bh = tile / {kt}LL;
   const int kb = (int)(tile % {kt}LL) * {bk};
   const int j0 = kb + warp * 16 + g, j1 = j0 + 8;
@@ -169,6 +161,7 @@ for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
         "Pᵀ and dSᵀ",
         "lsb",
         "dpt[n][e] = p * (dpt[n][e] - dlsb[local]);\n        s[n][e] = p;",
+        QT,
     );
     if wv {
         c += &mma_pb("accv", "s", "gs_base", gs, dv);
@@ -248,6 +241,18 @@ fn dq_chunks(cw: usize) -> Vec<(usize, usize)> {
         .map(|c0| (c0, ((cw - c0) / 16).min(2)))
         .collect()
 }
+
+/// `red2(p, a, b)`: adds `a` and `b` into the floats at `p` and `p + 1` (one vector reduction
+/// on sm_90, two atomics before).
+pub(super) const RED2: &str = r#"auto red2 = [](float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
+};
+"#;
 
 /// Threads per block of the buffer kernels.
 pub(super) const BUFFER_THREADS: u32 = 256;

@@ -135,19 +135,30 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
     }
 }
 
+/// Where a `wgmma`'s A operand comes from, and how its operands lie in shared memory.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum OperandA {
+    /// Shared memory through a descriptor `da`; both operands K-major.
+    KMajor,
+    /// Shared memory through a descriptor `da`; both operands MN-major (the transpose bits).
+    MnMajor,
+    /// Four registers `a0..a3` (the A-fragment layout); B read MN-major.
+    Registers,
+}
+
 /// A C macro `name(A..., db)` issuing one `wgmma.m64n{n}k16` into the f32 accumulators
 /// `acc[n / 8][4]` (`constraint` `=f` when it overwrites them, `+f` when it accumulates;
-/// `scale_d` 0 or 1): A from shared memory through a descriptor `da` (`a_regs` false, both
-/// operands K-major) or as four registers `a0..a3` (then B is read N-major).
-fn wgmma_macro(
+/// `scale_d` 0 or 1), A as `a` says.
+pub(super) fn wgmma_macro(
     name: &str,
     elem: &str,
     n: usize,
     acc: &str,
     constraint: &str,
     scale_d: u32,
-    a_regs: bool,
+    a: OperandA,
 ) -> String {
+    let a_regs = a == OperandA::Registers;
     let m = n / 2;
     let regs: Vec<String> = (0..m).map(|i| format!("%{i}")).collect();
     let outs: Vec<String> = (0..m)
@@ -165,7 +176,11 @@ fn wgmma_macro(
             "da, db",
             format!("%{m}"),
             "\"l\"(da), \"l\"(db)",
-            "1, 1, 0, 0",
+            if a == OperandA::MnMajor {
+                "1, 1, 1, 1"
+            } else {
+                "1, 1, 0, 0"
+            },
         )
     };
     let b = if a_regs { m + 4 } else { m + 1 };
@@ -185,9 +200,9 @@ fn wgmma_macro(
 /// `RT_WGMMA_O(a0, a1, a2, a3, db)` for `O += P·V` with `P` from registers.
 pub(super) fn wgmma_macros(elem: &str, bc: usize, dv: usize) -> String {
     [
-        wgmma_macro("RT_WGMMA_S0", elem, bc, "s", "=f", 0, false),
-        wgmma_macro("RT_WGMMA_S", elem, bc, "s", "+f", 1, false),
-        wgmma_macro("RT_WGMMA_O", elem, dv, "o", "+f", 1, true),
+        wgmma_macro("RT_WGMMA_S0", elem, bc, "s", "=f", 0, OperandA::KMajor),
+        wgmma_macro("RT_WGMMA_S", elem, bc, "s", "+f", 1, OperandA::KMajor),
+        wgmma_macro("RT_WGMMA_O", elem, dv, "o", "+f", 1, OperandA::Registers),
     ]
     .concat()
 }
@@ -295,41 +310,69 @@ auto load = [&](const unsigned short* src, long long first, long long limit, int
 "#;
 
 /// `S = Q·Kᵀ` of the key tile at shared address `ks` (C, defined before) into `s`, issued and
-/// committed, not waited for: over the head dim in steps of 16, step `kk` lies in 64-column
-/// block kk / 4, at byte 32·(kk mod 4) of each 128-byte row (the hardware applies the swizzle
-/// to the address, so advancing the start address inside the pattern walks the K dim). `rows`
-/// is the C expression of the warpgroup's 64-row block in the query tile.
+/// committed, not waited for ([`kmajor_products`]). `rows` is the C expression of the
+/// warpgroup's 64-row block in the query tile.
 pub(super) fn s_issue(d: usize, br: usize, bc: usize, rows: &str) -> String {
     let mut out =
         String::from("        asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\");\n");
-    for kk in 0..d / 16 {
-        let (blk, off) = (kk / 4, (kk % 4) * 32);
-        out.push_str(&format!(
-            "        {mac}(rt_desc(q_s + {qa}u + (unsigned)({rows}) * 8192u, 16u), rt_desc(ks + {kb}u, 16u));\n",
-            mac = if kk == 0 { "RT_WGMMA_S0" } else { "RT_WGMMA_S" },
-            qa = blk * br * 128 + off,
-            kb = blk * bc * 128 + off,
-        ));
-    }
+    out.push_str(&kmajor_products(
+        ["RT_WGMMA_S0", "RT_WGMMA_S"],
+        ("q_s", br, rows),
+        ("ks", bc),
+        d,
+    ));
     out.push_str("        asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\");\n");
     out
 }
 
+/// The `wgmma`s of a product `A·Bᵀ` of two K-major swizzled tiles over `k` (the head dim), in
+/// steps of 16 (`macs[0]` for the first, which overwrites, `macs[1]` for the others): step `kk`
+/// lies in 64-column block kk / 4, at byte 32·(kk mod 4) of each 128-byte row (the hardware
+/// applies the swizzle to the address, so advancing the start address inside the pattern walks
+/// the K dim). `a` is the A tile's shared address (C), its rows per 64-column block and the C
+/// expression of the warpgroup's 64-row block in it; `b` the B tile's address and rows.
+pub(super) fn kmajor_products(
+    macs: [&str; 2],
+    (a, a_rows, rows): (&str, usize, &str),
+    (b, b_rows): (&str, usize),
+    k: usize,
+) -> String {
+    let mut out = String::new();
+    for kk in 0..k / 16 {
+        let (blk, off) = (kk / 4, (kk % 4) * 32);
+        out.push_str(&format!(
+            "        {mac}(rt_desc({a} + {qa}u + (unsigned)({rows}) * 8192u, 16u), rt_desc({b} + {kb}u, 16u));\n",
+            mac = macs[usize::from(kk > 0)],
+            qa = blk * a_rows * 128 + off,
+            kb = blk * b_rows * 128 + off,
+        ));
+    }
+    out
+}
+
 /// `O += P·V` of the value tile at shared address `vs` (C, defined before), `P` from the
-/// registers `pa`, issued and committed, not waited for: over the keys in steps of 16 (two
-/// 8-row groups, 2048 bytes).
+/// registers `pa`, issued and committed, not waited for ([`register_products`]).
 pub(super) fn pv_issue(bc: usize, dv: usize) -> String {
     let mut out = pin("pa", bc / 16, 'r');
     out.push_str(&pin("o", dv / 8, 'f'));
     out.push_str("        asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\");\n");
-    for kk in 0..bc / 16 {
+    out.push_str(&register_products("RT_WGMMA_O", "pa", "vs", bc));
+    out.push_str("        asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\");\n");
+    out
+}
+
+/// The `wgmma`s (macro `mac`) of a product `A·B`, A from the registers `pa[k / 16][4]` and B
+/// the MN-major swizzled tile at shared address `b` (C) of `k` rows: over the rows in steps of
+/// 16 (two 8-row groups, 2048 bytes), its 64-column blocks `k · 128` bytes apart.
+pub(super) fn register_products(mac: &str, pa: &str, b: &str, k: usize) -> String {
+    let mut out = String::new();
+    for kk in 0..k / 16 {
         out.push_str(&format!(
-            "        RT_WGMMA_O(pa[{kk}][0], pa[{kk}][1], pa[{kk}][2], pa[{kk}][3], rt_desc(vs + {off}u, {lbo}u));\n",
+            "        {mac}({pa}[{kk}][0], {pa}[{kk}][1], {pa}[{kk}][2], {pa}[{kk}][3], rt_desc({b} + {off}u, {lbo}u));\n",
             off = kk * 16 * 128,
-            lbo = bc * 128,
+            lbo = k * 128,
         ));
     }
-    out.push_str("        asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\");\n");
     out
 }
 

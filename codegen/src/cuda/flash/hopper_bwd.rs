@@ -1,0 +1,379 @@
+//! The fused flash backward for Hopper (`sm_90a`): the three gradients of one attention in one
+//! kernel, its products on warpgroup MMA (`wgmma.mma_async`) with the operands in 128-byte
+//! swizzled shared memory.
+//!
+//! # The kernel
+//!
+//! A block of two warpgroups owns 128 keys of one (batch, head), each warpgroup 64 of them,
+//! whose `dK` and `dV` (f32) stay in registers for the whole walk over the query tiles that see
+//! them. The key and value tiles are copied once; the query and `dO` tiles (64 rows at head
+//! size 128, 128 at head size 64), with their log-sum-exp and `D = rowsum(dO ∘ O)`, are
+//! double-buffered with `cp.async`, the next tile copying while the current one is used. Per
+//! query tile and warpgroup:
+//!
+//! 1. `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ` (64 keys × the tile's queries) as two commit groups of
+//!    `wgmma`s, both operands K-major ([`super::hopper::kmajor_products`]); `Pᵀ =
+//!    2^(Sᵀ·scale·log2 e − lse)` is computed while `dPᵀ` is still on the tensor cores, then
+//!    `dSᵀ = Pᵀ ∘ (dPᵀ − D)`. Tiles that no causal limit, mask or end crosses skip the checks;
+//! 2. `dV += Pᵀ·dO` and `dK += dSᵀ·Q` with `Pᵀ` and `dSᵀ` from registers (the accumulator
+//!    layout of `Sᵀ`, rounded to the operands' type, is the A-fragment layout) and `dO`, `Q`
+//!    read MN-major ([`super::hopper::register_products`]);
+//! 3. `dSᵀ` into shared memory (swizzled as the tensor cores read it); after a barrier
+//!    `dQ = dS·K` for the whole block's 128 keys, both operands read MN-major (`dSᵀ` and the key
+//!    tile as stored, through the transpose bits): at head size 128 each warpgroup takes 64 of
+//!    the columns, at head size 64 (128-row query tiles) 64 of the rows; the result is added
+//!    into an f32 buffer with vector reductions, as in the portable fused kernel
+//!    ([`super::backward`], whose buffer kernels, statistics and scaling this kernel shares).
+//!
+//! The kernel takes equal query and value head sizes of 64 or 128; the portable fused kernel
+//! runs the others (and every shape where `RUSTYTORCH_HOPPER_BWD=0` asks, for measurements).
+
+use super::backward::{Built, RED2};
+use super::hopper::{kmajor_products, pin, register_products, wait, wgmma_macro, OperandA};
+use super::{
+    first_query, grad_defs, head_pointers, store_kv, transposed_probabilities, zeros, Part, Spec,
+};
+
+/// Keys per block (two warpgroups of 64).
+const BK: usize = 128;
+
+/// Threads per block.
+const THREADS: usize = 256;
+
+/// Whether the kernel takes `sp`: query and value head sizes equal, 64 or 128, and
+/// `RUSTYTORCH_HOPPER_BWD=0` does not ask for the portable fused kernel.
+pub(super) fn supported(sp: &Spec) -> bool {
+    sp.d == sp.dv
+        && matches!(sp.d, 64 | 128)
+        && std::env::var("RUSTYTORCH_HOPPER_BWD").as_deref() != Ok("0")
+}
+
+/// Query rows per tile: 64 at head size 128 (the `dK`/`dV` accumulators take 128 registers a
+/// thread), 128 at head size 64 (so that the products' N dim stays 128).
+fn query_rows(sp: &Spec) -> usize {
+    if sp.d > 64 {
+        64
+    } else {
+        128
+    }
+}
+
+/// The kernel for `sp`, computing `dK` (into `out_k`, when `wk`) and `dV` (into `out_v`, when
+/// `wv`) and adding `dQ / scale` into the f32 buffer `dq_acc` (`[B·H, Sq, D]`, zeroed).
+pub(super) fn build(sp: &Spec, wk: bool, wv: bool) -> Built {
+    let (sq, sk, d) = (sp.sq, sp.sk, sp.d);
+    let br = query_rows(sp);
+    let (br8, br16) = (br / 8, br / 16);
+    let kbytes = BK * d * 2;
+    let qbytes = br * d * 2;
+    let dsbytes = BK * br * 2;
+    // Key and value tiles, two query and two dO tiles, dSᵀ, two (lse, D) vectors; 1 KiB to
+    // align the base to the swizzle's 1024-byte pattern.
+    let smem = 1024 + 2 * kbytes + 4 * qbytes + dsbytes + 2 * 2 * br * 4;
+    let (qrs, krs, vrs, grs) = (
+        sp.stride(Part::Q),
+        sp.stride(Part::K),
+        sp.stride(Part::V),
+        sp.stride(Part::O),
+    );
+    let (qt, kt) = (sq.div_ceil(br), sk.div_ceil(BK));
+    let tiles = sp.bsz * sp.heads * kt;
+    let elem = sp.elem();
+    let mut macros = vec![
+        wgmma_macro("RT_WGMMA_S0", elem, br, "s", "=f", 0, OperandA::KMajor),
+        wgmma_macro("RT_WGMMA_S", elem, br, "s", "+f", 1, OperandA::KMajor),
+        wgmma_macro("RT_WGMMA_P0", elem, br, "dpt", "=f", 0, OperandA::KMajor),
+        wgmma_macro("RT_WGMMA_P", elem, br, "dpt", "+f", 1, OperandA::KMajor),
+        wgmma_macro("RT_WGMMA_Q0", elem, 64, "dq", "=f", 0, OperandA::MnMajor),
+        wgmma_macro("RT_WGMMA_Q", elem, 64, "dq", "+f", 1, OperandA::MnMajor),
+    ];
+    if wv {
+        macros.push(wgmma_macro(
+            "RT_WGMMA_V",
+            elem,
+            d,
+            "accv",
+            "+f",
+            1,
+            OperandA::Registers,
+        ));
+    }
+    if wk {
+        macros.push(wgmma_macro(
+            "RT_WGMMA_K",
+            elem,
+            d,
+            "acck",
+            "+f",
+            1,
+            OperandA::Registers,
+        ));
+    }
+    let first = first_query(sp);
+    let mut c = grad_defs(sp);
+    c += &macros.concat();
+    c += &format!(
+        r#"// Fused flash backward for sm_90a: {BK} keys a block (two warpgroups of 64), query tiles of {br}, wgmma ({elem}).
+extern __shared__ __align__(1024) unsigned char rt_smem[];
+const unsigned sm0 = (unsigned)__cvta_generic_to_shared(rt_smem);
+const unsigned k_s = (sm0 + 1023u) & ~1023u;
+const unsigned v_s = k_s + {kbytes}u;
+const unsigned q_s0 = v_s + {kbytes}u;
+const unsigned g_s0 = q_s0 + 2u * {qbytes}u;
+const unsigned ds_s = g_s0 + 2u * {qbytes}u;
+const unsigned l_s = ds_s + {dsbytes}u;
+const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
+const int wg = tid >> 7;
+{prelude}{RED2}for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
+  const long long bh = tile / {kt}LL;
+  const int kb = (int)(tile % {kt}LL) * {BK};
+  const int j0 = kb + warp * 16 + g, j1 = j0 + 8;
+{ptrs}  const float* lp = lse + bh * {sq}LL;
+  const float* dlp = delta + bh * {sq}LL;
+  // Query tile `it` (its rows, dO rows, lse and D) into buffer `buf`.
+  auto load_queries = [&](int it, int buf) {{
+    load(qp, (long long)it * {br}, {sq}LL, {br}, {d}, {qrs}LL, q_s0 + (unsigned)buf * {qbytes}u);
+    load(gp, (long long)it * {br}, {sq}LL, {br}, {d}, {grs}LL, g_s0 + (unsigned)buf * {qbytes}u);
+    if (tid < {br}) {{
+      const int i = it * {br} + tid;
+      const int bytes = i < {sq} ? 4 : 0;
+      const long long at = i < {sq} ? i : 0;
+      const unsigned to = l_s + (unsigned)((buf * {br2} + tid) * 4);
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(to), "l"(lp + at), "r"(bytes) : "memory");
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(to + {br4}u), "l"(dlp + at), "r"(bytes) : "memory");
+    }}
+  }};
+  const int it0 = ({first}) / {br};
+  load(kp, (long long)kb, {sk}LL, {BK}, {d}, {krs}LL, k_s);
+  load(vp, (long long)kb, {sk}LL, {BK}, {d}, {vrs}LL, v_s);
+  if (it0 < {qt}) load_queries(it0, 0);
+  asm volatile("cp.async.commit_group;" ::: "memory");
+"#,
+        prelude = super::hopper::PRELUDE.replace("$THREADS", &THREADS.to_string()),
+        ptrs = head_pointers(sp),
+        br2 = 2 * br,
+        br4 = br * 4,
+    );
+    if wk {
+        c += &zeros("acck", d / 8);
+    }
+    if wv {
+        c += &zeros("accv", d / 8);
+    }
+    // Whether no causal limit, mask or end crosses the tile (the causal limits grow with the
+    // row, so the tile's first row has the smallest).
+    let full = if sp.mask.is_some() {
+        "false".to_string()
+    } else {
+        format!("it * {br} + {br} <= {sq} && kb + {BK} <= lim_of(it * {br})")
+    };
+    let sl2 = (sp.scale * std::f64::consts::LOG2_E) as f32;
+    c += &format!(
+        r#"  float s[{br8}][4], dpt[{br8}][4], dq[8][4];
+  unsigned pa[{br16}][4], dsa[{br16}][4];
+  for (int it = it0; it < {qt}; ++it) {{
+    const int buf = (it - it0) & 1;
+    // Tile `it` has landed (each thread's copies, then made visible to the tensor cores); after
+    // the barrier nothing reads the other buffer, which the next tile takes.
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    if (it + 1 < {qt}) load_queries(it + 1, buf ^ 1);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    const unsigned qs = q_s0 + (unsigned)buf * {qbytes}u, gs = g_s0 + (unsigned)buf * {qbytes}u;
+    const float* lsb = ls_all + buf * {br2};
+    const float* dlsb = lsb + {br};
+    // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warpgroup's keys, one commit group each.
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+{s_products}    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+{p_products}    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+{wait_s}    if ({full}) {{
+      // Pᵀ, nothing masked.
+      #pragma unroll
+      for (int n = 0; n < {br8}; ++n) {{
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = ex2(fmaf(s[n][e], {sl2:?}f, -lsb[n * 8 + t4 * 2 + (e & 1)]));
+      }}
+    }} else {{
+{probabilities}    }}
+{wait_p}    // dSᵀ = Pᵀ ∘ (dPᵀ − D); both rounded into A fragments (8-query groups 2kk and 2kk + 1 are
+    // the fragment of queries 16kk..16kk + 15), dSᵀ also into shared memory for dQ.
+    #pragma unroll
+    for (int n = 0; n < {br8}; ++n) {{
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) dpt[n][e] = s[n][e] * (dpt[n][e] - dlsb[n * 8 + t4 * 2 + (e & 1)]);
+    }}
+    #pragma unroll
+    for (int kk = 0; kk < {br16}; ++kk) {{
+      pa[kk][0] = pack(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pack(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      dsa[kk][0] = pack(dpt[2 * kk][0], dpt[2 * kk][1]);
+      dsa[kk][1] = pack(dpt[2 * kk][2], dpt[2 * kk][3]);
+      dsa[kk][2] = pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+      dsa[kk][3] = pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+    }}
+    // dSᵀ as [keys][queries] in 64-query blocks of 128-byte rows, the 16-byte chunks of row r
+    // at chunk c ^ (r mod 8); a warp's rows r, r + 8 have r mod 8 = g.
+    #pragma unroll
+    for (int n = 0; n < {br8}; ++n) {{
+      const unsigned at = ds_s + (unsigned)((n >> 3) * {blk} + (warp * 16 + g) * 128 + (((n & 7) ^ g) << 4) + t4 * 4);
+      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at), "r"(dsa[n >> 1][(n & 1) * 2]) : "memory");
+      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at + 1024u), "r"(dsa[n >> 1][(n & 1) * 2 + 1]) : "memory");
+    }}
+{kv_products}    // Both warpgroups' dSᵀ written and visible to the tensor cores.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    {{
+      // dQ = dS·K over the block's keys: at head size 128 this warpgroup's 64 columns, at 64
+      // its 64 query rows.
+      const unsigned da = ds_s + (unsigned)wg * {a_step}u, db = k_s + (unsigned)wg * {b_step}u;
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+{q_products}      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    }}
+{wait_q}{pin_kv}    {{
+      const int r0 = it * {br} + wg * {row_step} + (warp & 3) * 16 + g;
+      float* dq0 = dq_acc + (bh * {sq}LL + r0) * {d}LL + wg * {col_step} + t4 * 2;
+      #pragma unroll
+      for (int n = 0; n < 8; ++n) {{
+        if (r0 < {sq}) red2(dq0 + n * 8, dq[n][0], dq[n][1]);
+        if (r0 + 8 < {sq}) red2(dq0 + 8LL * {d} + n * 8, dq[n][2], dq[n][3]);
+      }}
+    }}
+  }}
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+"#,
+        br2 = 2 * br,
+        blk = BK * 128,
+        s_products = kmajor_products(
+            ["RT_WGMMA_S0", "RT_WGMMA_S"],
+            ("k_s", BK, "wg"),
+            ("qs", br),
+            d
+        ),
+        p_products = kmajor_products(
+            ["RT_WGMMA_P0", "RT_WGMMA_P"],
+            ("v_s", BK, "wg"),
+            ("gs", br),
+            d
+        ),
+        wait_s = wait(1, "s", br8),
+        probabilities = transposed_probabilities(sp, "Pᵀ", "lsb", "s[n][e] = p;", br),
+        wait_p = wait(0, "dpt", br8),
+        kv_products = kv_products(br, d, wk, wv),
+        a_step = if br == 128 { BK * 128 } else { 0 },
+        b_step = if br == 64 { BK * 128 } else { 0 },
+        q_products = q_products(),
+        wait_q = wait(0, "dq", 8),
+        pin_kv = [
+            if wk {
+                pin("acck", d / 8, 'f')
+            } else {
+                String::new()
+            },
+            if wv {
+                pin("accv", d / 8, 'f')
+            } else {
+                String::new()
+            },
+        ]
+        .concat(),
+        row_step = if br == 128 { 64 } else { 0 },
+        col_step = if br == 64 { 64 } else { 0 },
+    );
+    c += &store_kv(sp, wk.then_some("out_k"), wv.then_some("out_v"));
+    // The next tile's copies overwrite the key and value tiles.
+    c += "  __syncthreads();\n}\n";
+    Built {
+        source: c,
+        threads: THREADS as u32,
+        smem: smem as u32,
+        keys: BK,
+    }
+}
+
+/// `dV += Pᵀ·dO` (when `wv`) and `dK += dSᵀ·Q` (when `wk`) over a query tile of `br` rows, A from
+/// the registers `pa` and `dsa`, issued as one commit group.
+fn kv_products(br: usize, d: usize, wk: bool, wv: bool) -> String {
+    let mut out = String::from("    // dV += Pᵀ·dO and dK += dSᵀ·Q.\n");
+    out += &pin("pa", br / 16, 'r');
+    out += &pin("dsa", br / 16, 'r');
+    if wv {
+        out += &pin("accv", d / 8, 'f');
+    }
+    if wk {
+        out += &pin("acck", d / 8, 'f');
+    }
+    out += "        asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\");\n";
+    if wv {
+        out += &register_products("RT_WGMMA_V", "pa", "gs", br);
+    }
+    if wk {
+        out += &register_products("RT_WGMMA_K", "dsa", "qs", br);
+    }
+    out += "        asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\");\n";
+    out
+}
+
+/// `dQ = dS·K` over the block's keys in steps of 16 (2048 bytes of both MN-major tiles), from
+/// the shared addresses `da` (`dSᵀ`) and `db` (the key tile).
+fn q_products() -> String {
+    (0..BK / 16)
+        .map(|kk| {
+            format!(
+                "      {mac}(rt_desc(da + {off}u, {lbo}u), rt_desc(db + {off}u, {lbo}u));\n",
+                mac = if kk == 0 { "RT_WGMMA_Q0" } else { "RT_WGMMA_Q" },
+                off = kk * 2048,
+                lbo = BK * 128,
+            )
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Spec;
+    use rustytorch_ops::{AttnLayout, AttnMask, Causal, DType, F64Bits, Op, TensorType};
+
+    fn spec(d: usize, sq: usize, sk: usize) -> Spec {
+        let t =
+            |s: usize| TensorType::new(DType::BF16, rustytorch_ops::Shape::new(vec![2, 3, s, d]));
+        let ins = [t(sq), t(sk), t(sk), t(sq)];
+        let refs: Vec<&TensorType> = ins.iter().collect();
+        let op = Op::AttentionGrad {
+            causal: Causal::BottomRight,
+            mask: AttnMask::None,
+            scale: F64Bits::new(0.125),
+            wrt: 0,
+            layout: AttnLayout::Bhsd,
+        };
+        let out = rustytorch_ops::infer(&op, &refs).unwrap();
+        Spec::new(&op, &refs, &out).unwrap().unwrap()
+    }
+
+    /// Both head sizes fit Hopper's 227 KiB of shared memory per block, with the tiles at the
+    /// 1024-byte multiples the swizzle needs, and the `dQ` products cover the block's keys.
+    #[test]
+    fn blocks_fit_hopper() {
+        for d in [64, 128] {
+            let sp = spec(d, 1000, 777);
+            assert!(super::supported(&sp));
+            let b = super::build(&sp, true, true);
+            assert!(b.smem as usize <= 227 * 1024, "d {d}: {} bytes", b.smem);
+            let br = super::query_rows(&sp);
+            assert_eq!((super::BK * d * 2) % 1024, 0);
+            assert_eq!((br * d * 2) % 1024, 0);
+            assert_eq!((super::BK * br * 2) % 1024, 0);
+            assert_eq!(b.keys, super::BK);
+            assert_eq!(
+                super::q_products().matches("RT_WGMMA_Q").count(),
+                super::BK / 16
+            );
+            assert!(b.source.contains("RT_WGMMA_V(") && b.source.contains("RT_WGMMA_K("));
+            let only_v = super::build(&sp, false, true);
+            assert!(!only_v.source.contains("RT_WGMMA_K(") && !only_v.source.contains("acck"));
+        }
+        assert!(!super::supported(&spec(48, 100, 100)));
+    }
+}
