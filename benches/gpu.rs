@@ -591,6 +591,9 @@ fn attention_flash_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64), bac
     let bf = DType::BF16;
     // `bench-gpu attention-decode`: the one-query-row shapes only.
     let decode_only = std::env::args().any(|a| a == "attention-decode");
+    // `RUSTYTORCH_BENCH_ROWS=TEXT` keeps the shapes whose row name contains TEXT (for
+    // measurements of one shape under a profiler or a knob).
+    let rows = std::env::var("RUSTYTORCH_BENCH_ROWS").ok();
     for (b, h, sq, sk, d, causal) in ATTN_SHAPES {
         if decode_only && sq != 1 {
             continue;
@@ -609,14 +612,17 @@ fn attention_flash_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64), bac
             scale: F64Bits::new(1.0 / (d as f64).sqrt()),
             layout: rustytorch::ops::AttnLayout::Bhsd,
         };
-        let y = graph.add(op, &[q, k, v]).expect("attention");
-        graph.add_output("y", y).expect("y");
-        let t = time_graph(&graph, 10, true);
-        let flops = 4.0 * (b * h * sq * sk * d) as f64 * if causal { 0.5 } else { 1.0 };
         let name = format!(
             "flash attention bf16 B{b} H{h} Sq{sq} Sk{sk} D{d} {}",
             if causal { "causal" } else { "full" }
         );
+        if rows.as_ref().is_some_and(|r| !name.contains(r.as_str())) {
+            continue;
+        }
+        let y = graph.add(op, &[q, k, v]).expect("attention");
+        graph.add_output("y", y).expect("y");
+        let t = time_graph(&graph, 10, true);
+        let flops = 4.0 * (b * h * sq * sk * d) as f64 * if causal { 0.5 } else { 1.0 };
         push(&name, t, "TFLOP/s", flops / (t.0 * 1e-3) / 1e12);
         if sq == 1 {
             let kv = (2 * b * h * sk * d * 2) as f64;

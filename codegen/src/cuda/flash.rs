@@ -567,8 +567,24 @@ fn fused_grads(
     q: ArgRef,
     [k, v]: [Option<ArgRef>; 2],
 ) -> Result<StepKernels> {
+    let (built, prefix) = if sp.hopper_backward() {
+        (
+            hopper_bwd::build(sp, k.is_some(), v.is_some()),
+            "flash_attention_bwd_sm90",
+        )
+    } else {
+        (
+            backward::build(sp, k.is_some(), v.is_some()),
+            "flash_attention_bwd",
+        )
+    };
     let acc_at = used.next_multiple_of(256);
-    let acc_len = sp.bsz * sp.heads * sp.sq * sp.d;
+    // A blocked buffer holds whole query tiles.
+    let rows = match &built.dq_blocked {
+        Some((br, _)) => sp.sq.next_multiple_of(*br),
+        None => sp.sq,
+    };
+    let acc_len = sp.bsz * sp.heads * rows * sp.d;
     let buffer = |name: &str, writes: bool| param(name, CTy::F32, writes);
     let small = |prefix: &str, params: Vec<Param>, body: String| {
         verbatim(prefix, params, backward::BUFFER_THREADS, 0, body)
@@ -583,17 +599,6 @@ fn fused_grads(
         args: vec![ArgRef::ScratchAt(acc_at)],
         grid: buffer_grid,
     });
-    let (built, prefix) = if sp.hopper_backward() {
-        (
-            hopper_bwd::build(sp, k.is_some(), v.is_some()),
-            "flash_attention_bwd_sm90",
-        )
-    } else {
-        (
-            backward::build(sp, k.is_some(), v.is_some()),
-            "flash_attention_bwd",
-        )
-    };
     let mut params = grad_params.to_vec();
     params.push(buffer("dq_acc", true));
     let mut args: Vec<ArgRef> = base
@@ -617,7 +622,7 @@ fn fused_grads(
         kernel: small(
             "flash_attention_bwd_dq",
             vec![buffer("dq_acc", false), param("out", sp.e, true)],
-            backward::dq_source(sp),
+            backward::dq_source(sp, built.dq_blocked.clone()),
         )?,
         args: vec![ArgRef::ScratchAt(acc_at), q],
         grid: buffer_grid,

@@ -40,6 +40,9 @@ pub(super) struct Built {
     pub smem: u32,
     /// Keys per block.
     pub keys: usize,
+    /// Where the kernel adds `dQ`: None for a `[B·H, Sq, D]` buffer, else the blocked layout of
+    /// the Hopper kernel's bulk reductions (see `dq_source`).
+    pub dq_blocked: Option<(usize, String)>,
 }
 
 /// Warps per block for `sp`: eight when the `dQ` columns split evenly in two 16-column
@@ -230,6 +233,7 @@ auto load_rows = [&](const unsigned short* src, unsigned base, int r0, int rows,
         threads: threads as u32,
         smem: smem as u32,
         keys: bk,
+        dq_blocked: None,
     }
 }
 
@@ -267,16 +271,24 @@ pub(super) fn zero_source(n: usize) -> String {
     )
 }
 
-/// The kernel rounding the `dQ` buffer times the scale into the result `out` (q's layout).
-pub(super) fn dq_source(sp: &Spec) -> String {
+/// The kernel rounding the `dQ` buffer times the scale into the result `out` (q's layout):
+/// the buffer `[B·H, Sq, D]`, or with `blocked` = (query rows per tile, the C index of
+/// `dQ[bh][row][c]` over `bh`, `row`, `c` and `rt = row mod rows`) the Hopper kernel's blocks.
+pub(super) fn dq_source(sp: &Spec, blocked: Option<(usize, String)>) -> String {
     let (sq, d) = (sp.sq, sp.d);
     let n = sp.bsz * sp.heads * sq * d / 2;
     let defs = PACK.replace("$E", sp.elem());
+    let read = match blocked {
+        None => "((const float2*)dq_acc)[i]".to_string(),
+        Some((br, index)) => format!(
+            "*(const float2*)(dq_acc + [&] {{ const int rt = (int)(row % {br}LL); return {index}; }}())"
+        ),
+    };
     format!(
         r#"{defs}for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < {n}LL; i += (long long)gridDim.x * blockDim.x) {{
   const long long c = (i % {h2}LL) * 2, r = i / {h2}LL;
   const long long bh = r / {sq}LL, row = r % {sq}LL;
-  const float2 a = ((const float2*)dq_acc)[i];
+  const float2 a = {read};
   unsigned short* op = (unsigned short*)out + {head} + row * {rs}LL + c;
   *(unsigned*)op = pack(a.x * {scale:?}f, a.y * {scale:?}f);
 }}

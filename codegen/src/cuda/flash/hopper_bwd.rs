@@ -37,6 +37,35 @@ use super::{
 /// Keys per block (two warpgroups of 64).
 const BK: usize = 128;
 
+/// Floats of one warpgroup's part of a query tile's `dQ` (64 × 64).
+const DQ_PART: usize = 64 * 64;
+
+/// Whether `dQ` is added by bulk reductions from shared memory (`RUSTYTORCH_HOPPER_BWD_DQ=bulk`)
+/// into a buffer blocked by query tile and warpgroup ([`dq_index`]), instead of by each
+/// thread's vector reductions into a `[B·H, Sq, D]` buffer.
+pub(super) fn bulk_dq() -> bool {
+    std::env::var("RUSTYTORCH_HOPPER_BWD_DQ").as_deref() == Ok("bulk")
+}
+
+/// With [`bulk_dq`]: the query rows per tile of the blocked buffer, and the C expression of
+/// the float index of `dQ[bh][row][c]` (`c` even; `c + 1` follows) in it.
+pub(super) fn dq_index(sp: &Spec) -> (usize, String) {
+    let br = query_rows(sp);
+    let qt = sp.sq.div_ceil(br);
+    // At head size 128 the warpgroups split the columns, at 64 the rows.
+    let (wg, rr, cc) = if br == 64 {
+        ("(c >> 6)", "rt", "(c & 63)")
+    } else {
+        ("(rt >> 6)", "(rt & 63)", "c")
+    };
+    (
+        br,
+        format!(
+            "((bh * {qt}LL + row / {br}) * 2 + {wg}) * {DQ_PART}LL + ((({cc} >> 3) * 2 + (({rr} >> 3) & 1)) * 128 + ({rr} >> 4) * 32 + ({rr} & 7) * 4 + (({cc} & 7) >> 1)) * 2",
+        ),
+    )
+}
+
 /// Threads per block.
 const THREADS: usize = 256;
 
@@ -69,7 +98,10 @@ pub(super) fn build(sp: &Spec, wk: bool, wv: bool) -> Built {
     let dsbytes = BK * br * 2;
     // Key and value tiles, two query and two dO tiles, dSᵀ, two (lse, D) vectors; 1 KiB to
     // align the base to the swizzle's 1024-byte pattern.
-    let smem = 1024 + 2 * kbytes + 4 * qbytes + dsbytes + 2 * 2 * br * 4;
+    let bulk = bulk_dq();
+    // With bulk reductions, each warpgroup's 64 × 64 part of dQ is staged in shared memory.
+    let stage = if bulk { 2 * DQ_PART * 4 } else { 0 };
+    let smem = 1024 + 2 * kbytes + 4 * qbytes + dsbytes + 2 * 2 * br * 4 + stage;
     let (qrs, krs, vrs, grs) = (
         sp.stride(Part::Q),
         sp.stride(Part::K),
@@ -124,7 +156,7 @@ const unsigned ds_s = g_s0 + 2u * {qbytes}u;
 const unsigned l_s = ds_s + {dsbytes}u;
 const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
 const int wg = tid >> 7;
-{prelude}{RED2}for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
+{prelude}{red2}for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
   const long long bh = tile / {kt}LL;
   const int kb = (int)(tile % {kt}LL) * {BK};
   const int j0 = kb + warp * 16 + g, j1 = j0 + 8;
@@ -150,6 +182,7 @@ const int wg = tid >> 7;
   asm volatile("cp.async.commit_group;" ::: "memory");
 "#,
         prelude = super::hopper::PRELUDE.replace("$THREADS", &THREADS.to_string()),
+        red2 = if bulk { "" } else { RED2 },
         ptrs = head_pointers(sp),
         br2 = 2 * br,
         br4 = br * 4,
@@ -196,8 +229,17 @@ const int wg = tid >> 7;
       }}
     }} else {{
 {probabilities}    }}
-{wait_p}    // dSᵀ = Pᵀ ∘ (dPᵀ − D); both rounded into A fragments (8-query groups 2kk and 2kk + 1 are
-    // the fragment of queries 16kk..16kk + 15), dSᵀ also into shared memory for dQ.
+    // Pᵀ rounded into A fragments (8-query groups 2kk and 2kk + 1 are the fragment of queries
+    // 16kk..16kk + 15).
+    #pragma unroll
+    for (int kk = 0; kk < {br16}; ++kk) {{
+      pa[kk][0] = pack(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pack(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }}
+{v_product}{wait_p}    // dSᵀ = Pᵀ ∘ (dPᵀ − D) while dV is on the tensor cores; rounded into A fragments, and into
+    // shared memory for dQ.
     #pragma unroll
     for (int n = 0; n < {br8}; ++n) {{
       #pragma unroll
@@ -205,10 +247,6 @@ const int wg = tid >> 7;
     }}
     #pragma unroll
     for (int kk = 0; kk < {br16}; ++kk) {{
-      pa[kk][0] = pack(s[2 * kk][0], s[2 * kk][1]);
-      pa[kk][1] = pack(s[2 * kk][2], s[2 * kk][3]);
-      pa[kk][2] = pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[kk][3] = pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
       dsa[kk][0] = pack(dpt[2 * kk][0], dpt[2 * kk][1]);
       dsa[kk][1] = pack(dpt[2 * kk][2], dpt[2 * kk][3]);
       dsa[kk][2] = pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
@@ -222,9 +260,9 @@ const int wg = tid >> 7;
       asm volatile("st.shared.b32 [%0], %1;" :: "r"(at), "r"(dsa[n >> 1][(n & 1) * 2]) : "memory");
       asm volatile("st.shared.b32 [%0], %1;" :: "r"(at + 1024u), "r"(dsa[n >> 1][(n & 1) * 2 + 1]) : "memory");
     }}
-{kv_products}    // Both warpgroups' dSᵀ written and visible to the tensor cores.
+{k_product}    // Both warpgroups' dSᵀ written and visible to the tensor cores.
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();
+{stage_free}    __syncthreads();
     {{
       // dQ = dS·K over the block's keys: at head size 128 this warpgroup's 64 columns, at 64
       // its 64 query rows.
@@ -232,16 +270,7 @@ const int wg = tid >> 7;
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 {q_products}      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     }}
-{wait_q}{pin_kv}    {{
-      const int r0 = it * {br} + wg * {row_step} + (warp & 3) * 16 + g;
-      float* dq0 = dq_acc + (bh * {sq}LL + r0) * {d}LL + wg * {col_step} + t4 * 2;
-      #pragma unroll
-      for (int n = 0; n < 8; ++n) {{
-        if (r0 < {sq}) red2(dq0 + n * 8, dq[n][0], dq[n][1]);
-        if (r0 + 8 < {sq}) red2(dq0 + 8LL * {d} + n * 8, dq[n][2], dq[n][3]);
-      }}
-    }}
-  }}
+{reduce}  }}
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 "#,
         br2 = 2 * br,
@@ -260,58 +289,116 @@ const int wg = tid >> 7;
         ),
         wait_s = wait(1, "s", br8),
         probabilities = transposed_probabilities(sp, "Pᵀ", "lsb", "s[n][e] = p;", br),
-        wait_p = wait(0, "dpt", br8),
-        kv_products = kv_products(br, d, wk, wv),
+        v_product = if wv {
+            register_product("dV += Pᵀ·dO", "RT_WGMMA_V", "pa", "accv", "gs", br, d)
+        } else {
+            String::new()
+        },
+        // dV (when computed) may stay in flight.
+        wait_p = wait(u32::from(wv), "dpt", br8),
+        k_product = if wk {
+            register_product("dK += dSᵀ·Q", "RT_WGMMA_K", "dsa", "acck", "qs", br, d)
+        } else {
+            String::new()
+        },
         a_step = if br == 128 { BK * 128 } else { 0 },
         b_step = if br == 64 { BK * 128 } else { 0 },
         q_products = q_products(),
-        wait_q = wait(0, "dq", 8),
-        pin_kv = [
-            if wk {
-                pin("acck", d / 8, 'f')
-            } else {
-                String::new()
-            },
-            if wv {
-                pin("accv", d / 8, 'f')
-            } else {
-                String::new()
-            },
-        ]
-        .concat(),
-        row_step = if br == 128 { 64 } else { 0 },
-        col_step = if br == 64 { 64 } else { 0 },
+        reduce = reduce_dq(sp, wk, wv, bulk),
+        stage_free = if bulk {
+            "    // The previous tile's bulk reduction has read the staged dQ.\n    if ((tid & 127) == 0) asm volatile(\"cp.async.bulk.wait_group.read 0;\" ::: \"memory\");\n"
+        } else {
+            ""
+        },
     );
     c += &store_kv(sp, wk.then_some("out_k"), wv.then_some("out_v"));
     // The next tile's copies overwrite the key and value tiles.
     c += "  __syncthreads();\n}\n";
+    if bulk {
+        // The bulk reductions complete before the block's shared memory goes.
+        c +=
+            "if ((tid & 127) == 0) asm volatile(\"cp.async.bulk.wait_group 0;\" ::: \"memory\");\n";
+    }
     Built {
         source: c,
         threads: THREADS as u32,
         smem: smem as u32,
         keys: BK,
+        dq_blocked: bulk.then(|| dq_index(sp)),
     }
 }
 
-/// `dV += Pᵀ·dO` (when `wv`) and `dK += dSᵀ·Q` (when `wk`) over a query tile of `br` rows, A from
-/// the registers `pa` and `dsa`, issued as one commit group.
-fn kv_products(br: usize, d: usize, wk: bool, wv: bool) -> String {
-    let mut out = String::from("    // dV += Pᵀ·dO and dK += dSᵀ·Q.\n");
-    out += &pin("pa", br / 16, 'r');
-    out += &pin("dsa", br / 16, 'r');
-    if wv {
-        out += &pin("accv", d / 8, 'f');
+/// Waits for the `dQ` product (and with it every product of the tile), then adds `dQ` into
+/// the f32 buffer: at head size 128 this warpgroup's 64 columns of the tile's 64 rows, at 64
+/// its 64 rows.
+fn reduce_dq(sp: &Spec, wk: bool, wv: bool, bulk: bool) -> String {
+    let (sq, d) = (sp.sq, sp.d);
+    let br = query_rows(sp);
+    let (row_step, col_step) = if br == 128 { (64, 0) } else { (0, 64) };
+    // dK and dV (when computed) completed with it.
+    let mut out = wait(0, "dq", 8);
+    for (acc, on) in [("acck", wk), ("accv", wv)] {
+        if on {
+            out += &pin(acc, d / 8, 'f');
+        }
     }
-    if wk {
-        out += &pin("acck", d / 8, 'f');
+    if bulk {
+        let qt = sq.div_ceil(br);
+        return out
+            + &format!(
+                r#"    {{
+      // This warpgroup's part in the accumulators' order (pair p of thread t at p·128 + t), staged
+      // in shared memory and added into its block of the buffer by one bulk reduction.
+      const int tw = tid & 127;
+      const unsigned st = l_s + {lbytes}u + (unsigned)wg * {part_bytes}u;
+      #pragma unroll
+      for (int n = 0; n < 8; ++n) {{
+        asm volatile("st.shared.v2.f32 [%0], {{%1, %2}};" :: "r"(st + (unsigned)(((2 * n) * 128 + tw) * 8)), "f"(dq[n][0]), "f"(dq[n][1]) : "memory");
+        asm volatile("st.shared.v2.f32 [%0], {{%1, %2}};" :: "r"(st + (unsigned)(((2 * n + 1) * 128 + tw) * 8)), "f"(dq[n][2]), "f"(dq[n][3]) : "memory");
+      }}
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");
+      if (tw == 0) {{
+        float* dst = dq_acc + ((bh * {qt}LL + it) * 2 + wg) * {DQ_PART}LL;
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], {part_bytes};" :: "l"(dst), "r"(st) : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      }}
+    }}
+"#,
+                lbytes = 4 * br * 4,
+                part_bytes = DQ_PART * 4,
+            );
     }
+    out + &format!(
+        r#"    {{
+      const int r0 = it * {br} + wg * {row_step} + (warp & 3) * 16 + g;
+      float* dq0 = dq_acc + (bh * {sq}LL + r0) * {d}LL + wg * {col_step} + t4 * 2;
+      #pragma unroll
+      for (int n = 0; n < 8; ++n) {{
+        if (r0 < {sq}) red2(dq0 + n * 8, dq[n][0], dq[n][1]);
+        if (r0 + 8 < {sq}) red2(dq0 + 8LL * {d} + n * 8, dq[n][2], dq[n][3]);
+      }}
+    }}
+"#
+    )
+}
+
+/// `what` (a comment) as one commit group: `acc[d / 8][4] += A·B` by the macro `mac`, A from
+/// the registers `a` (a query tile of `br` rows), B the MN-major tile at shared address `b`.
+fn register_product(
+    what: &str,
+    mac: &str,
+    a: &str,
+    acc: &str,
+    b: &str,
+    br: usize,
+    d: usize,
+) -> String {
+    let mut out = format!("    // {what}.\n");
+    out += &pin(a, br / 16, 'r');
+    out += &pin(acc, d / 8, 'f');
     out += "        asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\");\n";
-    if wv {
-        out += &register_products("RT_WGMMA_V", "pa", "gs", br);
-    }
-    if wk {
-        out += &register_products("RT_WGMMA_K", "dsa", "qs", br);
-    }
+    out += &register_products(mac, a, b, br);
     out += "        asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\");\n";
     out
 }
