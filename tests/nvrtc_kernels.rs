@@ -490,7 +490,8 @@ fn flash_attention_hopper_backward_compiles() {
                         .expect("lower");
                         let k = &step.launches[2].kernel;
                         assert!(k.name.starts_with("flash_attention_bwd_sm90"), "{}", k.name);
-                        assert_eq!(k.block, 256);
+                        // Two computing warpgroups, and a producer one when it copies.
+                        assert!(matches!(k.block, 256 | 384), "{}", k.block);
                         sources.push((k.name.clone(), source(k).expect("source")));
                     }
                 }

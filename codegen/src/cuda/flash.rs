@@ -569,7 +569,12 @@ fn fused_grads(
 ) -> Result<StepKernels> {
     let (built, prefix) = if sp.hopper_backward() {
         (
-            hopper_bwd::build(sp, k.is_some(), v.is_some()),
+            hopper_bwd::build(
+                sp,
+                k.is_some(),
+                v.is_some(),
+                hopper_bwd::Variant::from_env(),
+            ),
             "flash_attention_bwd_sm90",
         )
     } else {

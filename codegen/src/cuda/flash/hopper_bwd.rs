@@ -40,14 +40,38 @@ const BK: usize = 128;
 /// Floats of one warpgroup's part of a query tile's `dQ` (64 × 64).
 const DQ_PART: usize = 64 * 64;
 
-/// Whether `dQ` is added by bulk reductions from shared memory (`RUSTYTORCH_HOPPER_BWD_DQ=bulk`)
-/// into a buffer blocked by query tile and warpgroup ([`dq_index`]), instead of by each
-/// thread's vector reductions into a `[B·H, Sq, D]` buffer.
-pub(super) fn bulk_dq() -> bool {
-    std::env::var("RUSTYTORCH_HOPPER_BWD_DQ").as_deref() == Ok("bulk")
+/// How the kernel orders and adds its products (chosen by measurement; the environment
+/// variables select the others, for measurements and tests).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Variant {
+    /// `dQ` added by bulk reductions from shared memory (`RUSTYTORCH_HOPPER_BWD_DQ=bulk`) into
+    /// a buffer blocked by query tile and warpgroup ([`dq_index`]), instead of by each thread's
+    /// vector reductions into a `[B·H, Sq, D]` buffer.
+    pub bulk: bool,
+    /// `dK += dSᵀ·Q` issued after `dQ = dS·K` and left running over the `dQ` reduction and the
+    /// next query tile's first products (`RUSTYTORCH_HOPPER_BWD_OVERLAP=1`); the query tiles
+    /// then take three buffers, since a tile's buffer is still read while the tile after the
+    /// next one is copied.
+    pub overlap: bool,
+    /// A producer warpgroup copies the tiles and the two computing warpgroups wait on
+    /// shared-memory barriers (`mbarrier`) for them, instead of copying them themselves
+    /// between block-wide barriers (`RUSTYTORCH_HOPPER_BWD_WS=1`; implies `overlap`).
+    pub ws: bool,
 }
 
-/// With [`bulk_dq`]: the query rows per tile of the blocked buffer, and the C expression of
+impl Variant {
+    /// The variant the environment asks for.
+    pub(super) fn from_env() -> Self {
+        let var = |k: &str| std::env::var(k).ok();
+        Variant {
+            bulk: var("RUSTYTORCH_HOPPER_BWD_DQ").as_deref() == Some("bulk"),
+            overlap: var("RUSTYTORCH_HOPPER_BWD_OVERLAP").as_deref() == Some("1"),
+            ws: var("RUSTYTORCH_HOPPER_BWD_WS").as_deref() == Some("1"),
+        }
+    }
+}
+
+/// With [`Variant::bulk`]: the query rows per tile of the blocked buffer, and the C expression of
 /// the float index of `dQ[bh][row][c]` (`c` even; `c + 1` follows) in it.
 pub(super) fn dq_index(sp: &Spec) -> (usize, String) {
     let br = query_rows(sp);
@@ -66,8 +90,15 @@ pub(super) fn dq_index(sp: &Spec) -> (usize, String) {
     )
 }
 
-/// Threads per block.
+/// Threads of the warpgroups that compute.
 const THREADS: usize = 256;
+
+/// Threads of the producer warpgroup ([`Variant::ws`]).
+const PRODUCER: usize = 128;
+
+/// The registers a producer and a computing thread hold after `setmaxnreg` ([`Variant::ws`]):
+/// the 64 Ki registers of the block's one SM shared between them.
+const REGISTERS: (u32, u32) = (64, 224);
 
 /// Whether the kernel takes `sp`: query and value head sizes equal, 64 or 128, and
 /// `RUSTYTORCH_HOPPER_BWD=0` does not ask for the portable fused kernel.
@@ -89,7 +120,7 @@ fn query_rows(sp: &Spec) -> usize {
 
 /// The kernel for `sp`, computing `dK` (into `out_k`, when `wk`) and `dV` (into `out_v`, when
 /// `wv`) and adding `dQ / scale` into the f32 buffer `dq_acc` (`[B·H, Sq, D]`, zeroed).
-pub(super) fn build(sp: &Spec, wk: bool, wv: bool) -> Built {
+pub(super) fn build(sp: &Spec, wk: bool, wv: bool, variant: Variant) -> Built {
     let (sq, sk, d) = (sp.sq, sp.sk, sp.d);
     let br = query_rows(sp);
     let (br8, br16) = (br / 8, br / 16);
@@ -98,16 +129,18 @@ pub(super) fn build(sp: &Spec, wk: bool, wv: bool) -> Built {
     let dsbytes = BK * br * 2;
     // Key and value tiles, two query and two dO tiles, dSᵀ, two (lse, D) vectors; 1 KiB to
     // align the base to the swizzle's 1024-byte pattern.
-    let bulk = bulk_dq();
+    let bulk = variant.bulk;
+    let ws = variant.ws;
+    let overlap = wk && (variant.overlap || ws);
+    let nbuf = if overlap || ws { 3 } else { 2 };
     // With bulk reductions, each warpgroup's 64 × 64 part of dQ is staged in shared memory.
     let stage = if bulk { 2 * DQ_PART * 4 } else { 0 };
-    let smem = 1024 + 2 * kbytes + 4 * qbytes + dsbytes + 2 * 2 * br * 4 + stage;
-    let (qrs, krs, vrs, grs) = (
-        sp.stride(Part::Q),
-        sp.stride(Part::K),
-        sp.stride(Part::V),
-        sp.stride(Part::O),
-    );
+    let lbytes = nbuf * 2 * br * 4;
+    // With a producer: full and empty barriers for each query buffer and for the key and value
+    // tiles.
+    let bars = if ws { 8 * (2 * nbuf + 2) } else { 0 };
+    let smem = 1024 + 2 * kbytes + 2 * nbuf * qbytes + dsbytes + lbytes + stage + bars;
+    let (krs, vrs) = (sp.stride(Part::K), sp.stride(Part::V));
     let (qt, kt) = (sq.div_ceil(br), sk.div_ceil(BK));
     let tiles = sp.bsz * sp.heads * kt;
     let elem = sp.elem();
@@ -151,41 +184,28 @@ const unsigned sm0 = (unsigned)__cvta_generic_to_shared(rt_smem);
 const unsigned k_s = (sm0 + 1023u) & ~1023u;
 const unsigned v_s = k_s + {kbytes}u;
 const unsigned q_s0 = v_s + {kbytes}u;
-const unsigned g_s0 = q_s0 + 2u * {qbytes}u;
-const unsigned ds_s = g_s0 + 2u * {qbytes}u;
+const unsigned g_s0 = q_s0 + {nbuf}u * {qbytes}u;
+const unsigned ds_s = g_s0 + {nbuf}u * {qbytes}u;
 const unsigned l_s = ds_s + {dsbytes}u;
 const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
-const int wg = tid >> 7;
-{prelude}{red2}for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
+{roles}for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
   const long long bh = tile / {kt}LL;
   const int kb = (int)(tile % {kt}LL) * {BK};
   const int j0 = kb + warp * 16 + g, j1 = j0 + 8;
-{ptrs}  const float* lp = lse + bh * {sq}LL;
-  const float* dlp = delta + bh * {sq}LL;
-  // Query tile `it` (its rows, dO rows, lse and D) into buffer `buf`.
-  auto load_queries = [&](int it, int buf) {{
-    load(qp, (long long)it * {br}, {sq}LL, {br}, {d}, {qrs}LL, q_s0 + (unsigned)buf * {qbytes}u);
-    load(gp, (long long)it * {br}, {sq}LL, {br}, {d}, {grs}LL, g_s0 + (unsigned)buf * {qbytes}u);
-    if (tid < {br}) {{
-      const int i = it * {br} + tid;
-      const int bytes = i < {sq} ? 4 : 0;
-      const long long at = i < {sq} ? i : 0;
-      const unsigned to = l_s + (unsigned)((buf * {br2} + tid) * 4);
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(to), "l"(lp + at), "r"(bytes) : "memory");
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(to + {br4}u), "l"(dlp + at), "r"(bytes) : "memory");
-    }}
-  }};
-  const int it0 = ({first}) / {br};
-  load(kp, (long long)kb, {sk}LL, {BK}, {d}, {krs}LL, k_s);
-  load(vp, (long long)kb, {sk}LL, {BK}, {d}, {vrs}LL, v_s);
-  if (it0 < {qt}) load_queries(it0, 0);
-  asm volatile("cp.async.commit_group;" ::: "memory");
-"#,
-        prelude = super::hopper::PRELUDE.replace("$THREADS", &THREADS.to_string()),
-        red2 = if bulk { "" } else { RED2 },
+{ptrs}  const int it0 = ({first}) / {br};
+{tile_start}"#,
+        roles = roles(sp, br, nbuf, bulk, ws, lbytes + stage),
         ptrs = head_pointers(sp),
-        br2 = 2 * br,
-        br4 = br * 4,
+        tile_start = if ws {
+            format!(
+                "  // The key and value tiles copied.\n  if (it0 < {qt}) {{ mb_wait(kvfull, kc & 1u); ++kc; }}\n"
+            )
+        } else {
+            format!(
+                "{loader}  load(kp, (long long)kb, {sk}LL, {BK}, {d}, {krs}LL, k_s);\n  load(vp, (long long)kb, {sk}LL, {BK}, {d}, {vrs}LL, v_s);\n  if (it0 < {qt}) load_queries(it0, 0);\n  asm volatile(\"cp.async.commit_group;\" ::: \"memory\");\n",
+                loader = load_queries(sp, br)
+            )
+        },
     );
     if wk {
         c += &zeros("acck", d / 8);
@@ -203,24 +223,16 @@ const int wg = tid >> 7;
     let sl2 = (sp.scale * std::f64::consts::LOG2_E) as f32;
     c += &format!(
         r#"  float s[{br8}][4], dpt[{br8}][4], dq[8][4];
-  unsigned pa[{br16}][4], dsa[{br16}][4];
+  unsigned pa[{br16}][4], dsa[{br16}][4] = {{}};
   for (int it = it0; it < {qt}; ++it) {{
-    const int buf = (it - it0) & 1;
-    // Tile `it` has landed (each thread's copies, then made visible to the tensor cores); after
-    // the barrier nothing reads the other buffer, which the next tile takes.
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();
-    if (it + 1 < {qt}) load_queries(it + 1, buf ^ 1);
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    const unsigned qs = q_s0 + (unsigned)buf * {qbytes}u, gs = g_s0 + (unsigned)buf * {qbytes}u;
+{it_start}    const unsigned qs = q_s0 + (unsigned)buf * {qbytes}u, gs = g_s0 + (unsigned)buf * {qbytes}u;
     const float* lsb = ls_all + buf * {br2};
     const float* dlsb = lsb + {br};
     // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warpgroup's keys, one commit group each.
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 {s_products}    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 {p_products}    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-{wait_s}    if ({full}) {{
+{wait_s}{release_prev}    if ({full}) {{
       // Pᵀ, nothing masked.
       #pragma unroll
       for (int n = 0; n < {br8}; ++n) {{
@@ -252,7 +264,7 @@ const int wg = tid >> 7;
       dsa[kk][2] = pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
       dsa[kk][3] = pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
     }}
-    // dSᵀ as [keys][queries] in 64-query blocks of 128-byte rows, the 16-byte chunks of row r
+{ds_free}    // dSᵀ as [keys][queries] in 64-query blocks of 128-byte rows, the 16-byte chunks of row r
     // at chunk c ^ (r mod 8); a warp's rows r, r + 8 have r mod 8 = g.
     #pragma unroll
     for (int n = 0; n < {br8}; ++n) {{
@@ -260,9 +272,9 @@ const int wg = tid >> 7;
       asm volatile("st.shared.b32 [%0], %1;" :: "r"(at), "r"(dsa[n >> 1][(n & 1) * 2]) : "memory");
       asm volatile("st.shared.b32 [%0], %1;" :: "r"(at + 1024u), "r"(dsa[n >> 1][(n & 1) * 2 + 1]) : "memory");
     }}
-{k_product}    // Both warpgroups' dSᵀ written and visible to the tensor cores.
+{k_before}    // Both warpgroups' dSᵀ written and visible to the tensor cores.
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-{stage_free}    __syncthreads();
+{stage_free}{sync}
     {{
       // dQ = dS·K over the block's keys: at head size 128 this warpgroup's 64 columns, at 64
       // its 64 query rows.
@@ -270,9 +282,8 @@ const int wg = tid >> 7;
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 {q_products}      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     }}
-{reduce}  }}
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
-"#,
+{k_after}{reduce}{it_end}  }}
+{k_last}"#,
         br2 = 2 * br,
         blk = BK * 128,
         s_products = kmajor_products(
@@ -287,7 +298,13 @@ const int wg = tid >> 7;
             ("gs", br),
             d
         ),
-        wait_s = wait(1, "s", br8),
+        // With `dK` left running, the wait for `Sᵀ` also completes the previous tile's `dK`,
+        // whose operand registers stay pinned till then.
+        wait_s = if overlap {
+            wait(1, "s", br8) + &pin("acck", d / 8, 'f') + &pin("dsa", br16, 'r')
+        } else {
+            wait(1, "s", br8)
+        },
         probabilities = transposed_probabilities(sp, "Pᵀ", "lsb", "s[n][e] = p;", br),
         v_product = if wv {
             register_product("dV += Pᵀ·dO", "RT_WGMMA_V", "pa", "accv", "gs", br, d)
@@ -296,15 +313,75 @@ const int wg = tid >> 7;
         },
         // dV (when computed) may stay in flight.
         wait_p = wait(u32::from(wv), "dpt", br8),
-        k_product = if wk {
+        k_before = if wk && !overlap {
             register_product("dK += dSᵀ·Q", "RT_WGMMA_K", "dsa", "acck", "qs", br, d)
         } else {
             String::new()
         },
+        k_after = if overlap {
+            register_product("dK += dSᵀ·Q", "RT_WGMMA_K", "dsa", "acck", "qs", br, d)
+        } else {
+            String::new()
+        },
+        k_last = {
+            let mut out = if ws {
+                String::new()
+            } else {
+                "  asm volatile(\"cp.async.wait_group 0;\" ::: \"memory\");\n".to_string()
+            };
+            if overlap {
+                out += &wait(0, "acck", d / 8);
+            }
+            if ws {
+                // Every product of the block's keys is complete: the last query buffer and the
+                // key and value tiles go back to the producer.
+                out += &format!("  if (it0 < {qt} && lane == 0) {{ mb_arrive(qempty + 8u * ((qc + {nbuf}u - 1u) % {nbuf}u)); mb_arrive(kvempty); }}\n");
+            }
+            out
+        },
+        it_start = if ws {
+            format!(
+                r#"    // Tile `it` has landed in buffer `buf` (then made visible to the tensor cores).
+    const unsigned buf = qc % {nbuf}u;
+    mb_wait(qfull + 8u * buf, (qc / {nbuf}u) & 1u);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+"#
+            )
+        } else {
+            format!(
+                r#"    const int buf = (it - it0) % {nbuf};
+    // Tile `it` has landed (each thread's copies, then made visible to the tensor cores); after
+    // the barrier nothing reads the buffer the next tile takes.
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    if (it + 1 < {qt}) load_queries(it + 1, (it + 1 - it0) % {nbuf});
+    asm volatile("cp.async.commit_group;" ::: "memory");
+"#
+            )
+        },
+        // The previous tile's products are complete: its buffer goes back to the producer.
+        release_prev = if ws {
+            format!("    if (it > it0 && lane == 0) mb_arrive(qempty + 8u * ((qc + {nbuf}u - 1u) % {nbuf}u));\n")
+        } else {
+            String::new()
+        },
+        // Both warpgroups' previous dQ products, which read dSᵀ, are complete.
+        ds_free = if ws {
+            "    asm volatile(\"bar.sync 3, 256;\" ::: \"memory\");\n"
+        } else {
+            ""
+        },
+        sync = if ws {
+            "    asm volatile(\"bar.sync 3, 256;\" ::: \"memory\");\n"
+        } else {
+            "    __syncthreads();\n"
+        },
+        it_end = if ws { "    ++qc;\n" } else { "" },
         a_step = if br == 128 { BK * 128 } else { 0 },
         b_step = if br == 64 { BK * 128 } else { 0 },
         q_products = q_products(),
-        reduce = reduce_dq(sp, wk, wv, bulk),
+        reduce = reduce_dq(sp, wk, wv, bulk, nbuf, overlap),
         stage_free = if bulk {
             "    // The previous tile's bulk reduction has read the staged dQ.\n    if ((tid & 127) == 0) asm volatile(\"cp.async.bulk.wait_group.read 0;\" ::: \"memory\");\n"
         } else {
@@ -312,32 +389,136 @@ const int wg = tid >> 7;
         },
     );
     c += &store_kv(sp, wk.then_some("out_k"), wv.then_some("out_v"));
-    // The next tile's copies overwrite the key and value tiles.
-    c += "  __syncthreads();\n}\n";
+    if !ws {
+        // The next tile's copies overwrite the key and value tiles.
+        c += "  __syncthreads();\n";
+    }
+    c += "}\n";
     if bulk {
         // The bulk reductions complete before the block's shared memory goes.
         c +=
             "if ((tid & 127) == 0) asm volatile(\"cp.async.bulk.wait_group 0;\" ::: \"memory\");\n";
     }
+    if ws {
+        // The computing warpgroups' branch.
+        c += "}\n";
+    }
     Built {
         source: c,
-        threads: THREADS as u32,
+        threads: (THREADS + if ws { PRODUCER } else { 0 }) as u32,
         smem: smem as u32,
         keys: BK,
         dq_blocked: bulk.then(|| dq_index(sp)),
     }
 }
 
+/// The C defining `lp` and `dlp` (the head's log-sum-exp and `D`) and `load_queries(it, buf)`,
+/// which copies query tile `it` (its rows, `dO` rows, log-sum-exp and `D`) into buffer `buf`
+/// with `cp.async` (uncommitted).
+fn load_queries(sp: &Spec, br: usize) -> String {
+    let (sq, d) = (sp.sq, sp.d);
+    let qbytes = br * d * 2;
+    let (qrs, grs) = (sp.stride(Part::Q), sp.stride(Part::O));
+    format!(
+        r#"  const float* lp = lse + bh * {sq}LL;
+  const float* dlp = delta + bh * {sq}LL;
+  auto load_queries = [&](int it, int buf) {{
+    load(qp, (long long)it * {br}, {sq}LL, {br}, {d}, {qrs}LL, q_s0 + (unsigned)buf * {qbytes}u);
+    load(gp, (long long)it * {br}, {sq}LL, {br}, {d}, {grs}LL, g_s0 + (unsigned)buf * {qbytes}u);
+    if (tid < {br}) {{
+      const int i = it * {br} + tid;
+      const int bytes = i < {sq} ? 4 : 0;
+      const long long at = i < {sq} ? i : 0;
+      const unsigned to = l_s + (unsigned)((buf * {br2} + tid) * 4);
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(to), "l"(lp + at), "r"(bytes) : "memory");
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(to + {br4}u), "l"(dlp + at), "r"(bytes) : "memory");
+    }}
+  }};
+"#,
+        br2 = 2 * br,
+        br4 = br * 4,
+    )
+}
+
+/// The C before the walk over the key tiles: the copy helper and, without a producer, the
+/// warpgroup index and the reduction helper. With one ([`Variant::ws`]): the barriers (at
+/// `off` bytes past the statistics' buffers), the producer's branch (which walks the same key
+/// tiles and copies, for each, the key and value tiles and then the query tiles that see them
+/// into the buffers in turn, each once the computing warpgroups have given it back), and the
+/// opening of the computing warpgroups' branch, whose threads are renumbered from 0.
+fn roles(sp: &Spec, br: usize, nbuf: usize, bulk: bool, ws: bool, off: usize) -> String {
+    let red2 = if bulk { "" } else { RED2 };
+    if !ws {
+        let prelude = super::hopper::PRELUDE.replace("$THREADS", &THREADS.to_string());
+        return format!("const int wg = tid >> 7;\n{prelude}{red2}");
+    }
+    let (sq, sk, d) = (sp.sq, sp.sk, sp.d);
+    let (qt, kt) = (sq.div_ceil(br), sk.div_ceil(BK));
+    let tiles = sp.bsz * sp.heads * kt;
+    let (krs, vrs) = (sp.stride(Part::K), sp.stride(Part::V));
+    let (reg_p, reg_c) = REGISTERS;
+    let prelude = super::hopper::PRELUDE.replace("$THREADS", &PRODUCER.to_string());
+    let cwarps = THREADS / 32;
+    format!(
+        r#"{prelude}const unsigned qfull = l_s + {off}u, qempty = qfull + {b8}u, kvfull = qempty + {b8}u, kvempty = kvfull + 8u;
+{mbarriers}if (tid == 0) {{
+  // Full: the producer's threads (their copies landed); empty: the computing warps.
+  for (unsigned b = 0; b < {nbuf}u; ++b) {{
+    mb_init(qfull + 8u * b, {PRODUCER}u);
+    mb_init(qempty + 8u * b, {cwarps}u);
+  }}
+  mb_init(kvfull, {PRODUCER}u);
+  mb_init(kvempty, {cwarps}u);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}}
+__syncthreads();
+if (tid < {PRODUCER}) {{
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 {reg_p};" ::: "memory");
+  // Query buffers and key tiles filled so far (their parities and slots follow).
+  unsigned qc = 0, kc = 0;
+  for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
+    const long long bh = tile / {kt}LL;
+    const int kb = (int)(tile % {kt}LL) * {BK};
+    const int it0 = ({first}) / {br};
+    if (it0 >= {qt}) continue;
+{ptrs}{loader}    mb_wait(kvempty, (kc & 1u) ^ 1u);
+    load(kp, (long long)kb, {sk}LL, {BK}, {d}, {krs}LL, k_s);
+    load(vp, (long long)kb, {sk}LL, {BK}, {d}, {vrs}LL, v_s);
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(kvfull) : "memory");
+    ++kc;
+    for (int it = it0; it < {qt}; ++it) {{
+      const unsigned buf = qc % {nbuf}u;
+      mb_wait(qempty + 8u * buf, ((qc / {nbuf}u) & 1u) ^ 1u);
+      load_queries(it, (int)buf);
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(qfull + 8u * buf) : "memory");
+      ++qc;
+    }}
+  }}
+  // Every copy has landed before the producer leaves.
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}} else {{
+asm volatile("setmaxnreg.inc.sync.aligned.u32 {reg_c};" ::: "memory");
+const int tid = threadIdx.x - {PRODUCER}, warp = tid >> 5, wg = tid >> 7;
+{red2}unsigned qc = 0, kc = 0;
+"#,
+        b8 = 8 * nbuf,
+        mbarriers = super::hopper_ws::MBARRIERS,
+        first = first_query(sp),
+        ptrs = head_pointers(sp),
+        loader = load_queries(sp, br),
+    )
+}
+
 /// Waits for the `dQ` product (and with it every product of the tile), then adds `dQ` into
 /// the f32 buffer: at head size 128 this warpgroup's 64 columns of the tile's 64 rows, at 64
 /// its 64 rows.
-fn reduce_dq(sp: &Spec, wk: bool, wv: bool, bulk: bool) -> String {
+fn reduce_dq(sp: &Spec, wk: bool, wv: bool, bulk: bool, nbuf: usize, dk_running: bool) -> String {
     let (sq, d) = (sp.sq, sp.d);
     let br = query_rows(sp);
     let (row_step, col_step) = if br == 128 { (64, 0) } else { (0, 64) };
-    // dK and dV (when computed) completed with it.
-    let mut out = wait(0, "dq", 8);
-    for (acc, on) in [("acck", wk), ("accv", wv)] {
+    // dV and dK (when computed, and unless dK is left running) completed with it.
+    let mut out = wait(u32::from(dk_running), "dq", 8);
+    for (acc, on) in [("acck", wk && !dk_running), ("accv", wv)] {
         if on {
             out += &pin(acc, d / 8, 'f');
         }
@@ -365,7 +546,7 @@ fn reduce_dq(sp: &Spec, wk: bool, wv: bool, bulk: bool) -> String {
       }}
     }}
 "#,
-                lbytes = 4 * br * 4,
+                lbytes = nbuf * 2 * br * 4,
                 part_bytes = DQ_PART * 4,
             );
     }
@@ -439,27 +620,46 @@ mod tests {
         Spec::new(&op, &refs, &out).unwrap().unwrap()
     }
 
-    /// Both head sizes fit Hopper's 227 KiB of shared memory per block, with the tiles at the
-    /// 1024-byte multiples the swizzle needs, and the `dQ` products cover the block's keys.
+    /// Both head sizes fit Hopper's 227 KiB of shared memory per block in every variant, with
+    /// the tiles at the 1024-byte multiples the swizzle needs, and the `dQ` products cover the
+    /// block's keys.
     #[test]
     fn blocks_fit_hopper() {
-        for d in [64, 128] {
-            let sp = spec(d, 1000, 777);
-            assert!(super::supported(&sp));
-            let b = super::build(&sp, true, true);
-            assert!(b.smem as usize <= 227 * 1024, "d {d}: {} bytes", b.smem);
-            let br = super::query_rows(&sp);
-            assert_eq!((super::BK * d * 2) % 1024, 0);
-            assert_eq!((br * d * 2) % 1024, 0);
-            assert_eq!((super::BK * br * 2) % 1024, 0);
-            assert_eq!(b.keys, super::BK);
-            assert_eq!(
-                super::q_products().matches("RT_WGMMA_Q").count(),
-                super::BK / 16
-            );
-            assert!(b.source.contains("RT_WGMMA_V(") && b.source.contains("RT_WGMMA_K("));
-            let only_v = super::build(&sp, false, true);
-            assert!(!only_v.source.contains("RT_WGMMA_K(") && !only_v.source.contains("acck"));
+        let variants = (0..8).map(|i| super::Variant {
+            bulk: i & 1 != 0,
+            overlap: i & 2 != 0,
+            ws: i & 4 != 0,
+        });
+        for variant in variants {
+            for d in [64, 128] {
+                let sp = spec(d, 1000, 777);
+                assert!(super::supported(&sp));
+                let b = super::build(&sp, true, true, variant);
+                assert!(
+                    b.smem as usize <= 227 * 1024,
+                    "d {d} {variant:?}: {} bytes",
+                    b.smem
+                );
+                let br = super::query_rows(&sp);
+                assert_eq!((super::BK * d * 2) % 1024, 0);
+                assert_eq!((br * d * 2) % 1024, 0);
+                assert_eq!((super::BK * br * 2) % 1024, 0);
+                assert_eq!(b.keys, super::BK);
+                assert_eq!(
+                    super::q_products().matches("RT_WGMMA_Q").count(),
+                    super::BK / 16
+                );
+                assert!(b.source.contains("RT_WGMMA_V(") && b.source.contains("RT_WGMMA_K("));
+                // Three query buffers when dK is left running or a producer copies them.
+                let three = variant.overlap || variant.ws;
+                assert_eq!(b.source.contains("% 3"), three, "{variant:?}");
+                assert_eq!(b.threads, if variant.ws { 384 } else { 256 });
+                assert_eq!(b.source.contains("setmaxnreg"), variant.ws);
+                assert_eq!(b.dq_blocked.is_some(), variant.bulk);
+                let only_v = super::build(&sp, false, true, variant);
+                assert!(!only_v.source.contains("RT_WGMMA_K(") && !only_v.source.contains("acck"));
+                assert_eq!(only_v.source.contains("% 3"), variant.ws);
+            }
         }
         assert!(!super::supported(&spec(48, 100, 100)));
     }

@@ -37,6 +37,24 @@ use super::hopper::{
 };
 use super::{row_maxima, Shape2, Spec};
 
+/// The C helpers of shared-memory barriers: `mb_init(bar, count)`, `mb_arrive(bar)` and
+/// `mb_wait(bar, parity)`.
+pub(super) const MBARRIERS: &str = r#"auto mb_init = [](unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+};
+auto mb_arrive = [](unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+};
+// Waits until the phase of parity `parity` of the barrier has completed.
+auto mb_wait = [](unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+};
+"#;
+
 /// Threads of the producer warpgroup, which also copies the tiles.
 const PRODUCER: u32 = 128;
 
@@ -228,21 +246,7 @@ const unsigned v_s0 = k_s0 + $STu * $KBYTESu;
 const unsigned qfull = v_s0 + $STu * $VBYTESu, qempty = qfull + 8u;
 const unsigned kfull = qfull + 16u, kempty = kfull + 8u * $STu, vfull = kempty + 8u * $STu, vempty = vfull + 8u * $STu;
 const int tid = threadIdx.x, lane = tid & 31;
-auto mb_init = [](unsigned bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
-};
-auto mb_arrive = [](unsigned bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
-};
-// Waits until the phase of parity `parity` of the barrier has completed.
-auto mb_wait = [](unsigned bar, unsigned parity) {
-  unsigned done;
-  do {
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  } while (!done);
-};
-if (tid == 0) {
+$MBARRIERSif (tid == 0) {
   // Full: the producer's threads (their copies landed); empty: the consumers' warps.
   mb_init(qfull, $PRODUCERu);
   mb_init(qempty, $CWARPSu);
@@ -324,6 +328,7 @@ $ROW_SUMS$TAIL
         ("$STEP", step),
         ("$LAST", last),
         ("$OPEN", open),
+        ("$MBARRIERS", MBARRIERS.to_string()),
         ("$NC", nc.to_string()),
         ("$ST", st.to_string()),
         ("$CWARPS", (4 * nc).to_string()),
