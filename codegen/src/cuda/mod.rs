@@ -413,6 +413,19 @@ pub fn lower_steps(plan: &crate::Plan) -> Result<Vec<CudaStep>> {
                     stats_at,
                 })
             });
+            if let (
+                Some(reads),
+                Op::AttentionGrad {
+                    layout: AttnLayout::Packed,
+                    ..
+                },
+            ) = (reads, &s.op)
+            {
+                let out = &plan.types[s.output];
+                let flash = flash::lower_grad_saved(&s.op, &ins, out, Some(reads))?;
+                let desc = AttnDnnDesc::of_grad(&s.op, &ins, out);
+                return grad_step(&s.op, &ins, out, flash, desc);
+            }
             if grouped(s) {
                 let ops: Vec<&Op> = std::iter::once(&s.op)
                     .chain(s.with.iter().map(|&v| match plan.sources[v] {
@@ -491,11 +504,9 @@ fn grad_step(
 
 /// The attention forwards whose flash kernels save their statistics (value → the statistics'
 /// byte offset past the result): those a group of all three gradients reads (`Step::saved`,
-/// set by the memory plan for groups without a mask operand), whose slot is in the arena (with
-/// room after O) and whose forward and gradients the flash kernels take. A packed gradient
-/// (`AttnLayout::Packed`, one step for dq, dk and dv) still recomputes the statistics: its
-/// lowering supports reading them (`flash::lower_grad_saved`), but that combination has not yet
-/// been checked on a device.
+/// set by the memory plan for groups without a mask operand, and a packed attention's one
+/// gradient step), whose slot is in the arena (with room after O) and whose forward and
+/// gradients the flash kernels take.
 fn flash_saved(plan: &crate::Plan) -> std::collections::HashMap<crate::ValueId, usize> {
     let flash_ins = |s: &crate::Step| flash::supported(&operand_types(plan, s));
     plan.steps
@@ -508,7 +519,7 @@ fn flash_saved(plan: &crate::Plan) -> std::collections::HashMap<crate::ValueId, 
             let fw = &plan.steps[f];
             (matches!(plan.storage[v], crate::Storage::Arena { .. })
                 && matches!(fw.op, Op::Attention { .. })
-                && matches!(g.op, Op::AttentionGrad { layout, .. } if layout != AttnLayout::Packed)
+                && matches!(g.op, Op::AttentionGrad { .. })
                 && flash_ins(fw)
                 && flash_ins(g))
             .then(|| (v, rustytorch_compiler::plan::stats_offset(&plan.types[v])))
