@@ -304,7 +304,8 @@ fn flash_attention_hopper_compiles() {
     // The measurement knobs: the two-warpgroup kernel (with its other block shape, key tiles of
     // 64, at head size 64), and the warp-specialized one with three consumers or three
     // buffers. The variables are process-wide; no other test here lowers for Hopper.
-    let knobs: [&[(&str, &str)]; 4] = [
+    // Bulk tensor copies through tensor maps, at both head sizes.
+    let knobs: [&[(&str, &str)]; 6] = [
         &[
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
             ("RUSTYTORCH_HOPPER_TILE", "2x64"),
@@ -315,12 +316,16 @@ fn flash_attention_hopper_compiles() {
             ("RUSTYTORCH_HOPPER_WS_STAGES", "3"),
             ("RUSTYTORCH_HOPPER_PINGPONG", "0"),
         ],
+        &[("RUSTYTORCH_HOPPER_TMA", "1")],
+        &[("RUSTYTORCH_HOPPER_TMA", "1")],
     ];
     for (knob, (hd, causal)) in knobs.iter().zip([
         (64, Causal::None),
         (128, Causal::BottomRight),
         (64, Causal::TopLeft),
         (128, Causal::None),
+        (128, Causal::TopLeft),
+        (64, Causal::BottomRight),
     ]) {
         for (k, v) in knob.iter() {
             std::env::set_var(k, v);
@@ -353,6 +358,19 @@ fn flash_attention_hopper_compiles() {
         } else {
             "m64n128k16"
         }));
+        let maps: Vec<&str> = k
+            .params
+            .iter()
+            .filter(|p| p.map.is_some())
+            .map(|p| p.name.as_str())
+            .collect();
+        if knob[0].0 == "RUSTYTORCH_HOPPER_TMA" {
+            assert_eq!(maps, ["qmap", "kmap", "vmap"]);
+            assert_eq!(step.launches()[0].args.len(), k.params.len());
+            assert!(src.contains("cp.async.bulk.tensor.4d") && !src.contains("cp.async.mbarrier"));
+        } else {
+            assert!(maps.is_empty());
+        }
         sources.push((k.name.clone(), src));
         for (k, _) in knob.iter() {
             std::env::remove_var(k);

@@ -260,6 +260,7 @@ pub fn transpose_kernel(
         name: name.into(),
         elem: el,
         writes,
+        map: None,
     };
     let mut params = vec![param("x", false)];
     if bias {
@@ -352,12 +353,14 @@ pub fn bias_act_kernel(
         name: "y".into(),
         elem: st,
         writes: true,
+        map: None,
     }];
     if bias {
         params.push(Param {
             name: "bias".into(),
             elem: st,
             writes: false,
+            map: None,
         });
     }
     let w = 16 / elem_bytes(st);

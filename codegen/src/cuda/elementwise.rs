@@ -203,6 +203,7 @@ pub(super) fn param(name: &str, d: DType, writes: bool) -> Param {
         name: name.into(),
         elem: CTy::storage(d),
         writes,
+        map: None,
     }
 }
 

@@ -125,15 +125,20 @@ pub fn emit_kernel(k: &Kernel) -> Result<String, EmitError> {
     let params: Vec<String> = k
         .params
         .iter()
-        .map(|q| {
-            format!(
+        .map(|q| match q.map {
+            Some(_) => format!("const __grid_constant__ RtTensorMap {}", q.name),
+            None => format!(
                 "{}{}* __restrict__ {}",
                 if q.writes { "" } else { "const " },
                 c_type(q.elem),
                 q.name
-            )
+            ),
         })
         .collect();
+    if k.params.iter().any(|q| q.map.is_some()) {
+        // The opaque tensor map a bulk tensor copy reads (CUtensorMap: 128 bytes, 64-aligned).
+        p.out.push_str(TENSOR_MAP);
+    }
     let _ = writeln!(
         p.out,
         "extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{",
@@ -145,6 +150,9 @@ pub fn emit_kernel(k: &Kernel) -> Result<String, EmitError> {
     p.out.push_str("}\n");
     Ok(p.out)
 }
+
+/// The tensor-map parameter type, defined once per module.
+const TENSOR_MAP: &str = "#ifndef RT_TENSOR_MAP\n#define RT_TENSOR_MAP\nstruct __align__(64) RtTensorMap { unsigned long long v[16]; };\n#endif\n";
 
 fn float_lit(v: f64, t: CTy) -> String {
     match t {

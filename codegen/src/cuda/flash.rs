@@ -214,6 +214,33 @@ impl Spec {
         }
     }
 
+    /// The tensor map over `part`'s tensor (q, k or v) as a `[B, H, rows, width]` view, dims
+    /// innermost first (width, rows, heads, batch), for copies of `box_rows` rows of 64
+    /// columns into 128-byte-swizzled tiles: rows past a head's end are outside the view, so a
+    /// copy zero-fills them.
+    fn tensor_map(&self, part: Part, box_rows: u32) -> super::ir::TensorMap {
+        let (rows, width) = self.extent(part);
+        let h = self.heads;
+        let row = self.stride(part);
+        // Elements between heads and between batches, and the view's first element.
+        let (head, batch, first) = match (self.layout, part) {
+            (AttnLayout::Bhsd, _) => (rows * width, h * rows * width, 0),
+            (AttnLayout::Packed, Part::Q | Part::K | Part::V) => {
+                (width, rows * row, part as usize * h * width)
+            }
+            (AttnLayout::Bshd | AttnLayout::Packed, _) => (width, rows * row, 0),
+        };
+        let bytes = |e: usize| e as u64 * 2;
+        super::ir::TensorMap {
+            elem: self.e,
+            offset: bytes(first),
+            dims: vec![width as u64, rows as u64, h as u64, self.bsz as u64],
+            strides: vec![bytes(row), bytes(head), bytes(batch)],
+            boxes: vec![64, box_rows, 1, 1],
+            swizzle128: true,
+        }
+    }
+
     fn elem(&self) -> &'static str {
         if self.e == CTy::BF16 {
             "bf16"
@@ -280,14 +307,28 @@ impl Spec {
 
     /// The forward kernel over `params` (what `tail` writes) and its grid: the Hopper kernel
     /// where [`Spec::hopper`] says so, else the portable one.
+    ///
+    /// A kernel that reads q, k and v through tensor maps takes them as three more parameters
+    /// after `params`, bound to the operands 0, 1 and 2: the returned arguments, which the
+    /// caller appends to its own.
     fn forward_launch(
         &self,
         prefix: &str,
-        params: Vec<Param>,
+        mut params: Vec<Param>,
         tail: Tail,
-    ) -> Result<(Kernel, u32)> {
+    ) -> Result<(Kernel, u32, Vec<ArgRef>)> {
         if self.hopper() {
             let built = hopper::build(&self.shape2(tail), self);
+            let mut extra = vec![];
+            if let Some(rows) = built.maps {
+                for (part, name) in [(Part::Q, "qmap"), (Part::K, "kmap"), (Part::V, "vmap")] {
+                    params.push(Param {
+                        map: Some(self.tensor_map(part, rows[part as usize])),
+                        ..param(name, self.e, false)
+                    });
+                    extra.push(ArgRef::Input(part as usize));
+                }
+            }
             let kernel = verbatim(
                 &format!("{prefix}_sm90"),
                 params,
@@ -295,18 +336,20 @@ impl Spec {
                 built.smem,
                 built.source,
             )?;
-            return Ok((kernel, grid_for(built.blocks as u64, 1)));
+            return Ok((kernel, grid_for(built.blocks as u64, 1), extra));
         }
         let kernel = verbatim(prefix, params, THREADS, 0, self.forward(tail))?;
-        Ok((kernel, grid_for(self.tiles(self.sq) as u64, 1)))
+        Ok((kernel, grid_for(self.tiles(self.sq) as u64, 1), vec![]))
     }
 
     /// The forward as a step of one launch over the `n_in` operands and the output.
     fn forward_step(&self, n_in: usize, prefix: &str, tail: Tail) -> Result<StepKernels> {
         let mut params = self.params.clone();
         params.push(param("out", self.e, true));
-        let (kernel, grid) = self.forward_launch(prefix, params, tail)?;
-        Ok(StepKernels::over_operands(kernel, n_in, grid))
+        let (kernel, grid, extra) = self.forward_launch(prefix, params, tail)?;
+        let mut step = StepKernels::over_operands(kernel, n_in, grid);
+        step.launches[0].args.extend(extra);
+        Ok(step)
     }
 }
 
@@ -474,11 +517,11 @@ fn grad_kernels(
     let scratch = [ArgRef::ScratchAt(0), ArgRef::ScratchAt(delta_at)];
     let mut launches = vec![match saved {
         None => {
-            let (stats, stats_grid) =
+            let (stats, stats_grid, extra) =
                 sp.forward_launch("flash_attention_stats", stats_params, Tail::Stats)?;
             Launch {
                 kernel: stats,
-                args: ins().chain(scratch).collect(),
+                args: ins().chain(scratch).chain(extra).collect(),
                 grid: stats_grid,
             }
         }
@@ -663,6 +706,7 @@ fn param(name: &str, elem: CTy, writes: bool) -> Param {
         name: name.into(),
         elem,
         writes,
+        map: None,
     }
 }
 
@@ -1395,4 +1439,63 @@ fn store_kv(sp: &Spec, k: Option<&str>, v: Option<&str>) -> String {
         c += &store_rows("accv", "ovp", "j0", sp.sk, sp.dv, sp.stride(Part::V), 1.0);
     }
     c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Part, Spec};
+    use rustytorch_ops::{AttnLayout, AttnMask, Causal, DType, F64Bits, Op, TensorType};
+
+    /// The element a tensor map addresses at (column, row, head, batch) is the one the layout
+    /// puts there, for q, k and v in every layout (a packed one at its index in the third
+    /// dim), and rows past the sequence are outside the map's view.
+    #[test]
+    fn tensor_maps_address_the_layouts_elements() {
+        let (b, h, sq, sk, d) = (2usize, 3usize, 70usize, 50usize, 128usize);
+        for layout in [AttnLayout::Bhsd, AttnLayout::Bshd, AttnLayout::Packed] {
+            let ty = |s: usize| match layout {
+                AttnLayout::Packed => TensorType::new(DType::BF16, [b, s, 3, h, d]),
+                _ => TensorType::new(DType::BF16, layout.from_bhsd([b, h, s, d])),
+            };
+            let (sk, ins) = if layout == AttnLayout::Packed {
+                (sq, [ty(sq), ty(sq), ty(sq)])
+            } else {
+                (sk, [ty(sq), ty(sk), ty(sk)])
+            };
+            let refs: Vec<&TensorType> = ins.iter().collect();
+            let op = Op::Attention {
+                causal: Causal::None,
+                mask: AttnMask::None,
+                scale: F64Bits::new(0.1),
+                layout,
+            };
+            let out = rustytorch_ops::infer(&op, &refs).expect("infer");
+            let sp = Spec::new(&op, &refs, &out)
+                .expect("spec")
+                .expect("not empty");
+            for (part, rows) in [(Part::Q, sq), (Part::K, sk), (Part::V, sk)] {
+                let m = sp.tensor_map(part, 128);
+                assert_eq!(m.dims, [d as u64, rows as u64, h as u64, b as u64]);
+                assert_eq!(m.boxes, [64, 128, 1, 1]);
+                assert!(
+                    m.offset.is_multiple_of(16) && m.strides.iter().all(|s| s.is_multiple_of(16))
+                );
+                for (bi, hi, r, c) in [(0, 0, 0, 0), (1, 2, rows - 1, 127), (1, 0, 5, 64)] {
+                    let at = m.offset
+                        + 2 * c as u64
+                        + r as u64 * m.strides[0]
+                        + hi as u64 * m.strides[1]
+                        + bi as u64 * m.strides[2];
+                    let want = match layout {
+                        AttnLayout::Bhsd => ((bi * h + hi) * rows + r) * d + c,
+                        AttnLayout::Bshd => ((bi * rows + r) * h + hi) * d + c,
+                        AttnLayout::Packed => {
+                            (((bi * rows + r) * 3 + part as usize) * h + hi) * d + c
+                        }
+                    };
+                    assert_eq!(at, 2 * want as u64, "{layout:?} part {}", part as usize);
+                }
+            }
+        }
+    }
 }

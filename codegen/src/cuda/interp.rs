@@ -2344,6 +2344,7 @@ mod tests {
             name: name.into(),
             elem,
             writes,
+            map: None,
         }
     }
 

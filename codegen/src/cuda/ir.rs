@@ -373,7 +373,8 @@ pub enum Stmt {
     Verbatim(String),
 }
 
-/// A kernel parameter: a pointer to a buffer of `elem` storage type.
+/// A kernel parameter: a pointer to a buffer of `elem` storage type, or (`map`) a tensor map
+/// over the buffer its argument addresses.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Param {
     /// The parameter's name in the source.
@@ -382,6 +383,30 @@ pub struct Param {
     pub elem: CTy,
     /// Whether the kernel writes through it.
     pub writes: bool,
+    /// Passed as a tensor map (`const __grid_constant__ RtTensorMap`, the 128 opaque bytes the
+    /// tensor memory accelerator's bulk copies read) instead of a pointer: the runtime encodes
+    /// it at launch from the argument's address.
+    pub map: Option<TensorMap>,
+}
+
+/// How the runtime encodes a tensor map (`cuTensorMapEncodeTiled`) over a buffer of 2-byte
+/// elements (`elem`, f16 or bf16): a tiled view of up to five dims, innermost first.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TensorMap {
+    /// Element type (f16 or bf16).
+    pub elem: CTy,
+    /// Bytes from the buffer's start to the view's first element (a multiple of 16).
+    pub offset: u64,
+    /// Elements per dim, innermost first (the innermost contiguous).
+    pub dims: Vec<u64>,
+    /// Bytes between consecutive indices of dims 1.. (multiples of 16).
+    pub strides: Vec<u64>,
+    /// The box one copy moves, elements per dim (each at most 256; the innermost 64 with
+    /// the 128-byte swizzle).
+    pub boxes: Vec<u32>,
+    /// Whether the copy writes shared memory in the 128-byte swizzle (16-byte chunk `c` of
+    /// a 128-byte row `r` at chunk `c ^ (r mod 8)`) rather than densely.
+    pub swizzle128: bool,
 }
 
 /// A kernel: an `extern "C" __global__` function over pointer parameters. Shapes and strides

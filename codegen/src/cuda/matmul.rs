@@ -595,11 +595,13 @@ fn act_grad_kernel(out: &TensorType, act: Activation) -> Result<Launch> {
             name: "out".into(),
             elem: st,
             writes: true,
+            map: None,
         },
         Param {
             name: "pre".into(),
             elem: st,
             writes: false,
+            map: None,
         },
     ];
     let args = vec![ArgRef::Output, ArgRef::Input(2)];

@@ -306,6 +306,7 @@ pub fn fold_casts(plan: &Plan, steps: &mut [CudaStep]) -> crate::Result<usize> {
             name: name.clone(),
             elem,
             writes: true,
+            map: None,
         });
         let mut fresh = 0;
         kernel.body = also_store(&kernel.body, &out.name, &name, elem, &mut fresh);
@@ -713,12 +714,14 @@ pub fn gather_guards(n: usize) -> crate::Result<Kernel> {
             name: format!("g{i}"),
             elem: CTy::Bool,
             writes: false,
+            map: None,
         })
         .collect();
     params.push(Param {
         name: "out".into(),
         elem: CTy::Bool,
         writes: true,
+        map: None,
     });
     let stores = (0..n)
         .map(|i| Stmt::Store {

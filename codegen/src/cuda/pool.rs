@@ -553,6 +553,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
                 name: "idx".into(),
                 elem: idx_ty,
                 writes: true,
+                map: None,
             },
         ];
         let k = grid_kernel("pool_argmax", params, n_out, |b: &mut Body, i| {
@@ -575,6 +576,7 @@ pub fn lower(op: &Op, inputs: &[&TensorType], out: &TensorType) -> Result<StepKe
                 name: "idx".into(),
                 elem: idx_ty,
                 writes: false,
+                map: None,
             }
         } else {
             param("x", dt, false)

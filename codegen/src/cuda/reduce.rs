@@ -288,6 +288,7 @@ fn param(name: &str, elem: CTy, writes: bool) -> Param {
         name: name.into(),
         elem,
         writes,
+        map: None,
     }
 }
 

@@ -680,6 +680,7 @@ fn lower_with(
         name: "y".into(),
         elem: ye,
         writes: true,
+        map: None,
     });
     // Rows on threads: four rows of a warp each per block, or a block per row.
     let per_block = if t == WARP { 4 } else { 1 };
@@ -778,6 +779,7 @@ fn param(name: &str, elem: CTy) -> Param {
         name: name.into(),
         elem,
         writes: false,
+        map: None,
     }
 }
 

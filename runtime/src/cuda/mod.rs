@@ -117,6 +117,106 @@ pub(crate) unsafe fn launch_pointers(
     }
 }
 
+/// The tensor map `m` over the buffer at `base`, encoded by the driver
+/// (`cuTensorMapEncodeTiled`), which checks its sizes, strides and alignment.
+pub(crate) fn encode_map(
+    m: &rustytorch_codegen::cuda::ir::TensorMap,
+    base: u64,
+) -> std::result::Result<ds::CUtensorMap, String> {
+    use rustytorch_codegen::cuda::ir::CTy;
+    let ty = match m.elem {
+        CTy::F16 => ds::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        CTy::BF16 => ds::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        e => return Err(format!("tensor map over {e:?} elements")),
+    };
+    let rank = m.dims.len();
+    if !(1..=5).contains(&rank) || m.strides.len() + 1 != rank || m.boxes.len() != rank {
+        return Err(format!("tensor map of rank {rank}: {m:?}"));
+    }
+    let ones = vec![1u32; rank];
+    let mut map = ds::CUtensorMap { opaque: [0; 16] };
+    let swizzle = if m.swizzle128 {
+        ds::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B
+    } else {
+        ds::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE
+    };
+    // SAFETY: the arrays hold `rank` sizes and boxes and `rank - 1` strides, as the call reads;
+    // `map` is a writable, 64-byte-aligned CUtensorMap. The driver only records the address.
+    let r = unsafe {
+        ds::cuTensorMapEncodeTiled(
+            &mut map,
+            ty,
+            rank as u32,
+            (base + m.offset) as *mut std::ffi::c_void,
+            m.dims.as_ptr(),
+            m.strides.as_ptr(),
+            m.boxes.as_ptr(),
+            ones.as_ptr(),
+            ds::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swizzle,
+            ds::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            ds::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    match r {
+        ds::CUresult::CUDA_SUCCESS => Ok(map),
+        e => Err(format!("encoding a tensor map ({m:?} at {base:#x}): {e:?}")),
+    }
+}
+
+/// Launches `func` as [`launch_pointers`] does, except that the parameters `maps` names
+/// (`Some`, index for index with `args`) are passed as tensor maps encoded over their
+/// argument's address ([`encode_map`]) instead of as the address.
+///
+/// # Safety
+///
+/// As [`launch_pointers`], with the kernel's parameters of the kinds `maps` says.
+pub(crate) unsafe fn launch_params(
+    func: &CudaFunction,
+    grid: u32,
+    block: u32,
+    smem: u32,
+    args: &[u64],
+    maps: &[Option<rustytorch_codegen::cuda::ir::TensorMap>],
+    stream: ds::CUstream,
+) -> Result<()> {
+    if maps.iter().all(Option::is_none) {
+        // SAFETY: the caller's contract.
+        return unsafe { launch_pointers(func, grid, block, smem, args, stream) }
+            .map_err(|e| RuntimeError::Device(format!("kernel launch failed: {e}")));
+    }
+    let mut args = args.to_vec();
+    let mut encoded: Vec<ds::CUtensorMap> = Vec::with_capacity(maps.len());
+    for (i, m) in maps.iter().enumerate() {
+        if let Some(m) = m {
+            encoded.push(encode_map(m, args[i]).map_err(RuntimeError::Device)?);
+        }
+    }
+    let mut next = encoded.iter_mut();
+    let ptrs: Vec<*mut std::ffi::c_void> = args
+        .iter_mut()
+        .zip(maps.iter().chain(std::iter::repeat(&None)))
+        .map(|(a, m)| match m {
+            Some(_) => next.next().expect("one map each") as *mut ds::CUtensorMap as *mut _,
+            None => a as *mut u64 as *mut std::ffi::c_void,
+        })
+        .collect();
+    let mut ptrs = ptrs;
+    // SAFETY: the caller's contract; `ptrs` points at `args` and `encoded`, alive for the call
+    // (the driver copies the parameters when the launch is queued).
+    unsafe {
+        dr::launch_kernel(
+            func.cu_function(),
+            (grid, 1, 1),
+            (block, 1, 1),
+            smem,
+            stream,
+            &mut ptrs,
+        )
+    }
+    .map_err(|e| RuntimeError::Device(format!("kernel launch failed: {e}")))
+}
+
 fn derr(what: &str) -> impl Fn(dr::DriverError) -> RuntimeError + '_ {
     move |e| RuntimeError::Device(format!("{what}: {e}"))
 }

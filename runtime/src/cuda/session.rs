@@ -34,6 +34,24 @@ struct Resolved {
     block: u32,
     /// Bytes of dynamic shared memory.
     smem: u32,
+    /// The parameters passed as tensor maps over their argument (empty: none).
+    maps: Vec<Option<rustytorch_codegen::cuda::ir::TensorMap>>,
+}
+
+impl Resolved {
+    /// Launches on `stream` with `args` (the resolved ones, or re-pointed).
+    ///
+    /// # Safety
+    ///
+    /// `args` address live buffers of the sizes the kernel's parameters need, in its order.
+    unsafe fn launch_with(&self, args: &[u64], stream: CUstream) -> Result<()> {
+        // SAFETY: the caller's contract; the maps are the kernel's own parameter kinds.
+        unsafe {
+            super::launch_params(
+                &self.func, self.grid, self.block, self.smem, args, &self.maps, stream,
+            )
+        }
+    }
 }
 
 /// The address of value `v` for this run: `io`'s when the run re-points values (device I/O),
@@ -723,6 +741,11 @@ impl CudaSession {
                         grid: l.grid,
                         block: l.kernel.block,
                         smem: l.kernel.smem,
+                        maps: if l.kernel.params.iter().any(|p| p.map.is_some()) {
+                            l.kernel.params.iter().map(|p| p.map.clone()).collect()
+                        } else {
+                            vec![]
+                        },
                     })
                     .collect()
             };
@@ -740,12 +763,7 @@ impl CudaSession {
                             for r in &flash {
                                 // SAFETY: as in `CudaSession::launch`: the resolved arguments
                                 // address the step's buffers, in the kernel's parameter order.
-                                unsafe {
-                                    super::launch_pointers(
-                                        &r.func, r.grid, r.block, r.smem, &r.args, st,
-                                    )
-                                }
-                                .map_err(|e| {
+                                unsafe { r.launch_with(&r.args, st) }.map_err(|e| {
                                     RuntimeError::Device(format!("timing the flash kernel: {e}"))
                                 })?;
                             }
@@ -1030,6 +1048,7 @@ impl CudaSession {
                     grid: 1,
                     block: 32,
                     smem: 0,
+                    maps: vec![],
                 });
                 at += chunk.len();
             }
@@ -1435,18 +1454,16 @@ impl CudaSession {
                 &repointed
             }
         };
-        // SAFETY: the function was compiled from a kernel whose parameters are exactly these
-        // device pointers, in this order, each addressing a live buffer of the size its type
-        // needs (resolved from the memory plan at prepare time, or for device I/O a caller's
-        // buffer or an output block of the value's type).
-        unsafe { super::launch_pointers(&r.func, r.grid, r.block, r.smem, args, stream) }.map_err(
-            |e| {
-                RuntimeError::Device(format!(
-                    "step {step} ({}): kernel launch failed: {e}",
-                    self.plan.steps[step].op.name()
-                ))
-            },
-        )
+        // SAFETY: the function was compiled from a kernel whose parameters are these device
+        // pointers (or tensor maps over them), in this order, each addressing a live buffer of
+        // the size its type needs (resolved from the memory plan at prepare time, or for
+        // device I/O a caller's buffer or an output block of the value's type).
+        unsafe { r.launch_with(args, stream) }.map_err(|e| {
+            RuntimeError::Device(format!(
+                "step {step} ({}): {e}",
+                self.plan.steps[step].op.name()
+            ))
+        })
     }
 }
 
@@ -1981,7 +1998,7 @@ fn choose_pair(
         for r in ls {
             // SAFETY: as in `CudaSession::launch`: the resolved arguments address the step's
             // buffers, in the kernel's parameter order.
-            unsafe { super::launch_pointers(&r.func, r.grid, r.block, r.smem, &r.args, stream) }
+            unsafe { r.launch_with(&r.args, stream) }
                 .map_err(|e| RuntimeError::Device(format!("timing the paired epilogue: {e}")))?;
         }
         Ok(())
@@ -2057,7 +2074,7 @@ fn choose_grad(
         for r in flash {
             // SAFETY: as in `CudaSession::launch`: the resolved arguments address the step's
             // live buffers, in the kernel's parameter order.
-            unsafe { super::launch_pointers(&r.func, r.grid, r.block, r.smem, &r.args, stream) }
+            unsafe { r.launch_with(&r.args, stream) }
                 .map_err(|e| RuntimeError::Device(format!("timing the flash gradients: {e}")))?;
         }
         Ok(())

@@ -1532,6 +1532,7 @@ fn merge_plan(n: usize, dtype: DType, max_blocks: usize) -> Result<MergePlan> {
         name: name.into(),
         elem,
         writes,
+        map: None,
     };
     let tid = || special(Special::ThreadIdx);
     let bid = || special(Special::BlockIdx);

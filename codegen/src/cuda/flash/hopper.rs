@@ -117,6 +117,9 @@ pub(super) struct Built {
     pub blocks: usize,
     /// The kernel body.
     pub source: String,
+    /// Where the body reads q, k and v through tensor maps (`qmap`, `kmap`, `vmap`, parameters
+    /// after the others): the rows of each map's box.
+    pub maps: Option<[u32; 3]>,
 }
 
 /// [`Built`] for `sp` and `s`: the warp-specialized kernel ([`super::hopper_ws`]), faster on
@@ -132,6 +135,7 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
         smem: smem_bytes(sp, t),
         blocks: tiles(sp, t),
         source: source(s, sp, t),
+        maps: None,
     }
 }
 

@@ -15,6 +15,12 @@
 //!   barrier; `cp.async.mbarrier.arrive.noinc` makes the buffer's *full* barrier complete when
 //!   the copies have landed. The next query tile's copies start as soon as the consumers' last
 //!   `Q·Kᵀ` of the current one is done.
+//! - **Bulk tensor copies** (`RUSTYTORCH_HOPPER_TMA=1`): instead of its 128 threads' 16-byte
+//!   `cp.async`s, one producer thread moves each tile with the tensor memory accelerator
+//!   (`cp.async.bulk.tensor.4d`, one copy per 64-column block, swizzled by the copy itself),
+//!   reading q, k and v through tensor maps that the runtime encodes at launch over the
+//!   operands' addresses (`[B, H, S, D]` views of each layout, so rows past a head's end arrive
+//!   as zeros); the full barriers then count one arrival, which announces the tile's bytes.
 //! - **A consumer** waits on a buffer's full barrier (then a proxy fence makes the copied bytes
 //!   visible to the tensor cores), and once the matrix product that read it is complete, one
 //!   lane a warp arrives on its empty barrier. Within a consumer, `S_j = Q·K_jᵀ` and
@@ -54,6 +60,30 @@ auto mb_wait = [](unsigned bar, unsigned parity) {
   } while (!done);
 };
 "#;
+
+/// The C helpers of bulk tensor copies: `mb_expect(bar, bytes)` (an arrival that also expects
+/// `bytes` to land) and `tma_tile(map, dst, bar, row, blocks, rows, h, b)`, which copies rows
+/// `row..row + rows` of head `h` of batch `b` through the tensor map into the swizzled tile at
+/// `dst`, one copy per 64-column block (`blocks` of them, `rows · 128` bytes apart), each
+/// completing its bytes on `bar`.
+pub(super) const BULK_COPIES: &str = r#"auto mb_expect = [](unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+};
+auto tma_tile = [](const RtTensorMap* map, unsigned dst, unsigned bar, int row, int blocks, int rows, int h, int b) {
+  for (int c = 0; c < blocks; ++c) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];"
+                 :: "r"(dst + (unsigned)(c * rows * 128)), "l"((unsigned long long)map), "r"(c * 64), "r"(row), "r"(h), "r"(b), "r"(bar)
+                 : "memory");
+  }
+};
+"#;
+
+/// Whether the producer copies the tiles with the tensor memory accelerator (one thread's bulk
+/// tensor copies through tensor maps) instead of its 128 threads' `cp.async`s:
+/// `RUSTYTORCH_HOPPER_TMA=1`.
+fn bulk_copies() -> bool {
+    std::env::var("RUSTYTORCH_HOPPER_TMA").as_deref() == Ok("1")
+}
 
 /// Threads of the producer warpgroup, which also copies the tiles.
 const PRODUCER: u32 = 128;
@@ -100,11 +130,13 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
     let smem = 1024 + br * sp.d * 2 + st * BC * (sp.d + sp.dv) * 2 + (2 + 4 * st) * 8;
     let blocks = sp.bsz * sp.heads * sp.sq.div_ceil(br);
     let pingpong = std::env::var("RUSTYTORCH_HOPPER_PINGPONG").as_deref() != Ok("0");
+    let tma = bulk_copies();
     Built {
         threads: PRODUCER + 128 * nc as u32,
         smem: smem as u32,
         blocks,
-        source: source(s, sp, nc, st, pingpong, blocks),
+        source: source(s, sp, nc, st, pingpong, blocks, tma),
+        maps: tma.then_some([br as u32, BC as u32, BC as u32]),
     }
 }
 
@@ -129,8 +161,89 @@ fn turns(nc: usize, pingpong: bool) -> (String, String, String) {
     (sync, pass, pass_unless_last)
 }
 
+/// The producer's walk with `cp.async`: its 128 threads copy each tile, and
+/// `cp.async.mbarrier.arrive.noinc` completes the buffer's full barrier (one arrival a thread)
+/// once their copies have landed.
+const COPY_LOOP: &str = r#"  // Buffers used so far (their parities and slots follow from the counts).
+  unsigned qc = 0, kc = 0, vc = 0;
+  for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
+$ORDER    const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
+    const int ntiles = (kend + $BC - 1) / $BC;
+    if (ntiles == 0) continue;
+    const unsigned short* qp = (const unsigned short*)q + $QH;
+    const unsigned short* kp = (const unsigned short*)k + $KH;
+    const unsigned short* vp = (const unsigned short*)v + $VH;
+    mb_wait(qempty, (qc & 1u) ^ 1u);
+    load(qp, (long long)qt * $BR, $SQLL, $BR, $D, $QRSLL, q_s);
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(qfull) : "memory");
+    ++qc;
+    for (int j = 0; j <= ntiles; ++j) {
+      if (j < ntiles) {
+        const unsigned slot = kc % $STu;
+        mb_wait(kempty + 8u * slot, ((kc / $STu) & 1u) ^ 1u);
+        load(kp, (long long)j * $BC, $SKLL, $BC, $D, $KRSLL, k_s0 + slot * $KBYTESu);
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(kfull + 8u * slot) : "memory");
+        ++kc;
+      }
+      if (j > 0) {
+        const unsigned slot = vc % $STu;
+        mb_wait(vempty + 8u * slot, ((vc / $STu) & 1u) ^ 1u);
+        load(vp, (long long)(j - 1) * $BC, $SKLL, $BC, $DV, $VRSLL, v_s0 + slot * $VBYTESu);
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(vfull + 8u * slot) : "memory");
+        ++vc;
+      }
+    }
+  }
+  // Every copy has landed before the producer leaves.
+  asm volatile("cp.async.wait_all;" ::: "memory");"#;
+
+/// The producer's walk with bulk tensor copies: one thread issues every tile's copies (one
+/// per 64-column block) after announcing the tile's bytes on the buffer's full barrier, which
+/// completes when they have landed; rows past a head's end are outside the tensor map's view
+/// and arrive as zeros. The other producer threads have nothing to do.
+const BULK_LOOP: &str = r#"  if (tid == 0) {
+    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&qmap) : "memory");
+    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&kmap) : "memory");
+    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&vmap) : "memory");
+    unsigned qc = 0, kc = 0, vc = 0;
+    for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
+$ORDER      const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
+      const int ntiles = (kend + $BC - 1) / $BC;
+      if (ntiles == 0) continue;
+      const int hh = (int)(bh % $HEADSLL), bb = (int)(bh / $HEADSLL);
+      mb_wait(qempty, (qc & 1u) ^ 1u);
+      mb_expect(qfull, $QBYTESu);
+      tma_tile(&qmap, q_s, qfull, qt * $BR, $D / 64, $BR, hh, bb);
+      ++qc;
+      for (int j = 0; j <= ntiles; ++j) {
+        if (j < ntiles) {
+          const unsigned slot = kc % $STu, bar = kfull + 8u * slot;
+          mb_wait(kempty + 8u * slot, ((kc / $STu) & 1u) ^ 1u);
+          mb_expect(bar, $KBYTESu);
+          tma_tile(&kmap, k_s0 + slot * $KBYTESu, bar, j * $BC, $D / 64, $BC, hh, bb);
+          ++kc;
+        }
+        if (j > 0) {
+          const unsigned slot = vc % $STu, bar = vfull + 8u * slot;
+          mb_wait(vempty + 8u * slot, ((vc / $STu) & 1u) ^ 1u);
+          mb_expect(bar, $VBYTESu);
+          tma_tile(&vmap, v_s0 + slot * $VBYTESu, bar, (j - 1) * $BC, $DV / 64, $BC, hh, bb);
+          ++vc;
+        }
+      }
+    }
+  }"#;
+
 /// The kernel body (see the module docs).
-fn source(s: &Shape2, sp: &Spec, nc: usize, st: usize, pingpong: bool, blocks: usize) -> String {
+fn source(
+    s: &Shape2,
+    sp: &Spec,
+    nc: usize,
+    st: usize,
+    pingpong: bool,
+    blocks: usize,
+    tma: bool,
+) -> String {
     let br = 64 * nc;
     let (bc8, bc16, dv8) = (BC / 8, BC / 16, s.dv / 8);
     let (reg_p, reg_c) = registers(nc);
@@ -161,7 +274,13 @@ fn source(s: &Shape2, sp: &Spec, nc: usize, st: usize, pingpong: bool, blocks: u
     let scores = SOFTMAX_SCORES.replace("$ROW_MAXIMA", &row_maxima("$BC8", "        "));
     let full_k = "        mb_wait(kfull + 8u * (kc % $STu), (kc / $STu) & 1u);\n";
     let full_v = "        mb_wait(vfull + 8u * (vc % $STu), (vc / $STu) & 1u);\n";
-    let fence = "        asm volatile(\"fence.proxy.async.shared::cta;\" ::: \"memory\");\n";
+    // Bytes copied by `cp.async` (the generic proxy) are made visible to the tensor cores (the
+    // async proxy); bulk tensor copies write through the async proxy already.
+    let fence = if tma {
+        ""
+    } else {
+        "        asm volatile(\"fence.proxy.async.shared::cta;\" ::: \"memory\");\n"
+    };
     let free_k = "        if (lane == 0) mb_arrive(kempty + 8u * (kc % $STu));\n        ++kc;\n";
     let free_v = "        if (lane == 0) mb_arrive(vempty + 8u * (vc % $STu));\n        ++vc;\n";
     let free_q = "        if (lane == 0) mb_arrive(qempty);\n";
@@ -247,12 +366,13 @@ const unsigned qfull = v_s0 + $STu * $VBYTESu, qempty = qfull + 8u;
 const unsigned kfull = qfull + 16u, kempty = kfull + 8u * $STu, vfull = kempty + 8u * $STu, vempty = vfull + 8u * $STu;
 const int tid = threadIdx.x, lane = tid & 31;
 $MBARRIERSif (tid == 0) {
-  // Full: the producer's threads (their copies landed); empty: the consumers' warps.
-  mb_init(qfull, $PRODUCERu);
+  // Full: the producer's threads (their copies landed) or its one thread's announcement of
+  // the bytes to come; empty: the consumers' warps.
+  mb_init(qfull, $FULLu);
   mb_init(qempty, $CWARPSu);
   for (unsigned b = 0; b < $STu; ++b) {
-    mb_init(kfull + 8u * b, $PRODUCERu);
-    mb_init(vfull + 8u * b, $PRODUCERu);
+    mb_init(kfull + 8u * b, $FULLu);
+    mb_init(vfull + 8u * b, $FULLu);
     mb_init(kempty + 8u * b, $CWARPSu);
     mb_init(vempty + 8u * b, $CWARPSu);
   }
@@ -261,38 +381,7 @@ $MBARRIERSif (tid == 0) {
 __syncthreads();
 $PRELUDEif (tid < $PRODUCER) {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 $REG_P;" ::: "memory");
-  // Buffers used so far (their parities and slots follow from the counts).
-  unsigned qc = 0, kc = 0, vc = 0;
-  for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
-$ORDER    const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
-    const int ntiles = (kend + $BC - 1) / $BC;
-    if (ntiles == 0) continue;
-    const unsigned short* qp = (const unsigned short*)q + $QH;
-    const unsigned short* kp = (const unsigned short*)k + $KH;
-    const unsigned short* vp = (const unsigned short*)v + $VH;
-    mb_wait(qempty, (qc & 1u) ^ 1u);
-    load(qp, (long long)qt * $BR, $SQLL, $BR, $D, $QRSLL, q_s);
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(qfull) : "memory");
-    ++qc;
-    for (int j = 0; j <= ntiles; ++j) {
-      if (j < ntiles) {
-        const unsigned slot = kc % $STu;
-        mb_wait(kempty + 8u * slot, ((kc / $STu) & 1u) ^ 1u);
-        load(kp, (long long)j * $BC, $SKLL, $BC, $D, $KRSLL, k_s0 + slot * $KBYTESu);
-        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(kfull + 8u * slot) : "memory");
-        ++kc;
-      }
-      if (j > 0) {
-        const unsigned slot = vc % $STu;
-        mb_wait(vempty + 8u * slot, ((vc / $STu) & 1u) ^ 1u);
-        load(vp, (long long)(j - 1) * $BC, $SKLL, $BC, $DV, $VRSLL, v_s0 + slot * $VBYTESu);
-        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(vfull + 8u * slot) : "memory");
-        ++vc;
-      }
-    }
-  }
-  // Every copy has landed before the producer leaves.
-  asm volatile("cp.async.wait_all;" ::: "memory");
+$PRODUCER_LOOP
 } else {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 $REG_C;" ::: "memory");
   const int cw = (tid >> 7) - 1, warp = (tid >> 5) & 3;
@@ -328,7 +417,20 @@ $ROW_SUMS$TAIL
         ("$STEP", step),
         ("$LAST", last),
         ("$OPEN", open),
-        ("$MBARRIERS", MBARRIERS.to_string()),
+        (
+            "$PRODUCER_LOOP",
+            (if tma { BULK_LOOP } else { COPY_LOOP }).to_string(),
+        ),
+        (
+            "$MBARRIERS",
+            if tma {
+                [MBARRIERS, BULK_COPIES].concat()
+            } else {
+                MBARRIERS.to_string()
+            },
+        ),
+        ("$FULL", if tma { "1" } else { "$PRODUCER" }.to_string()),
+        ("$HEADS", sp.heads.to_string()),
         ("$NC", nc.to_string()),
         ("$ST", st.to_string()),
         ("$CWARPS", (4 * nc).to_string()),
