@@ -85,6 +85,22 @@ fn bulk_copies() -> bool {
     std::env::var("RUSTYTORCH_HOPPER_TMA").as_deref() == Ok("1")
 }
 
+/// Whether a block of `threads` (one block an SM, `__launch_bounds__(threads)`) can move
+/// registers as `setmaxnreg` asks: `producer` threads down to `regs.0` a thread, the others up
+/// to `regs.1`. The block holds `65536 / threads` registers a thread rounded down to 8 from
+/// launch; `setmaxnreg.inc` waits until the pool has what it takes, so asking for more than
+/// the decrease freed waits forever.
+pub(super) fn registers_balance(threads: u32, producer: u32, regs: (u32, u32)) -> bool {
+    let launch = (65536 / threads) / 8 * 8;
+    let (p, c) = regs;
+    p % 8 == 0
+        && c % 8 == 0
+        && p <= launch
+        && c >= launch
+        && c <= 256
+        && producer * (launch - p) >= (threads - producer) * (c - launch)
+}
+
 /// Threads of the producer warpgroup, which also copies the tiles.
 const PRODUCER: u32 = 128;
 
@@ -131,6 +147,11 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
     let blocks = sp.bsz * sp.heads * sp.sq.div_ceil(br);
     let pingpong = std::env::var("RUSTYTORCH_HOPPER_PINGPONG").as_deref() != Ok("0");
     let tma = bulk_copies();
+    debug_assert!(registers_balance(
+        PRODUCER + 128 * nc as u32,
+        PRODUCER,
+        registers(nc)
+    ));
     Built {
         threads: PRODUCER + 128 * nc as u32,
         smem: smem as u32,
@@ -443,4 +464,23 @@ $ROW_SUMS$TAIL
         first_subs,
         common_subs(s, sp, br, BC, PRODUCER, blocks),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    /// The forward's register split balances for two and three consumers, and the check
+    /// refuses a split that takes more than the producer gives back.
+    #[test]
+    fn register_splits_balance() {
+        for nc in [2u32, 3] {
+            let threads = super::PRODUCER + 128 * nc;
+            let regs = super::registers(nc as usize);
+            assert!(
+                super::registers_balance(threads, super::PRODUCER, regs),
+                "{nc}: {regs:?}"
+            );
+        }
+        assert!(!super::registers_balance(384, 128, (64, 224)));
+        assert!(super::registers_balance(384, 128, (64, 216)));
+    }
 }
