@@ -164,36 +164,38 @@ pub(crate) fn encode_map(
     }
 }
 
+/// The tensor maps of the parameters `maps` names (`Some`, index for index with `args`),
+/// encoded over their argument's address ([`encode_map`]), in parameter order.
+pub(crate) fn encode_maps(
+    maps: &[Option<rustytorch_codegen::cuda::ir::TensorMap>],
+    args: &[u64],
+) -> Result<Vec<ds::CUtensorMap>> {
+    maps.iter()
+        .zip(args)
+        .filter_map(|(m, &a)| m.as_ref().map(|m| encode_map(m, a)))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(RuntimeError::Device)
+}
+
 /// Launches `func` as [`launch_pointers`] does, except that the parameters `maps` names
-/// (`Some`, index for index with `args`) are passed as tensor maps encoded over their
-/// argument's address ([`encode_map`]) instead of as the address.
+/// (`Some`, index for index with `args`) are passed as the tensor maps `encoded` holds for
+/// them, in order ([`encode_maps`] over the same `args`), instead of as the address.
 ///
 /// # Safety
 ///
 /// As [`launch_pointers`], with the kernel's parameters of the kinds `maps` says.
 pub(crate) unsafe fn launch_params(
     func: &CudaFunction,
-    grid: u32,
-    block: u32,
-    smem: u32,
+    (grid, block, smem): (u32, u32, u32),
     args: &[u64],
     maps: &[Option<rustytorch_codegen::cuda::ir::TensorMap>],
+    encoded: &[ds::CUtensorMap],
     stream: ds::CUstream,
 ) -> Result<()> {
-    if maps.iter().all(Option::is_none) {
-        // SAFETY: the caller's contract.
-        return unsafe { launch_pointers(func, grid, block, smem, args, stream) }
-            .map_err(|e| RuntimeError::Device(format!("kernel launch failed: {e}")));
-    }
     let mut args = args.to_vec();
-    let mut encoded: Vec<ds::CUtensorMap> = Vec::with_capacity(maps.len());
-    for (i, m) in maps.iter().enumerate() {
-        if let Some(m) = m {
-            encoded.push(encode_map(m, args[i]).map_err(RuntimeError::Device)?);
-        }
-    }
+    let mut encoded = encoded.to_vec();
     let mut next = encoded.iter_mut();
-    let ptrs: Vec<*mut std::ffi::c_void> = args
+    let mut ptrs: Vec<*mut std::ffi::c_void> = args
         .iter_mut()
         .zip(maps.iter().chain(std::iter::repeat(&None)))
         .map(|(a, m)| match m {
@@ -201,7 +203,6 @@ pub(crate) unsafe fn launch_params(
             None => a as *mut u64 as *mut std::ffi::c_void,
         })
         .collect();
-    let mut ptrs = ptrs;
     // SAFETY: the caller's contract; `ptrs` points at `args` and `encoded`, alive for the call
     // (the driver copies the parameters when the launch is queued).
     unsafe {

@@ -36,6 +36,9 @@ struct Resolved {
     smem: u32,
     /// The parameters passed as tensor maps over their argument (empty: none).
     maps: Vec<Option<rustytorch_codegen::cuda::ir::TensorMap>>,
+    /// The maps encoded over `args`, at the first launch on them (a run re-pointed to other
+    /// buffers encodes its own).
+    encoded: std::sync::OnceLock<Vec<cudarc::driver::sys::CUtensorMap>>,
 }
 
 impl Resolved {
@@ -45,12 +48,30 @@ impl Resolved {
     ///
     /// `args` address live buffers of the sizes the kernel's parameters need, in its order.
     unsafe fn launch_with(&self, args: &[u64], stream: CUstream) -> Result<()> {
-        // SAFETY: the caller's contract; the maps are the kernel's own parameter kinds.
-        unsafe {
-            super::launch_params(
-                &self.func, self.grid, self.block, self.smem, args, &self.maps, stream,
-            )
+        let dims = (self.grid, self.block, self.smem);
+        if self.maps.is_empty() {
+            // SAFETY: the caller's contract.
+            return unsafe {
+                super::launch_pointers(&self.func, dims.0, dims.1, dims.2, args, stream)
+            }
+            .map_err(|e| RuntimeError::Device(format!("kernel launch failed: {e}")));
         }
+        let fresh;
+        let encoded = if args == self.args.as_slice() {
+            match self.encoded.get() {
+                Some(e) => e,
+                None => {
+                    let _ = self.encoded.set(super::encode_maps(&self.maps, args)?);
+                    self.encoded.get().expect("set above")
+                }
+            }
+        } else {
+            fresh = super::encode_maps(&self.maps, args)?;
+            &fresh
+        };
+        // SAFETY: the caller's contract; the maps are the kernel's own parameter kinds, encoded
+        // over these arguments.
+        unsafe { super::launch_params(&self.func, dims, args, &self.maps, encoded, stream) }
     }
 }
 
@@ -746,6 +767,7 @@ impl CudaSession {
                         } else {
                             vec![]
                         },
+                        encoded: Default::default(),
                     })
                     .collect()
             };
@@ -1049,6 +1071,7 @@ impl CudaSession {
                     block: 32,
                     smem: 0,
                     maps: vec![],
+                    encoded: Default::default(),
                 });
                 at += chunk.len();
             }
