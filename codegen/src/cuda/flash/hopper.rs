@@ -38,10 +38,10 @@
 //!
 //! This kernel is kept behind `RUSTYTORCH_HOPPER_KERNEL=skew`: the warp-specialized kernel
 //! ([`super::hopper_ws`]), built from the same pieces (the products, the softmax, the tile
-//! order and the end are shared from here), ran faster on every measured shape. What both
-//! leave to a later kernel is the tensor memory accelerator: bulk tensor copies need a tensor
-//! map per operand, made on the host with the buffers' addresses (docs/performance.md has the
-//! measurement that points there).
+//! order and the end are shared from here), ran faster on every measured shape. Its producer
+//! can also copy with the tensor memory accelerator through tensor maps that the runtime
+//! encodes over the operands' addresses (`RUSTYTORCH_HOPPER_TMA=1`, not yet the default:
+//! docs/performance.md has the measurement that points there and what has run).
 
 use super::{limit, row_maxima, tail, Shape2, Spec};
 
