@@ -516,5 +516,58 @@ fn flash_attention_hopper_backward_compiles() {
             }
         }
     }
+    // The producer's bulk tensor copies (q, k, v and dO through tensor maps), in both
+    // layouts. The variable is process-wide; no other test here lowers this backward.
+    std::env::set_var("RUSTYTORCH_HOPPER_BWD_TMA", "1");
+    for (layout, hd, causal) in [
+        (AttnLayout::Bhsd, 128, Causal::TopLeft),
+        (AttnLayout::Bshd, 64, Causal::None),
+    ] {
+        let (sq, sk) = (300, 257);
+        let ins = [
+            heads(DType::BF16, layout, [2, 3, sq, hd]),
+            heads(DType::BF16, layout, [2, 3, sk, hd]),
+            heads(DType::BF16, layout, [2, 3, sk, hd]),
+            heads(DType::BF16, layout, [2, 3, sq, hd]),
+        ];
+        let refs: Vec<&TensorType> = ins.iter().collect();
+        let ops: Vec<Op> = [0u8, 1, 2]
+            .iter()
+            .map(|&wrt| Op::AttentionGrad {
+                causal,
+                mask: AttnMask::None,
+                scale: F64Bits::new(0.125),
+                wrt,
+                layout,
+            })
+            .collect();
+        let outs: Vec<TensorType> = ops
+            .iter()
+            .map(|op| rustytorch::ops::infer(op, &refs).expect("infer"))
+            .collect();
+        let step = with_target(Target::Hopper, || {
+            flash::lower_grad_group(
+                &ops.iter().collect::<Vec<_>>(),
+                &refs,
+                &outs.iter().collect::<Vec<_>>(),
+            )
+        })
+        .expect("lower");
+        let l = &step.launches[2];
+        let maps: Vec<&str> = l
+            .kernel
+            .params
+            .iter()
+            .filter(|p| p.map.is_some())
+            .map(|p| p.name.as_str())
+            .collect();
+        assert_eq!(maps, ["qmap", "kmap", "vmap", "gmap"]);
+        assert_eq!(l.args.len(), l.kernel.params.len());
+        assert_eq!(l.kernel.block, 384);
+        let src = source(&l.kernel).expect("source");
+        assert!(src.contains("cp.async.bulk.tensor.4d"));
+        sources.push((l.kernel.name.clone(), src));
+    }
+    std::env::remove_var("RUSTYTORCH_HOPPER_BWD_TMA");
     compile_all(&hopper, sources);
 }

@@ -214,7 +214,7 @@ impl Spec {
         }
     }
 
-    /// The tensor map over `part`'s tensor (q, k or v) as a `[B, H, rows, width]` view, dims
+    /// The tensor map over `part`'s tensor (q, k, v or dO) as a `[B, H, rows, width]` view, dims
     /// innermost first (width, rows, heads, batch), for copies of `box_rows` rows of 64
     /// columns into 128-byte-swizzled tiles: rows past a head's end are outside the view, so a
     /// copy zero-fills them.
@@ -657,6 +657,26 @@ fn fused_grads(
     for (name, at) in [("out_k", k), ("out_v", v)] {
         if let Some(at) = at {
             params.push(param(name, sp.e, true));
+            args.push(at);
+        }
+    }
+    if let Some([q_rows, k_rows]) = built.maps {
+        // The tensor maps after the other parameters, over q, k, v and dO (the last operand).
+        let dout = *base
+            .iter()
+            .rev()
+            .find(|a| matches!(a, ArgRef::Input(_)))
+            .expect("dO is an operand");
+        for (part, name, rows, at) in [
+            (Part::Q, "qmap", q_rows, ArgRef::Input(0)),
+            (Part::K, "kmap", k_rows, ArgRef::Input(1)),
+            (Part::V, "vmap", k_rows, ArgRef::Input(2)),
+            (Part::O, "gmap", q_rows, dout),
+        ] {
+            params.push(Param {
+                map: Some(sp.tensor_map(part, rows)),
+                ..param(name, sp.e, false)
+            });
             args.push(at);
         }
     }
@@ -1473,7 +1493,7 @@ mod tests {
             let sp = Spec::new(&op, &refs, &out)
                 .expect("spec")
                 .expect("not empty");
-            for (part, rows) in [(Part::Q, sq), (Part::K, sk), (Part::V, sk)] {
+            for (part, rows) in [(Part::Q, sq), (Part::K, sk), (Part::V, sk), (Part::O, sq)] {
                 let m = sp.tensor_map(part, 128);
                 assert_eq!(m.dims, [d as u64, rows as u64, h as u64, b as u64]);
                 assert_eq!(m.boxes, [64, 128, 1, 1]);
@@ -1486,10 +1506,13 @@ mod tests {
                         + r as u64 * m.strides[0]
                         + hi as u64 * m.strides[1]
                         + bi as u64 * m.strides[2];
-                    let want = match layout {
-                        AttnLayout::Bhsd => ((bi * h + hi) * rows + r) * d + c,
-                        AttnLayout::Bshd => ((bi * rows + r) * h + hi) * d + c,
-                        AttnLayout::Packed => {
+                    // dO is [B, S, H, D] in both the Bshd and the packed layout.
+                    let want = match (layout, part) {
+                        (AttnLayout::Bhsd, _) => ((bi * h + hi) * rows + r) * d + c,
+                        (AttnLayout::Bshd, _) | (AttnLayout::Packed, Part::O) => {
+                            ((bi * rows + r) * h + hi) * d + c
+                        }
+                        (AttnLayout::Packed, _) => {
                             (((bi * rows + r) * 3 + part as usize) * h + hi) * d + c
                         }
                     };

@@ -43,6 +43,9 @@ pub(super) struct Built {
     /// Where the kernel adds `dQ`: None for a `[B·H, Sq, D]` buffer, else the blocked layout of
     /// the Hopper kernel's bulk reductions (see `dq_source`).
     pub dq_blocked: Option<(usize, String)>,
+    /// Where the kernel reads q, k, v and dO through tensor maps (`qmap`, `kmap`, `vmap`,
+    /// `gmap`, parameters after the others): the rows of the query and the key boxes.
+    pub maps: Option<[u32; 2]>,
 }
 
 /// Warps per block for `sp`: eight when the `dQ` columns split evenly in two 16-column
@@ -234,6 +237,7 @@ auto load_rows = [&](const unsigned short* src, unsigned base, int r0, int rows,
         smem: smem as u32,
         keys: bk,
         dq_blocked: None,
+        maps: None,
     }
 }
 

@@ -61,6 +61,11 @@ pub(super) struct Variant {
     /// register split asking for more than the producer gave back (fixed since, see
     /// [`REGISTERS`]), so nothing selects it but the variable.
     pub ws: bool,
+    /// With `ws`: the producer's one thread copies the key, value, query and `dO` tiles with
+    /// the tensor memory accelerator (bulk tensor copies through tensor maps the runtime
+    /// encodes), its threads only the rows' statistics (`RUSTYTORCH_HOPPER_BWD_TMA=1`, which
+    /// implies `ws`). Not yet checked on a device.
+    pub tma: bool,
 }
 
 impl Variant {
@@ -70,7 +75,9 @@ impl Variant {
         Variant {
             bulk: var("RUSTYTORCH_HOPPER_BWD_DQ").as_deref() != Some("vector"),
             overlap: var("RUSTYTORCH_HOPPER_BWD_OVERLAP").as_deref() != Some("0"),
-            ws: var("RUSTYTORCH_HOPPER_BWD_WS").as_deref() == Some("1"),
+            ws: var("RUSTYTORCH_HOPPER_BWD_WS").as_deref() == Some("1")
+                || var("RUSTYTORCH_HOPPER_BWD_TMA").as_deref() == Some("1"),
+            tma: var("RUSTYTORCH_HOPPER_BWD_TMA").as_deref() == Some("1"),
         }
     }
 }
@@ -136,7 +143,8 @@ pub(super) fn build(sp: &Spec, wk: bool, wv: bool, variant: Variant) -> Built {
     // Key and value tiles, two query and two dO tiles, dSᵀ, two (lse, D) vectors; 1 KiB to
     // align the base to the swizzle's 1024-byte pattern.
     let bulk = variant.bulk;
-    let ws = variant.ws;
+    let ws = variant.ws || variant.tma;
+    let tma = variant.tma;
     let overlap = wk && (variant.overlap || ws);
     let nbuf = if overlap || ws { 3 } else { 2 };
     debug_assert!(super::hopper_ws::registers_balance(
@@ -205,7 +213,7 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
   const int j0 = kb + warp * 16 + g, j1 = j0 + 8;
 {ptrs}  const int it0 = ({first}) / {br};
 {tile_start}"#,
-        roles = roles(sp, br, nbuf, bulk, ws, lbytes + stage),
+        roles = roles(sp, br, nbuf, bulk, ws, tma, lbytes + stage),
         ptrs = head_pointers(sp),
         tile_start = if ws {
             format!(
@@ -214,7 +222,7 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
         } else {
             format!(
                 "{loader}  load(kp, (long long)kb, {sk}LL, {BK}, {d}, {krs}LL, k_s);\n  load(vp, (long long)kb, {sk}LL, {BK}, {d}, {vrs}LL, v_s);\n  if (it0 < {qt}) load_queries(it0, 0);\n  asm volatile(\"cp.async.commit_group;\" ::: \"memory\");\n",
-                loader = load_queries(sp, br)
+                loader = load_queries(sp, br, false)
             )
         },
     );
@@ -420,23 +428,32 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
         smem: smem as u32,
         keys: BK,
         dq_blocked: bulk.then(|| dq_index(sp)),
+        maps: tma.then_some([br as u32, BK as u32]),
     }
 }
 
 /// The C defining `lp` and `dlp` (the head's log-sum-exp and `D`) and `load_queries(it, buf)`,
 /// which copies query tile `it` (its rows, `dO` rows, log-sum-exp and `D`) into buffer `buf`
-/// with `cp.async` (uncommitted).
-fn load_queries(sp: &Spec, br: usize) -> String {
+/// with `cp.async` (uncommitted); with `stats_only` (the rows and `dO` rows left to bulk
+/// tensor copies) only the log-sum-exp and `D`.
+fn load_queries(sp: &Spec, br: usize, stats_only: bool) -> String {
     let (sq, d) = (sp.sq, sp.d);
     let qbytes = br * d * 2;
     let (qrs, grs) = (sp.stride(Part::Q), sp.stride(Part::O));
+    let rows = if stats_only {
+        String::new()
+    } else {
+        format!(
+            r#"    load(qp, (long long)it * {br}, {sq}LL, {br}, {d}, {qrs}LL, q_s0 + (unsigned)buf * {qbytes}u);
+    load(gp, (long long)it * {br}, {sq}LL, {br}, {d}, {grs}LL, g_s0 + (unsigned)buf * {qbytes}u);
+"#
+        )
+    };
     format!(
         r#"  const float* lp = lse + bh * {sq}LL;
   const float* dlp = delta + bh * {sq}LL;
   auto load_queries = [&](int it, int buf) {{
-    load(qp, (long long)it * {br}, {sq}LL, {br}, {d}, {qrs}LL, q_s0 + (unsigned)buf * {qbytes}u);
-    load(gp, (long long)it * {br}, {sq}LL, {br}, {d}, {grs}LL, g_s0 + (unsigned)buf * {qbytes}u);
-    if (tid < {br}) {{
+{rows}    if (tid < {br}) {{
       const int i = it * {br} + tid;
       const int bytes = i < {sq} ? 4 : 0;
       const long long at = i < {sq} ? i : 0;
@@ -457,7 +474,7 @@ fn load_queries(sp: &Spec, br: usize) -> String {
 /// tiles and copies, for each, the key and value tiles and then the query tiles that see them
 /// into the buffers in turn, each once the computing warpgroups have given it back), and the
 /// opening of the computing warpgroups' branch, whose threads are renumbered from 0.
-fn roles(sp: &Spec, br: usize, nbuf: usize, bulk: bool, ws: bool, off: usize) -> String {
+fn roles(sp: &Spec, br: usize, nbuf: usize, bulk: bool, ws: bool, tma: bool, off: usize) -> String {
     let red2 = if bulk { "" } else { RED2 };
     if !ws {
         let prelude = super::hopper::PRELUDE.replace("$THREADS", &THREADS.to_string());
@@ -470,15 +487,65 @@ fn roles(sp: &Spec, br: usize, nbuf: usize, bulk: bool, ws: bool, off: usize) ->
     let (reg_p, reg_c) = REGISTERS;
     let prelude = super::hopper::PRELUDE.replace("$THREADS", &PRODUCER.to_string());
     let cwarps = THREADS / 32;
+    let (kbytes, qbytes) = (BK * d * 2, br * d * 2);
+    // The key and value tiles, and each query tile's rows and dO rows: the producer threads'
+    // `cp.async`s (each thread's arrival once its copies land), or one thread's bulk tensor
+    // copies (its announcement of their bytes; the threads still copy the statistics).
+    let (kv_count, q_count, kv_copy, q_copy) = if tma {
+        (
+            "1".to_string(),
+            format!("{}", PRODUCER + 1),
+            format!(
+                r#"    if (tid == 0) {{
+      mb_expect(kvfull, {kv2}u);
+      tma_tile(&kmap, k_s, kvfull, kb, {dblk}, {BK}, hh, bb);
+      tma_tile(&vmap, v_s, kvfull, kb, {dblk}, {BK}, hh, bb);
+    }}
+"#,
+                kv2 = 2 * kbytes,
+                dblk = d / 64,
+            ),
+            format!(
+                r#"      if (tid == 0) {{
+        const unsigned bar = qfull + 8u * buf;
+        mb_expect(bar, {q2}u);
+        tma_tile(&qmap, q_s0 + buf * {qbytes}u, bar, it * {br}, {dblk}, {br}, hh, bb);
+        tma_tile(&gmap, g_s0 + buf * {qbytes}u, bar, it * {br}, {dblk}, {br}, hh, bb);
+      }}
+"#,
+                q2 = 2 * qbytes,
+                dblk = d / 64,
+            ),
+        )
+    } else {
+        (
+            PRODUCER.to_string(),
+            PRODUCER.to_string(),
+            format!(
+                r#"    load(kp, (long long)kb, {sk}LL, {BK}, {d}, {krs}LL, k_s);
+    load(vp, (long long)kb, {sk}LL, {BK}, {d}, {vrs}LL, v_s);
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(kvfull) : "memory");
+"#
+            ),
+            String::new(),
+        )
+    };
+    let heads = sp.heads;
+    let helpers = if tma {
+        [super::hopper_ws::MBARRIERS, super::hopper_ws::BULK_COPIES].concat()
+    } else {
+        super::hopper_ws::MBARRIERS.to_string()
+    };
     format!(
         r#"{prelude}const unsigned qfull = l_s + {off}u, qempty = qfull + {b8}u, kvfull = qempty + {b8}u, kvempty = kvfull + 8u;
 {mbarriers}if (tid == 0) {{
-  // Full: the producer's threads (their copies landed); empty: the computing warps.
+  // Full: the producer's threads (their copies landed) and the bulk copies' announcement where
+  // they copy; empty: the computing warps.
   for (unsigned b = 0; b < {nbuf}u; ++b) {{
-    mb_init(qfull + 8u * b, {PRODUCER}u);
+    mb_init(qfull + 8u * b, {q_count}u);
     mb_init(qempty + 8u * b, {cwarps}u);
   }}
-  mb_init(kvfull, {PRODUCER}u);
+  mb_init(kvfull, {kv_count}u);
   mb_init(kvempty, {cwarps}u);
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }}
@@ -492,15 +559,13 @@ if (tid < {PRODUCER}) {{
     const int kb = (int)(tile % {kt}LL) * {BK};
     const int it0 = ({first}) / {br};
     if (it0 >= {qt}) continue;
-{ptrs}{loader}    mb_wait(kvempty, (kc & 1u) ^ 1u);
-    load(kp, (long long)kb, {sk}LL, {BK}, {d}, {krs}LL, k_s);
-    load(vp, (long long)kb, {sk}LL, {BK}, {d}, {vrs}LL, v_s);
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(kvfull) : "memory");
-    ++kc;
+{ptrs}{loader}    const int hh = (int)(bh % {heads}LL), bb = (int)(bh / {heads}LL);
+    mb_wait(kvempty, (kc & 1u) ^ 1u);
+{kv_copy}    ++kc;
     for (int it = it0; it < {qt}; ++it) {{
       const unsigned buf = qc % {nbuf}u;
       mb_wait(qempty + 8u * buf, ((qc / {nbuf}u) & 1u) ^ 1u);
-      load_queries(it, (int)buf);
+{q_copy}      load_queries(it, (int)buf);
       asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(qfull + 8u * buf) : "memory");
       ++qc;
     }}
@@ -513,10 +578,10 @@ const int tid = threadIdx.x - {PRODUCER}, warp = tid >> 5, wg = tid >> 7;
 {red2}unsigned qc = 0, kc = 0;
 "#,
         b8 = 8 * nbuf,
-        mbarriers = super::hopper_ws::MBARRIERS,
+        mbarriers = helpers,
         first = first_query(sp),
         ptrs = head_pointers(sp),
-        loader = load_queries(sp, br),
+        loader = load_queries(sp, br, tma),
     )
 }
 
@@ -636,12 +701,15 @@ mod tests {
     /// block's keys.
     #[test]
     fn blocks_fit_hopper() {
-        let variants = (0..8).map(|i| super::Variant {
+        let variants = (0..16).map(|i| super::Variant {
             bulk: i & 1 != 0,
             overlap: i & 2 != 0,
             ws: i & 4 != 0,
+            tma: i & 8 != 0,
         });
         for variant in variants {
+            // Bulk tensor copies imply a producer.
+            let ws = variant.ws || variant.tma;
             for d in [64, 128] {
                 let sp = spec(d, 1000, 777);
                 assert!(super::supported(&sp));
@@ -662,10 +730,12 @@ mod tests {
                 );
                 assert!(b.source.contains("RT_WGMMA_V(") && b.source.contains("RT_WGMMA_K("));
                 // Three query buffers when dK is left running or a producer copies them.
-                let three = variant.overlap || variant.ws;
+                let three = variant.overlap || ws;
                 assert_eq!(b.source.contains("% 3"), three, "{variant:?}");
-                assert_eq!(b.threads, if variant.ws { 384 } else { 256 });
-                assert_eq!(b.source.contains("setmaxnreg"), variant.ws);
+                assert_eq!(b.threads, if ws { 384 } else { 256 });
+                assert_eq!(b.source.contains("setmaxnreg"), ws);
+                assert_eq!(b.source.contains("cp.async.bulk.tensor"), variant.tma);
+                assert_eq!(b.maps.is_some(), variant.tma);
                 assert!(super::super::hopper_ws::registers_balance(
                     (super::THREADS + super::PRODUCER) as u32,
                     super::PRODUCER as u32,
@@ -674,7 +744,7 @@ mod tests {
                 assert_eq!(b.dq_blocked.is_some(), variant.bulk);
                 let only_v = super::build(&sp, false, true, variant);
                 assert!(!only_v.source.contains("RT_WGMMA_K(") && !only_v.source.contains("acck"));
-                assert_eq!(only_v.source.contains("% 3"), variant.ws);
+                assert_eq!(only_v.source.contains("% 3"), ws);
             }
         }
         assert!(!super::supported(&spec(48, 100, 100)));
