@@ -111,7 +111,25 @@ const PRODUCER: usize = 128;
 /// the block's 168 a thread from launch (384 threads), the producer's 112 given up buying the
 /// computing threads' 56 ([`super::hopper_ws::registers_balance`]: asking for more, as an
 /// earlier (64, 224) did, leaves `setmaxnreg.inc` waiting forever).
+///
+/// NVRTC 12.8's ptxas spills nothing at this split but notes for 7 of the test kernels that
+/// their `wgmma`s are serialized for lack of registers; at (24, 240) only one such note, with
+/// 36–88 bytes of spills. `RUSTYTORCH_HOPPER_BWD_REGS=P,C` picks another balanced split, so that
+/// the device can decide.
 const REGISTERS: (u32, u32) = (56, 224);
+
+/// [`REGISTERS`], or the balanced split `RUSTYTORCH_HOPPER_BWD_REGS` asks for.
+fn registers() -> (u32, u32) {
+    let threads = (THREADS + PRODUCER) as u32;
+    std::env::var("RUSTYTORCH_HOPPER_BWD_REGS")
+        .ok()
+        .and_then(|v| {
+            let (p, c) = v.split_once(',')?;
+            Some((p.trim().parse().ok()?, c.trim().parse().ok()?))
+        })
+        .filter(|&r| super::hopper_ws::registers_balance(threads, PRODUCER as u32, r))
+        .unwrap_or(REGISTERS)
+}
 
 /// Whether the kernel takes `sp`: query and value head sizes equal, 64 or 128, and
 /// `RUSTYTORCH_HOPPER_BWD=0` does not ask for the portable fused kernel.
@@ -150,7 +168,7 @@ pub(super) fn build(sp: &Spec, wk: bool, wv: bool, variant: Variant) -> Built {
     debug_assert!(super::hopper_ws::registers_balance(
         (THREADS + PRODUCER) as u32,
         PRODUCER as u32,
-        REGISTERS
+        registers()
     ));
     // With bulk reductions, each warpgroup's 64 × 64 part of dQ is staged in shared memory.
     let stage = if bulk { 2 * DQ_PART * 4 } else { 0 };
@@ -484,7 +502,7 @@ fn roles(sp: &Spec, br: usize, nbuf: usize, bulk: bool, ws: bool, tma: bool, off
     let (qt, kt) = (sq.div_ceil(br), sk.div_ceil(BK));
     let tiles = sp.bsz * sp.heads * kt;
     let (krs, vrs) = (sp.stride(Part::K), sp.stride(Part::V));
-    let (reg_p, reg_c) = REGISTERS;
+    let (reg_p, reg_c) = registers();
     let prelude = super::hopper::PRELUDE.replace("$THREADS", &PRODUCER.to_string());
     let cwarps = THREADS / 32;
     let (kbytes, qbytes) = (BK * d * 2, br * d * 2);
