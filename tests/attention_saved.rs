@@ -70,6 +70,20 @@ fn graph_of(op: &Op, ins: &[HostTensor], wrts: &[u8]) -> Graph {
     g
 }
 
+/// `got` within `tol` of `want` relative to `want`'s largest magnitude (gradients are long
+/// sums, so their rounding scales with the largest).
+fn assert_scaled(got: &[f64], want: &[f64], tol: f64, what: &str) {
+    let scale = want.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-3);
+    let err = got
+        .iter()
+        .zip(want)
+        .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        err <= tol * scale,
+        "{what}: max error {err:.3e} of {scale:.3e}"
+    );
+}
+
 fn no_opt() -> CompileOptions {
     CompileOptions {
         optimize: false,
@@ -196,16 +210,7 @@ fn saved_statistics_give_the_cpu_gradients() {
                         let want = eval_cpu(&op.attention_grad(wrt).unwrap(), &refs).unwrap();
                         let got = out[1 + wrt as usize].to_f64_vec();
                         let w = want.to_f64_vec();
-                        // Relative to the largest magnitude, as the gradients' sums are long.
-                        let scale = w.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-3);
-                        let err = got
-                            .iter()
-                            .zip(&w)
-                            .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
-                        assert!(
-                            err <= tol * scale,
-                            "run {run} g{wrt} {what}: max error {err:.3e} of {scale:.3e}"
-                        );
+                        assert_scaled(&got, &w, tol, &format!("run {run} g{wrt} {what}"));
                     }
                 }
                 eprintln!("ok: {what}");
@@ -271,15 +276,11 @@ fn packed_gradient_reads_the_saved_statistics() {
                 &format!("y {what}"),
             );
             let want = eval_cpu(&grad, &refs).unwrap().to_f64_vec();
-            let got = out[1].to_f64_vec();
-            let scale = want.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-3);
-            let err = got
-                .iter()
-                .zip(&want)
-                .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
-            assert!(
-                err <= tol * scale,
-                "run {run} {what}: max error {err:.3e} of {scale:.3e}"
+            assert_scaled(
+                &out[1].to_f64_vec(),
+                &want,
+                tol,
+                &format!("run {run} {what}"),
             );
         }
         eprintln!("ok: {what}");

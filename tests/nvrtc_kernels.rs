@@ -191,25 +191,8 @@ fn flash_attention_group_gradients_compile() {
                     ins.extend(mt);
                     ins.push(heads(d, layout, [2, 3, sq, hv]));
                     let refs: Vec<&TensorType> = ins.iter().collect();
-                    let ops: Vec<Op> = (0..3u8)
-                        .map(|wrt| Op::AttentionGrad {
-                            causal,
-                            mask,
-                            scale: F64Bits::new(0.125),
-                            wrt,
-                            layout,
-                        })
-                        .collect();
-                    let outs: Vec<TensorType> = ops
-                        .iter()
-                        .map(|op| rustytorch::ops::infer(op, &refs).expect("infer"))
-                        .collect();
-                    let step = flash::lower_grad_group(
-                        &ops.iter().collect::<Vec<_>>(),
-                        &refs,
-                        &outs.iter().collect::<Vec<_>>(),
-                    )
-                    .expect("lower");
+                    let step =
+                        grad_group(Target::Portable, causal, mask, layout, &refs, &[0, 1, 2]);
                     // Statistics, zeroing the dQ buffer, the fused kernel, rounding dQ.
                     assert_eq!(step.launches.len(), 4);
                     assert!(step.launches[2]
@@ -456,6 +439,39 @@ fn flash_attention_saving_compiles() {
 /// The Hopper fused backward (warpgroup MMA, built for `sm_90a`) at head sizes 64 and 128, both
 /// element types, the causal kinds, unmasked and masked, all three gradients and `dQ` with one
 /// of the others.
+/// The gradients `wrts` of one attention over `refs` as one group, lowered for `target`.
+fn grad_group(
+    target: Target,
+    causal: Causal,
+    mask: AttnMask,
+    layout: AttnLayout,
+    refs: &[&TensorType],
+    wrts: &[u8],
+) -> rustytorch::codegen::cuda::StepKernels {
+    let ops: Vec<Op> = wrts
+        .iter()
+        .map(|&wrt| Op::AttentionGrad {
+            causal,
+            mask,
+            scale: F64Bits::new(0.125),
+            wrt,
+            layout,
+        })
+        .collect();
+    let outs: Vec<TensorType> = ops
+        .iter()
+        .map(|op| rustytorch::ops::infer(op, refs).expect("infer"))
+        .collect();
+    with_target(target, || {
+        flash::lower_grad_group(
+            &ops.iter().collect::<Vec<_>>(),
+            refs,
+            &outs.iter().collect::<Vec<_>>(),
+        )
+    })
+    .expect("lower")
+}
+
 #[test]
 fn flash_attention_hopper_backward_compiles() {
     let Some(compilers) = compilers() else { return };
@@ -484,28 +500,7 @@ fn flash_attention_hopper_backward_compiles() {
                     ins.push(heads(d, layout, [2, 3, sq, hd]));
                     let refs: Vec<&TensorType> = ins.iter().collect();
                     for wrts in [&[0u8, 1, 2][..], &[0, 2]] {
-                        let ops: Vec<Op> = wrts
-                            .iter()
-                            .map(|&wrt| Op::AttentionGrad {
-                                causal,
-                                mask,
-                                scale: F64Bits::new(0.125),
-                                wrt,
-                                layout,
-                            })
-                            .collect();
-                        let outs: Vec<TensorType> = ops
-                            .iter()
-                            .map(|op| rustytorch::ops::infer(op, &refs).expect("infer"))
-                            .collect();
-                        let step = with_target(Target::Hopper, || {
-                            flash::lower_grad_group(
-                                &ops.iter().collect::<Vec<_>>(),
-                                &refs,
-                                &outs.iter().collect::<Vec<_>>(),
-                            )
-                        })
-                        .expect("lower");
+                        let step = grad_group(Target::Hopper, causal, mask, layout, &refs, wrts);
                         let k = &step.launches[2].kernel;
                         assert!(k.name.starts_with("flash_attention_bwd_sm90"), "{}", k.name);
                         // Two computing warpgroups, and a producer one when it copies.
@@ -531,28 +526,14 @@ fn flash_attention_hopper_backward_compiles() {
             heads(DType::BF16, layout, [2, 3, sq, hd]),
         ];
         let refs: Vec<&TensorType> = ins.iter().collect();
-        let ops: Vec<Op> = [0u8, 1, 2]
-            .iter()
-            .map(|&wrt| Op::AttentionGrad {
-                causal,
-                mask: AttnMask::None,
-                scale: F64Bits::new(0.125),
-                wrt,
-                layout,
-            })
-            .collect();
-        let outs: Vec<TensorType> = ops
-            .iter()
-            .map(|op| rustytorch::ops::infer(op, &refs).expect("infer"))
-            .collect();
-        let step = with_target(Target::Hopper, || {
-            flash::lower_grad_group(
-                &ops.iter().collect::<Vec<_>>(),
-                &refs,
-                &outs.iter().collect::<Vec<_>>(),
-            )
-        })
-        .expect("lower");
+        let step = grad_group(
+            Target::Hopper,
+            causal,
+            AttnMask::None,
+            layout,
+            &refs,
+            &[0, 1, 2],
+        );
         let l = &step.launches[2];
         let maps: Vec<&str> = l
             .kernel

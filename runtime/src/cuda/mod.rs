@@ -99,22 +99,8 @@ pub(crate) unsafe fn launch_pointers(
     args: &[u64],
     stream: ds::CUstream,
 ) -> std::result::Result<(), dr::DriverError> {
-    let mut args = args.to_vec();
-    let mut ptrs: Vec<*mut std::ffi::c_void> = args
-        .iter_mut()
-        .map(|a| a as *mut u64 as *mut std::ffi::c_void)
-        .collect();
-    // SAFETY: the caller's contract; `ptrs` points at `args`, alive for the call.
-    unsafe {
-        dr::launch_kernel(
-            func.cu_function(),
-            (grid, 1, 1),
-            (block, 1, 1),
-            smem,
-            stream,
-            &mut ptrs,
-        )
-    }
+    // SAFETY: the caller's contract, with no tensor maps.
+    unsafe { launch_params(func, (grid, block, smem), args, &[], &[], stream) }
 }
 
 /// The tensor map `m` over the buffer at `base`, encoded by the driver
@@ -191,7 +177,7 @@ pub(crate) unsafe fn launch_params(
     maps: &[Option<rustytorch_codegen::cuda::ir::TensorMap>],
     encoded: &[ds::CUtensorMap],
     stream: ds::CUstream,
-) -> Result<()> {
+) -> std::result::Result<(), dr::DriverError> {
     let mut args = args.to_vec();
     let mut encoded = encoded.to_vec();
     let mut next = encoded.iter_mut();
@@ -215,7 +201,6 @@ pub(crate) unsafe fn launch_params(
             &mut ptrs,
         )
     }
-    .map_err(|e| RuntimeError::Device(format!("kernel launch failed: {e}")))
 }
 
 fn derr(what: &str) -> impl Fn(dr::DriverError) -> RuntimeError + '_ {

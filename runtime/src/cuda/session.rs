@@ -49,15 +49,10 @@ impl Resolved {
     /// `args` address live buffers of the sizes the kernel's parameters need, in its order.
     unsafe fn launch_with(&self, args: &[u64], stream: CUstream) -> Result<()> {
         let dims = (self.grid, self.block, self.smem);
-        if self.maps.is_empty() {
-            // SAFETY: the caller's contract.
-            return unsafe {
-                super::launch_pointers(&self.func, dims.0, dims.1, dims.2, args, stream)
-            }
-            .map_err(|e| RuntimeError::Device(format!("kernel launch failed: {e}")));
-        }
         let fresh;
-        let encoded = if args == self.args.as_slice() {
+        let encoded = if self.maps.is_empty() {
+            &[][..]
+        } else if args == self.args.as_slice() {
             match self.encoded.get() {
                 Some(e) => e,
                 None => {
@@ -72,6 +67,7 @@ impl Resolved {
         // SAFETY: the caller's contract; the maps are the kernel's own parameter kinds, encoded
         // over these arguments.
         unsafe { super::launch_params(&self.func, dims, args, &self.maps, encoded, stream) }
+            .map_err(|e| RuntimeError::Device(format!("kernel launch failed: {e}")))
     }
 }
 
