@@ -290,15 +290,22 @@ fn softmax() -> String {
 }
 
 /// The kernel's helpers after the flash kernels' own ([`super::helpers`]), after the thread
-/// indices: the shared-memory matrix descriptor `rt_desc` and `load` (a swizzled tile by
-/// `cp.async`, `$THREADS` threads from `tid`).
-pub(super) const PRELUDE: &str = r#"// A shared-memory matrix descriptor: start address, leading byte offset, 1024 bytes between
+/// indices: the shared-memory matrix descriptor `rt_desc` ([`DESCRIPTOR`]) and `load` ([`LOAD`]).
+pub(super) fn prelude() -> String {
+    [DESCRIPTOR, LOAD].concat()
+}
+
+/// `rt_desc(addr, lbo)`, a shared-memory matrix descriptor.
+pub(super) const DESCRIPTOR: &str = r#"// A shared-memory matrix descriptor: start address, leading byte offset, 1024 bytes between
 // 8-row groups, 128-byte swizzle.
 auto rt_desc = [](unsigned addr, unsigned lbo) -> unsigned long long {
   return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16)
        | ((unsigned long long)(1024u >> 4) << 32) | (1ull << 62);
 };
-// Rows [first, first + rows) of a tensor of `limit` rows (`gstride` elements apart, `width`
+"#;
+
+/// `load`: a swizzled tile by `cp.async`, `$THREADS` threads from `tid`.
+pub(super) const LOAD: &str = r#"// Rows [first, first + rows) of a tensor of `limit` rows (`gstride` elements apart, `width`
 // wide) into the swizzled tile at `dst`; rows at or past `limit` are zero-filled.
 auto load = [&](const unsigned short* src, long long first, long long limit, int rows, int width, long long gstride, unsigned dst) {
   const int chunks = width / 8;
@@ -444,7 +451,7 @@ pub(super) fn common_subs(
     vec![
         ("$ORDER", ORDER.to_string()),
         ("$ROW_SUMS", ROW_SUMS.to_string()),
-        ("$PRELUDE", super::helpers() + PRELUDE),
+        ("$PRELUDE", super::helpers() + &prelude()),
         ("$HS", section_heads(sp).to_string()),
         ("$WGMMA", wgmma_macros(s.elem, bc, dv)),
         ("$QBYTES", (br * d * 2).to_string()),

@@ -495,7 +495,7 @@ fn load_queries(sp: &Spec, br: usize, stats_only: bool) -> String {
 fn roles(sp: &Spec, br: usize, nbuf: usize, bulk: bool, ws: bool, tma: bool, off: usize) -> String {
     let red2 = if bulk { "" } else { RED2 };
     if !ws {
-        let prelude = super::hopper::PRELUDE.replace("$THREADS", &THREADS.to_string());
+        let prelude = super::hopper::prelude().replace("$THREADS", &THREADS.to_string());
         return format!("const int wg = tid >> 7;\n{prelude}{red2}");
     }
     let (sq, sk, d) = (sp.sq, sp.sk, sp.d);
@@ -503,7 +503,12 @@ fn roles(sp: &Spec, br: usize, nbuf: usize, bulk: bool, ws: bool, tma: bool, off
     let tiles = sp.bsz * sp.heads * kt;
     let (krs, vrs) = (sp.stride(Part::K), sp.stride(Part::V));
     let (reg_p, reg_c) = registers();
-    let prelude = super::hopper::PRELUDE.replace("$THREADS", &PRODUCER.to_string());
+    // Bulk tensor copies leave the producer no tile to copy itself.
+    let prelude = if tma {
+        super::hopper::DESCRIPTOR.to_string()
+    } else {
+        super::hopper::prelude().replace("$THREADS", &PRODUCER.to_string())
+    };
     let cwarps = THREADS / 32;
     let (kbytes, qbytes) = (BK * d * 2, br * d * 2);
     // The key and value tiles, and each query tile's rows and dO rows: the producer threads'

@@ -451,6 +451,15 @@ $ROW_SUMS$TAIL
             },
         ),
         ("$FULL", if tma { "1" } else { "$PRODUCER" }.to_string()),
+        // Bulk tensor copies leave the producer no tile to copy itself.
+        (
+            "$PRELUDE",
+            if tma {
+                super::helpers() + super::hopper::DESCRIPTOR
+            } else {
+                super::helpers() + &super::hopper::prelude()
+            },
+        ),
         ("$HEADS", sp.heads.to_string()),
         ("$NC", nc.to_string()),
         ("$ST", st.to_string()),
