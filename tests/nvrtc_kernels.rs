@@ -255,6 +255,17 @@ fn flash_attention_hopper_compiles() {
                     assert_eq!(ls.len(), 1);
                     assert!(ls[0].kernel.name.starts_with("flash_attention_sm90"));
                     assert!(ls[0].kernel.smem > 48 * 1024);
+                    // By default the producer copies by bulk tensor copies through three
+                    // tensor maps, one argument a parameter.
+                    let maps: Vec<&str> = ls[0]
+                        .kernel
+                        .params
+                        .iter()
+                        .filter(|p| p.map.is_some())
+                        .map(|p| p.name.as_str())
+                        .collect();
+                    assert_eq!(maps, ["qmap", "kmap", "vmap"]);
+                    assert_eq!(ls[0].args.len(), ls[0].kernel.params.len());
                     sources.push((
                         ls[0].kernel.name.clone(),
                         source(&ls[0].kernel).expect("source"),
@@ -287,7 +298,7 @@ fn flash_attention_hopper_compiles() {
     // The measurement knobs: the two-warpgroup kernel (with its other block shape, key tiles of
     // 64, at head size 64), and the warp-specialized one with three consumers or three
     // buffers. The variables are process-wide; no other test here lowers for Hopper.
-    // Bulk tensor copies through tensor maps, at both head sizes.
+    // The producer copying by `cp.async` (bulk tensor copies off), at both head sizes.
     let knobs: [&[(&str, &str)]; 6] = [
         &[
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
@@ -299,8 +310,8 @@ fn flash_attention_hopper_compiles() {
             ("RUSTYTORCH_HOPPER_WS_STAGES", "3"),
             ("RUSTYTORCH_HOPPER_PINGPONG", "0"),
         ],
-        &[("RUSTYTORCH_HOPPER_TMA", "1")],
-        &[("RUSTYTORCH_HOPPER_TMA", "1")],
+        &[("RUSTYTORCH_HOPPER_TMA", "0")],
+        &[("RUSTYTORCH_HOPPER_TMA", "0")],
     ];
     for (knob, (hd, causal)) in knobs.iter().zip([
         (64, Causal::None),
@@ -347,13 +358,12 @@ fn flash_attention_hopper_compiles() {
             .filter(|p| p.map.is_some())
             .map(|p| p.name.as_str())
             .collect();
-        if knob[0].0 == "RUSTYTORCH_HOPPER_TMA" {
-            assert_eq!(maps, ["qmap", "kmap", "vmap"]);
-            assert_eq!(step.launches()[0].args.len(), k.params.len());
-            assert!(src.contains("cp.async.bulk.tensor.4d") && !src.contains("cp.async.mbarrier"));
-        } else {
-            assert!(maps.is_empty());
-        }
+        // Every knob here leaves the producer copying by `cp.async`.
+        assert!(maps.is_empty(), "{knob:?}");
+        assert!(
+            src.contains("cp.async.mbarrier") || threads == 256,
+            "{knob:?}"
+        );
         sources.push((k.name.clone(), src));
         for (k, _) in knob.iter() {
             std::env::remove_var(k);
@@ -503,52 +513,70 @@ fn flash_attention_hopper_backward_compiles() {
                         let step = grad_group(Target::Hopper, causal, mask, layout, &refs, wrts);
                         let k = &step.launches[2].kernel;
                         assert!(k.name.starts_with("flash_attention_bwd_sm90"), "{}", k.name);
-                        // Two computing warpgroups, and a producer one when it copies.
-                        assert!(matches!(k.block, 256 | 384), "{}", k.block);
+                        // Two computing warpgroups and a producer one, which by default
+                        // copies by bulk tensor copies through four tensor maps.
+                        assert_eq!(k.block, 384);
+                        let maps = k.params.iter().filter(|p| p.map.is_some()).count();
+                        assert_eq!(maps, 4);
                         sources.push((k.name.clone(), source(k).expect("source")));
                     }
                 }
             }
         }
     }
-    // The producer's bulk tensor copies (q, k, v and dO through tensor maps), in both
-    // layouts. The variable is process-wide; no other test here lowers this backward.
-    std::env::set_var("RUSTYTORCH_HOPPER_BWD_TMA", "1");
-    for (layout, hd, causal) in [
-        (AttnLayout::Bhsd, 128, Causal::TopLeft),
-        (AttnLayout::Bshd, 64, Causal::None),
+    // The variants without bulk tensor copies: the producer copying by `cp.async`, and no
+    // producer (two warpgroups copying between block-wide barriers), in both layouts. The
+    // variables are process-wide; no other test here lowers this backward.
+    for (vars, threads) in [
+        (
+            &[
+                ("RUSTYTORCH_HOPPER_BWD_TMA", "0"),
+                ("RUSTYTORCH_HOPPER_BWD_WS", "1"),
+            ],
+            384,
+        ),
+        (
+            &[
+                ("RUSTYTORCH_HOPPER_BWD_TMA", "0"),
+                ("RUSTYTORCH_HOPPER_BWD_WS", "0"),
+            ],
+            256,
+        ),
     ] {
-        let (sq, sk) = (300, 257);
-        let ins = [
-            heads(DType::BF16, layout, [2, 3, sq, hd]),
-            heads(DType::BF16, layout, [2, 3, sk, hd]),
-            heads(DType::BF16, layout, [2, 3, sk, hd]),
-            heads(DType::BF16, layout, [2, 3, sq, hd]),
-        ];
-        let refs: Vec<&TensorType> = ins.iter().collect();
-        let step = grad_group(
-            Target::Hopper,
-            causal,
-            AttnMask::None,
-            layout,
-            &refs,
-            &[0, 1, 2],
-        );
-        let l = &step.launches[2];
-        let maps: Vec<&str> = l
-            .kernel
-            .params
-            .iter()
-            .filter(|p| p.map.is_some())
-            .map(|p| p.name.as_str())
-            .collect();
-        assert_eq!(maps, ["qmap", "kmap", "vmap", "gmap"]);
-        assert_eq!(l.args.len(), l.kernel.params.len());
-        assert_eq!(l.kernel.block, 384);
-        let src = source(&l.kernel).expect("source");
-        assert!(src.contains("cp.async.bulk.tensor.4d"));
-        sources.push((l.kernel.name.clone(), src));
+        for (k, v) in vars {
+            std::env::set_var(k, v);
+        }
+        for (layout, hd, causal) in [
+            (AttnLayout::Bhsd, 128, Causal::TopLeft),
+            (AttnLayout::Bshd, 64, Causal::None),
+        ] {
+            let (sq, sk) = (300, 257);
+            let ins = [
+                heads(DType::BF16, layout, [2, 3, sq, hd]),
+                heads(DType::BF16, layout, [2, 3, sk, hd]),
+                heads(DType::BF16, layout, [2, 3, sk, hd]),
+                heads(DType::BF16, layout, [2, 3, sq, hd]),
+            ];
+            let refs: Vec<&TensorType> = ins.iter().collect();
+            let step = grad_group(
+                Target::Hopper,
+                causal,
+                AttnMask::None,
+                layout,
+                &refs,
+                &[0, 1, 2],
+            );
+            let l = &step.launches[2];
+            assert!(l.kernel.params.iter().all(|p| p.map.is_none()));
+            assert_eq!(l.args.len(), l.kernel.params.len());
+            assert_eq!(l.kernel.block, threads);
+            let src = source(&l.kernel).expect("source");
+            assert!(!src.contains("cp.async.bulk.tensor.4d"));
+            sources.push((l.kernel.name.clone(), src));
+        }
+        for (k, _) in vars {
+            std::env::remove_var(k);
+        }
     }
-    std::env::remove_var("RUSTYTORCH_HOPPER_BWD_TMA");
     compile_all(&hopper, sources);
 }

@@ -40,8 +40,8 @@ const BK: usize = 128;
 /// Floats of one warpgroup's part of a query tile's `dQ` (64 × 64).
 const DQ_PART: usize = 64 * 64;
 
-/// How the kernel orders and adds its products. The default, `bulk` and `overlap`, ran every
-/// measured shape 1.2–2.8% faster than neither on the H200 and passed the float64 device test
+/// How the kernel orders, feeds and adds its products. The default, `bulk`, `overlap`, `ws` and
+/// `tma`, passed the float64 device test and compute-sanitizer and was the fastest measured
 /// (docs/performance.md); the environment variables select the others, for measurements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Variant {
@@ -56,15 +56,14 @@ pub(super) struct Variant {
     pub overlap: bool,
     /// A producer warpgroup copies the tiles and the two computing warpgroups wait on
     /// shared-memory barriers (`mbarrier`) for them, instead of copying them themselves
-    /// between block-wide barriers (`RUSTYTORCH_HOPPER_BWD_WS=1`; implies `overlap`).
-    /// Not yet checked on a device: its first build did not complete on the H200, its
-    /// register split asking for more than the producer gave back (fixed since, see
-    /// [`REGISTERS`]), so nothing selects it but the variable.
+    /// between block-wide barriers (implies `overlap`). On with `tma` (the default), or with
+    /// `cp.async` copies where `RUSTYTORCH_HOPPER_BWD_TMA=0 RUSTYTORCH_HOPPER_BWD_WS=1` ask.
     pub ws: bool,
     /// With `ws`: the producer's one thread copies the key, value, query and `dO` tiles with
     /// the tensor memory accelerator (bulk tensor copies through tensor maps the runtime
-    /// encodes), its threads only the rows' statistics (`RUSTYTORCH_HOPPER_BWD_TMA=1`, which
-    /// implies `ws`). Not yet checked on a device.
+    /// encodes), its threads only the rows' statistics. The default (1.1–1.3× the
+    /// two-warpgroup kernel's speed, forward and backward together);
+    /// `RUSTYTORCH_HOPPER_BWD_TMA=0` or `RUSTYTORCH_HOPPER_BWD_WS=0` turn it off.
     pub tma: bool,
 }
 
@@ -72,12 +71,14 @@ impl Variant {
     /// The variant the environment asks for (see the fields).
     pub(super) fn from_env() -> Self {
         let var = |k: &str| std::env::var(k).ok();
+        let ws = var("RUSTYTORCH_HOPPER_BWD_WS");
+        let tma =
+            var("RUSTYTORCH_HOPPER_BWD_TMA").as_deref() != Some("0") && ws.as_deref() != Some("0");
         Variant {
             bulk: var("RUSTYTORCH_HOPPER_BWD_DQ").as_deref() != Some("vector"),
             overlap: var("RUSTYTORCH_HOPPER_BWD_OVERLAP").as_deref() != Some("0"),
-            ws: var("RUSTYTORCH_HOPPER_BWD_WS").as_deref() == Some("1")
-                || var("RUSTYTORCH_HOPPER_BWD_TMA").as_deref() == Some("1"),
-            tma: var("RUSTYTORCH_HOPPER_BWD_TMA").as_deref() == Some("1"),
+            ws: tma || ws.as_deref() == Some("1"),
+            tma,
         }
     }
 }
@@ -107,19 +108,24 @@ const THREADS: usize = 256;
 /// Threads of the producer warpgroup ([`Variant::ws`]).
 const PRODUCER: usize = 128;
 
-/// The registers a producer and a computing thread hold after `setmaxnreg` ([`Variant::ws`]):
-/// the block's 168 a thread from launch (384 threads), the producer's 112 given up buying the
-/// computing threads' 56 ([`super::hopper_ws::registers_balance`]: asking for more, as an
-/// earlier (64, 224) did, leaves `setmaxnreg.inc` waiting forever).
-///
-/// NVRTC 12.8's ptxas spills nothing at this split but notes for 7 of the test kernels that
-/// their `wgmma`s are serialized for lack of registers; at (24, 240) only one such note, with
-/// 36–88 bytes of spills. `RUSTYTORCH_HOPPER_BWD_REGS=P,C` picks another balanced split, so that
-/// the device can decide.
+/// The registers a producer and a computing thread hold after `setmaxnreg` ([`Variant::ws`])
+/// when the producer copies with `cp.async`: the block's 168 a thread from launch (384
+/// threads), the producer's 112 given up buying the computing threads' 56
+/// ([`super::hopper_ws::registers_balance`]: asking for more, as an earlier (64, 224) did,
+/// leaves `setmaxnreg.inc` waiting forever). NVRTC 12.8's ptxas spills nothing at this split
+/// but notes for 7 of the test kernels that their `wgmma`s are serialized for lack of
+/// registers.
 const REGISTERS: (u32, u32) = (56, 224);
 
-/// [`REGISTERS`], or the balanced split `RUSTYTORCH_HOPPER_BWD_REGS` asks for.
-fn registers() -> (u32, u32) {
+/// The split with bulk tensor copies ([`Variant::tma`]), whose producer threads only load the
+/// rows' statistics: (24, 240). ptxas then serializes the `wgmma`s of one test kernel and
+/// spills 36–88 bytes, yet on the device it is 1.05–1.15× faster than (56, 224), and (40, 232)
+/// lies between them.
+const TMA_REGISTERS: (u32, u32) = (24, 240);
+
+/// [`REGISTERS`] or [`TMA_REGISTERS`], or the balanced split `RUSTYTORCH_HOPPER_BWD_REGS=P,C`
+/// asks for (for measurements).
+fn registers(tma: bool) -> (u32, u32) {
     let threads = (THREADS + PRODUCER) as u32;
     std::env::var("RUSTYTORCH_HOPPER_BWD_REGS")
         .ok()
@@ -128,7 +134,7 @@ fn registers() -> (u32, u32) {
             Some((p.trim().parse().ok()?, c.trim().parse().ok()?))
         })
         .filter(|&r| super::hopper_ws::registers_balance(threads, PRODUCER as u32, r))
-        .unwrap_or(REGISTERS)
+        .unwrap_or(if tma { TMA_REGISTERS } else { REGISTERS })
 }
 
 /// Whether the kernel takes `sp`: query and value head sizes equal, 64 or 128, and
@@ -168,7 +174,7 @@ pub(super) fn build(sp: &Spec, wk: bool, wv: bool, variant: Variant) -> Built {
     debug_assert!(super::hopper_ws::registers_balance(
         (THREADS + PRODUCER) as u32,
         PRODUCER as u32,
-        registers()
+        registers(tma)
     ));
     // With bulk reductions, each warpgroup's 64 × 64 part of dQ is staged in shared memory.
     let stage = if bulk { 2 * DQ_PART * 4 } else { 0 };
@@ -502,7 +508,7 @@ fn roles(sp: &Spec, br: usize, nbuf: usize, bulk: bool, ws: bool, tma: bool, off
     let (qt, kt) = (sq.div_ceil(br), sk.div_ceil(BK));
     let tiles = sp.bsz * sp.heads * kt;
     let (krs, vrs) = (sp.stride(Part::K), sp.stride(Part::V));
-    let (reg_p, reg_c) = registers();
+    let (reg_p, reg_c) = registers(tma);
     // Bulk tensor copies leave the producer no tile to copy itself.
     let prelude = if tma {
         super::hopper::DESCRIPTOR.to_string()
@@ -759,11 +765,13 @@ mod tests {
                 assert_eq!(b.source.contains("setmaxnreg"), ws);
                 assert_eq!(b.source.contains("cp.async.bulk.tensor"), variant.tma);
                 assert_eq!(b.maps.is_some(), variant.tma);
-                assert!(super::super::hopper_ws::registers_balance(
-                    (super::THREADS + super::PRODUCER) as u32,
-                    super::PRODUCER as u32,
-                    super::REGISTERS
-                ));
+                for regs in [super::REGISTERS, super::TMA_REGISTERS] {
+                    assert!(super::super::hopper_ws::registers_balance(
+                        (super::THREADS + super::PRODUCER) as u32,
+                        super::PRODUCER as u32,
+                        regs
+                    ));
+                }
                 assert_eq!(b.dq_blocked.is_some(), variant.bulk);
                 let only_v = super::build(&sp, false, true, variant);
                 assert!(!only_v.source.contains("RT_WGMMA_K(") && !only_v.source.contains("acck"));
