@@ -299,7 +299,7 @@ fn flash_attention_hopper_compiles() {
     // 64, at head size 64), and the warp-specialized one with three consumers or three
     // buffers. The variables are process-wide; no other test here lowers for Hopper.
     // The producer copying by `cp.async` (bulk tensor copies off), at both head sizes.
-    let knobs: [&[(&str, &str)]; 6] = [
+    let knobs: [&[(&str, &str)]; 8] = [
         &[
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
             ("RUSTYTORCH_HOPPER_TILE", "2x64"),
@@ -312,6 +312,11 @@ fn flash_attention_hopper_compiles() {
         ],
         &[("RUSTYTORCH_HOPPER_TMA", "0")],
         &[("RUSTYTORCH_HOPPER_TMA", "0")],
+        &[("RUSTYTORCH_HOPPER_CHAINS", "4")],
+        &[
+            ("RUSTYTORCH_HOPPER_CHAINS", "2"),
+            ("RUSTYTORCH_HOPPER_GRID", "4"),
+        ],
     ];
     for (knob, (hd, causal)) in knobs.iter().zip([
         (64, Causal::None),
@@ -320,6 +325,8 @@ fn flash_attention_hopper_compiles() {
         (128, Causal::None),
         (128, Causal::TopLeft),
         (64, Causal::BottomRight),
+        (64, Causal::TopLeft),
+        (128, Causal::None),
     ]) {
         for (k, v) in knob.iter() {
             std::env::set_var(k, v);
@@ -358,12 +365,38 @@ fn flash_attention_hopper_compiles() {
             .filter(|p| p.map.is_some())
             .map(|p| p.name.as_str())
             .collect();
-        // Every knob here leaves the producer copying by `cp.async`.
-        assert!(maps.is_empty(), "{knob:?}");
-        assert!(
-            src.contains("cp.async.mbarrier") || threads == 256,
-            "{knob:?}"
-        );
+        // The knobs that change the block (or turn them off) leave out bulk tensor copies.
+        let tma = !knob.iter().any(|kv| {
+            matches!(
+                *kv,
+                ("RUSTYTORCH_HOPPER_TMA", "0")
+                    | ("RUSTYTORCH_HOPPER_WS", _)
+                    | ("RUSTYTORCH_HOPPER_WS_STAGES", _)
+                    | ("RUSTYTORCH_HOPPER_KERNEL", _)
+            )
+        });
+        if tma {
+            assert_eq!(maps, ["qmap", "kmap", "vmap"], "{knob:?}");
+        } else {
+            assert!(maps.is_empty(), "{knob:?}");
+            assert!(
+                src.contains("cp.async.mbarrier") || threads == 256,
+                "{knob:?}"
+            );
+        }
+        // Split reductions keep their partials apart; a bounded grid still walks every tile.
+        let chains = knob.iter().find(|kv| kv.0 == "RUSTYTORCH_HOPPER_CHAINS");
+        assert_eq!(src.contains("ls0_1"), chains.is_some(), "{knob:?}");
+        if knob.contains(&("RUSTYTORCH_HOPPER_GRID", "4")) {
+            assert_eq!(step.launches()[0].grid, 4, "{knob:?}");
+            assert!(src.contains("tile += gridDim.x"));
+        } else {
+            assert_eq!(
+                step.launches()[0].grid,
+                2 * 3 * 300usize.div_ceil(if threads == 512 { 192 } else { 128 }) as u32,
+                "{knob:?}"
+            );
+        }
         sources.push((k.name.clone(), src));
         for (k, _) in knob.iter() {
             std::env::remove_var(k);

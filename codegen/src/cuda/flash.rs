@@ -336,7 +336,7 @@ impl Spec {
                 built.smem,
                 built.source,
             )?;
-            return Ok((kernel, grid_for(built.blocks as u64, 1), extra));
+            return Ok((kernel, hopper::grid(built.blocks, built.per_sm), extra));
         }
         let kernel = verbatim(prefix, params, THREADS, 0, self.forward(tail))?;
         Ok((kernel, grid_for(self.tiles(self.sq) as u64, 1), vec![]))
@@ -681,10 +681,15 @@ fn fused_grads(
         }
     }
     let tiles = sp.bsz * sp.heads * sp.sk.div_ceil(built.keys);
+    let grid = if sp.hopper_backward() {
+        hopper::grid(tiles, 1)
+    } else {
+        grid_for(tiles as u64, 1)
+    };
     launches.push(Launch {
         kernel: verbatim(prefix, params, built.threads, built.smem, built.source)?,
         args,
-        grid: grid_for(tiles as u64, 1),
+        grid,
     });
     launches.push(Launch {
         kernel: small(

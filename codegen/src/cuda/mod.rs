@@ -82,6 +82,30 @@ pub fn lower_plan_for(plan: &crate::Plan, target: Target) -> Result<Vec<CudaStep
     with_target(target, || lower_plan(plan))
 }
 
+thread_local! {
+    // The streaming multiprocessors of the device the lowering is for, where known: kernels
+    // that walk their tiles in a loop may size their grid by it (see `sm_count`).
+    static SMS: std::cell::Cell<Option<u32>> = const { std::cell::Cell::new(None) };
+}
+
+/// [`lower_plan`] for `target` on a device of `sms` streaming multiprocessors.
+pub fn lower_plan_on(plan: &crate::Plan, target: Target, sms: u32) -> Result<Vec<CudaStep>> {
+    struct Restore(Option<u32>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SMS.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(SMS.with(|s| s.replace(Some(sms))));
+    lower_plan_for(plan, target)
+}
+
+/// The streaming multiprocessors of the device of the lowering running on this thread (set
+/// by [`lower_plan_on`]; `None` outside it).
+pub fn sm_count() -> Option<u32> {
+    SMS.with(|s| s.get())
+}
+
 /// Upper bound of blocks in a grid-stride launch (enough to fill any current GPU many times).
 pub const MAX_GRID: u64 = 65_535;
 

@@ -18,7 +18,7 @@ use cudarc::driver::sys::{self as ds, CUstream};
 use cudarc::driver::{result as dr, CudaFunction};
 use rustytorch_codegen::cuda::matmul::LtActivation;
 use rustytorch_codegen::cuda::{
-    lower_plan_for, source, ArgRef, CudaStep, DnnDesc, MatmulDesc, Part, StepKernels, Target,
+    lower_plan_on, source, ArgRef, CudaStep, DnnDesc, MatmulDesc, Part, StepKernels, Target,
 };
 use rustytorch_codegen::{Plan, Source, Storage};
 use rustytorch_ops::{DType, Data, HostTensor, TensorType};
@@ -467,7 +467,7 @@ impl CudaSession {
         let _span = tracing::info_span!("cuda_prepare", steps = plan.steps.len()).entered();
         dev.bind()?;
         // Lower first: an op without a CUDA implementation fails before anything is allocated.
-        let steps = lower_plan_for(&plan, Target::of(dev.cc))?;
+        let steps = lower_plan_on(&plan, Target::of(dev.cc), dev.sm_count)?;
         if params.len() != plan.param_types.len() {
             return Err(RuntimeError::Invalid(format!(
                 "{} parameter values for {} parameters",

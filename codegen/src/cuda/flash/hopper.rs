@@ -113,8 +113,10 @@ pub(super) struct Built {
     pub threads: u32,
     /// Bytes of dynamic shared memory.
     pub smem: u32,
-    /// Blocks.
+    /// Blocks: one a tile, in the order the tiles are walked.
     pub blocks: usize,
+    /// Blocks an SM holds at once.
+    pub per_sm: u32,
     /// The kernel body.
     pub source: String,
     /// Where the body reads q, k and v through tensor maps (`qmap`, `kmap`, `vmap`, parameters
@@ -134,9 +136,33 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
         threads: t.threads(),
         smem: smem_bytes(sp, t),
         blocks: tiles(sp, t),
+        per_sm: if t.bc == 64 { 2 } else { 1 },
         source: source(s, sp, t),
         maps: None,
     }
+}
+
+/// The grid of a Hopper kernel that walks `tiles` tiles in a loop (`tile += gridDim.x`), of
+/// which an SM holds `per_sm` blocks at once: one block a tile by default (the launch measured
+/// and checked on the device), or where `RUSTYTORCH_HOPPER_GRID` asks, `sms` as many blocks as
+/// the device holds at once (each then walks several tiles, its producer copying the next
+/// tile's operands while the consumers finish the current one, and no block is set up twice
+/// on an SM), or `N` at most N blocks (tests: several tiles a block on small shapes).
+pub(super) fn grid(tiles: usize, per_sm: u32) -> u32 {
+    let var = std::env::var("RUSTYTORCH_HOPPER_GRID").ok();
+    // The H100 SXM and H200 have 132 SMs, where a lowering does not know its device.
+    let sms = super::super::sm_count().unwrap_or(132);
+    grid_of(var.as_deref(), tiles, per_sm, sms)
+}
+
+/// [`grid`] as `var` (the variable's value) asks, on a device of `sms` SMs.
+fn grid_of(var: Option<&str>, tiles: usize, per_sm: u32, sms: u32) -> u32 {
+    let cap = match var {
+        Some("sms") => (sms.max(1) * per_sm.max(1)) as usize,
+        Some(n) => n.parse::<usize>().ok().filter(|&n| n > 0).unwrap_or(tiles),
+        None => tiles,
+    };
+    super::grid_for(tiles.min(cap) as u64, 1)
 }
 
 /// Where a `wgmma`'s A operand comes from, and how its operands lie in shared memory.
@@ -628,5 +654,20 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// One block a tile by default; `sms` caps the grid at the blocks the device holds at
+    /// once, `N` at N; the grid never exceeds the tiles, and a bad value falls back to one
+    /// block a tile.
+    #[test]
+    fn grids_cap_as_asked() {
+        use super::grid_of;
+        assert_eq!(grid_of(None, 2048, 1, 132), 2048);
+        assert_eq!(grid_of(Some("sms"), 2048, 1, 132), 132);
+        assert_eq!(grid_of(Some("sms"), 2048, 2, 114), 228);
+        assert_eq!(grid_of(Some("sms"), 40, 1, 132), 40);
+        assert_eq!(grid_of(Some("3"), 40, 1, 132), 3);
+        assert_eq!(grid_of(Some("0"), 40, 1, 132), 40);
+        assert_eq!(grid_of(Some("many"), 40, 1, 132), 40);
     }
 }

@@ -136,6 +136,120 @@ fn registers(nc: usize) -> (u32, u32) {
 /// Keys per tile.
 const BC: usize = 128;
 
+/// Independent partial maxima and sums a row's reduction over a score tile keeps (1: one
+/// chain of `BC / 4` dependent instructions a row, as measured; `RUSTYTORCH_HOPPER_CHAINS=2`
+/// or `4` splits them, so that a consumer's softmax waits less on its own results, for
+/// measurements).
+fn chains() -> usize {
+    match std::env::var("RUSTYTORCH_HOPPER_CHAINS").as_deref() {
+        Ok("2") => 2,
+        Ok("4") => 4,
+        _ => 1,
+    }
+}
+
+/// The rows' maxima `mx0`, `mx1` over the score fragments `s[n8][4]` in `k` independent
+/// chains (`n8` a multiple of `k`), then over the four lanes that share a row.
+fn split_maxima(n8: usize, k: usize) -> String {
+    let mut c = String::new();
+    for r in 0..2 {
+        let parts: Vec<String> = (0..k).map(|p| format!("mx{r}_{p} = RT_NEG_INF")).collect();
+        c += &format!(
+            "        float {};
+",
+            parts.join(", ")
+        );
+    }
+    c += &format!(
+        "        #pragma unroll
+        for (int n = 0; n < {n8}; n += {k}) {{
+"
+    );
+    for p in 0..k {
+        c += &format!(
+            "          mx0_{p} = fmaxf(mx0_{p}, fmaxf(s[n + {p}][0], s[n + {p}][1]));
+          mx1_{p} = fmaxf(mx1_{p}, fmaxf(s[n + {p}][2], s[n + {p}][3]));
+"
+        );
+    }
+    c += "        }
+";
+    for r in 0..2 {
+        c += &format!(
+            "        float mx{r} = {};
+",
+            tree(r, "mx", k, "fmaxf")
+        );
+    }
+    for r in 0..2 {
+        for x in [1, 2] {
+            c += &format!(
+                "        mx{r} = fmaxf(mx{r}, __shfl_xor_sync(0xffffffffu, mx{r}, {x}));
+"
+            );
+        }
+    }
+    c
+}
+
+/// The exponentials in place, summed per row into `l0`, `l1` through `k` partial sums.
+fn split_exps(n8: usize, k: usize) -> String {
+    let mut c = String::new();
+    for r in 0..2 {
+        let parts: Vec<String> = (0..k).map(|p| format!("ls{r}_{p} = 0.f")).collect();
+        c += &format!(
+            "        float {};
+",
+            parts.join(", ")
+        );
+    }
+    c += &format!(
+        "        #pragma unroll
+        for (int n = 0; n < {n8}; n += {k}) {{
+"
+    );
+    for p in 0..k {
+        for (e, r) in [(0, 0), (1, 0), (2, 1), (3, 1)] {
+            c += &format!(
+                "          s[n + {p}][{e}] = ex2(fmaf(s[n + {p}][{e}], c, -r{r}));
+"
+            );
+        }
+        c += &format!(
+            "          ls0_{p} += s[n + {p}][0] + s[n + {p}][1];
+          ls1_{p} += s[n + {p}][2] + s[n + {p}][3];
+"
+        );
+    }
+    c += "        }
+";
+    for r in 0..2 {
+        c += &format!(
+            "        l{r} += {};
+",
+            tree(r, "ls", k, "add")
+        );
+    }
+    c
+}
+
+/// The C combining partials `{name}{r}_0..k` pairwise (`op` `fmaxf` or `add`).
+fn tree(r: usize, name: &str, k: usize, op: &str) -> String {
+    let mut terms: Vec<String> = (0..k).map(|p| format!("{name}{r}_{p}")).collect();
+    while terms.len() > 1 {
+        terms = terms
+            .chunks(2)
+            .map(|t| match (t, op) {
+                ([a, b], "fmaxf") => format!("fmaxf({a}, {b})"),
+                ([a, b], _) => format!("({a} + {b})"),
+                ([a], _) => a.clone(),
+                _ => unreachable!("chunks of two"),
+            })
+            .collect();
+    }
+    terms.remove(0)
+}
+
 /// Key and value buffers (each): two, or three where `RUSTYTORCH_HOPPER_WS_STAGES=3` asks
 /// (for measurements).
 fn stages() -> usize {
@@ -164,6 +278,7 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
         threads: PRODUCER + 128 * nc as u32,
         smem: smem as u32,
         blocks,
+        per_sm: 1,
         source: source(s, sp, nc, st, pingpong, blocks, tma),
         maps: tma.then_some([br as u32, BC as u32, BC as u32]),
     }
@@ -300,7 +415,19 @@ fn source(
           pa[kk][3] = pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
         }
 "#;
-    let scores = SOFTMAX_SCORES.replace("$ROW_MAXIMA", &row_maxima("$BC8", "        "));
+    let chains = chains();
+    let (scores, exps) = if chains == 1 {
+        (
+            SOFTMAX_SCORES.replace("$ROW_MAXIMA", &row_maxima("$BC8", "        ")),
+            exps.to_string(),
+        )
+    } else {
+        (
+            SOFTMAX_SCORES.replace("$ROW_MAXIMA", &split_maxima(BC / 8, chains)),
+            split_exps(BC / 8, chains),
+        )
+    };
+    let exps = exps.as_str();
     let full_k = "        mb_wait(kfull + 8u * (kc % $STu), (kc / $STu) & 1u);\n";
     let full_v = "        mb_wait(vfull + 8u * (vc % $STu), (vc / $STu) & 1u);\n";
     // Bytes copied by `cp.async` (the generic proxy) are made visible to the tensor cores (the
