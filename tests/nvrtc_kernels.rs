@@ -299,7 +299,7 @@ fn flash_attention_hopper_compiles() {
     // 64, at head size 64), and the warp-specialized one with three consumers or three
     // buffers. The variables are process-wide; no other test here lowers for Hopper.
     // The producer copying by `cp.async` (bulk tensor copies off), at both head sizes.
-    let knobs: [&[(&str, &str)]; 8] = [
+    let knobs: [&[(&str, &str)]; 9] = [
         &[
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
             ("RUSTYTORCH_HOPPER_TILE", "2x64"),
@@ -317,6 +317,10 @@ fn flash_attention_hopper_compiles() {
             ("RUSTYTORCH_HOPPER_CHAINS", "2"),
             ("RUSTYTORCH_HOPPER_GRID", "4"),
         ],
+        &[
+            ("RUSTYTORCH_HOPPER_WS", "3"),
+            ("RUSTYTORCH_HOPPER_TMA", "1"),
+        ],
     ];
     for (knob, (hd, causal)) in knobs.iter().zip([
         (64, Causal::None),
@@ -327,6 +331,7 @@ fn flash_attention_hopper_compiles() {
         (64, Causal::BottomRight),
         (64, Causal::TopLeft),
         (128, Causal::None),
+        (64, Causal::None),
     ]) {
         for (k, v) in knob.iter() {
             std::env::set_var(k, v);
@@ -366,15 +371,16 @@ fn flash_attention_hopper_compiles() {
             .map(|p| p.name.as_str())
             .collect();
         // The knobs that change the block (or turn them off) leave out bulk tensor copies.
-        let tma = !knob.iter().any(|kv| {
-            matches!(
-                *kv,
-                ("RUSTYTORCH_HOPPER_TMA", "0")
-                    | ("RUSTYTORCH_HOPPER_WS", _)
-                    | ("RUSTYTORCH_HOPPER_WS_STAGES", _)
-                    | ("RUSTYTORCH_HOPPER_KERNEL", _)
-            )
-        });
+        let tma = knob.contains(&("RUSTYTORCH_HOPPER_TMA", "1"))
+            || !knob.iter().any(|kv| {
+                matches!(
+                    *kv,
+                    ("RUSTYTORCH_HOPPER_TMA", "0")
+                        | ("RUSTYTORCH_HOPPER_WS", _)
+                        | ("RUSTYTORCH_HOPPER_WS_STAGES", _)
+                        | ("RUSTYTORCH_HOPPER_KERNEL", _)
+                )
+            });
         if tma {
             assert_eq!(maps, ["qmap", "kmap", "vmap"], "{knob:?}");
         } else {
