@@ -395,7 +395,9 @@ fn flash_attention_hopper_compiles() {
         assert_eq!(src.contains("ls0_1"), chains.is_some(), "{knob:?}");
         if knob.contains(&("RUSTYTORCH_HOPPER_GRID", "4")) {
             assert_eq!(step.launches()[0].grid, 4, "{knob:?}");
-            assert!(src.contains("tile += gridDim.x"));
+            // Both the producer's and the consumers' loops walk by rounds.
+            assert_eq!(src.matches("++round_)").count(), 2, "{knob:?}");
+            assert!(!src.contains("tile += gridDim.x"));
         } else {
             assert_eq!(
                 step.launches()[0].grid,
@@ -581,7 +583,16 @@ fn flash_attention_hopper_backward_compiles() {
             ],
             256,
         ),
+        // The default kernel on a bounded grid, walking its tiles by rounds.
+        (
+            &[
+                ("RUSTYTORCH_HOPPER_GRID", "4"),
+                ("RUSTYTORCH_HOPPER_BWD_TMA", "1"),
+            ],
+            384,
+        ),
     ] {
+        let bounded = vars[0].0 == "RUSTYTORCH_HOPPER_GRID";
         for (k, v) in vars {
             std::env::set_var(k, v);
         }
@@ -606,11 +617,16 @@ fn flash_attention_hopper_backward_compiles() {
                 &[0, 1, 2],
             );
             let l = &step.launches[2];
-            assert!(l.kernel.params.iter().all(|p| p.map.is_none()));
+            let maps = l.kernel.params.iter().filter(|p| p.map.is_some()).count();
+            assert_eq!(maps, if bounded { 4 } else { 0 });
             assert_eq!(l.args.len(), l.kernel.params.len());
             assert_eq!(l.kernel.block, threads);
             let src = source(&l.kernel).expect("source");
-            assert!(!src.contains("cp.async.bulk.tensor.4d"));
+            assert_eq!(src.contains("cp.async.bulk.tensor.4d"), bounded);
+            if bounded {
+                assert_eq!(l.grid, 4);
+                assert_eq!(src.matches("++round_)").count(), 2);
+            }
             sources.push((l.kernel.name.clone(), src));
         }
         for (k, _) in vars {

@@ -318,7 +318,8 @@ impl Spec {
         tail: Tail,
     ) -> Result<(Kernel, u32, Vec<ArgRef>)> {
         if self.hopper() {
-            let built = hopper::build(&self.shape2(tail), self);
+            let mut built = hopper::build(&self.shape2(tail), self);
+            built.source = hopper::walk(built.source);
             let mut extra = vec![];
             if let Some(rows) = built.maps {
                 for (part, name) in [(Part::Q, "qmap"), (Part::K, "kmap"), (Part::V, "vmap")] {
@@ -611,15 +612,14 @@ fn fused_grads(
     [k, v]: [Option<ArgRef>; 2],
 ) -> Result<StepKernels> {
     let (built, prefix) = if sp.hopper_backward() {
-        (
-            hopper_bwd::build(
-                sp,
-                k.is_some(),
-                v.is_some(),
-                hopper_bwd::Variant::from_env(),
-            ),
-            "flash_attention_bwd_sm90",
-        )
+        let mut built = hopper_bwd::build(
+            sp,
+            k.is_some(),
+            v.is_some(),
+            hopper_bwd::Variant::from_env(),
+        );
+        built.source = hopper::walk(built.source);
+        (built, "flash_attention_bwd_sm90")
     } else {
         (
             backward::build(sp, k.is_some(), v.is_some()),

@@ -155,6 +155,38 @@ pub(super) fn grid(tiles: usize, per_sm: u32) -> u32 {
     grid_of(var.as_deref(), tiles, per_sm, sms)
 }
 
+/// The kernel source `src` walking its tiles as [`grid`]'s grid wants: unchanged for one
+/// block a tile; where `RUSTYTORCH_HOPPER_GRID` bounds the grid, each tile loop
+/// `for (long long tile = blockIdx.x; tile < N; tile += gridDim.x)` becomes a walk by rounds of
+/// `gridDim.x` tiles that runs every other round backwards, so that under a causal mask
+/// (the tiles ordered heaviest first, [`ORDER`]) the block that took a round's heaviest tile
+/// takes the next round's lightest. The producer and consumers of a block walk alike.
+pub(super) fn walk(src: String) -> String {
+    if std::env::var("RUSTYTORCH_HOPPER_GRID").is_err() {
+        return src;
+    }
+    snake(&src)
+}
+
+/// [`walk`]'s rewriting of every tile loop in `src`.
+fn snake(src: &str) -> String {
+    const HEAD: &str = "for (long long tile = blockIdx.x; tile < ";
+    const STEP: &str = "; tile += gridDim.x) {";
+    let mut out = String::with_capacity(src.len() + 256);
+    let mut rest = src;
+    while let Some(at) = rest.find(HEAD) {
+        let after = &rest[at + HEAD.len()..];
+        let Some(end) = after.find(STEP) else { break };
+        let n = &after[..end];
+        out += &rest[..at];
+        out += &format!(
+            "for (long long round_ = 0; round_ * (long long)gridDim.x < {n}; ++round_) {{ const long long tile = round_ * (long long)gridDim.x + ((round_ & 1) ? (long long)(gridDim.x - 1 - blockIdx.x) : (long long)blockIdx.x); if (tile >= {n}) continue;"
+        );
+        rest = &after[end + STEP.len()..];
+    }
+    out + rest
+}
+
 /// [`grid`] as `var` (the variable's value) asks, on a device of `sms` SMs.
 fn grid_of(var: Option<&str>, tiles: usize, per_sm: u32, sms: u32) -> u32 {
     let cap = match var {
@@ -652,6 +684,39 @@ mod tests {
                     }
                     assert!(seen.iter().all(|&s| s));
                 }
+            }
+        }
+    }
+
+    /// The rewritten loop visits every tile once over the blocks of any grid, each block's
+    /// rounds alternating direction, and leaves the rest of the source alone.
+    #[test]
+    fn snake_walk_visits_every_tile_once() {
+        let src = "a\n  for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {\nbody\n}\nfor (long long tile = blockIdx.x; tile < 12LL; tile += gridDim.x) {x}";
+        let out = super::snake(src);
+        assert_eq!(
+            out.matches("round_ * (long long)gridDim.x < $TILESLL")
+                .count(),
+            1
+        );
+        assert_eq!(out.matches("if (tile >= 12LL) continue;").count(), 1);
+        assert!(out.starts_with("a\n  for (long long round_") && out.contains("\nbody\n}\n"));
+        assert!(!out.contains("tile += gridDim.x"));
+        // The loop in Rust.
+        for tiles in [1u64, 5, 131, 132, 133, 2048] {
+            for g in [1u64, 3, 132] {
+                let mut seen = vec![0u32; tiles as usize];
+                for b in 0..g {
+                    let mut r = 0;
+                    while r * g < tiles {
+                        let t = r * g + if r & 1 == 1 { g - 1 - b } else { b };
+                        if t < tiles {
+                            seen[t as usize] += 1;
+                        }
+                        r += 1;
+                    }
+                }
+                assert!(seen.iter().all(|&c| c == 1), "tiles {tiles} grid {g}");
             }
         }
     }
