@@ -148,44 +148,37 @@ fn chains() -> usize {
     }
 }
 
+/// The declarations of the two rows' `k` partials `{name}{r}_{p}` (each `init`), and the
+/// opening of the loop over the score fragments `s[n8][4]` by steps of `k`.
+fn partials(name: &str, init: &str, n8: usize, k: usize) -> String {
+    let mut c = String::new();
+    for r in 0..2 {
+        let parts: Vec<String> = (0..k).map(|p| format!("{name}{r}_{p} = {init}")).collect();
+        c += &format!("        float {};\n", parts.join(", "));
+    }
+    c + &format!("        #pragma unroll\n        for (int n = 0; n < {n8}; n += {k}) {{\n")
+}
+
 /// The rows' maxima `mx0`, `mx1` over the score fragments `s[n8][4]` in `k` independent
 /// chains (`n8` a multiple of `k`), then over the four lanes that share a row.
 fn split_maxima(n8: usize, k: usize) -> String {
-    let mut c = String::new();
-    for r in 0..2 {
-        let parts: Vec<String> = (0..k).map(|p| format!("mx{r}_{p} = RT_NEG_INF")).collect();
-        c += &format!(
-            "        float {};
-",
-            parts.join(", ")
-        );
-    }
-    c += &format!(
-        "        #pragma unroll
-        for (int n = 0; n < {n8}; n += {k}) {{
-"
-    );
+    let mut c = partials("mx", "RT_NEG_INF", n8, k);
     for p in 0..k {
-        c += &format!(
-            "          mx0_{p} = fmaxf(mx0_{p}, fmaxf(s[n + {p}][0], s[n + {p}][1]));
-          mx1_{p} = fmaxf(mx1_{p}, fmaxf(s[n + {p}][2], s[n + {p}][3]));
-"
-        );
+        for (r, e) in [(0, 0), (1, 2)] {
+            c += &format!(
+                "          mx{r}_{p} = fmaxf(mx{r}_{p}, fmaxf(s[n + {p}][{e}], s[n + {p}][{}]));\n",
+                e + 1
+            );
+        }
     }
-    c += "        }
-";
+    c += "        }\n";
     for r in 0..2 {
-        c += &format!(
-            "        float mx{r} = {};
-",
-            tree(r, "mx", k, "fmaxf")
-        );
+        c += &format!("        float mx{r} = {};\n", tree(r, "mx", k, "fmaxf"));
     }
     for r in 0..2 {
         for x in [1, 2] {
             c += &format!(
-                "        mx{r} = fmaxf(mx{r}, __shfl_xor_sync(0xffffffffu, mx{r}, {x}));
-"
+                "        mx{r} = fmaxf(mx{r}, __shfl_xor_sync(0xffffffffu, mx{r}, {x}));\n"
             );
         }
     }
@@ -194,41 +187,21 @@ fn split_maxima(n8: usize, k: usize) -> String {
 
 /// The exponentials in place, summed per row into `l0`, `l1` through `k` partial sums.
 fn split_exps(n8: usize, k: usize) -> String {
-    let mut c = String::new();
-    for r in 0..2 {
-        let parts: Vec<String> = (0..k).map(|p| format!("ls{r}_{p} = 0.f")).collect();
-        c += &format!(
-            "        float {};
-",
-            parts.join(", ")
-        );
-    }
-    c += &format!(
-        "        #pragma unroll
-        for (int n = 0; n < {n8}; n += {k}) {{
-"
-    );
+    let mut c = partials("ls", "0.f", n8, k);
     for p in 0..k {
         for (e, r) in [(0, 0), (1, 0), (2, 1), (3, 1)] {
+            c += &format!("          s[n + {p}][{e}] = ex2(fmaf(s[n + {p}][{e}], c, -r{r}));\n");
+        }
+        for (r, e) in [(0, 0), (1, 2)] {
             c += &format!(
-                "          s[n + {p}][{e}] = ex2(fmaf(s[n + {p}][{e}], c, -r{r}));
-"
+                "          ls{r}_{p} += s[n + {p}][{e}] + s[n + {p}][{}];\n",
+                e + 1
             );
         }
-        c += &format!(
-            "          ls0_{p} += s[n + {p}][0] + s[n + {p}][1];
-          ls1_{p} += s[n + {p}][2] + s[n + {p}][3];
-"
-        );
     }
-    c += "        }
-";
+    c += "        }\n";
     for r in 0..2 {
-        c += &format!(
-            "        l{r} += {};
-",
-            tree(r, "ls", k, "add")
-        );
+        c += &format!("        l{r} += {};\n", tree(r, "ls", k, "add"));
     }
     c
 }
@@ -625,6 +598,21 @@ mod tests {
             );
         }
         assert!(!super::registers_balance(384, 128, (64, 224)));
+    }
+
+    /// Split reductions: every fragment in exactly one chain, the chains combined pairwise.
+    #[test]
+    fn split_reductions_cover_every_fragment() {
+        let m = super::split_maxima(16, 4);
+        assert!(m.contains("for (int n = 0; n < 16; n += 4) {"));
+        assert!(m.contains("mx1_3 = fmaxf(mx1_3, fmaxf(s[n + 3][2], s[n + 3][3]));"));
+        assert!(m.contains("float mx0 = fmaxf(fmaxf(mx0_0, mx0_1), fmaxf(mx0_2, mx0_3));"));
+        assert_eq!(m.matches("__shfl_xor_sync").count(), 4);
+        let e = super::split_exps(16, 2);
+        assert!(e.contains("float ls0_0 = 0.f, ls0_1 = 0.f;"));
+        assert!(e.contains("ls1_1 += s[n + 1][2] + s[n + 1][3];"));
+        assert!(e.contains("l0 += (ls0_0 + ls0_1);"));
+        assert_eq!(e.matches("= ex2(").count(), 8);
         assert!(super::registers_balance(384, 128, (64, 216)));
     }
 }
