@@ -319,7 +319,8 @@ impl Spec {
     ) -> Result<(Kernel, u32, Vec<ArgRef>)> {
         if self.hopper() {
             let mut built = hopper::build(&self.shape2(tail), self);
-            built.source = hopper::walk(built.source);
+            let grid;
+            (built.source, grid) = hopper::launch(built.source, built.blocks, built.per_sm);
             let mut extra = vec![];
             if let Some(rows) = built.maps {
                 for (part, name) in [(Part::Q, "qmap"), (Part::K, "kmap"), (Part::V, "vmap")] {
@@ -337,7 +338,7 @@ impl Spec {
                 built.smem,
                 built.source,
             )?;
-            return Ok((kernel, hopper::grid(built.blocks, built.per_sm), extra));
+            return Ok((kernel, grid, extra));
         }
         let kernel = verbatim(prefix, params, THREADS, 0, self.forward(tail))?;
         Ok((kernel, grid_for(self.tiles(self.sq) as u64, 1), vec![]))
@@ -611,20 +612,21 @@ fn fused_grads(
     q: ArgRef,
     [k, v]: [Option<ArgRef>; 2],
 ) -> Result<StepKernels> {
-    let (built, prefix) = if sp.hopper_backward() {
+    let key_tiles = |keys: usize| sp.bsz * sp.heads * sp.sk.div_ceil(keys);
+    let (built, prefix, grid) = if sp.hopper_backward() {
         let mut built = hopper_bwd::build(
             sp,
             k.is_some(),
             v.is_some(),
             hopper_bwd::Variant::from_env(),
         );
-        built.source = hopper::walk(built.source);
-        (built, "flash_attention_bwd_sm90")
+        let grid;
+        (built.source, grid) = hopper::launch(built.source, key_tiles(built.keys), 1);
+        (built, "flash_attention_bwd_sm90", grid)
     } else {
-        (
-            backward::build(sp, k.is_some(), v.is_some()),
-            "flash_attention_bwd",
-        )
+        let built = backward::build(sp, k.is_some(), v.is_some());
+        let grid = grid_for(key_tiles(built.keys) as u64, 1);
+        (built, "flash_attention_bwd", grid)
     };
     let acc_at = used.next_multiple_of(256);
     // A blocked buffer holds whole query tiles.
@@ -680,12 +682,6 @@ fn fused_grads(
             args.push(at);
         }
     }
-    let tiles = sp.bsz * sp.heads * sp.sk.div_ceil(built.keys);
-    let grid = if sp.hopper_backward() {
-        hopper::grid(tiles, 1)
-    } else {
-        grid_for(tiles as u64, 1)
-    };
     launches.push(Launch {
         kernel: verbatim(prefix, params, built.threads, built.smem, built.source)?,
         args,

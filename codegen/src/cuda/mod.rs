@@ -59,16 +59,26 @@ thread_local! {
     static TARGET: std::cell::Cell<Target> = const { std::cell::Cell::new(Target::Portable) };
 }
 
-/// Runs `f` (lowerings) with `target` as the target, then restores the previous one.
-pub fn with_target<R>(target: Target, f: impl FnOnce() -> R) -> R {
-    struct Restore(Target);
-    impl Drop for Restore {
+/// Runs `f` with `value` in the thread-local `key`, then restores the previous value (also
+/// when `f` unwinds).
+fn scoped<T: Copy + 'static, R>(
+    key: &'static std::thread::LocalKey<std::cell::Cell<T>>,
+    value: T,
+    f: impl FnOnce() -> R,
+) -> R {
+    struct Restore<T: Copy + 'static>(&'static std::thread::LocalKey<std::cell::Cell<T>>, T);
+    impl<T: Copy + 'static> Drop for Restore<T> {
         fn drop(&mut self) {
-            TARGET.with(|t| t.set(self.0));
+            self.0.with(|c| c.set(self.1));
         }
     }
-    let _restore = Restore(TARGET.with(|t| t.replace(target)));
+    let _restore = Restore(key, key.with(|c| c.replace(value)));
     f()
+}
+
+/// Runs `f` (lowerings) with `target` as the target, then restores the previous one.
+pub fn with_target<R>(target: Target, f: impl FnOnce() -> R) -> R {
+    scoped(&TARGET, target, f)
 }
 
 /// The target of the lowering running on this thread ([`Target::Portable`] outside
@@ -90,14 +100,7 @@ thread_local! {
 
 /// [`lower_plan`] for `target` on a device of `sms` streaming multiprocessors.
 pub fn lower_plan_on(plan: &crate::Plan, target: Target, sms: u32) -> Result<Vec<CudaStep>> {
-    struct Restore(Option<u32>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            SMS.with(|s| s.set(self.0));
-        }
-    }
-    let _restore = Restore(SMS.with(|s| s.replace(Some(sms))));
-    lower_plan_for(plan, target)
+    scoped(&SMS, Some(sms), || lower_plan_for(plan, target))
 }
 
 /// The streaming multiprocessors of the device of the lowering running on this thread (set

@@ -142,33 +142,27 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
     }
 }
 
-/// The grid of a Hopper kernel that walks `tiles` tiles in a loop (`tile += gridDim.x`), of
-/// which an SM holds `per_sm` blocks at once: one block a tile by default (the launch measured
-/// and checked on the device), or where `RUSTYTORCH_HOPPER_GRID` asks, `sms` as many blocks as
-/// the device holds at once (each then walks several tiles, its producer copying the next
-/// tile's operands while the consumers finish the current one, and no block is set up twice
-/// on an SM), or `N` at most N blocks (tests: several tiles a block on small shapes).
-pub(super) fn grid(tiles: usize, per_sm: u32) -> u32 {
-    let var = std::env::var("RUSTYTORCH_HOPPER_GRID").ok();
+/// The grid and source of a Hopper kernel whose `src` walks `tiles` tiles in loops
+/// (`for (long long tile = blockIdx.x; tile < N; tile += gridDim.x)`), of which an SM holds
+/// `per_sm` blocks at once: one block a tile and the source unchanged by default (the launch
+/// measured and checked on the device); where `RUSTYTORCH_HOPPER_GRID` asks, `sms` as many
+/// blocks as the device holds at once (each then walks several tiles, its producer copying the
+/// next tile's operands while the consumers finish the current one, and no block is set up
+/// twice on an SM) or `N` at most N blocks (tests: several tiles a block on small shapes), and
+/// each loop walks by rounds of `gridDim.x` tiles, every other round backwards, so that under
+/// a causal mask (the tiles ordered heaviest first, [`ORDER`]) the block that took a round's
+/// heaviest tile takes the next round's lightest. The producer and consumers of a block walk
+/// alike.
+pub(super) fn launch(src: String, tiles: usize, per_sm: u32) -> (String, u32) {
+    let Ok(var) = std::env::var("RUSTYTORCH_HOPPER_GRID") else {
+        return (src, super::grid_for(tiles as u64, 1));
+    };
     // The H100 SXM and H200 have 132 SMs, where a lowering does not know its device.
     let sms = super::super::sm_count().unwrap_or(132);
-    grid_of(var.as_deref(), tiles, per_sm, sms)
+    (snake(&src), grid_of(Some(&var), tiles, per_sm, sms))
 }
 
-/// The kernel source `src` walking its tiles as [`grid`]'s grid wants: unchanged for one
-/// block a tile; where `RUSTYTORCH_HOPPER_GRID` bounds the grid, each tile loop
-/// `for (long long tile = blockIdx.x; tile < N; tile += gridDim.x)` becomes a walk by rounds of
-/// `gridDim.x` tiles that runs every other round backwards, so that under a causal mask
-/// (the tiles ordered heaviest first, [`ORDER`]) the block that took a round's heaviest tile
-/// takes the next round's lightest. The producer and consumers of a block walk alike.
-pub(super) fn walk(src: String) -> String {
-    if std::env::var("RUSTYTORCH_HOPPER_GRID").is_err() {
-        return src;
-    }
-    snake(&src)
-}
-
-/// [`walk`]'s rewriting of every tile loop in `src`.
+/// [`launch`]'s rewriting of every tile loop in `src`.
 fn snake(src: &str) -> String {
     const HEAD: &str = "for (long long tile = blockIdx.x; tile < ";
     const STEP: &str = "; tile += gridDim.x) {";
@@ -187,7 +181,7 @@ fn snake(src: &str) -> String {
     out + rest
 }
 
-/// [`grid`] as `var` (the variable's value) asks, on a device of `sms` SMs.
+/// [`launch`]'s grid as `var` (the variable's value) asks, on a device of `sms` SMs.
 fn grid_of(var: Option<&str>, tiles: usize, per_sm: u32, sms: u32) -> u32 {
     let cap = match var {
         Some("sms") => (sms.max(1) * per_sm.max(1)) as usize,

@@ -598,6 +598,7 @@ mod tests {
             );
         }
         assert!(!super::registers_balance(384, 128, (64, 224)));
+        assert!(super::registers_balance(384, 128, (64, 216)));
     }
 
     /// Split reductions: every fragment in exactly one chain, the chains combined pairwise.
@@ -613,6 +614,5 @@ mod tests {
         assert!(e.contains("ls1_1 += s[n + 1][2] + s[n + 1][3];"));
         assert!(e.contains("l0 += (ls0_0 + ls0_1);"));
         assert_eq!(e.matches("= ex2(").count(), 8);
-        assert!(super::registers_balance(384, 128, (64, 216)));
     }
 }
