@@ -591,7 +591,7 @@ fn attention_flash_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64), bac
     let bf = DType::BF16;
     // `bench-gpu attention-decode`: the one-query-row shapes only.
     let decode_only = std::env::args().any(|a| a == "attention-decode");
-    // `RUSTYTORCH_BENCH_ROWS=TEXT` keeps the shapes whose row name contains TEXT (for
+    // `RUSTYTORCH_BENCH_ROWS=TEXT|TEXT…` keeps the shapes whose row name contains one TEXT (for
     // measurements of one shape under a profiler or a knob).
     let rows = std::env::var("RUSTYTORCH_BENCH_ROWS").ok();
     for (b, h, sq, sk, d, causal) in ATTN_SHAPES {
@@ -616,7 +616,10 @@ fn attention_flash_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64), bac
             "flash attention bf16 B{b} H{h} Sq{sq} Sk{sk} D{d} {}",
             if causal { "causal" } else { "full" }
         );
-        if rows.as_ref().is_some_and(|r| !name.contains(r.as_str())) {
+        if rows
+            .as_ref()
+            .is_some_and(|r| !r.split('|').any(|t| name.contains(t)))
+        {
             continue;
         }
         let y = graph.add(op, &[q, k, v]).expect("attention");
