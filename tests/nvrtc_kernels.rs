@@ -297,9 +297,10 @@ fn flash_attention_hopper_compiles() {
     }
     // The measurement knobs: the two-warpgroup kernel (with its other block shape, key tiles of
     // 64, at head size 64), and the warp-specialized one with three consumers or three
-    // buffers. The variables are process-wide; no other test here lowers for Hopper.
-    // The producer copying by `cp.async` (bulk tensor copies off), at both head sizes.
-    let knobs: [&[(&str, &str)]; 9] = [
+    // buffers, or key tiles of 192. The variables are process-wide; no other test here lowers
+    // for Hopper. The producer copying by `cp.async` (bulk tensor copies off), at both head
+    // sizes.
+    let knobs: [&[(&str, &str)]; 11] = [
         &[
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
             ("RUSTYTORCH_HOPPER_TILE", "2x64"),
@@ -321,6 +322,11 @@ fn flash_attention_hopper_compiles() {
             ("RUSTYTORCH_HOPPER_WS", "3"),
             ("RUSTYTORCH_HOPPER_TMA", "1"),
         ],
+        &[("RUSTYTORCH_HOPPER_KEYS", "192")],
+        &[
+            ("RUSTYTORCH_HOPPER_KEYS", "192"),
+            ("RUSTYTORCH_HOPPER_CHAINS", "4"),
+        ],
     ];
     for (knob, (hd, causal)) in knobs.iter().zip([
         (64, Causal::None),
@@ -332,6 +338,8 @@ fn flash_attention_hopper_compiles() {
         (64, Causal::TopLeft),
         (128, Causal::None),
         (64, Causal::None),
+        (64, Causal::None),
+        (64, Causal::TopLeft),
     ]) {
         for (k, v) in knob.iter() {
             std::env::set_var(k, v);
@@ -359,11 +367,15 @@ fn flash_attention_hopper_compiles() {
             _ => 384,
         };
         assert_eq!(k.block, threads, "{knob:?}");
-        assert!(src.contains(if hd == 64 && threads == 256 {
+        // The score tile's keys: 64 with the skewed kernel's small tile, else 128 or 192.
+        let keys = if knob[0].0 == "RUSTYTORCH_HOPPER_KEYS" {
+            "m64n192k16"
+        } else if hd == 64 && threads == 256 {
             "m64n64k16"
         } else {
             "m64n128k16"
-        }));
+        };
+        assert!(src.contains(keys), "{knob:?}");
         let maps: Vec<&str> = k
             .params
             .iter()

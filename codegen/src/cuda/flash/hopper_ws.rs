@@ -133,11 +133,18 @@ fn registers(nc: usize) -> (u32, u32) {
     }
 }
 
-/// Keys per tile.
-const BC: usize = 128;
+/// Keys per tile: 128, or 192 where `RUSTYTORCH_HOPPER_KEYS=192` asks at head size 64 with
+/// two consumers (fewer key tiles a query tile, so fewer barrier waits and softmax rounds
+/// a key; 224 registers a consumer thread hold the 64 × 192 scores, for measurements).
+fn keys(sp: &Spec, nc: usize) -> usize {
+    match std::env::var("RUSTYTORCH_HOPPER_KEYS").as_deref() {
+        Ok("192") if nc == 2 && sp.d.max(sp.dv) <= 64 => 192,
+        _ => 128,
+    }
+}
 
 /// Independent partial maxima and sums a row's reduction over a score tile keeps (1: one
-/// chain of `BC / 4` dependent instructions a row, as measured; `RUSTYTORCH_HOPPER_CHAINS=2`
+/// chain of `bc / 4` dependent instructions a row, as measured; `RUSTYTORCH_HOPPER_CHAINS=2`
 /// or `4` splits them, so that a consumer's softmax waits less on its own results, for
 /// measurements).
 fn chains() -> usize {
@@ -236,9 +243,10 @@ fn stages() -> usize {
 pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
     let nc = consumers(sp);
     let br = 64 * nc;
+    let bc = keys(sp, nc);
     let st = stages();
     // The tiles, then full and empty barriers for the query tile and each buffer.
-    let smem = 1024 + br * sp.d * 2 + st * BC * (sp.d + sp.dv) * 2 + (2 + 4 * st) * 8;
+    let smem = 1024 + br * sp.d * 2 + st * bc * (sp.d + sp.dv) * 2 + (2 + 4 * st) * 8;
     let blocks = sp.bsz * sp.heads * sp.sq.div_ceil(br);
     let pingpong = std::env::var("RUSTYTORCH_HOPPER_PINGPONG").as_deref() != Ok("0");
     let tma = bulk_copies(nc, st);
@@ -252,8 +260,8 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
         smem: smem as u32,
         blocks,
         per_sm: 1,
-        source: source(s, sp, nc, st, pingpong, blocks, tma),
-        maps: tma.then_some([br as u32, BC as u32, BC as u32]),
+        source: source(s, sp, (nc, bc), st, pingpong, blocks, tma),
+        maps: tma.then_some([br as u32, bc as u32, bc as u32]),
     }
 }
 
@@ -351,18 +359,18 @@ $ORDER      const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
     }
   }"#;
 
-/// The kernel body (see the module docs).
+/// The kernel body (see the module docs) for `nc` consumers and key tiles of `bc`.
 fn source(
     s: &Shape2,
     sp: &Spec,
-    nc: usize,
+    (nc, bc): (usize, usize),
     st: usize,
     pingpong: bool,
     blocks: usize,
     tma: bool,
 ) -> String {
     let br = 64 * nc;
-    let (bc8, bc16, dv8) = (BC / 8, BC / 16, s.dv / 8);
+    let (bc8, bc16, dv8) = (bc / 8, bc / 16, s.dv / 8);
     let (reg_p, reg_c) = registers(nc);
     let (turn, pass, pass_last) = turns(nc, pingpong);
     let k_slot = "        const unsigned ks = k_s0 + (kc % $STu) * $KBYTESu;\n";
@@ -396,8 +404,8 @@ fn source(
         )
     } else {
         (
-            SOFTMAX_SCORES.replace("$ROW_MAXIMA", &split_maxima(BC / 8, chains)),
-            split_exps(BC / 8, chains),
+            SOFTMAX_SCORES.replace("$ROW_MAXIMA", &split_maxima(bc / 8, chains)),
+            split_exps(bc / 8, chains),
         )
     };
     let exps = exps.as_str();
@@ -420,7 +428,7 @@ fn source(
             free_q.trim_start()
         )
     };
-    let (s_gemm, pv_gemm) = (s_issue(s.d, br, BC, "cw"), pv_issue(BC, s.dv));
+    let (s_gemm, pv_gemm) = (s_issue(s.d, br, bc, "cw"), pv_issue(bc, s.dv));
     let (wait_o, pin_pa) = (wait(0, "o", dv8), pin("pa", bc16, 'r'));
 
     // The first key tile: S_0, its softmax (the output is still zero: no rescale) and P_0.
@@ -579,7 +587,7 @@ $ROW_SUMS$TAIL
     substitute(
         body,
         first_subs,
-        common_subs(s, sp, br, BC, PRODUCER, blocks),
+        common_subs(s, sp, br, bc, PRODUCER, blocks),
     )
 }
 
