@@ -320,7 +320,11 @@ fn training_graph(seed: u64) -> (Graph, Vec<Vec<(String, HostTensor)>>) {
         );
         let b = g.param(&format!("b{l}"), [out], Init::Full(0.05));
         let z = h.matmul(&w).add(&b);
-        let z = if r.below(3) == 0 {
+        // A LayerNorm over two features is degenerate: its outputs are ±1 but where the two are
+        // nearly equal, and there its gradient is of order 1/√eps, so that f32 rounding apart
+        // (fused or primitive) moves the weights' next steps by 1e-3 relative. From four
+        // features on, that needs every feature of a row to coincide.
+        let z = if out >= 4 && r.below(3) == 0 {
             let lw = g.param(&format!("ln{l}.w"), [out], Init::ones());
             let lb = g.param(&format!("ln{l}.b"), [out], Init::zeros());
             layer_norm_prims(&z, &lw, &lb)
