@@ -300,7 +300,7 @@ fn flash_attention_hopper_compiles() {
     // buffers, or key tiles of 192. The variables are process-wide; no other test here lowers
     // for Hopper. The producer copying by `cp.async` (bulk tensor copies off), at both head
     // sizes.
-    let knobs: [&[(&str, &str)]; 11] = [
+    let knobs: [&[(&str, &str)]; 12] = [
         &[
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
             ("RUSTYTORCH_HOPPER_TILE", "2x64"),
@@ -327,6 +327,11 @@ fn flash_attention_hopper_compiles() {
             ("RUSTYTORCH_HOPPER_KEYS", "192"),
             ("RUSTYTORCH_HOPPER_CHAINS", "4"),
         ],
+        &[
+            ("RUSTYTORCH_HOPPER_KEYS", "176"),
+            ("RUSTYTORCH_HOPPER_WS", "3"),
+            ("RUSTYTORCH_HOPPER_TMA", "1"),
+        ],
     ];
     for (knob, (hd, causal)) in knobs.iter().zip([
         (64, Causal::None),
@@ -340,6 +345,7 @@ fn flash_attention_hopper_compiles() {
         (64, Causal::None),
         (64, Causal::None),
         (64, Causal::TopLeft),
+        (64, Causal::None),
     ]) {
         for (k, v) in knob.iter() {
             std::env::set_var(k, v);
@@ -361,21 +367,23 @@ fn flash_attention_hopper_compiles() {
         let k = &step.launches()[0].kernel;
         let src = source(k).expect("source");
         // Threads: two warpgroups, or a producer and two or three consumers.
-        let threads = match knob[0] {
-            ("RUSTYTORCH_HOPPER_KERNEL", _) => 256,
-            ("RUSTYTORCH_HOPPER_WS", _) => 512,
-            _ => 384,
+        let threads = if knob[0].0 == "RUSTYTORCH_HOPPER_KERNEL" {
+            256
+        } else if knob.iter().any(|kv| kv.0 == "RUSTYTORCH_HOPPER_WS") {
+            512
+        } else {
+            384
         };
         assert_eq!(k.block, threads, "{knob:?}");
         // The score tile's keys: 64 with the skewed kernel's small tile, else 128 or 192.
         let keys = if knob[0].0 == "RUSTYTORCH_HOPPER_KEYS" {
-            "m64n192k16"
+            ["m64n", knob[0].1, "k16"].concat()
         } else if hd == 64 && threads == 256 {
-            "m64n64k16"
+            "m64n64k16".to_string()
         } else {
-            "m64n128k16"
+            "m64n128k16".to_string()
         };
-        assert!(src.contains(keys), "{knob:?}");
+        assert!(src.contains(&keys), "{knob:?}");
         let maps: Vec<&str> = k
             .params
             .iter()

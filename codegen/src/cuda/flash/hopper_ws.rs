@@ -133,12 +133,16 @@ fn registers(nc: usize) -> (u32, u32) {
     }
 }
 
-/// Keys per tile: 128, or 192 where `RUSTYTORCH_HOPPER_KEYS=192` asks at head size 64 with
-/// two consumers (fewer key tiles a query tile, so fewer barrier waits and softmax rounds
-/// a key; 224 registers a consumer thread hold the 64 × 192 scores, for measurements).
-fn keys(sp: &Spec, nc: usize) -> usize {
+/// Keys per tile: 128, or at head size 64 where `RUSTYTORCH_HOPPER_KEYS=176|192` asks
+/// (fewer key tiles a query tile, so fewer barrier waits and softmax rounds a key; for
+/// measurements). A consumer thread holds the tile's scores and its previous tile's P at
+/// once, `3 · keys / 4` registers: 192 keys fit the 224 registers of two consumers, 176 the
+/// 160 of three.
+fn keys(sp: &Spec) -> usize {
+    let small = sp.d.max(sp.dv) <= 64;
     match std::env::var("RUSTYTORCH_HOPPER_KEYS").as_deref() {
-        Ok("192") if nc == 2 && sp.d.max(sp.dv) <= 64 => 192,
+        Ok("176") if small => 176,
+        Ok("192") if small => 192,
         _ => 128,
     }
 }
@@ -243,7 +247,7 @@ fn stages() -> usize {
 pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
     let nc = consumers(sp);
     let br = 64 * nc;
-    let bc = keys(sp, nc);
+    let bc = keys(sp);
     let st = stages();
     // The tiles, then full and empty barriers for the query tile and each buffer.
     let smem = 1024 + br * sp.d * 2 + st * bc * (sp.d + sp.dv) * 2 + (2 + 4 * st) * 8;
@@ -396,7 +400,11 @@ fn source(
           pa[kk][3] = pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
         }
 "#;
-    let chains = chains();
+    // As many chains as asked that divide the tile's 8-key groups.
+    let mut chains = chains();
+    while bc8 % chains != 0 {
+        chains /= 2;
+    }
     let (scores, exps) = if chains == 1 {
         (
             SOFTMAX_SCORES.replace("$ROW_MAXIMA", &row_maxima("$BC8", "        ")),
