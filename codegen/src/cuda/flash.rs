@@ -320,7 +320,8 @@ impl Spec {
         if self.hopper() {
             let mut built = hopper::build(&self.shape2(tail), self);
             let grid;
-            (built.source, grid) = hopper::launch(built.source, built.blocks, built.per_sm);
+            (built.source, grid) =
+                hopper::launch(built.source, built.blocks, built.per_sm, built.persistent);
             let mut extra = vec![];
             if let Some(rows) = built.maps {
                 for (part, name) in [(Part::Q, "qmap"), (Part::K, "kmap"), (Part::V, "vmap")] {
@@ -621,7 +622,7 @@ fn fused_grads(
             hopper_bwd::Variant::from_env(),
         );
         let grid;
-        (built.source, grid) = hopper::launch(built.source, key_tiles(built.keys), 1);
+        (built.source, grid) = hopper::launch(built.source, key_tiles(built.keys), 1, true);
         (built, "flash_attention_bwd_sm90", grid)
     } else {
         let built = backward::build(sp, k.is_some(), v.is_some());

@@ -117,6 +117,8 @@ pub(super) struct Built {
     pub blocks: usize,
     /// Blocks an SM holds at once.
     pub per_sm: u32,
+    /// Whether the kernel launches as a persistent grid by default ([`launch`]).
+    pub persistent: bool,
     /// The kernel body.
     pub source: String,
     /// Where the body reads q, k and v through tensor maps (`qmap`, `kmap`, `vmap`, parameters
@@ -137,6 +139,7 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
         smem: smem_bytes(sp, t),
         blocks: tiles(sp, t),
         per_sm: if t.bc == 64 { 2 } else { 1 },
+        persistent: false,
         source: source(s, sp, t),
         maps: None,
     }
@@ -144,22 +147,29 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
 
 /// The grid and source of a Hopper kernel whose `src` walks `tiles` tiles in loops
 /// (`for (long long tile = blockIdx.x; tile < N; tile += gridDim.x)`), of which an SM holds
-/// `per_sm` blocks at once: one block a tile and the source unchanged by default (the launch
-/// measured and checked on the device); where `RUSTYTORCH_HOPPER_GRID` asks, `sms` as many
-/// blocks as the device holds at once (each then walks several tiles, its producer copying the
-/// next tile's operands while the consumers finish the current one, and no block is set up
-/// twice on an SM) or `N` at most N blocks (tests: several tiles a block on small shapes), and
+/// `per_sm` blocks at once. `persistent` kernels launch only as many blocks as the device
+/// holds at once, each walking several tiles (its producer copying the next tile's operands
+/// while the consumers finish the current one, and no block set up twice on an SM); the
+/// others one block a tile, which the hardware hands to SMs as they free up.
+/// `RUSTYTORCH_HOPPER_GRID` overrides: `sms` persistent, `tiles` one block a tile, `N` at most
+/// N blocks (tests: several tiles a block on small shapes). Where blocks walk several tiles,
 /// each loop walks by rounds of `gridDim.x` tiles, every other round backwards, so that under
 /// a causal mask (the tiles ordered heaviest first, [`ORDER`]) the block that took a round's
-/// heaviest tile takes the next round's lightest. The producer and consumers of a block walk
+/// heaviest tile takes the next round's lightest; the producer and consumers of a block walk
 /// alike.
-pub(super) fn launch(src: String, tiles: usize, per_sm: u32) -> (String, u32) {
-    let Ok(var) = std::env::var("RUSTYTORCH_HOPPER_GRID") else {
-        return (src, super::grid_for(tiles as u64, 1));
-    };
+pub(super) fn launch(src: String, tiles: usize, per_sm: u32, persistent: bool) -> (String, u32) {
+    let var = std::env::var("RUSTYTORCH_HOPPER_GRID").ok();
+    let var = var
+        .as_deref()
+        .unwrap_or(if persistent { "sms" } else { "tiles" });
     // The H100 SXM and H200 have 132 SMs, where a lowering does not know its device.
     let sms = super::super::sm_count().unwrap_or(132);
-    (snake(&src), grid_of(Some(&var), tiles, per_sm, sms))
+    let grid = grid_of(var, tiles, per_sm, sms);
+    if grid as usize >= tiles {
+        // A block a tile: each loop runs once.
+        return (src, grid);
+    }
+    (snake(&src), grid)
 }
 
 /// [`launch`]'s rewriting of every tile loop in `src`.
@@ -181,12 +191,12 @@ fn snake(src: &str) -> String {
     out + rest
 }
 
-/// [`launch`]'s grid as `var` (the variable's value) asks, on a device of `sms` SMs.
-fn grid_of(var: Option<&str>, tiles: usize, per_sm: u32, sms: u32) -> u32 {
+/// [`launch`]'s grid as `var` asks (`sms`, `tiles` or a number; anything else one block a
+/// tile), on a device of `sms` SMs.
+fn grid_of(var: &str, tiles: usize, per_sm: u32, sms: u32) -> u32 {
     let cap = match var {
-        Some("sms") => (sms.max(1) * per_sm.max(1)) as usize,
-        Some(n) => n.parse::<usize>().ok().filter(|&n| n > 0).unwrap_or(tiles),
-        None => tiles,
+        "sms" => (sms.max(1) * per_sm.max(1)) as usize,
+        n => n.parse::<usize>().ok().filter(|&n| n > 0).unwrap_or(tiles),
     };
     super::grid_for(tiles.min(cap) as u64, 1)
 }
@@ -715,18 +725,18 @@ mod tests {
         }
     }
 
-    /// One block a tile by default; `sms` caps the grid at the blocks the device holds at
-    /// once, `N` at N; the grid never exceeds the tiles, and a bad value falls back to one
-    /// block a tile.
+    /// `tiles` one block a tile; `sms` caps the grid at the blocks the device holds at once,
+    /// `N` at N; the grid never exceeds the tiles, and a bad value falls back to one block a
+    /// tile.
     #[test]
     fn grids_cap_as_asked() {
         use super::grid_of;
-        assert_eq!(grid_of(None, 2048, 1, 132), 2048);
-        assert_eq!(grid_of(Some("sms"), 2048, 1, 132), 132);
-        assert_eq!(grid_of(Some("sms"), 2048, 2, 114), 228);
-        assert_eq!(grid_of(Some("sms"), 40, 1, 132), 40);
-        assert_eq!(grid_of(Some("3"), 40, 1, 132), 3);
-        assert_eq!(grid_of(Some("0"), 40, 1, 132), 40);
-        assert_eq!(grid_of(Some("many"), 40, 1, 132), 40);
+        assert_eq!(grid_of("tiles", 2048, 1, 132), 2048);
+        assert_eq!(grid_of("sms", 2048, 1, 132), 132);
+        assert_eq!(grid_of("sms", 2048, 2, 114), 228);
+        assert_eq!(grid_of("sms", 40, 1, 132), 40);
+        assert_eq!(grid_of("3", 40, 1, 132), 3);
+        assert_eq!(grid_of("0", 40, 1, 132), 40);
+        assert_eq!(grid_of("many", 40, 1, 132), 40);
     }
 }

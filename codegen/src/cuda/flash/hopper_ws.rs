@@ -1,7 +1,7 @@
 //! The warp-specialized flash attention forward for Hopper: one producer warpgroup copies the
-//! tiles, two consumer warpgroups of 64 query rows compute on them (three at head size 64 where
-//! `RUSTYTORCH_HOPPER_WS=3` asks), the two sides handing buffers over through shared-memory
-//! barriers (`mbarrier`) instead of block-wide barriers.
+//! tiles, two consumer warpgroups of 64 query rows compute on them (three at head size 64), the
+//! two sides handing buffers over through shared-memory barriers (`mbarrier`) instead of
+//! block-wide barriers.
 //!
 //! # The kernel
 //!
@@ -44,6 +44,7 @@ use super::hopper::{
     common_subs, pin, pv_issue, s_issue, substitute, wait, Built, RESCALE, SOFTMAX_SCORES,
 };
 use super::{row_maxima, Shape2, Spec};
+use rustytorch_ops::Causal;
 
 /// The C helpers of shared-memory barriers: `mb_init(bar, count)`, `mb_arrive(bar)` and
 /// `mb_wait(bar, parity)`.
@@ -82,14 +83,14 @@ auto tma_tile = [](const RtTensorMap* map, unsigned dst, unsigned bar, int row, 
 
 /// Whether the producer copies the tiles with the tensor memory accelerator (one thread's bulk
 /// tensor copies through tensor maps) instead of its 128 threads' `cp.async`s: by default with
-/// two consumers and two buffers (the kernel measured and checked on the device: 1.1–1.5× the
-/// `cp.async` producer's speed), `RUSTYTORCH_HOPPER_TMA=0` never, `=1` also with the
-/// measurement knobs' three consumers or buffers.
-fn bulk_copies(nc: usize, st: usize) -> bool {
+/// two buffers (the kernels measured and checked on the device: 1.1–1.5× the `cp.async`
+/// producer's speed), `RUSTYTORCH_HOPPER_TMA=0` never, `=1` also with the measurement knob's
+/// three buffers.
+fn bulk_copies(st: usize) -> bool {
     match std::env::var("RUSTYTORCH_HOPPER_TMA").as_deref() {
         Ok("0") => false,
         Ok("1") => true,
-        _ => nc == 2 && st == 2,
+        _ => st == 2,
     }
 }
 
@@ -112,12 +113,15 @@ pub(super) fn registers_balance(threads: u32, producer: u32, regs: (u32, u32)) -
 /// Threads of the producer warpgroup, which also copies the tiles.
 const PRODUCER: u32 = 128;
 
-/// Consumer warpgroups (64 query rows each) per block: two (`RUSTYTORCH_HOPPER_WS=3` asks for
-/// three at head size 64, for measurements: 160 registers a consumer thread).
+/// Consumer warpgroups (64 query rows each) per block: three at head size 64 (160 registers a
+/// consumer thread; 1.0–1.15× the speed of two, measured with bulk tensor copies and
+/// persistent grids, docs/performance.md), two at 128 (224 registers);
+/// `RUSTYTORCH_HOPPER_WS=2` asks for two at head size 64, for measurements.
 fn consumers(sp: &Spec) -> usize {
     let small = sp.d.max(sp.dv) <= 64;
     match std::env::var("RUSTYTORCH_HOPPER_WS").as_deref() {
-        Ok("3") if small => 3,
+        Ok("2") => 2,
+        _ if small => 3,
         _ => 2,
     }
 }
@@ -137,12 +141,13 @@ fn registers(nc: usize) -> (u32, u32) {
 /// (fewer key tiles a query tile, so fewer barrier waits and softmax rounds a key; for
 /// measurements). A consumer thread holds the tile's scores and its previous tile's P at
 /// once, `3 · keys / 4` registers: 192 keys fit the 224 registers of two consumers, 176 the
-/// 160 of three.
-fn keys(sp: &Spec) -> usize {
+/// 160 of three (which compile without spills, yet ran at 0.45–0.67× the speed of 128 on the
+/// H100; 192 with two consumers at 0.93–1.03×).
+fn keys(sp: &Spec, nc: usize) -> usize {
     let small = sp.d.max(sp.dv) <= 64;
     match std::env::var("RUSTYTORCH_HOPPER_KEYS").as_deref() {
         Ok("176") if small => 176,
-        Ok("192") if small => 192,
+        Ok("192") if small && nc == 2 => 192,
         _ => 128,
     }
 }
@@ -247,13 +252,13 @@ fn stages() -> usize {
 pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
     let nc = consumers(sp);
     let br = 64 * nc;
-    let bc = keys(sp);
+    let bc = keys(sp, nc);
     let st = stages();
     // The tiles, then full and empty barriers for the query tile and each buffer.
     let smem = 1024 + br * sp.d * 2 + st * bc * (sp.d + sp.dv) * 2 + (2 + 4 * st) * 8;
     let blocks = sp.bsz * sp.heads * sp.sq.div_ceil(br);
     let pingpong = std::env::var("RUSTYTORCH_HOPPER_PINGPONG").as_deref() != Ok("0");
-    let tma = bulk_copies(nc, st);
+    let tma = bulk_copies(st);
     debug_assert!(registers_balance(
         PRODUCER + 128 * nc as u32,
         PRODUCER,
@@ -264,6 +269,12 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
         smem: smem as u32,
         blocks,
         per_sm: 1,
+        // Persistent but for causal attention with two consumers (head size 128), whose query
+        // tiles differ most in cost: there a persistent grid ran at 0.63–0.70× the speed of
+        // one block a tile, which the hardware hands to SMs as they free up; with three
+        // consumers (head size 64) it ran at 0.99–1.08×, and without a causal mask at
+        // 1.0–1.14× (docs/performance.md).
+        persistent: !(nc == 2 && sp.causal != Causal::None),
         source: source(s, sp, (nc, bc), st, pingpong, blocks, tma),
         maps: tma.then_some([br as u32, bc as u32, bc as u32]),
     }
