@@ -10,7 +10,7 @@
 //! test) keeps cuDNN's attention out. Elsewhere the device part prints a notice and returns; the
 //! lowering checks run everywhere.
 
-use rustytorch::codegen::cuda::{lower_step, with_target, Target};
+use rustytorch::codegen::cuda::{lower_step, source, with_target, Target};
 use rustytorch::ops::testing::rand_tensor;
 use rustytorch::ops::{AttnLayout, AttnMask, Causal, F64Bits, Op};
 use rustytorch::prelude::*;
@@ -153,6 +153,41 @@ fn hopper_lowering_picks_the_warpgroup_kernel() {
         let step = with_target(Target::Hopper, || lower_step(&op, &refs, &out)).unwrap();
         let k = &step.launches()[0].kernel;
         assert!(!k.name.contains("sm90"), "sq {sq} head {hd}: {}", k.name);
+    }
+}
+
+/// The grids the Hopper forward launches: persistent (as many blocks as 132 SMs hold, each
+/// walking rounds of tiles) but for causal attention at head size 128, which launches one
+/// block a tile (its 128-row query tiles' uneven costs the hardware
+/// balances better as SMs free up).
+#[test]
+fn hopper_forward_grids_persist_but_for_causal_head_128() {
+    let (b, h, s) = (16, 16, 1024);
+    for hd in [64, 128] {
+        for causal in [Causal::None, Causal::TopLeft] {
+            let tys: Vec<TensorType> = (0..3)
+                .map(|_| TensorType::new(DType::BF16, Shape::new(vec![b, h, s, hd])))
+                .collect();
+            let refs: Vec<&TensorType> = tys.iter().collect();
+            let fwd = Op::Attention {
+                causal,
+                mask: AttnMask::None,
+                scale: F64Bits::new(0.1),
+                layout: AttnLayout::Bhsd,
+            };
+            let out = rustytorch::ops::infer(&fwd, &refs).unwrap();
+            let step = with_target(Target::Hopper, || lower_step(&fwd, &refs, &out)).unwrap();
+            let l = &step.launches()[0];
+            let what = format!("head {hd} {causal:?}");
+            let rows = if hd == 64 { 192 } else { 128 };
+            if hd == 128 && causal != Causal::None {
+                assert_eq!(l.grid as usize, b * h * s.div_ceil(rows), "{what}");
+                assert!(!source(&l.kernel).unwrap().contains("++round_)"), "{what}");
+            } else {
+                assert_eq!(l.grid, 132, "{what}");
+                assert!(source(&l.kernel).unwrap().contains("++round_)"), "{what}");
+            }
+        }
     }
 }
 

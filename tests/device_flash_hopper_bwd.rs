@@ -85,6 +85,36 @@ fn hopper_lowering_picks_the_warpgroup_backward() {
     }
 }
 
+/// The Hopper backward launches a persistent grid (as many blocks as 132 SMs hold, each
+/// walking rounds of key tiles) at both head sizes, causal or not.
+#[test]
+fn hopper_backward_grid_persists() {
+    for hd in [64, 128] {
+        for causal in [Causal::None, Causal::TopLeft] {
+            let ins: Vec<TensorType> = (0..4)
+                .map(|_| t(DType::BF16, &[16, 16, 1024, hd]))
+                .collect();
+            let refs: Vec<&TensorType> = ins.iter().collect();
+            let ops = grads(causal, AttnMask::None, AttnLayout::Bhsd, hd, &[0, 1, 2]);
+            let outs: Vec<TensorType> = ops
+                .iter()
+                .map(|op| rustytorch::ops::infer(op, &refs).unwrap())
+                .collect();
+            let step = with_target(Target::Hopper, || {
+                flash::lower_grad_group(
+                    &ops.iter().collect::<Vec<_>>(),
+                    &refs,
+                    &outs.iter().collect::<Vec<_>>(),
+                )
+            })
+            .unwrap();
+            let l = &step.launches[2];
+            assert!(l.kernel.name.starts_with("flash_attention_bwd_sm90"));
+            assert_eq!(l.grid, 132, "head {hd} {causal:?}");
+        }
+    }
+}
+
 /// `[B, H, Sq, Sk, D]` shapes.
 const SHAPES: [[usize; 5]; 7] = [
     [2, 3, 200, 77, 64],
