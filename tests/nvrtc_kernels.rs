@@ -299,8 +299,9 @@ fn flash_attention_hopper_compiles() {
     // 64, at head size 64), and the warp-specialized one with two consumers at head size 64,
     // three buffers, or key tiles of 176 or 192. The variables are process-wide; no other test
     // here lowers for Hopper. The producer copying by `cp.async` (bulk tensor copies off), at
-    // both head sizes and with two and three consumers.
-    let knobs: [&[(&str, &str)]; 12] = [
+    // both head sizes and with two and three consumers; consumers skipping the tiles their rows
+    // do not see wherever there are any, and never.
+    let knobs: [&[(&str, &str)]; 14] = [
         &[
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
             ("RUSTYTORCH_HOPPER_TILE", "2x64"),
@@ -332,6 +333,8 @@ fn flash_attention_hopper_compiles() {
             ("RUSTYTORCH_HOPPER_CHAINS", "4"),
         ],
         &[("RUSTYTORCH_HOPPER_KEYS", "176")],
+        &[("RUSTYTORCH_HOPPER_SKIP", "1")],
+        &[("RUSTYTORCH_HOPPER_SKIP", "0")],
     ];
     for (knob, (hd, causal)) in knobs.iter().zip([
         (64, Causal::None),
@@ -346,6 +349,8 @@ fn flash_attention_hopper_compiles() {
         (64, Causal::None),
         (64, Causal::TopLeft),
         (64, Causal::None),
+        (64, Causal::TopLeft),
+        (64, Causal::BottomRight),
     ]) {
         for (k, v) in knob.iter() {
             std::env::set_var(k, v);
@@ -411,6 +416,15 @@ fn flash_attention_hopper_compiles() {
         // Split reductions keep their partials apart; a bounded grid still walks every tile.
         let chains = knob.iter().find(|kv| kv.0 == "RUSTYTORCH_HOPPER_CHAINS");
         assert_eq!(src.contains("ls0_1"), chains.is_some(), "{knob:?}");
+        // A warp-specialized consumer computes only the key tiles its rows see where that
+        // skips at least a fifth of the products: 300 queries against 77 keys bottom-right
+        // (half), not top-left or full (a sixth, the consumer past the end), unless told.
+        if threads != 256 {
+            let skip = knob.contains(&("RUSTYTORCH_HOPPER_SKIP", "1"))
+                || (causal == Causal::BottomRight
+                    && !knob.contains(&("RUSTYTORCH_HOPPER_SKIP", "0")));
+            assert_eq!(src.contains("row_c >= 300"), skip, "{knob:?}");
+        }
         if knob.contains(&("RUSTYTORCH_HOPPER_GRID", "4")) {
             assert_eq!(step.launches()[0].grid, 4, "{knob:?}");
             // Both the producer's and the consumers' loops walk by rounds.

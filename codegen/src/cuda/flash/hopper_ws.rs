@@ -35,6 +35,13 @@
 //!   last consumer opens the first turn and does not pass on its last, so every named barrier
 //!   ends each tile with its arrivals matched. `RUSTYTORCH_HOPPER_PINGPONG=0` turns the turns
 //!   off, for measurements.
+//! - **Skipped tiles.** Where that saves a fifth of the products or more ([`skipped_share`]),
+//!   a consumer computes only the key tiles its own 64 rows see (`mine`):
+//!   past them — the causal diagonal's last tile for the block's first consumers, everything
+//!   for consumers whose rows lie past the query length — it still waits on the full
+//!   barriers, takes and passes its turns and frees the buffers, so the producer's walk and
+//!   the barriers' phases are the same for every consumer, but it issues no product. Its
+//!   `lim_first` (below which no tile needs the mask) is its own first row's too.
 //!
 //! The products (descriptors, swizzle, `wgmma` shapes), the softmax (masks, causal limits,
 //! maxima, rescaling) and the end of the kernel (the output or the backward's statistics) are
@@ -248,6 +255,93 @@ fn stages() -> usize {
     }
 }
 
+/// Whether a consumer skips the key tiles its own rows do not see: where they are at least a
+/// fifth of the block's products ([`skipped_share`]). The skipping walk costs its branches and
+/// turns: on the H100 it ran 1.05–1.09× as fast where it saved a quarter (causal, S = 1024,
+/// head size 64), 0.98–1.0× where it saved a ninth (full, S = 1024) and 0.95–0.97× where a
+/// twelfth (causal, S = 4096; docs/performance.md). `RUSTYTORCH_HOPPER_SKIP=0` never skips,
+/// `=1` wherever any tile can be skipped (for measurements).
+fn skips(sp: &Spec, br: usize, bc: usize) -> bool {
+    let share = skipped_share(sp, br, bc);
+    match std::env::var("RUSTYTORCH_HOPPER_SKIP").as_deref() {
+        Ok("0") => false,
+        Ok("1") => share > 0.0,
+        _ => share >= 0.2,
+    }
+}
+
+/// The share of a block's consumer products (64 query rows of its `br` against a key tile of
+/// `bc`) on key tiles that the consumer's own rows do not see: with three consumers and key
+/// tiles of 128, the causal diagonal's tiles of the block's first consumers (a quarter at
+/// S = 1024, a twelfth at 4096), and consumers whose rows all lie past a query length not a
+/// multiple of `br` (a ninth of the full products at S = 1024).
+pub(super) fn skipped_share(sp: &Spec, br: usize, bc: usize) -> f64 {
+    // The keys row `i` sees (the kernel's `lim_of`).
+    let lim = |i: usize| -> usize {
+        match sp.causal {
+            Causal::None => sp.sk,
+            Causal::TopLeft => (i + 1).min(sp.sk),
+            Causal::BottomRight => {
+                (i as i64 + 1 + sp.sk as i64 - sp.sq as i64).clamp(0, sp.sk as i64) as usize
+            }
+        }
+    };
+    let (mut all, mut skipped) = (0usize, 0usize);
+    for qt in 0..sp.sq.div_ceil(br) {
+        let ntiles = lim((qt * br + br - 1).min(sp.sq - 1)).div_ceil(bc);
+        for cw in 0..br / 64 {
+            let row = qt * br + cw * 64;
+            let mine = if row >= sp.sq {
+                0
+            } else {
+                lim((row + 63).min(sp.sq - 1)).div_ceil(bc)
+            };
+            all += ntiles;
+            skipped += ntiles - mine;
+        }
+    }
+    if all == 0 {
+        0.0
+    } else {
+        skipped as f64 / all as f64
+    }
+}
+
+/// The C of a consumer's `lim_first` (the keys its first row sees: tiles below it need no
+/// mask) and `mine` (the key tiles its rows see, none where they are past the end).
+const MINE: &str = r#"    const int row_c = qt * $BR + cw * 64;
+    const int lim_first = lim_of(row_c);
+    const int mine = row_c >= $SQ ? 0 : (lim_of(min(row_c + 63, $SQ - 1)) + $BC - 1) / $BC;
+"#;
+
+/// The consumer's walk over a query tile's key tiles, with every consumer computing every
+/// tile.
+const WALK: &str = r#"      {
+$FIRST      }
+      for (int j = 1; j < ntiles; ++j) {
+$STEP      }
+      {
+$LAST      }
+"#;
+
+/// The consumer's walk computing only its own key tiles (`mine`), then taking its turns and
+/// freeing the buffers through the rest; its main loop is [`WALK`]'s.
+const WALK_MINE: &str = r#"      if (mine > 0) {
+$FIRST      } else {
+$SKIP_FIRST      }
+      int j = 1;
+      for (; j < mine; ++j) {
+$STEP      }
+      if (mine == ntiles) {
+$LAST      } else {
+        if (mine > 0) {
+$ENDING          ++j;
+        }
+        for (; j < ntiles; ++j) {
+$SKIP_STEP        }
+$SKIP_LAST      }
+"#;
+
 /// [`Built`] for `sp` and `s`.
 pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
     let nc = consumers(sp);
@@ -259,6 +353,7 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
     let blocks = sp.bsz * sp.heads * sp.sq.div_ceil(br);
     let pingpong = std::env::var("RUSTYTORCH_HOPPER_PINGPONG").as_deref() != Ok("0");
     let tma = bulk_copies(st);
+    let skip = skips(sp, br, bc);
     debug_assert!(registers_balance(
         PRODUCER + 128 * nc as u32,
         PRODUCER,
@@ -275,7 +370,7 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
         // consumers (head size 64) it ran at 0.99–1.08×, and without a causal mask at
         // 1.0–1.14× (docs/performance.md).
         persistent: !(nc == 2 && sp.causal != Causal::None),
-        source: source(s, sp, (nc, bc), st, pingpong, blocks, tma),
+        source: source(s, sp, (nc, bc), st, (pingpong, skip), blocks, tma),
         maps: tma.then_some([br as u32, bc as u32, bc as u32]),
     }
 }
@@ -380,7 +475,7 @@ fn source(
     sp: &Spec,
     (nc, bc): (usize, usize),
     st: usize,
-    pingpong: bool,
+    (pingpong, skip): (bool, bool),
     blocks: usize,
     tma: bool,
 ) -> String {
@@ -500,6 +595,37 @@ fn source(
     ]
     .concat();
 
+    // Key tiles past the last this consumer's rows see (causal attention's diagonal, or rows
+    // past the end): the consumer takes its turns and frees the buffers without computing.
+    // Key tile `mine`, the first of them: only the last P·V of the consumer's own.
+    let step_last = [
+        full_k,
+        full_v,
+        fence,
+        &turn,
+        v_slot,
+        &pv_gemm,
+        &pass,
+        free_k,
+        &release_q("j == ntiles - 1"),
+        &wait_o,
+        &pin_pa,
+        free_v,
+    ]
+    .concat();
+    let skip_first = [full_k, &turn, &pass, free_k, &release_q("ntiles == 1")].concat();
+    let skip_step = [
+        full_k,
+        full_v,
+        &turn,
+        &pass,
+        free_k,
+        &release_q("j == ntiles - 1"),
+        free_v,
+    ]
+    .concat();
+    let skip_last = [full_v, &turn, &pass_last, free_v].concat();
+
     let open = if pingpong {
         format!(
             "    if (cw == {}) asm volatile(\"bar.arrive 1, 256;\" ::: \"memory\");\n",
@@ -546,10 +672,9 @@ $PRODUCER_LOOP
   for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
 $ORDER    const int i0 = qt * $BR + cw * 64 + warp * 16 + g, i1 = i0 + 8;
     const int lim0 = lim_of(i0), lim1 = lim_of(i1);
-    const int lim_first = lim_of(qt * $BR);
     const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
     const int ntiles = (kend + $BC - 1) / $BC;
-    float o[$DV8][4];
+$LIM_FIRST    float o[$DV8][4];
     #pragma unroll
     for (int n = 0; n < $DV8; ++n) { o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f; }
     float m0 = RT_NEG_INF, m1 = RT_NEG_INF, l0 = 0.f, l1 = 0.f;
@@ -558,17 +683,17 @@ $ORDER    const int i0 = qt * $BR + cw * 64 + warp * 16 + g, i1 = i0 + 8;
       unsigned pa[$BC16][4];
 $OPEN      mb_wait(qfull, qc & 1u);
       ++qc;
-      {
-$FIRST      }
-      for (int j = 1; j < ntiles; ++j) {
-$STEP      }
-      {
-$LAST      }
-    }
+$WALK    }
 $ROW_SUMS$TAIL
   }
 }"#;
+    let (walk, lim_first) = if skip {
+        (WALK_MINE, MINE)
+    } else {
+        (WALK, "    const int lim_first = lim_of(qt * $BR);\n")
+    };
     let first_subs = vec![
+        ("$WALK", walk.to_string()),
         ("$FIRST", first),
         ("$STEP", step),
         ("$LAST", last),
@@ -595,6 +720,11 @@ $ROW_SUMS$TAIL
                 super::helpers() + &super::hopper::prelude()
             },
         ),
+        ("$SKIP_FIRST", skip_first),
+        ("$ENDING", step_last),
+        ("$SKIP_STEP", skip_step),
+        ("$SKIP_LAST", skip_last),
+        ("$LIM_FIRST", lim_first.to_string()),
         ("$HEADS", sp.heads.to_string()),
         ("$NC", nc.to_string()),
         ("$ST", st.to_string()),
@@ -612,6 +742,53 @@ $ROW_SUMS$TAIL
 
 #[cfg(test)]
 mod tests {
+    use super::super::Spec;
+    use rustytorch_ops::{AttnLayout, AttnMask, Causal, DType, F64Bits, Op, TensorType};
+
+    fn spec(d: usize, sq: usize, sk: usize, causal: Causal) -> Spec {
+        let t =
+            |s: usize| TensorType::new(DType::BF16, rustytorch_ops::Shape::new(vec![2, 3, s, d]));
+        let ins = [t(sq), t(sk), t(sk)];
+        let refs: Vec<&TensorType> = ins.iter().collect();
+        let op = Op::Attention {
+            causal,
+            mask: AttnMask::None,
+            scale: F64Bits::new(0.125),
+            layout: AttnLayout::Bhsd,
+        };
+        let out = rustytorch_ops::infer(&op, &refs).unwrap();
+        Spec::new(&op, &refs, &out).unwrap().unwrap()
+    }
+
+    /// The share of products consumers can skip: three consumers on the causal diagonal, rows
+    /// past the end, bottom-right rows with no keys; none where every consumer sees every tile.
+    #[test]
+    fn skipped_shares() {
+        let (full, tl, br) = (Causal::None, Causal::TopLeft, Causal::BottomRight);
+        for (d, sq, sk, causal, nc, want) in [
+            (64, 1024, 1024, tl, 3, 0.25),
+            (64, 1024, 1024, full, 3, 1.0 / 9.0),
+            (64, 3840, 3840, full, 3, 0.0),
+            (64, 4096, 4096, tl, 3, 0.083),
+            (64, 7, 7, full, 3, 2.0 / 3.0),
+            (64, 1024, 1024, tl, 2, 0.0),
+            (128, 4096, 4096, tl, 2, 0.0),
+            (128, 4096, 4096, br, 2, 0.0),
+            (128, 4096, 4096, full, 2, 0.0),
+            (128, 1000, 1000, full, 2, 0.0),
+            (128, 960, 960, full, 2, 1.0 / 16.0),
+            (128, 512, 8192, br, 2, 0.0),
+            (128, 300, 77, br, 2, 0.5),
+        ] {
+            let sp = spec(d, sq, sk, causal);
+            let got = super::skipped_share(&sp, 64 * nc, 128);
+            assert!(
+                (got - want).abs() < 1e-3,
+                "d {d} sq {sq} sk {sk} {causal:?} {nc} consumers: {got}"
+            );
+        }
+    }
+
     /// The forward's register split balances for two and three consumers, and the check
     /// refuses a split that takes more than the producer gives back.
     #[test]
