@@ -300,8 +300,9 @@ fn flash_attention_hopper_compiles() {
     // three buffers, or key tiles of 176 or 192. The variables are process-wide; no other test
     // here lowers for Hopper. The producer copying by `cp.async` (bulk tensor copies off), at
     // both head sizes and with two and three consumers; consumers skipping the tiles their rows
-    // do not see wherever there are any, and never.
-    let knobs: [&[(&str, &str)]; 14] = [
+    // do not see wherever there are any, and never; tiles taken at run time over a bounded
+    // grid, and at head size 128.
+    let knobs: [&[(&str, &str)]; 16] = [
         &[
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
             ("RUSTYTORCH_HOPPER_TILE", "2x64"),
@@ -335,6 +336,8 @@ fn flash_attention_hopper_compiles() {
         &[("RUSTYTORCH_HOPPER_KEYS", "176")],
         &[("RUSTYTORCH_HOPPER_SKIP", "1")],
         &[("RUSTYTORCH_HOPPER_SKIP", "0")],
+        &[("RUSTYTORCH_HOPPER_GRID", "4")],
+        &[("RUSTYTORCH_HOPPER_QUEUE", "1")],
     ];
     for (knob, (hd, causal)) in knobs.iter().zip([
         (64, Causal::None),
@@ -351,6 +354,8 @@ fn flash_attention_hopper_compiles() {
         (64, Causal::None),
         (64, Causal::TopLeft),
         (64, Causal::BottomRight),
+        (64, Causal::TopLeft),
+        (128, Causal::TopLeft),
     ]) {
         for (k, v) in knob.iter() {
             std::env::set_var(k, v);
@@ -418,17 +423,31 @@ fn flash_attention_hopper_compiles() {
         assert_eq!(src.contains("ls0_1"), chains.is_some(), "{knob:?}");
         // A warp-specialized consumer computes only the key tiles its rows see where that
         // skips at least a fifth of the products: 300 queries against 77 keys bottom-right
-        // (half), not top-left or full (a sixth, the consumer past the end), unless told.
+        // (half), not top-left or full (a sixth, the consumer past the end), unless told or
+        // the tiles are taken at run time.
+        // With three consumers and bulk tensor copies the blocks take their tiles from a
+        // counter, unless told; they skip then wherever they can.
+        let queued = tma
+            && threads != 256
+            && (threads == 512 || knob.contains(&("RUSTYTORCH_HOPPER_QUEUE", "1")))
+            && !knob.contains(&("RUSTYTORCH_HOPPER_QUEUE", "0"));
+        assert_eq!(
+            src.contains("atomicAdd(&rt_queue[0], 1ull)"),
+            queued,
+            "{knob:?}"
+        );
         if threads != 256 {
             let skip = knob.contains(&("RUSTYTORCH_HOPPER_SKIP", "1"))
-                || (causal == Causal::BottomRight
+                || ((causal == Causal::BottomRight || queued)
                     && !knob.contains(&("RUSTYTORCH_HOPPER_SKIP", "0")));
             assert_eq!(src.contains("row_c >= 300"), skip, "{knob:?}");
         }
         if knob.contains(&("RUSTYTORCH_HOPPER_GRID", "4")) {
             assert_eq!(step.launches()[0].grid, 4, "{knob:?}");
-            // Both the producer's and the consumers' loops walk by rounds.
-            assert_eq!(src.matches("++round_)").count(), 2, "{knob:?}");
+            // Both the producer's and the consumers' loops walk by rounds, or take the tiles
+            // handed out.
+            let rounds = if queued { 0 } else { 2 };
+            assert_eq!(src.matches("++round_)").count(), rounds, "{knob:?}");
             assert!(!src.contains("tile += gridDim.x"));
         } else {
             assert_eq!(

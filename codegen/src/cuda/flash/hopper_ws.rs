@@ -35,7 +35,12 @@
 //!   last consumer opens the first turn and does not pass on its last, so every named barrier
 //!   ends each tile with its arrivals matched. `RUSTYTORCH_HOPPER_PINGPONG=0` turns the turns
 //!   off, for measurements.
-//! - **Skipped tiles.** Where that saves a fifth of the products or more ([`skipped_share`]),
+//! - **Tiles taken at run time** (three consumers): a block's producer takes its next tile
+//!   from a counter in global memory and publishes it to the consumers in shared memory with
+//!   the query tile's full barrier, so the SMs share tiles of unequal cost as they free up
+//!   ([`QUEUE_LOOP`]); with two consumers each block walks a fixed share of them.
+//! - **Skipped tiles.** Wherever that saves any products with tiles taken at run time, else
+//!   where it saves a fifth of them or more ([`skipped_share`]),
 //!   a consumer computes only the key tiles its own 64 rows see (`mine`):
 //!   past them — the causal diagonal's last tile for the block's first consumers, everything
 //!   for consumers whose rows lie past the query length — it still waits on the full
@@ -255,17 +260,39 @@ fn stages() -> usize {
     }
 }
 
-/// Whether a consumer skips the key tiles its own rows do not see: where they are at least a
-/// fifth of the block's products ([`skipped_share`]). The skipping walk costs its branches and
-/// turns: on the H100 it ran 1.05–1.09× as fast where it saved a quarter (causal, S = 1024,
-/// head size 64), 0.98–1.0× where it saved a ninth (full, S = 1024) and 0.95–0.97× where a
-/// twelfth (causal, S = 4096; docs/performance.md). `RUSTYTORCH_HOPPER_SKIP=0` never skips,
-/// `=1` wherever any tile can be skipped (for measurements).
-fn skips(sp: &Spec, br: usize, bc: usize) -> bool {
+/// Whether the blocks take their tiles from a counter at run time, each the next free one as
+/// its last is done (the producer fetching and publishing them, [`QUEUE_LOOP`]), instead of
+/// walking a fixed share of them: by default with three consumers (head size 64) and bulk
+/// tensor copies, where the tiles differ in cost (the causal diagonal, consumers skipping
+/// rows past the end) and now even out over the SMs as they would one block a tile, while
+/// the producer still copies a block's next tile during its current one. With the skipping
+/// walk it made the head-size-64 forwards 1.04–1.06× as fast on the H100; with two consumers
+/// (head size 128), whose tiles cost alike, it lost 0.5–2%, and 4% against one block a tile
+/// on causal rows (docs/performance.md). `RUSTYTORCH_HOPPER_QUEUE=0|1` never, always (with bulk
+/// tensor copies).
+fn queued(nc: usize) -> bool {
+    match std::env::var("RUSTYTORCH_HOPPER_QUEUE").as_deref() {
+        Ok("0") => false,
+        Ok("1") => true,
+        _ => nc == 3,
+    }
+}
+
+/// Whether a consumer skips the key tiles its own rows do not see ([`skipped_share`]):
+/// wherever there are any when the blocks take their tiles at run time ([`queued`]), else
+/// where they are at least a fifth of the block's products. The skipping walk costs its
+/// branches and turns, and a block walking a fixed share of the tiles ends no sooner for
+/// holding a cheaper one: there, on the H100, it ran 1.05–1.09× as fast where it saved a
+/// quarter (causal, S = 1024, head size 64), 0.98–1.0× where it saved a ninth (full,
+/// S = 1024) and 0.95–0.97× where a twelfth (causal, S = 4096); with the tiles taken at run
+/// time it saved 4% and 6% of those last two (docs/performance.md).
+/// `RUSTYTORCH_HOPPER_SKIP=0` never skips, `=1` wherever any tile can be skipped.
+fn skips(sp: &Spec, br: usize, bc: usize, queued: bool) -> bool {
     let share = skipped_share(sp, br, bc);
     match std::env::var("RUSTYTORCH_HOPPER_SKIP").as_deref() {
         Ok("0") => false,
         Ok("1") => share > 0.0,
+        _ if queued => share > 0.0,
         _ => share >= 0.2,
     }
 }
@@ -348,12 +375,14 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
     let br = 64 * nc;
     let bc = keys(sp, nc);
     let st = stages();
-    // The tiles, then full and empty barriers for the query tile and each buffer.
-    let smem = 1024 + br * sp.d * 2 + st * bc * (sp.d + sp.dv) * 2 + (2 + 4 * st) * 8;
+    // The tiles, then full and empty barriers for the query tile and each buffer, and the
+    // next tile's slot.
+    let smem = 1024 + br * sp.d * 2 + st * bc * (sp.d + sp.dv) * 2 + (3 + 4 * st) * 8;
     let blocks = sp.bsz * sp.heads * sp.sq.div_ceil(br);
     let pingpong = std::env::var("RUSTYTORCH_HOPPER_PINGPONG").as_deref() != Ok("0");
     let tma = bulk_copies(st);
-    let skip = skips(sp, br, bc);
+    let queued = tma && queued(nc);
+    let skip = skips(sp, br, bc, queued);
     debug_assert!(registers_balance(
         PRODUCER + 128 * nc as u32,
         PRODUCER,
@@ -364,13 +393,13 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
         smem: smem as u32,
         blocks,
         per_sm: 1,
-        // Persistent but for causal attention with two consumers (head size 128), whose query
-        // tiles differ most in cost: there a persistent grid ran at 0.63–0.70× the speed of
-        // one block a tile, which the hardware hands to SMs as they free up; with three
-        // consumers (head size 64) it ran at 0.99–1.08×, and without a causal mask at
-        // 1.0–1.14× (docs/performance.md).
-        persistent: !(nc == 2 && sp.causal != Causal::None),
-        source: source(s, sp, (nc, bc), st, (pingpong, skip), blocks, tma),
+        // Persistent but for causal attention walking fixed shares of the tiles with two
+        // consumers (head size 128), whose query tiles differ most in cost: there a fixed
+        // walk ran at 0.63–0.70× the speed of one block a tile, which the hardware hands to
+        // SMs as they free up; with three consumers (head size 64) at 0.99–1.08×, and without
+        // a causal mask at 1.0–1.14× (docs/performance.md).
+        persistent: queued || !(nc == 2 && sp.causal != Causal::None),
+        source: source(s, sp, (nc, bc), st, (pingpong, skip), blocks, (tma, queued)),
         maps: tma.then_some([br as u32, bc as u32, bc as u32]),
     }
 }
@@ -469,6 +498,91 @@ $ORDER      const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
     }
   }"#;
 
+/// The producer's walk with bulk tensor copies over tiles handed out at run time ([`queued`]):
+/// each block starts at its own index, then takes the next free tile from a counter in global
+/// memory (fetched while the current tile's copies run), and publishes every tile in a
+/// shared-memory slot before the query tile's full barrier completes (a tile with no keys, and
+/// the end past the last tile, complete it without bytes). The last block to leave resets the
+/// counter for the next launch: every block has taken its last index by then, and launches of
+/// a kernel are ordered on the device's one stream.
+const QUEUE_LOOP: &str = r#"  if (tid == 0) {
+    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&qmap) : "memory");
+    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&kmap) : "memory");
+    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&vmap) : "memory");
+    unsigned qc = 0, kc = 0, vc = 0;
+    long long tile = blockIdx.x;
+    for (;;) {
+      mb_wait(qempty, (qc & 1u) ^ 1u);
+      asm volatile("st.shared.b64 [%0], %1;" :: "r"(tile_s), "l"(tile) : "memory");
+      if (tile >= $TILESLL) {
+        mb_arrive(qfull);
+        break;
+      }
+      ++qc;
+      const long long next = (long long)gridDim.x + (long long)atomicAdd(&rt_queue[0], 1ull);
+$ORDER      const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
+      const int ntiles = (kend + $BC - 1) / $BC;
+      if (ntiles == 0) {
+        mb_arrive(qfull);
+        tile = next;
+        continue;
+      }
+      const int hh = (int)(bh % $HEADSLL), bb = (int)(bh / $HEADSLL);
+      mb_expect(qfull, $QBYTESu);
+      tma_tile(&qmap, q_s, qfull, qt * $BR, $D / 64, $BR, hh, bb);
+      for (int j = 0; j <= ntiles; ++j) {
+        if (j < ntiles) {
+          const unsigned slot = kc % $STu, bar = kfull + 8u * slot;
+          mb_wait(kempty + 8u * slot, ((kc / $STu) & 1u) ^ 1u);
+          mb_expect(bar, $KBYTESu);
+          tma_tile(&kmap, k_s0 + slot * $KBYTESu, bar, j * $BC, $D / 64, $BC, hh, bb);
+          ++kc;
+        }
+        if (j > 0) {
+          const unsigned slot = vc % $STu, bar = vfull + 8u * slot;
+          mb_wait(vempty + 8u * slot, ((vc / $STu) & 1u) ^ 1u);
+          mb_expect(bar, $VBYTESu);
+          tma_tile(&vmap, v_s0 + slot * $VBYTESu, bar, (j - 1) * $BC, $DV / 64, $BC, hh, bb);
+          ++vc;
+        }
+      }
+      tile = next;
+    }
+    if (atomicAdd(&rt_queue[1], 1ull) == (unsigned long long)gridDim.x - 1ull) {
+      atomicExch(&rt_queue[0], 0ull);
+      atomicExch(&rt_queue[1], 0ull);
+    }
+  }"#;
+
+/// A consumer's loop over the tiles its block takes, as the kernel walks them: a fixed walk
+/// (`for` over the block's tiles; [`super::hopper::launch`] may rewrite it), or the tiles the
+/// producer publishes ([`queued`]; the query tile's full barrier waited on before the tile is
+/// known, and a tile with no keys releasing the query buffer at once).
+fn consumer_loop(queued: bool) -> [&'static str; 3] {
+    if queued {
+        [
+            r#"  for (;;) {
+    mb_wait(qfull, qc & 1u);
+    ++qc;
+    long long tile;
+    asm volatile("ld.shared.b64 %0, [%1];" : "=l"(tile) : "r"(tile_s) : "memory");
+    if (tile >= $TILESLL) break;
+"#,
+            "",
+            r#"    } else {
+      __syncwarp();
+      if (lane == 0) mb_arrive(qempty);
+"#,
+        ]
+    } else {
+        [
+            "  for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {\n",
+            "      mb_wait(qfull, qc & 1u);\n      ++qc;\n",
+            "",
+        ]
+    }
+}
+
 /// The kernel body (see the module docs) for `nc` consumers and key tiles of `bc`.
 fn source(
     s: &Shape2,
@@ -477,7 +591,7 @@ fn source(
     st: usize,
     (pingpong, skip): (bool, bool),
     blocks: usize,
-    tma: bool,
+    (tma, queued): (bool, bool),
 ) -> String {
     let br = 64 * nc;
     let (bc8, bc16, dv8) = (bc / 8, bc / 16, s.dv / 8);
@@ -646,7 +760,9 @@ const unsigned k_s0 = q_s + $QBYTESu;
 const unsigned v_s0 = k_s0 + $STu * $KBYTESu;
 const unsigned qfull = v_s0 + $STu * $VBYTESu, qempty = qfull + 8u;
 const unsigned kfull = qfull + 16u, kempty = kfull + 8u * $STu, vfull = kempty + 8u * $STu, vempty = vfull + 8u * $STu;
-const int tid = threadIdx.x, lane = tid & 31;
+// The tile the block takes next, where the producer hands tiles out at run time.
+const unsigned tile_s = vempty + 8u * $STu;
+$QUEUEconst int tid = threadIdx.x, lane = tid & 31;
 $MBARRIERSif (tid == 0) {
   // Full: the producer's threads (their copies landed) or its one thread's announcement of
   // the bytes to come; empty: the consumers' warps.
@@ -669,8 +785,7 @@ $PRODUCER_LOOP
   const int cw = (tid >> 7) - 1, warp = (tid >> 5) & 3;
   const int g = lane >> 2, t4 = lane & 3;
   unsigned qc = 0, kc = 0, vc = 0;
-  for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
-$ORDER    const int i0 = qt * $BR + cw * 64 + warp * 16 + g, i1 = i0 + 8;
+$CONSUMER_LOOP$ORDER    const int i0 = qt * $BR + cw * 64 + warp * 16 + g, i1 = i0 + 8;
     const int lim0 = lim_of(i0), lim1 = lim_of(i1);
     const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
     const int ntiles = (kend + $BC - 1) / $BC;
@@ -681,9 +796,7 @@ $LIM_FIRST    float o[$DV8][4];
     if (ntiles > 0) {
       float s[$BC8][4];
       unsigned pa[$BC16][4];
-$OPEN      mb_wait(qfull, qc & 1u);
-      ++qc;
-$WALK    }
+$OPEN$WAIT_Q$WALK$NO_KEYS    }
 $ROW_SUMS$TAIL
   }
 }"#;
@@ -692,7 +805,20 @@ $ROW_SUMS$TAIL
     } else {
         (WALK, "    const int lim_first = lim_of(qt * $BR);\n")
     };
+    let [head, wait_q, no_keys] = consumer_loop(queued);
     let first_subs = vec![
+        ("$CONSUMER_LOOP", head.to_string()),
+        ("$WAIT_Q", wait_q.to_string()),
+        ("$NO_KEYS", no_keys.to_string()),
+        (
+            "$QUEUE",
+            if queued {
+                "static unsigned long long rt_queue[2];\n"
+            } else {
+                ""
+            }
+            .to_string(),
+        ),
         ("$WALK", walk.to_string()),
         ("$FIRST", first),
         ("$STEP", step),
@@ -700,7 +826,14 @@ $ROW_SUMS$TAIL
         ("$OPEN", open),
         (
             "$PRODUCER_LOOP",
-            (if tma { BULK_LOOP } else { COPY_LOOP }).to_string(),
+            (if queued {
+                QUEUE_LOOP
+            } else if tma {
+                BULK_LOOP
+            } else {
+                COPY_LOOP
+            })
+            .to_string(),
         ),
         (
             "$MBARRIERS",
