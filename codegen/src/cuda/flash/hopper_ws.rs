@@ -1,7 +1,7 @@
 //! The warp-specialized flash attention forward for Hopper: one producer warpgroup copies the
-//! tiles, two consumer warpgroups of 64 query rows compute on them (three at head size 64), the
-//! two sides handing buffers over through shared-memory barriers (`mbarrier`) instead of
-//! block-wide barriers.
+//! tiles, two consumer warpgroups of 64 query rows compute on them (three at head size 64 but
+//! on short causal rows), the two sides handing buffers over through shared-memory barriers
+//! (`mbarrier`) instead of block-wide barriers.
 //!
 //! # The kernel
 //!
@@ -35,10 +35,10 @@
 //!   last consumer opens the first turn and does not pass on its last, so every named barrier
 //!   ends each tile with its arrivals matched. `RUSTYTORCH_HOPPER_PINGPONG=0` turns the turns
 //!   off, for measurements.
-//! - **Tiles taken at run time** (three consumers): a block's producer takes its next tile
+//! - **Tiles taken at run time** (head size 64): a block's producer takes its next tile
 //!   from a counter in global memory and publishes it to the consumers in shared memory with
 //!   the query tile's full barrier, so the SMs share tiles of unequal cost as they free up
-//!   ([`QUEUE_LOOP`]); with two consumers each block walks a fixed share of them.
+//!   ([`QUEUE_LOOP`]); at head size 128 each block walks a fixed share of them.
 //! - **Skipped tiles.** Wherever that saves any products with tiles taken at run time, else
 //!   where it saves a fifth of them or more ([`skipped_share`]),
 //!   a consumer computes only the key tiles its own 64 rows see (`mine`):
@@ -127,16 +127,24 @@ const PRODUCER: u32 = 128;
 
 /// Consumer warpgroups (64 query rows each) per block: three at head size 64 (160 registers a
 /// consumer thread; 1.0–1.15× the speed of two, measured with bulk tensor copies and
-/// persistent grids, docs/performance.md), two at 128 (224 registers);
-/// `RUSTYTORCH_HOPPER_WS=2` asks for two at head size 64, for measurements.
+/// persistent grids, docs/performance.md), two at 128 (224 registers). Causal attention at
+/// head size 64 over at most [`SHORT_CAUSAL`] query rows takes two as well: there the 192-row
+/// tiles' diagonal is a large share of the work, and two consumers taking their tiles at run
+/// time ran 1.03–1.04× as fast as three (S = 1024), where at S = 4096 three were 1.09× as
+/// fast. `RUSTYTORCH_HOPPER_WS=2|3` asks for two or three at head size 64, for measurements.
 fn consumers(sp: &Spec) -> usize {
     let small = sp.d.max(sp.dv) <= 64;
     match std::env::var("RUSTYTORCH_HOPPER_WS").as_deref() {
         Ok("2") => 2,
-        _ if small => 3,
+        Ok("3") if small => 3,
+        _ if small && !(sp.causal != Causal::None && sp.sq <= SHORT_CAUSAL) => 3,
         _ => 2,
     }
 }
+
+/// The longest query at which causal attention at head size 64 takes two consumers (the
+/// shortest measured where three were faster: 4096; between the two, unmeasured, three).
+const SHORT_CAUSAL: usize = 1024;
 
 /// The registers a thread of the producer and of a consumer holds after `setmaxnreg`: the
 /// block's 64 Ki registers shared as the launch bound left them (168 a thread for 384 threads,
@@ -262,19 +270,19 @@ fn stages() -> usize {
 
 /// Whether the blocks take their tiles from a counter at run time, each the next free one as
 /// its last is done (the producer fetching and publishing them, [`QUEUE_LOOP`]), instead of
-/// walking a fixed share of them: by default with three consumers (head size 64) and bulk
-/// tensor copies, where the tiles differ in cost (the causal diagonal, consumers skipping
-/// rows past the end) and now even out over the SMs as they would one block a tile, while
-/// the producer still copies a block's next tile during its current one. With the skipping
-/// walk it made the head-size-64 forwards 1.04–1.06× as fast on the H100; with two consumers
-/// (head size 128), whose tiles cost alike, it lost 0.5–2%, and 4% against one block a tile
-/// on causal rows (docs/performance.md). `RUSTYTORCH_HOPPER_QUEUE=0|1` never, always (with bulk
+/// walking a fixed share of them: by default at head size 64 with bulk tensor copies, where
+/// the tiles differ in cost (the causal diagonal, consumers skipping rows past the end) and
+/// now even out over the SMs as they would one block a tile, while the producer still copies
+/// a block's next tile during its current one. With the skipping walk it made the
+/// head-size-64 forwards 1.04–1.06× as fast on the H100 (two consumers on short causal rows
+/// 1.2× as fast as their fixed walk); at head size 128, whose tiles cost alike, it lost
+/// 0.5–2%, and 4% against one block a tile on causal rows (docs/performance.md). `RUSTYTORCH_HOPPER_QUEUE=0|1` never, always (with bulk
 /// tensor copies).
-fn queued(nc: usize) -> bool {
+fn queued(sp: &Spec) -> bool {
     match std::env::var("RUSTYTORCH_HOPPER_QUEUE").as_deref() {
         Ok("0") => false,
         Ok("1") => true,
-        _ => nc == 3,
+        _ => sp.d.max(sp.dv) <= 64,
     }
 }
 
@@ -381,7 +389,7 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
     let blocks = sp.bsz * sp.heads * sp.sq.div_ceil(br);
     let pingpong = std::env::var("RUSTYTORCH_HOPPER_PINGPONG").as_deref() != Ok("0");
     let tma = bulk_copies(st);
-    let queued = tma && queued(nc);
+    let queued = tma && queued(sp);
     let skip = skips(sp, br, bc, queued);
     debug_assert!(registers_balance(
         PRODUCER + 128 * nc as u32,
