@@ -469,24 +469,12 @@ $ORDER    const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
   // Every copy has landed before the producer leaves.
   asm volatile("cp.async.wait_all;" ::: "memory");"#;
 
-/// The producer's walk with bulk tensor copies: one thread issues every tile's copies (one
-/// per 64-column block) after announcing the tile's bytes on the buffer's full barrier, which
-/// completes when they have landed; rows past a head's end are outside the tensor map's view
-/// and arrive as zeros. The other producer threads have nothing to do.
-const BULK_LOOP: &str = r#"  if (tid == 0) {
-    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&qmap) : "memory");
-    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&kmap) : "memory");
-    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&vmap) : "memory");
-    unsigned qc = 0, kc = 0, vc = 0;
-    for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
-$ORDER      const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
-      const int ntiles = (kend + $BC - 1) / $BC;
-      if (ntiles == 0) continue;
-      const int hh = (int)(bh % $HEADSLL), bb = (int)(bh / $HEADSLL);
-      mb_wait(qempty, (qc & 1u) ^ 1u);
+/// One query tile's bulk tensor copies (the producer's one thread, the query tile's buffer
+/// free): the query tile, then key tile `j` and value tile `j − 1` for each `j`, each after
+/// its buffer's empty barrier, announcing its bytes on the buffer's full barrier.
+const BULK_TILE: &str = r#"      const int hh = (int)(bh % $HEADSLL), bb = (int)(bh / $HEADSLL);
       mb_expect(qfull, $QBYTESu);
       tma_tile(&qmap, q_s, qfull, qt * $BR, $D / 64, $BR, hh, bb);
-      ++qc;
       for (int j = 0; j <= ntiles; ++j) {
         if (j < ntiles) {
           const unsigned slot = kc % $STu, bar = kfull + 8u * slot;
@@ -503,7 +491,24 @@ $ORDER      const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
           ++vc;
         }
       }
-    }
+"#;
+
+/// The producer's walk with bulk tensor copies: one thread issues every tile's copies (one
+/// per 64-column block) after announcing the tile's bytes on the buffer's full barrier, which
+/// completes when they have landed; rows past a head's end are outside the tensor map's view
+/// and arrive as zeros. The other producer threads have nothing to do.
+const BULK_LOOP: &str = r#"  if (tid == 0) {
+    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&qmap) : "memory");
+    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&kmap) : "memory");
+    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&vmap) : "memory");
+    unsigned qc = 0, kc = 0, vc = 0;
+    for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
+$ORDER      const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
+      const int ntiles = (kend + $BC - 1) / $BC;
+      if (ntiles == 0) continue;
+      mb_wait(qempty, (qc & 1u) ^ 1u);
+      ++qc;
+$BULK_TILE    }
   }"#;
 
 /// The producer's walk with bulk tensor copies over tiles handed out at run time ([`queued`]):
@@ -535,26 +540,7 @@ $ORDER      const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
         tile = next;
         continue;
       }
-      const int hh = (int)(bh % $HEADSLL), bb = (int)(bh / $HEADSLL);
-      mb_expect(qfull, $QBYTESu);
-      tma_tile(&qmap, q_s, qfull, qt * $BR, $D / 64, $BR, hh, bb);
-      for (int j = 0; j <= ntiles; ++j) {
-        if (j < ntiles) {
-          const unsigned slot = kc % $STu, bar = kfull + 8u * slot;
-          mb_wait(kempty + 8u * slot, ((kc / $STu) & 1u) ^ 1u);
-          mb_expect(bar, $KBYTESu);
-          tma_tile(&kmap, k_s0 + slot * $KBYTESu, bar, j * $BC, $D / 64, $BC, hh, bb);
-          ++kc;
-        }
-        if (j > 0) {
-          const unsigned slot = vc % $STu, bar = vfull + 8u * slot;
-          mb_wait(vempty + 8u * slot, ((vc / $STu) & 1u) ^ 1u);
-          mb_expect(bar, $VBYTESu);
-          tma_tile(&vmap, v_s0 + slot * $VBYTESu, bar, (j - 1) * $BC, $DV / 64, $BC, hh, bb);
-          ++vc;
-        }
-      }
-      tile = next;
+$BULK_TILE      tile = next;
     }
     if (atomicAdd(&rt_queue[1], 1ull) == (unsigned long long)gridDim.x - 1ull) {
       atomicExch(&rt_queue[0], 0ull);
@@ -841,7 +827,7 @@ $ROW_SUMS$TAIL
             } else {
                 COPY_LOOP
             })
-            .to_string(),
+            .replace("$BULK_TILE", BULK_TILE),
         ),
         (
             "$MBARRIERS",
