@@ -434,12 +434,8 @@ fn flash_attention_hopper_compiles() {
         // Split reductions keep their partials apart; a bounded grid still walks every tile.
         let chains = knob.iter().find(|kv| kv.0 == "RUSTYTORCH_HOPPER_CHAINS");
         assert_eq!(src.contains("ls0_1"), chains.is_some(), "{knob:?}");
-        // A warp-specialized consumer computes only the key tiles its rows see where that
-        // skips at least a fifth of the products: 300 queries against 77 keys bottom-right
-        // (half), not top-left or full (a sixth, the consumer past the end), unless told or
-        // the tiles are taken at run time.
         // At head size 64 with bulk tensor copies the blocks take their tiles from a counter,
-        // unless told; they skip then wherever they can.
+        // unless told.
         let queued = tma
             && threads != 256
             && (hd == 64 || knob.contains(&("RUSTYTORCH_HOPPER_QUEUE", "1")))
@@ -449,6 +445,10 @@ fn flash_attention_hopper_compiles() {
             queued,
             "{knob:?}"
         );
+        // A warp-specialized consumer computes only the key tiles its rows see where that
+        // skips at least a fifth of the products: 300 queries against 77 keys bottom-right
+        // (half), not top-left or full (a sixth, the consumer past the end), unless told or
+        // the tiles are taken at run time (then wherever it can).
         if threads != 256 {
             let skip = knob.contains(&("RUSTYTORCH_HOPPER_SKIP", "1"))
                 || ((causal == Causal::BottomRight || queued)

@@ -276,8 +276,8 @@ fn stages() -> usize {
 /// a block's next tile during its current one. With the skipping walk it made the
 /// head-size-64 forwards 1.04–1.06× as fast on the H100 (two consumers on short causal rows
 /// 1.2× as fast as their fixed walk); at head size 128, whose tiles cost alike, it lost
-/// 0.5–2%, and 4% against one block a tile on causal rows (docs/performance.md). `RUSTYTORCH_HOPPER_QUEUE=0|1` never, always (with bulk
-/// tensor copies).
+/// 0.5–2%, and 4% against one block a tile on causal rows (docs/performance.md).
+/// `RUSTYTORCH_HOPPER_QUEUE=0|1`: never, always (with bulk tensor copies).
 fn queued(sp: &Spec) -> bool {
     match std::env::var("RUSTYTORCH_HOPPER_QUEUE").as_deref() {
         Ok("0") => false,
@@ -469,6 +469,15 @@ $ORDER    const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
   // Every copy has landed before the producer leaves.
   asm volatile("cp.async.wait_all;" ::: "memory");"#;
 
+/// The start of the producer's walk with bulk tensor copies: its one thread prefetches the
+/// tensor maps and counts the buffers it fills.
+const BULK_START: &str = r#"  if (tid == 0) {
+    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&qmap) : "memory");
+    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&kmap) : "memory");
+    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&vmap) : "memory");
+    unsigned qc = 0, kc = 0, vc = 0;
+"#;
+
 /// One query tile's bulk tensor copies (the producer's one thread, the query tile's buffer
 /// free): the query tile, then key tile `j` and value tile `j − 1` for each `j`, each after
 /// its buffer's empty barrier, announcing its bytes on the buffer's full barrier.
@@ -497,12 +506,7 @@ const BULK_TILE: &str = r#"      const int hh = (int)(bh % $HEADSLL), bb = (int)
 /// per 64-column block) after announcing the tile's bytes on the buffer's full barrier, which
 /// completes when they have landed; rows past a head's end are outside the tensor map's view
 /// and arrive as zeros. The other producer threads have nothing to do.
-const BULK_LOOP: &str = r#"  if (tid == 0) {
-    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&qmap) : "memory");
-    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&kmap) : "memory");
-    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&vmap) : "memory");
-    unsigned qc = 0, kc = 0, vc = 0;
-    for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
+const BULK_LOOP: &str = r#"$BULK_START    for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {
 $ORDER      const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
       const int ntiles = (kend + $BC - 1) / $BC;
       if (ntiles == 0) continue;
@@ -518,12 +522,7 @@ $BULK_TILE    }
 /// the end past the last tile, complete it without bytes). The last block to leave resets the
 /// counter for the next launch: every block has taken its last index by then, and launches of
 /// a kernel are ordered on the device's one stream.
-const QUEUE_LOOP: &str = r#"  if (tid == 0) {
-    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&qmap) : "memory");
-    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&kmap) : "memory");
-    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)&vmap) : "memory");
-    unsigned qc = 0, kc = 0, vc = 0;
-    long long tile = blockIdx.x;
+const QUEUE_LOOP: &str = r#"$BULK_START    long long tile = blockIdx.x;
     for (;;) {
       mb_wait(qempty, (qc & 1u) ^ 1u);
       asm volatile("st.shared.b64 [%0], %1;" :: "r"(tile_s), "l"(tile) : "memory");
@@ -827,6 +826,7 @@ $ROW_SUMS$TAIL
             } else {
                 COPY_LOOP
             })
+            .replace("$BULK_START", BULK_START)
             .replace("$BULK_TILE", BULK_TILE),
         ),
         (
