@@ -647,6 +647,14 @@ fn flash_attention_hopper_backward_compiles() {
             ],
             256,
         ),
+        // Two dSᵀ buffers (one named barrier a tile).
+        (
+            &[
+                ("RUSTYTORCH_HOPPER_BWD_DS2", "1"),
+                ("RUSTYTORCH_HOPPER_BWD_TMA", "1"),
+            ],
+            384,
+        ),
         // The default kernel on a bounded grid, walking its tiles by rounds.
         (
             &[
@@ -657,6 +665,7 @@ fn flash_attention_hopper_backward_compiles() {
         ),
     ] {
         let bounded = vars[0].0 == "RUSTYTORCH_HOPPER_GRID";
+        let tma = bounded || vars[0].0 == "RUSTYTORCH_HOPPER_BWD_DS2";
         for (k, v) in vars {
             std::env::set_var(k, v);
         }
@@ -682,11 +691,16 @@ fn flash_attention_hopper_backward_compiles() {
             );
             let l = &step.launches[2];
             let maps = l.kernel.params.iter().filter(|p| p.map.is_some()).count();
-            assert_eq!(maps, if bounded { 4 } else { 0 });
+            assert_eq!(maps, if tma { 4 } else { 0 });
             assert_eq!(l.args.len(), l.kernel.params.len());
             assert_eq!(l.kernel.block, threads);
             let src = source(&l.kernel).expect("source");
-            assert_eq!(src.contains("cp.async.bulk.tensor.4d"), bounded);
+            assert_eq!(src.contains("cp.async.bulk.tensor.4d"), tma);
+            // Two named barriers of the computing warpgroups a tile with one dSᵀ buffer.
+            if tma {
+                let barriers = if bounded { 2 } else { 1 };
+                assert_eq!(src.matches("bar.sync 3, 256").count(), barriers);
+            }
             if bounded {
                 assert_eq!(l.grid, 4);
                 assert_eq!(src.matches("++round_)").count(), 2);

@@ -65,6 +65,14 @@ pub(super) struct Variant {
     /// two-warpgroup kernel's speed, forward and backward together);
     /// `RUSTYTORCH_HOPPER_BWD_TMA=0` or `RUSTYTORCH_HOPPER_BWD_WS=0` turn it off.
     pub tma: bool,
+    /// With `ws` and `bulk`: `dSᵀ` in two buffers taken by alternate query tiles, so that a
+    /// warpgroup writes the next tile's `dSᵀ` without waiting for the other's `dQ` product on
+    /// the current one (one named barrier a tile instead of two). At head size 64, where each
+    /// warpgroup's `dQ` reads only its own 64 queries' half of `dSᵀ`, the warpgroup stages its
+    /// `dQ` for the bulk reduction in that half once its product is complete, so the second
+    /// buffer costs no shared memory. Off until measured on the device;
+    /// `RUSTYTORCH_HOPPER_BWD_DS2=1` turns it on.
+    pub ds2: bool,
 }
 
 impl Variant {
@@ -79,6 +87,7 @@ impl Variant {
             overlap: var("RUSTYTORCH_HOPPER_BWD_OVERLAP").as_deref() != Some("0"),
             ws: tma || ws.as_deref() == Some("1"),
             tma,
+            ds2: var("RUSTYTORCH_HOPPER_BWD_DS2").as_deref() == Some("1"),
         }
     }
 }
@@ -171,18 +180,29 @@ pub(super) fn build(sp: &Spec, wk: bool, wv: bool, variant: Variant) -> Built {
     let tma = variant.tma;
     let overlap = wk && (variant.overlap || ws);
     let nbuf = if overlap || ws { 3 } else { 2 };
+    // Two dSᵀ buffers need the producer's barriers (the computing warpgroups' one named barrier
+    // a tile orders them) and the bulk reductions (whose reads of the staged dQ are waited for
+    // before that barrier).
+    let ds2 = variant.ds2 && ws && bulk;
+    let nds = if ds2 { 2 } else { 1 };
+    // At head size 64 a warpgroup's staged dQ takes its own consumed half of the dSᵀ buffer.
+    let staged_in_ds = ds2 && br == 128;
     debug_assert!(super::hopper_ws::registers_balance(
         (THREADS + PRODUCER) as u32,
         PRODUCER as u32,
         registers(tma)
     ));
     // With bulk reductions, each warpgroup's 64 × 64 part of dQ is staged in shared memory.
-    let stage = if bulk { 2 * DQ_PART * 4 } else { 0 };
+    let stage = if bulk && !staged_in_ds {
+        2 * DQ_PART * 4
+    } else {
+        0
+    };
     let lbytes = nbuf * 2 * br * 4;
     // With a producer: full and empty barriers for each query buffer and for the key and value
     // tiles.
     let bars = if ws { 8 * (2 * nbuf + 2) } else { 0 };
-    let smem = 1024 + 2 * kbytes + 2 * nbuf * qbytes + dsbytes + lbytes + stage + bars;
+    let smem = 1024 + 2 * kbytes + 2 * nbuf * qbytes + nds * dsbytes + lbytes + stage + bars;
     let (krs, vrs) = (sp.stride(Part::K), sp.stride(Part::V));
     let (qt, kt) = (sq.div_ceil(br), sk.div_ceil(BK));
     let tiles = sp.bsz * sp.heads * kt;
@@ -229,7 +249,7 @@ const unsigned v_s = k_s + {kbytes}u;
 const unsigned q_s0 = v_s + {kbytes}u;
 const unsigned g_s0 = q_s0 + {nbuf}u * {qbytes}u;
 const unsigned ds_s = g_s0 + {nbuf}u * {qbytes}u;
-const unsigned l_s = ds_s + {dsbytes}u;
+const unsigned l_s = ds_s + {nds}u * {dsbytes}u;
 const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
 {roles}for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
   const long long bh = tile / {kt}LL;
@@ -268,7 +288,7 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
         r#"  float s[{br8}][4], dpt[{br8}][4], dq[8][4];
   unsigned pa[{br16}][4], dsa[{br16}][4] = {{}};
   for (int it = it0; it < {qt}; ++it) {{
-{it_start}    const unsigned qs = q_s0 + (unsigned)buf * {qbytes}u, gs = g_s0 + (unsigned)buf * {qbytes}u;
+{it_start}{ds_buf}    const unsigned qs = q_s0 + (unsigned)buf * {qbytes}u, gs = g_s0 + (unsigned)buf * {qbytes}u;
     const float* lsb = ls_all + buf * {br2};
     const float* dlsb = lsb + {br};
     // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warpgroup's keys, one commit group each.
@@ -311,7 +331,7 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
     // at chunk c ^ (r mod 8); a warp's rows r, r + 8 have r mod 8 = g.
     #pragma unroll
     for (int n = 0; n < {br8}; ++n) {{
-      const unsigned at = ds_s + (unsigned)((n >> 3) * {blk} + (warp * 16 + g) * 128 + (((n & 7) ^ g) << 4) + t4 * 4);
+      const unsigned at = dsb + (unsigned)((n >> 3) * {blk} + (warp * 16 + g) * 128 + (((n & 7) ^ g) << 4) + t4 * 4);
       asm volatile("st.shared.b32 [%0], %1;" :: "r"(at), "r"(dsa[n >> 1][(n & 1) * 2]) : "memory");
       asm volatile("st.shared.b32 [%0], %1;" :: "r"(at + 1024u), "r"(dsa[n >> 1][(n & 1) * 2 + 1]) : "memory");
     }}
@@ -321,7 +341,7 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
     {{
       // dQ = dS·K over the block's keys: at head size 128 this warpgroup's 64 columns, at 64
       // its 64 query rows.
-      const unsigned da = ds_s + (unsigned)wg * {a_step}u, db = k_s + (unsigned)wg * {b_step}u;
+      const unsigned da = dsb + (unsigned)wg * {a_step}u, db = k_s + (unsigned)wg * {b_step}u;
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 {q_products}      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     }}
@@ -410,7 +430,12 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
             String::new()
         },
         // Both warpgroups' previous dQ products, which read dSᵀ, are complete.
-        ds_free = if ws {
+        ds_buf = if ds2 {
+            format!("    // This tile's dSᵀ buffer (its last reader, tile it − 2's dQ, ordered by tile it − 1's\n    // barrier).\n    const unsigned dsb = ds_s + (qc & 1u) * {dsbytes}u;\n")
+        } else {
+            "    const unsigned dsb = ds_s;\n".to_string()
+        },
+        ds_free = if ws && !ds2 {
             "    asm volatile(\"bar.sync 3, 256;\" ::: \"memory\");\n"
         } else {
             ""
@@ -424,7 +449,7 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
         a_step = if br == 128 { BK * 128 } else { 0 },
         b_step = if br == 64 { BK * 128 } else { 0 },
         q_products = q_products(),
-        reduce = reduce_dq(sp, wk, wv, bulk, nbuf, overlap),
+        reduce = reduce_dq(sp, wk, wv, bulk, nbuf, overlap, staged_in_ds),
         stage_free = if bulk {
             "    // The previous tile's bulk reduction has read the staged dQ.\n    if ((tid & 127) == 0) asm volatile(\"cp.async.bulk.wait_group.read 0;\" ::: \"memory\");\n"
         } else {
@@ -617,7 +642,15 @@ const int tid = threadIdx.x - {PRODUCER}, warp = tid >> 5, wg = tid >> 7;
 /// Waits for the `dQ` product (and with it every product of the tile), then adds `dQ` into
 /// the f32 buffer: at head size 128 this warpgroup's 64 columns of the tile's 64 rows, at 64
 /// its 64 rows.
-fn reduce_dq(sp: &Spec, wk: bool, wv: bool, bulk: bool, nbuf: usize, dk_running: bool) -> String {
+fn reduce_dq(
+    sp: &Spec,
+    wk: bool,
+    wv: bool,
+    bulk: bool,
+    nbuf: usize,
+    dk_running: bool,
+    staged_in_ds: bool,
+) -> String {
     let (sq, d) = (sp.sq, sp.d);
     let br = query_rows(sp);
     let (row_step, col_step) = if br == 128 { (64, 0) } else { (0, 64) };
@@ -630,13 +663,24 @@ fn reduce_dq(sp: &Spec, wk: bool, wv: bool, bulk: bool, nbuf: usize, dk_running:
     }
     if bulk {
         let qt = sq.div_ceil(br);
+        // At head size 64 with two dSᵀ buffers: the half of this tile's dSᵀ that only this
+        // warpgroup's (complete) dQ product read.
+        let stage = if staged_in_ds {
+            format!("dsb + (unsigned)wg * {}u", BK * 128)
+        } else {
+            format!(
+                "l_s + {}u + (unsigned)wg * {}u",
+                nbuf * 2 * br * 4,
+                DQ_PART * 4
+            )
+        };
         return out
             + &format!(
                 r#"    {{
       // This warpgroup's part in the accumulators' order (pair p of thread t at p·128 + t), staged
       // in shared memory and added into its block of the buffer by one bulk reduction.
       const int tw = tid & 127;
-      const unsigned st = l_s + {lbytes}u + (unsigned)wg * {part_bytes}u;
+      const unsigned st = {stage};
       #pragma unroll
       for (int n = 0; n < 8; ++n) {{
         asm volatile("st.shared.v2.f32 [%0], {{%1, %2}};" :: "r"(st + (unsigned)(((2 * n) * 128 + tw) * 8)), "f"(dq[n][0]), "f"(dq[n][1]) : "memory");
@@ -651,7 +695,6 @@ fn reduce_dq(sp: &Spec, wk: bool, wv: bool, bulk: bool, nbuf: usize, dk_running:
       }}
     }}
 "#,
-                lbytes = nbuf * 2 * br * 4,
                 part_bytes = DQ_PART * 4,
             );
     }
@@ -730,11 +773,12 @@ mod tests {
     /// block's keys.
     #[test]
     fn blocks_fit_hopper() {
-        let variants = (0..16).map(|i| super::Variant {
+        let variants = (0..32).map(|i| super::Variant {
             bulk: i & 1 != 0,
             overlap: i & 2 != 0,
             ws: i & 4 != 0,
             tma: i & 8 != 0,
+            ds2: i & 16 != 0,
         });
         for variant in variants {
             // Bulk tensor copies imply a producer.
@@ -773,6 +817,21 @@ mod tests {
                     ));
                 }
                 assert_eq!(b.dq_blocked.is_some(), variant.bulk);
+                // Two dSᵀ buffers leave one named barrier of both warpgroups a tile.
+                let ds2 = variant.ds2 && ws && variant.bulk;
+                let barriers = b.source.matches("bar.sync 3, 256").count();
+                assert_eq!(
+                    barriers,
+                    if !ws {
+                        0
+                    } else if ds2 {
+                        1
+                    } else {
+                        2
+                    },
+                    "{variant:?}"
+                );
+                assert_eq!(b.source.contains("(qc & 1u)"), ds2, "{variant:?}");
                 let only_v = super::build(&sp, false, true, variant);
                 assert!(!only_v.source.contains("RT_WGMMA_K(") && !only_v.source.contains("acck"));
                 assert_eq!(only_v.source.contains("% 3"), ws);
