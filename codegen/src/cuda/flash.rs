@@ -501,7 +501,7 @@ fn grad_kernels(
     saved: Option<Saved>,
 ) -> Result<StepKernels> {
     let rows = sp.bsz * sp.heads * sp.sq;
-    let delta_at = (rows * 4).next_multiple_of(256);
+    let delta_at = delta_offset(sp);
     let mut base = sp.params.clone();
     base.push(param("dout", sp.e, false));
     let stats_params: Vec<Param> = base
@@ -528,28 +528,7 @@ fn grad_kernels(
                 grid: stats_grid,
             }
         }
-        Some(saved) => {
-            let threads = backward::BUFFER_THREADS;
-            Launch {
-                kernel: verbatim(
-                    "flash_attention_delta",
-                    vec![
-                        param("dout", sp.e, false),
-                        param("o", sp.e, false),
-                        param("lse", CTy::F32, true),
-                        param("delta", CTy::F32, true),
-                    ],
-                    threads,
-                    0,
-                    backward::delta_source(sp, saved.stats_at),
-                )?,
-                args: [ArgRef::Input(n_in - 1), saved.o]
-                    .into_iter()
-                    .chain(scratch)
-                    .collect(),
-                grid: grid_for(rows as u64 * 32, threads as u64),
-            }
-        }
+        Some(saved) => delta_launch(sp, n_in, saved, None)?,
     }];
     let at = |w: u8| wanted.iter().find(|(x, _)| *x == w).map(|(_, a)| *a);
     if let Some(w) = wanted.iter().map(|(w, _)| *w).find(|&w| w > 2) {
@@ -560,7 +539,17 @@ fn grad_kernels(
     if let (Some(q), true) = (at(0), at(1).is_some() || at(2).is_some()) {
         let base: Vec<ArgRef> = ins().chain(scratch).collect();
         let used = delta_at + rows * 4;
-        return fused_grads(sp, &grad_params, &base, used, launches, q, [at(1), at(2)]);
+        let saved = saved.map(|s| (s, n_in));
+        return fused_grads(
+            sp,
+            &grad_params,
+            &base,
+            used,
+            launches,
+            saved,
+            q,
+            [at(1), at(2)],
+        );
     }
     // (body, its outputs' names and places, tiles)
     let mut grads: Vec<(String, Vec<(&str, ArgRef)>, usize)> = vec![];
@@ -600,16 +589,68 @@ fn grad_kernels(
     })
 }
 
+/// Where the statistics scratch puts `delta` (after `lse`, one f32 a query row).
+fn delta_offset(sp: &Spec) -> usize {
+    (sp.bsz * sp.heads * sp.sq * 4).next_multiple_of(256)
+}
+
+/// The kernel deriving `lse` and `D` from the saved forward ([`backward::delta_source`]) into
+/// the scratch's first bytes; with `zero = Some((at, n))` it also zeroes the `n` floats of the
+/// `dQ` buffer at scratch offset `at`.
+fn delta_launch(
+    sp: &Spec,
+    n_in: usize,
+    saved: Saved,
+    zero: Option<(usize, usize)>,
+) -> Result<Launch> {
+    let threads = backward::BUFFER_THREADS;
+    let rows = sp.bsz * sp.heads * sp.sq;
+    let mut params = vec![
+        param("dout", sp.e, false),
+        param("o", sp.e, false),
+        param("lse", CTy::F32, true),
+        param("delta", CTy::F32, true),
+    ];
+    let mut args = vec![
+        ArgRef::Input(n_in - 1),
+        saved.o,
+        ArgRef::ScratchAt(0),
+        ArgRef::ScratchAt(delta_offset(sp)),
+    ];
+    if let Some((at, _)) = zero {
+        params.push(param("dq_acc", CTy::F32, true));
+        args.push(ArgRef::ScratchAt(at));
+    }
+    // A thread a row's 16-byte piece; a thread four floats of the buffer.
+    let lanes = (sp.dv / 8).clamp(1, 32);
+    let work = (rows * lanes).max(zero.map_or(0, |(_, n)| n / 4));
+    Ok(Launch {
+        kernel: verbatim(
+            "flash_attention_delta",
+            params,
+            threads,
+            0,
+            backward::delta_source(sp, saved.stats_at, zero.map(|(_, n)| n)),
+        )?,
+        args,
+        grid: grid_for(work as u64, threads as u64),
+    })
+}
+
 /// After the statistics kernel (`launches`): the fused backward ([`backward`]) for `dQ` (into
 /// `q`) with `dK` and/or `dV` (into `kv`), between a kernel zeroing its f32 `dQ` buffer and one
 /// rounding it into the result. The gradient kernels' parameters `grad_params` bind to `base`
 /// (the operands, the statistics in the first `used` bytes of scratch); the buffer follows.
+/// Where the statistics come from a saved forward (`saved`, with the operand count), their
+/// kernel also zeroes the buffer.
+#[allow(clippy::too_many_arguments)]
 fn fused_grads(
     sp: &Spec,
     grad_params: &[Param],
     base: &[ArgRef],
     used: usize,
     mut launches: Vec<Launch>,
+    saved: Option<(Saved, usize)>,
     q: ArgRef,
     [k, v]: [Option<ArgRef>; 2],
 ) -> Result<StepKernels> {
@@ -641,15 +682,20 @@ fn fused_grads(
         verbatim(prefix, params, backward::BUFFER_THREADS, 0, body)
     };
     let buffer_grid = grid_for(acc_len as u64 / 2, backward::BUFFER_THREADS as u64);
-    launches.push(Launch {
-        kernel: small(
-            "flash_attention_bwd_zero",
-            vec![buffer("dq_acc", true)],
-            backward::zero_source(acc_len),
-        )?,
-        args: vec![ArgRef::ScratchAt(acc_at)],
-        grid: buffer_grid,
-    });
+    match saved {
+        Some((saved, n_in)) => {
+            launches[0] = delta_launch(sp, n_in, saved, Some((acc_at, acc_len)))?;
+        }
+        None => launches.push(Launch {
+            kernel: small(
+                "flash_attention_bwd_zero",
+                vec![buffer("dq_acc", true)],
+                backward::zero_source(acc_len),
+            )?,
+            args: vec![ArgRef::ScratchAt(acc_at)],
+            grid: buffer_grid,
+        }),
+    }
     let mut params = grad_params.to_vec();
     params.push(buffer("dq_acc", true));
     let mut args: Vec<ArgRef> = base
