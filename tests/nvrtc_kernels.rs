@@ -524,28 +524,29 @@ fn flash_attention_saving_compiles() {
                     o: rustytorch::codegen::cuda::ArgRef::Value(0),
                     stats_at: at,
                 };
-                let step = flash::lower_grad_group_saved(
-                    &ops.iter().collect::<Vec<_>>(),
-                    &refs,
-                    &outs.iter().collect::<Vec<_>>(),
-                    Some(saved),
-                )
-                .expect("lower");
-                // The statistics kernel also zeroes the dQ buffer; then the fused backward
-                // and the rounding of dQ.
-                assert_eq!(step.launches.len(), 3);
-                assert!(step.launches[0]
-                    .kernel
-                    .name
-                    .starts_with("flash_attention_delta"));
-                assert_eq!(step.launches[0].args[1], saved.o);
-                assert!(step.launches[0]
-                    .kernel
-                    .params
-                    .iter()
-                    .any(|p| p.name == "dq_acc"));
-                let k = &step.launches[0].kernel;
-                portable.push((k.name.clone(), source(k).expect("source")));
+                // By default the statistics kernel, zeroing the dQ buffer, the fused backward
+                // and the rounding of dQ; with the wide statistics kernel (which zeroes the
+                // buffer itself) one launch fewer. No other test here lowers a saved group.
+                for wide in [false, true] {
+                    if wide {
+                        std::env::set_var("RUSTYTORCH_FLASH_DELTA", "wide");
+                    }
+                    let step = flash::lower_grad_group_saved(
+                        &ops.iter().collect::<Vec<_>>(),
+                        &refs,
+                        &outs.iter().collect::<Vec<_>>(),
+                        Some(saved),
+                    )
+                    .expect("lower");
+                    std::env::remove_var("RUSTYTORCH_FLASH_DELTA");
+                    assert_eq!(step.launches.len(), if wide { 3 } else { 4 });
+                    let k = &step.launches[0].kernel;
+                    assert!(k.name.starts_with("flash_attention_delta"));
+                    assert_eq!(step.launches[0].args[1], saved.o);
+                    assert_eq!(k.params.iter().any(|p| p.name == "dq_acc"), wide);
+                    assert_eq!(source(k).expect("source").contains("uint4"), wide);
+                    portable.push((k.name.clone(), source(k).expect("source")));
+                }
             }
         }
     }
