@@ -623,9 +623,9 @@ fn delta_launch(
         args.push(ArgRef::ScratchAt(at));
     }
     let (work, source) = if backward::wide_delta() {
-        // A thread a row's 16-byte piece; a thread four floats of the buffer.
+        // A thread a row's 16-byte piece; a thread two floats of the buffer.
         let lanes = (sp.dv / 8).clamp(1, 32);
-        let work = (rows * lanes).max(zero.map_or(0, |(_, n)| n / 4));
+        let work = (rows * lanes).max(zero.map_or(0, |(_, n)| n / 2));
         let source = backward::delta_wide_source(sp, saved.stats_at, zero.map(|(_, n)| n));
         (work, source)
     } else {

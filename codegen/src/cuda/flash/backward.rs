@@ -362,16 +362,7 @@ pub(super) fn delta_wide_source(sp: &Spec, stats_at: usize, zero: Option<usize>)
     } else {
         "rt_h2f"
     };
-    let zero = zero
-        .map(|n| {
-            format!(
-                r#"for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < {q}LL; i += (long long)gridDim.x * blockDim.x)
-  ((float4*)dq_acc)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-"#,
-                q = n / 4
-            )
-        })
-        .unwrap_or_default();
+    let zero = zero.map(zero_source).unwrap_or_default();
     format!(
         r#"{zero}const int lane = threadIdx.x & 31, sub = lane & {lm};
 const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;

@@ -429,12 +429,12 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
         } else {
             String::new()
         },
-        // Both warpgroups' previous dQ products, which read dSᵀ, are complete.
         ds_buf = if ds2 {
             format!("    // This tile's dSᵀ buffer (its last reader, tile it − 2's dQ, ordered by tile it − 1's\n    // barrier).\n    const unsigned dsb = ds_s + (qc & 1u) * {dsbytes}u;\n")
         } else {
             "    const unsigned dsb = ds_s;\n".to_string()
         },
+        // Both warpgroups' previous dQ products, which read dSᵀ, are complete.
         ds_free = if ws && !ds2 {
             "    asm volatile(\"bar.sync 3, 256;\" ::: \"memory\");\n"
         } else {
@@ -449,7 +449,20 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
         a_step = if br == 128 { BK * 128 } else { 0 },
         b_step = if br == 64 { BK * 128 } else { 0 },
         q_products = q_products(),
-        reduce = reduce_dq(sp, wk, wv, bulk, nbuf, overlap, staged_in_ds),
+        // Where each warpgroup stages its dQ for the bulk reduction: past the statistics, or
+        // at head size 64 with two dSᵀ buffers the half of this tile's dSᵀ that only its own
+        // (complete) dQ product read.
+        reduce = reduce_dq(
+            sp,
+            wk,
+            wv,
+            bulk.then(|| if staged_in_ds {
+                format!("dsb + (unsigned)wg * {}u", BK * 128)
+            } else {
+                format!("l_s + {lbytes}u + (unsigned)wg * {}u", DQ_PART * 4)
+            }),
+            overlap
+        ),
         stage_free = if bulk {
             "    // The previous tile's bulk reduction has read the staged dQ.\n    if ((tid & 127) == 0) asm volatile(\"cp.async.bulk.wait_group.read 0;\" ::: \"memory\");\n"
         } else {
@@ -642,15 +655,9 @@ const int tid = threadIdx.x - {PRODUCER}, warp = tid >> 5, wg = tid >> 7;
 /// Waits for the `dQ` product (and with it every product of the tile), then adds `dQ` into
 /// the f32 buffer: at head size 128 this warpgroup's 64 columns of the tile's 64 rows, at 64
 /// its 64 rows.
-fn reduce_dq(
-    sp: &Spec,
-    wk: bool,
-    wv: bool,
-    bulk: bool,
-    nbuf: usize,
-    dk_running: bool,
-    staged_in_ds: bool,
-) -> String {
+/// With bulk reductions (`stage`, the C address where this warpgroup stages its part), `dQ`
+/// goes through shared memory.
+fn reduce_dq(sp: &Spec, wk: bool, wv: bool, stage: Option<String>, dk_running: bool) -> String {
     let (sq, d) = (sp.sq, sp.d);
     let br = query_rows(sp);
     let (row_step, col_step) = if br == 128 { (64, 0) } else { (0, 64) };
@@ -661,19 +668,8 @@ fn reduce_dq(
             out += &pin(acc, d / 8, 'f');
         }
     }
-    if bulk {
+    if let Some(stage) = stage {
         let qt = sq.div_ceil(br);
-        // At head size 64 with two dSᵀ buffers: the half of this tile's dSᵀ that only this
-        // warpgroup's (complete) dQ product read.
-        let stage = if staged_in_ds {
-            format!("dsb + (unsigned)wg * {}u", BK * 128)
-        } else {
-            format!(
-                "l_s + {}u + (unsigned)wg * {}u",
-                nbuf * 2 * br * 4,
-                DQ_PART * 4
-            )
-        };
         return out
             + &format!(
                 r#"    {{
