@@ -182,6 +182,11 @@ fn saved_statistics_give_the_cpu_gradients() {
                 ([2, 4, 96, 160, 64], Causal::TopLeft),
                 ([1, 8, 70, 130, 128], Causal::BottomRight),
                 ([2, 2, 256, 256, 128], Causal::TopLeft),
+                // Head sizes whose rows take a power of two of lanes above `D / 8` in the
+                // statistics kernel (16 for 80, 8 for 48), and 2 lanes for 16.
+                ([2, 3, 50, 70, 80], Causal::None),
+                ([1, 2, 33, 40, 48], Causal::TopLeft),
+                ([2, 2, 17, 9, 16], Causal::BottomRight),
             ] {
                 seed += 10;
                 let d = shape[4];

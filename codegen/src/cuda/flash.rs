@@ -594,10 +594,9 @@ fn delta_offset(sp: &Spec) -> usize {
     (sp.bsz * sp.heads * sp.sq * 4).next_multiple_of(256)
 }
 
-/// The kernel deriving `lse` and `D` from the saved forward ([`backward::delta_source`], or
-/// [`backward::delta_wide_source`] where [`backward::wide_delta`]) into the scratch's first
-/// bytes; with `zero = Some((at, n))` (the wide kernel only) it also zeroes the `n` floats of
-/// the `dQ` buffer at scratch offset `at`.
+/// The kernel deriving `lse` and `D` from the saved forward ([`backward::delta_source`]) into
+/// the scratch's first bytes; with `zero = Some((at, n))` it also zeroes the `n` floats of the
+/// `dQ` buffer at scratch offset `at`.
 fn delta_launch(
     sp: &Spec,
     n_in: usize,
@@ -622,16 +621,9 @@ fn delta_launch(
         params.push(param("dq_acc", CTy::F32, true));
         args.push(ArgRef::ScratchAt(at));
     }
-    let (work, source) = if backward::wide_delta() {
-        // A thread a row's 16-byte piece; a thread two floats of the buffer.
-        let lanes = (sp.dv / 8).clamp(1, 32);
-        let work = (rows * lanes).max(zero.map_or(0, |(_, n)| n / 2));
-        let source = backward::delta_wide_source(sp, saved.stats_at, zero.map(|(_, n)| n));
-        (work, source)
-    } else {
-        debug_assert!(zero.is_none());
-        (rows * 32, backward::delta_source(sp, saved.stats_at))
-    };
+    // A thread a row's 16-byte piece; a thread two floats of the buffer.
+    let work = (rows * backward::delta_lanes(sp.dv)).max(zero.map_or(0, |(_, n)| n / 2));
+    let source = backward::delta_source(sp, saved.stats_at, zero.map(|(_, n)| n));
     Ok(Launch {
         kernel: verbatim("flash_attention_delta", params, threads, 0, source)?,
         args,
@@ -643,8 +635,8 @@ fn delta_launch(
 /// `q`) with `dK` and/or `dV` (into `kv`), between a kernel zeroing its f32 `dQ` buffer and one
 /// rounding it into the result. The gradient kernels' parameters `grad_params` bind to `base`
 /// (the operands, the statistics in the first `used` bytes of scratch); the buffer follows.
-/// Where the statistics come from a saved forward (`saved`, with the operand count) and the
-/// wide statistics kernel runs ([`backward::wide_delta`]), that kernel also zeroes the buffer.
+/// Where the statistics come from a saved forward (`saved`, with the operand count), their
+/// kernel also zeroes the buffer.
 #[allow(clippy::too_many_arguments)]
 fn fused_grads(
     sp: &Spec,
@@ -684,7 +676,7 @@ fn fused_grads(
         verbatim(prefix, params, backward::BUFFER_THREADS, 0, body)
     };
     let buffer_grid = grid_for(acc_len as u64 / 2, backward::BUFFER_THREADS as u64);
-    match saved.filter(|_| backward::wide_delta()) {
+    match saved {
         Some((saved, n_in)) => {
             launches[0] = delta_launch(sp, n_in, saved, Some((acc_at, acc_len)))?;
         }

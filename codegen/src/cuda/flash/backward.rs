@@ -304,59 +304,24 @@ pub(super) fn dq_source(sp: &Spec, blocked: Option<(usize, String)>) -> String {
     )
 }
 
-/// The kernel deriving the backward's statistics from a saved forward: per query row (a warp
-/// each) `D = rowsum(dO ∘ O)` into `delta`, and the saved natural log-sum-exp (`stats_at` bytes
-/// past O's start) in the base-2 domain into `lse`.
-pub(super) fn delta_source(sp: &Spec, stats_at: usize) -> String {
-    let (sq, dv) = (sp.sq, sp.dv);
-    let rows = sp.bsz * sp.heads * sq;
-    let widen = if sp.elem() == "bf16" {
-        "rt_bf2f"
-    } else {
-        "rt_h2f"
-    };
-    format!(
-        r#"const int lane = threadIdx.x & 31;
-const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
-for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < {rows}LL; r += warps) {{
-  const long long bh = r / {sq}LL, row = r % {sq}LL;
-  const unsigned short* gp = (const unsigned short*)dout + {head} + row * {rs}LL;
-  const unsigned short* op = (const unsigned short*)o + {head} + row * {rs}LL;
-  float acc = 0.f;
-  for (int c = lane * 2; c < {dv}; c += 64) {{
-    const unsigned a = *(const unsigned*)(gp + c), b = *(const unsigned*)(op + c);
-    acc += {widen}((unsigned short)(a & 0xffffu)) * {widen}((unsigned short)(b & 0xffffu))
-         + {widen}((unsigned short)(a >> 16)) * {widen}((unsigned short)(b >> 16));
-  }}
-  #pragma unroll
-  for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-  if (lane == 0) {{
-    delta[r] = acc;
-    lse[r] = ((const float*)((const unsigned char*)o + {stats_at}LL))[r] * 1.4426950408889634f;
-  }}
-}}
-"#,
-        head = sp.head(Part::O),
-        rs = sp.stride(Part::O),
-    )
+/// The lanes of a warp that read one row of [`delta_source`]: a power of two (a row's lanes are
+/// one group of the warp's shuffles), at least `dv / 8` (one 16-byte piece each) up to 32.
+pub(super) fn delta_lanes(dv: usize) -> usize {
+    (dv / 8).next_power_of_two().clamp(1, 32)
 }
 
-/// Whether the saved-statistics kernel is [`delta_wide_source`]'s instead of
-/// [`delta_source`]'s: `RUSTYTORCH_FLASH_DELTA=wide` (not yet the default: it has not run on a
-/// device).
-pub(super) fn wide_delta() -> bool {
-    std::env::var("RUSTYTORCH_FLASH_DELTA").as_deref() == Ok("wide")
-}
-
-/// [`delta_source`] reading a row by 16-byte pieces; with `zero = Some(n)` it also zeroes the `n`
+/// The kernel deriving the backward's statistics from a saved forward: per query row
+/// `D = rowsum(dO ∘ O)` into `delta`, and the saved natural log-sum-exp (`stats_at` bytes past
+/// O's start) in the base-2 domain into `lse`; with `zero = Some(n)` it also zeroes the `n`
 /// floats of the f32 `dQ` buffer `dq_acc` (one launch instead of two, their bytes the same).
-/// A row is read by `dv / 8` lanes (at most 32) in 16-byte pieces — the head sizes are
+/// A row is read by [`delta_lanes`] lanes in 16-byte pieces — the head sizes are
 /// multiples of 16 and the rows 16-byte aligned, as the flash kernels' copies already take
-/// them — so that a warp keeps 512 bytes in flight a load, not 128.
-pub(super) fn delta_wide_source(sp: &Spec, stats_at: usize, zero: Option<usize>) -> String {
+/// them — so that a warp keeps 512 bytes in flight a load, not the 128 of a warp a row reading
+/// 4-byte pieces (which this kernel replaced: docs/performance.md).
+pub(super) fn delta_source(sp: &Spec, stats_at: usize, zero: Option<usize>) -> String {
     let (sq, dv) = (sp.sq, sp.dv);
     let rows = sp.bsz * sp.heads * sq;
-    let lanes = (dv / 8).clamp(1, 32);
+    let lanes = delta_lanes(dv);
     let widen = if sp.elem() == "bf16" {
         "rt_bf2f"
     } else {

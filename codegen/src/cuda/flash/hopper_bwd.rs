@@ -40,8 +40,8 @@ const BK: usize = 128;
 /// Floats of one warpgroup's part of a query tile's `dQ` (64 × 64).
 const DQ_PART: usize = 64 * 64;
 
-/// How the kernel orders, feeds and adds its products. The default, `bulk`, `overlap`, `ws` and
-/// `tma`, passed the float64 device test and compute-sanitizer and was the fastest measured
+/// How the kernel orders, feeds and adds its products. The default, `bulk`, `overlap`, `ws`,
+/// `tma` and `ds2`, passed the float64 device test and compute-sanitizer and was the fastest measured
 /// (docs/performance.md); the environment variables select the others, for measurements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Variant {
@@ -70,8 +70,8 @@ pub(super) struct Variant {
     /// the current one (one named barrier a tile instead of two). At head size 64, where each
     /// warpgroup's `dQ` reads only its own 64 queries' half of `dSᵀ`, the warpgroup stages its
     /// `dQ` for the bulk reduction in that half once its product is complete, so the second
-    /// buffer costs no shared memory. Off until measured on the device;
-    /// `RUSTYTORCH_HOPPER_BWD_DS2=1` turns it on.
+    /// buffer costs no shared memory. The default (with the statistics kernel that zeroes `dQ`,
+    /// forward and backward together 1.02–1.04× as fast at head size 64); `RUSTYTORCH_HOPPER_BWD_DS2=0` turns it off.
     pub ds2: bool,
 }
 
@@ -87,7 +87,7 @@ impl Variant {
             overlap: var("RUSTYTORCH_HOPPER_BWD_OVERLAP").as_deref() != Some("0"),
             ws: tma || ws.as_deref() == Some("1"),
             tma,
-            ds2: var("RUSTYTORCH_HOPPER_BWD_DS2").as_deref() == Some("1"),
+            ds2: var("RUSTYTORCH_HOPPER_BWD_DS2").as_deref() != Some("0"),
         }
     }
 }
