@@ -656,6 +656,14 @@ fn flash_attention_hopper_backward_compiles() {
             ],
             384,
         ),
+        // Keys and values released apart, the next tile's values copied first.
+        (
+            &[
+                ("RUSTYTORCH_HOPPER_BWD_EARLY", "1"),
+                ("RUSTYTORCH_HOPPER_BWD_TMA", "1"),
+            ],
+            384,
+        ),
         // The default kernel on a bounded grid, walking its tiles by rounds.
         (
             &[
@@ -666,7 +674,7 @@ fn flash_attention_hopper_backward_compiles() {
         ),
     ] {
         let bounded = vars[0].0 == "RUSTYTORCH_HOPPER_GRID";
-        let tma = bounded || vars[0].0 == "RUSTYTORCH_HOPPER_BWD_DS2";
+        let tma = vars.contains(&("RUSTYTORCH_HOPPER_BWD_TMA", "1"));
         for (k, v) in vars {
             std::env::set_var(k, v);
         }
@@ -697,10 +705,18 @@ fn flash_attention_hopper_backward_compiles() {
             assert_eq!(l.kernel.block, threads);
             let src = source(&l.kernel).expect("source");
             assert_eq!(src.contains("cp.async.bulk.tensor.4d"), tma);
+            assert_eq!(
+                src.contains("copy_keys"),
+                vars[0].0 == "RUSTYTORCH_HOPPER_BWD_EARLY"
+            );
             // The computing warpgroups meet at one named barrier a tile with two dSᵀ buffers
             // (the default), at two with one.
             if tma {
-                let barriers = if bounded { 1 } else { 2 };
+                let barriers = if vars[0].0 == "RUSTYTORCH_HOPPER_BWD_DS2" {
+                    2
+                } else {
+                    1
+                };
                 assert_eq!(src.matches("bar.sync 3, 256").count(), barriers);
             }
             if bounded {

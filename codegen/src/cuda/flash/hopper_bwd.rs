@@ -73,6 +73,13 @@ pub(super) struct Variant {
     /// buffer costs no shared memory. The default (with the statistics kernel that zeroes `dQ`,
     /// forward and backward together 1.02–1.04× as fast at head size 64); `RUSTYTORCH_HOPPER_BWD_DS2=0` turns it off.
     pub ds2: bool,
+    /// With `tma`: the value tile goes back to the producer once the block's last `dPᵀ`
+    /// product has read it and the key tile once its last `dQ` product has (an empty and a
+    /// full barrier each instead of one pair), and the producer copies the next key tile's
+    /// values, then its first query tile, then its keys while the block finishes the current
+    /// one (its last products, the `dQ` reduction, the `dK`/`dV` stores). Off until measured
+    /// on the device; `RUSTYTORCH_HOPPER_BWD_EARLY=1` turns it on.
+    pub early: bool,
 }
 
 impl Variant {
@@ -88,6 +95,7 @@ impl Variant {
             ws: tma || ws.as_deref() == Some("1"),
             tma,
             ds2: var("RUSTYTORCH_HOPPER_BWD_DS2").as_deref() != Some("0"),
+            early: var("RUSTYTORCH_HOPPER_BWD_EARLY").as_deref() == Some("1"),
         }
     }
 }
@@ -199,9 +207,15 @@ pub(super) fn build(sp: &Spec, wk: bool, wv: bool, variant: Variant) -> Built {
         0
     };
     let lbytes = nbuf * 2 * br * 4;
+    // The key and value tiles released apart (bulk tensor copies only).
+    let early = variant.early && tma;
     // With a producer: full and empty barriers for each query buffer and for the key and value
-    // tiles.
-    let bars = if ws { 8 * (2 * nbuf + 2) } else { 0 };
+    // tiles (for each of them where they are released apart).
+    let bars = if ws {
+        8 * (2 * nbuf + if early { 4 } else { 2 })
+    } else {
+        0
+    };
     let smem = 1024 + 2 * kbytes + 2 * nbuf * qbytes + nds * dsbytes + lbytes + stage + bars;
     let (krs, vrs) = (sp.stride(Part::K), sp.stride(Part::V));
     let (qt, kt) = (sq.div_ceil(br), sk.div_ceil(BK));
@@ -257,11 +271,12 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
   const int j0 = kb + warp * 16 + g, j1 = j0 + 8;
 {ptrs}  const int it0 = ({first}) / {br};
 {tile_start}"#,
-        roles = roles(sp, br, nbuf, bulk, ws, tma, lbytes + stage),
+        roles = roles(sp, br, nbuf, bulk, ws, tma, early, lbytes + stage),
         ptrs = head_pointers(sp),
         tile_start = if ws {
             format!(
-                "  // The key and value tiles copied.\n  if (it0 < {qt}) {{ mb_wait(kvfull, kc & 1u); ++kc; }}\n"
+                "  // The key and value tiles copied.\n  if (it0 < {qt}) {{ mb_wait(kvfull, kc & 1u);{v} ++kc; }}\n",
+                v = if early { " mb_wait(vfull, kc & 1u);" } else { "" }
             )
         } else {
             format!(
@@ -313,7 +328,7 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
       pa[kk][2] = pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
       pa[kk][3] = pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
     }}
-{v_product}{wait_p}    // dSᵀ = Pᵀ ∘ (dPᵀ − D) while dV is on the tensor cores; rounded into A fragments, and into
+{v_product}{wait_p}{v_free}    // dSᵀ = Pᵀ ∘ (dPᵀ − D) while dV is on the tensor cores; rounded into A fragments, and into
     // shared memory for dQ.
     #pragma unroll
     for (int n = 0; n < {br8}; ++n) {{
@@ -345,7 +360,7 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 {q_products}      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     }}
-{k_after}{reduce}{it_end}  }}
+{k_after}{reduce}{k_free}{it_end}  }}
 {k_last}"#,
         br2 = 2 * br,
         blk = BK * 128,
@@ -398,7 +413,8 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
             if ws {
                 // Every product of the block's keys is complete: the last query buffer and the
                 // key and value tiles go back to the producer.
-                out += &format!("  if (it0 < {qt} && lane == 0) {{ mb_arrive(qempty + 8u * ((qc + {nbuf}u - 1u) % {nbuf}u)); mb_arrive(kvempty); }}\n");
+                let kv = if early { "" } else { " mb_arrive(kvempty);" };
+                out += &format!("  if (it0 < {qt} && lane == 0) {{ mb_arrive(qempty + 8u * ((qc + {nbuf}u - 1u) % {nbuf}u));{kv} }}\n");
             }
             out
         },
@@ -446,6 +462,18 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
             "    __syncthreads();\n"
         },
         it_end = if ws { "    ++qc;\n" } else { "" },
+        // The block's last products of the value tile (dPᵀ, complete with the wait above) and of
+        // the key tile (dQ, complete in the reduction) read them: they go back to the producer.
+        v_free = if early {
+            format!("    if (it == {qt} - 1 && lane == 0) mb_arrive(vempty);\n")
+        } else {
+            String::new()
+        },
+        k_free = if early {
+            format!("    if (it == {qt} - 1 && lane == 0) mb_arrive(kvempty);\n")
+        } else {
+            String::new()
+        },
         a_step = if br == 128 { BK * 128 } else { 0 },
         b_step = if br == 64 { BK * 128 } else { 0 },
         q_products = q_products(),
@@ -536,7 +564,17 @@ fn load_queries(sp: &Spec, br: usize, stats_only: bool) -> String {
 /// tiles and copies, for each, the key and value tiles and then the query tiles that see them
 /// into the buffers in turn, each once the computing warpgroups have given it back), and the
 /// opening of the computing warpgroups' branch, whose threads are renumbered from 0.
-fn roles(sp: &Spec, br: usize, nbuf: usize, bulk: bool, ws: bool, tma: bool, off: usize) -> String {
+#[allow(clippy::too_many_arguments)]
+fn roles(
+    sp: &Spec,
+    br: usize,
+    nbuf: usize,
+    bulk: bool,
+    ws: bool,
+    tma: bool,
+    early: bool,
+    off: usize,
+) -> String {
     let red2 = if bulk { "" } else { RED2 };
     if !ws {
         let prelude = super::hopper::prelude().replace("$THREADS", &THREADS.to_string());
@@ -597,6 +635,36 @@ fn roles(sp: &Spec, br: usize, nbuf: usize, bulk: bool, ws: bool, tma: bool, off
             String::new(),
         )
     };
+    // With `early`: the values first, the first query tile, then the keys (the order in which
+    // the computing warpgroups give their buffers back), else both tiles at once.
+    let (kv_start, k_in_loop, k_after_loop) = if early {
+        (
+            format!(
+                r#"    auto copy_keys = [&]() {{
+      mb_wait(kvempty, (kc & 1u) ^ 1u);
+      if (tid == 0) {{
+        mb_expect(kvfull, {kbytes}u);
+        tma_tile(&kmap, k_s, kvfull, kb, {dblk}, {BK}, hh, bb);
+      }}
+    }};
+    mb_wait(vempty, (kc & 1u) ^ 1u);
+    if (tid == 0) {{
+      mb_expect(vfull, {kbytes}u);
+      tma_tile(&vmap, v_s, vfull, kb, {dblk}, {BK}, hh, bb);
+    }}
+"#,
+                dblk = d / 64,
+            ),
+            "      if (it == it0 + 1) copy_keys();\n",
+            format!("    if (it0 + 1 == {qt}) copy_keys();\n"),
+        )
+    } else {
+        (
+            format!("    mb_wait(kvempty, (kc & 1u) ^ 1u);\n{kv_copy}"),
+            "",
+            String::new(),
+        )
+    };
     let heads = sp.heads;
     let helpers = if tma {
         [super::hopper_ws::MBARRIERS, super::hopper_ws::BULK_COPIES].concat()
@@ -605,7 +673,7 @@ fn roles(sp: &Spec, br: usize, nbuf: usize, bulk: bool, ws: bool, tma: bool, off
     };
     format!(
         r#"{prelude}const unsigned qfull = l_s + {off}u, qempty = qfull + {b8}u, kvfull = qempty + {b8}u, kvempty = kvfull + 8u;
-{mbarriers}if (tid == 0) {{
+{v_bars}{mbarriers}if (tid == 0) {{
   // Full: the producer's threads (their copies landed) and the bulk copies' announcement where
   // they copy; empty: the computing warps.
   for (unsigned b = 0; b < {nbuf}u; ++b) {{
@@ -614,6 +682,7 @@ fn roles(sp: &Spec, br: usize, nbuf: usize, bulk: bool, ws: bool, tma: bool, off
   }}
   mb_init(kvfull, {kv_count}u);
   mb_init(kvempty, {cwarps}u);
+{v_init}
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }}
 __syncthreads();
@@ -627,15 +696,14 @@ if (tid < {PRODUCER}) {{
     const int it0 = ({first}) / {br};
     if (it0 >= {qt}) continue;
 {ptrs}{loader}    const int hh = (int)(bh % {heads}LL), bb = (int)(bh / {heads}LL);
-    mb_wait(kvempty, (kc & 1u) ^ 1u);
-{kv_copy}    ++kc;
-    for (int it = it0; it < {qt}; ++it) {{
-      const unsigned buf = qc % {nbuf}u;
+{kv_start}    for (int it = it0; it < {qt}; ++it) {{
+{k_in_loop}      const unsigned buf = qc % {nbuf}u;
       mb_wait(qempty + 8u * buf, ((qc / {nbuf}u) & 1u) ^ 1u);
 {q_copy}      load_queries(it, (int)buf);
       asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(qfull + 8u * buf) : "memory");
       ++qc;
     }}
+{k_after_loop}    ++kc;
   }}
   // Every copy has landed before the producer leaves.
   asm volatile("cp.async.wait_all;" ::: "memory");
@@ -646,6 +714,17 @@ const int tid = threadIdx.x - {PRODUCER}, warp = tid >> 5, wg = tid >> 7;
 "#,
         b8 = 8 * nbuf,
         mbarriers = helpers,
+        // With `early` kvfull and kvempty stand for the key tile alone.
+        v_bars = if early {
+            "const unsigned vfull = kvempty + 8u, vempty = vfull + 8u;\n"
+        } else {
+            ""
+        },
+        v_init = if early {
+            format!("  mb_init(vfull, 1u);\n  mb_init(vempty, {cwarps}u);\n")
+        } else {
+            String::new()
+        },
         first = first_query(sp),
         ptrs = head_pointers(sp),
         loader = load_queries(sp, br, tma),
@@ -769,12 +848,13 @@ mod tests {
     /// block's keys.
     #[test]
     fn blocks_fit_hopper() {
-        let variants = (0..32).map(|i| super::Variant {
+        let variants = (0..64).map(|i| super::Variant {
             bulk: i & 1 != 0,
             overlap: i & 2 != 0,
             ws: i & 4 != 0,
             tma: i & 8 != 0,
             ds2: i & 16 != 0,
+            early: i & 32 != 0,
         });
         for variant in variants {
             // Bulk tensor copies imply a producer.
@@ -828,6 +908,21 @@ mod tests {
                     "{variant:?}"
                 );
                 assert_eq!(b.source.contains("(qc & 1u)"), ds2, "{variant:?}");
+                // Keys and values released apart: each barrier initialized, waited for and
+                // arrived on.
+                let early = variant.early && variant.tma;
+                for bar in [
+                    "mb_init(vfull",
+                    "mb_wait(vfull",
+                    "mb_wait(vempty",
+                    "mb_arrive(vempty",
+                ] {
+                    assert_eq!(b.source.contains(bar), early, "{bar} {variant:?}");
+                }
+                assert_eq!(
+                    b.source.matches("copy_keys()").count(),
+                    if early { 2 } else { 0 }
+                );
                 let only_v = super::build(&sp, false, true, variant);
                 assert!(!only_v.source.contains("RT_WGMMA_K(") && !only_v.source.contains("acck"));
                 assert_eq!(only_v.source.contains("% 3"), ws);
