@@ -300,6 +300,14 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
         format!("it * {br} + {br} <= {sq} && kb + {BK} <= lim_of(it * {br})")
     };
     let sl2 = (sp.scale * std::f64::consts::LOG2_E) as f32;
+    // With `early`: the arrival on `bar` once the block's last query tile has read its tile.
+    let last_tile_frees = |bar: &str| {
+        if early {
+            format!("    if (it == {qt} - 1 && lane == 0) mb_arrive({bar});\n")
+        } else {
+            String::new()
+        }
+    };
     c += &format!(
         r#"  float s[{br8}][4], dpt[{br8}][4], dq[8][4];
   unsigned pa[{br16}][4], dsa[{br16}][4] = {{}};
@@ -465,16 +473,8 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
         it_end = if ws { "    ++qc;\n" } else { "" },
         // The block's last products of the value tile (dPᵀ, complete with the wait above) and of
         // the key tile (dQ, complete in the reduction) read them: they go back to the producer.
-        v_free = if early {
-            format!("    if (it == {qt} - 1 && lane == 0) mb_arrive(vempty);\n")
-        } else {
-            String::new()
-        },
-        k_free = if early {
-            format!("    if (it == {qt} - 1 && lane == 0) mb_arrive(kvempty);\n")
-        } else {
-            String::new()
-        },
+        v_free = last_tile_frees("vempty"),
+        k_free = last_tile_frees("kvempty"),
         a_step = if br == 128 { BK * 128 } else { 0 },
         b_step = if br == 64 { BK * 128 } else { 0 },
         q_products = q_products(),
