@@ -518,25 +518,28 @@ fn grad_kernels(
         .collect();
     let ins = || (0..n_in).map(ArgRef::Input);
     let scratch = [ArgRef::ScratchAt(0), ArgRef::ScratchAt(delta_at)];
-    let mut launches = vec![match saved {
-        None => {
-            let (stats, stats_grid, extra) =
-                sp.forward_launch("flash_attention_stats", stats_params, Tail::Stats)?;
-            Launch {
-                kernel: stats,
-                args: ins().chain(scratch).chain(extra).collect(),
-                grid: stats_grid,
-            }
-        }
-        Some(saved) => delta_launch(sp, n_in, saved, None)?,
-    }];
     let at = |w: u8| wanted.iter().find(|(x, _)| *x == w).map(|(_, a)| *a);
     if let Some(w) = wanted.iter().map(|(w, _)| *w).find(|&w| w > 2) {
         return Err(crate::CodegenError::Invalid(format!(
             "attention gradient with respect to operand {w}"
         )));
     }
-    if let (Some(q), true) = (at(0), at(1).is_some() || at(2).is_some()) {
+    let fused = at(0).is_some() && (at(1).is_some() || at(2).is_some());
+    let mut launches = match saved {
+        None => {
+            let (stats, stats_grid, extra) =
+                sp.forward_launch("flash_attention_stats", stats_params, Tail::Stats)?;
+            vec![Launch {
+                kernel: stats,
+                args: ins().chain(scratch).chain(extra).collect(),
+                grid: stats_grid,
+            }]
+        }
+        // The fused backward builds it, zeroing its dQ buffer too.
+        Some(_) if fused => vec![],
+        Some(saved) => vec![delta_launch(sp, n_in, saved, None)?],
+    };
+    if let (Some(q), true) = (at(0), fused) {
         let base: Vec<ArgRef> = ins().chain(scratch).collect();
         let used = delta_at + rows * 4;
         let saved = saved.map(|s| (s, n_in));
@@ -635,8 +638,8 @@ fn delta_launch(
 /// `q`) with `dK` and/or `dV` (into `kv`), between a kernel zeroing its f32 `dQ` buffer and one
 /// rounding it into the result. The gradient kernels' parameters `grad_params` bind to `base`
 /// (the operands, the statistics in the first `used` bytes of scratch); the buffer follows.
-/// Where the statistics come from a saved forward (`saved`, with the operand count), their
-/// kernel also zeroes the buffer.
+/// Where the statistics come from a saved forward (`saved`, with the operand count),
+/// `launches` is empty and their kernel, built here, also zeroes the buffer.
 #[allow(clippy::too_many_arguments)]
 fn fused_grads(
     sp: &Spec,
@@ -678,7 +681,7 @@ fn fused_grads(
     let buffer_grid = grid_for(acc_len as u64 / 2, backward::BUFFER_THREADS as u64);
     match saved {
         Some((saved, n_in)) => {
-            launches[0] = delta_launch(sp, n_in, saved, Some((acc_at, acc_len)))?;
+            launches.push(delta_launch(sp, n_in, saved, Some((acc_at, acc_len)))?);
         }
         None => launches.push(Launch {
             kernel: small(

@@ -41,8 +41,9 @@ const BK: usize = 128;
 const DQ_PART: usize = 64 * 64;
 
 /// How the kernel orders, feeds and adds its products. The default, `bulk`, `overlap`, `ws`,
-/// `tma` and `ds2`, passed the float64 device test and compute-sanitizer and was the fastest measured
-/// (docs/performance.md); the environment variables select the others, for measurements.
+/// `tma` and `ds2`, passed the float64 device test and compute-sanitizer and was the fastest
+/// measured (docs/performance.md); the environment variables select the others, for
+/// measurements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Variant {
     /// `dQ` added by bulk reductions from shared memory into a buffer blocked by query tile
@@ -71,7 +72,8 @@ pub(super) struct Variant {
     /// warpgroup's `dQ` reads only its own 64 queries' half of `dSᵀ`, the warpgroup stages its
     /// `dQ` for the bulk reduction in that half once its product is complete, so the second
     /// buffer costs no shared memory. The default (with the statistics kernel that zeroes `dQ`,
-    /// forward and backward together 1.02–1.04× as fast at head size 64); `RUSTYTORCH_HOPPER_BWD_DS2=0` turns it off.
+    /// forward and backward together 1.02–1.04× as fast at head size 64);
+    /// `RUSTYTORCH_HOPPER_BWD_DS2=0` turns it off.
     pub ds2: bool,
     /// With `tma`: the value tile goes back to the producer once the block's last `dPᵀ`
     /// product has read it and the key tile once its last `dQ` product has (an empty and a
