@@ -664,6 +664,14 @@ fn flash_attention_hopper_backward_compiles() {
             ],
             384,
         ),
+        // Each key tile's walk over the query tiles rotated.
+        (
+            &[
+                ("RUSTYTORCH_HOPPER_BWD_ROTATE", "1"),
+                ("RUSTYTORCH_HOPPER_BWD_TMA", "1"),
+            ],
+            384,
+        ),
         // The default kernel on a bounded grid, walking its tiles by rounds.
         (
             &[
@@ -719,6 +727,10 @@ fn flash_attention_hopper_backward_compiles() {
                 };
                 assert_eq!(src.matches("bar.sync 3, 256").count(), barriers);
             }
+            assert_eq!(
+                src.contains("(step - it0 + (int)(tile % "),
+                vars[0].0 == "RUSTYTORCH_HOPPER_BWD_ROTATE"
+            );
             if bounded {
                 assert_eq!(l.grid, 4);
                 assert_eq!(src.matches("++round_)").count(), 2);

@@ -83,6 +83,11 @@ pub(super) struct Variant {
     /// device test but measured within run-to-run spread (−0.6% to +1.8%), so off;
     /// `RUSTYTORCH_HOPPER_BWD_EARLY=1` turns it on.
     pub early: bool,
+    /// With `ws`: each key tile walks its query tiles starting at a different one (the key
+    /// tile's index modulo their count, wrapping around), so that the blocks of one head add
+    /// into different query tiles' `dQ` at a time instead of all into the same one
+    /// (`RUSTYTORCH_HOPPER_BWD_ROTATE=1`).
+    pub rotate: bool,
 }
 
 impl Variant {
@@ -99,6 +104,7 @@ impl Variant {
             tma,
             ds2: var("RUSTYTORCH_HOPPER_BWD_DS2").as_deref() != Some("0"),
             early: var("RUSTYTORCH_HOPPER_BWD_EARLY").as_deref() == Some("1"),
+            rotate: var("RUSTYTORCH_HOPPER_BWD_ROTATE").as_deref() == Some("1"),
         }
     }
 }
@@ -212,6 +218,7 @@ pub(super) fn build(sp: &Spec, wk: bool, wv: bool, variant: Variant) -> Built {
     let lbytes = nbuf * 2 * br * 4;
     // The key and value tiles released apart (bulk tensor copies only).
     let early = variant.early && tma;
+    let walk = walk(sp, br, variant.rotate && ws);
     // With a producer: full and empty barriers for each query buffer and for the key and value
     // tiles (for each of them where they are released apart).
     let bars = if ws {
@@ -274,7 +281,7 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
   const int j0 = kb + warp * 16 + g, j1 = j0 + 8;
 {ptrs}  const int it0 = ({first}) / {br};
 {tile_start}"#,
-        roles = roles(sp, br, nbuf, bulk, ws, tma, early, lbytes + stage),
+        roles = roles(sp, br, nbuf, bulk, ws, tma, early, lbytes + stage, &walk),
         ptrs = head_pointers(sp),
         tile_start = if ws {
             format!(
@@ -305,7 +312,7 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
     // With `early`: the arrival on `bar` once the block's last query tile has read its tile.
     let last_tile_frees = |bar: &str| {
         if early {
-            format!("    if (it == {qt} - 1 && lane == 0) mb_arrive({bar});\n")
+            format!("    if (step == {qt} - 1 && lane == 0) mb_arrive({bar});\n")
         } else {
             String::new()
         }
@@ -313,7 +320,8 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
     c += &format!(
         r#"  float s[{br8}][4], dpt[{br8}][4], dq[8][4];
   unsigned pa[{br16}][4], dsa[{br16}][4] = {{}};
-  for (int it = it0; it < {qt}; ++it) {{
+  for (int step = it0; step < {qt}; ++step) {{
+    const int it = {walk};
 {it_start}{ds_buf}    const unsigned qs = q_s0 + (unsigned)buf * {qbytes}u, gs = g_s0 + (unsigned)buf * {qbytes}u;
     const float* lsb = ls_all + buf * {br2};
     const float* dlsb = lsb + {br};
@@ -452,7 +460,7 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
         },
         // The previous tile's products are complete: its buffer goes back to the producer.
         release_prev = if ws {
-            format!("    if (it > it0 && lane == 0) mb_arrive(qempty + 8u * ((qc + {nbuf}u - 1u) % {nbuf}u));\n")
+            format!("    if (step > it0 && lane == 0) mb_arrive(qempty + 8u * ((qc + {nbuf}u - 1u) % {nbuf}u));\n")
         } else {
             String::new()
         },
@@ -561,6 +569,18 @@ fn load_queries(sp: &Spec, br: usize, stats_only: bool) -> String {
     )
 }
 
+/// The C expression of the query tile taken at walk step `step` (from `it0`, the first that
+/// sees the key tile, to the last): the step itself, or with `rotate` the steps rotated by the
+/// key tile's index within its head.
+fn walk(sp: &Spec, br: usize, rotate: bool) -> String {
+    if rotate {
+        let (qt, kt) = (sp.sq.div_ceil(br), sp.sk.div_ceil(BK));
+        format!("it0 + (step - it0 + (int)(tile % {kt}LL)) % ({qt} - it0)")
+    } else {
+        "step".to_string()
+    }
+}
+
 /// The C before the walk over the key tiles: the copy helper and, without a producer, the
 /// warpgroup index and the reduction helper. With one ([`Variant::ws`]): the barriers (at
 /// `off` bytes past the statistics' buffers), the producer's branch (which walks the same key
@@ -577,6 +597,7 @@ fn roles(
     tma: bool,
     early: bool,
     off: usize,
+    walk: &str,
 ) -> String {
     let red2 = if bulk { "" } else { RED2 };
     if !ws {
@@ -658,7 +679,7 @@ fn roles(
 "#,
                 dblk = d / 64,
             ),
-            "      if (it == it0 + 1) copy_keys();\n",
+            "      if (step == it0 + 1) copy_keys();\n",
             format!("    if (it0 + 1 == {qt}) copy_keys();\n"),
         )
     } else {
@@ -699,7 +720,8 @@ if (tid < {PRODUCER}) {{
     const int it0 = ({first}) / {br};
     if (it0 >= {qt}) continue;
 {ptrs}{loader}    const int hh = (int)(bh % {heads}LL), bb = (int)(bh / {heads}LL);
-{kv_start}    for (int it = it0; it < {qt}; ++it) {{
+{kv_start}    for (int step = it0; step < {qt}; ++step) {{
+      const int it = {walk};
 {k_in_loop}      const unsigned buf = qc % {nbuf}u;
       mb_wait(qempty + 8u * buf, ((qc / {nbuf}u) & 1u) ^ 1u);
 {q_copy}      load_queries(it, (int)buf);
@@ -851,13 +873,14 @@ mod tests {
     /// block's keys.
     #[test]
     fn blocks_fit_hopper() {
-        let variants = (0..64).map(|i| super::Variant {
+        let variants = (0..128).map(|i| super::Variant {
             bulk: i & 1 != 0,
             overlap: i & 2 != 0,
             ws: i & 4 != 0,
             tma: i & 8 != 0,
             ds2: i & 16 != 0,
             early: i & 32 != 0,
+            rotate: i & 64 != 0,
         });
         for variant in variants {
             // Bulk tensor copies imply a producer.
@@ -886,6 +909,9 @@ mod tests {
                 assert_eq!(b.source.contains("% 3"), three, "{variant:?}");
                 assert_eq!(b.threads, if ws { 384 } else { 256 });
                 assert_eq!(b.source.contains("setmaxnreg"), ws);
+                // The rotated walk needs the producer, which walks the same steps.
+                let rotated = b.source.matches("(step - it0 + (int)(tile % ").count();
+                assert_eq!(rotated, if variant.rotate && ws { 2 } else { 0 });
                 assert_eq!(b.source.contains("cp.async.bulk.tensor"), variant.tma);
                 assert_eq!(b.maps.is_some(), variant.tma);
                 for regs in [super::REGISTERS, super::TMA_REGISTERS] {
