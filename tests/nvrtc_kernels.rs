@@ -664,6 +664,14 @@ fn flash_attention_hopper_backward_compiles() {
             ],
             384,
         ),
+        // dK and dV written by bulk tensor copies out of the key and value tiles.
+        (
+            &[
+                ("RUSTYTORCH_HOPPER_BWD_STORE", "bulk"),
+                ("RUSTYTORCH_HOPPER_BWD_TMA", "1"),
+            ],
+            384,
+        ),
         // Each key tile's walk over the query tiles rotated.
         (
             &[
@@ -708,23 +716,38 @@ fn flash_attention_hopper_backward_compiles() {
             );
             let l = &step.launches[2];
             let maps = l.kernel.params.iter().filter(|p| p.map.is_some()).count();
-            assert_eq!(maps, if tma { 4 } else { 0 });
+            // Two more, over dK and dV, where the kernel writes them by bulk copies.
+            let out_maps = vars[0].0 == "RUSTYTORCH_HOPPER_BWD_STORE";
+            assert_eq!(
+                maps,
+                if out_maps {
+                    6
+                } else if tma {
+                    4
+                } else {
+                    0
+                }
+            );
             assert_eq!(l.args.len(), l.kernel.params.len());
             assert_eq!(l.kernel.block, threads);
             let src = source(&l.kernel).expect("source");
+            assert_eq!(
+                src.contains("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group"),
+                out_maps
+            );
             assert_eq!(src.contains("cp.async.bulk.tensor.4d"), tma);
             assert_eq!(
                 src.contains("copy_keys"),
                 vars[0].0 == "RUSTYTORCH_HOPPER_BWD_EARLY"
             );
             // The computing warpgroups meet at one named barrier a tile with two dSᵀ buffers
-            // (the default), at two with one.
+            // (the default), at two with one; bulk stores of dK and dV add two a key tile.
             if tma {
                 let barriers = if vars[0].0 == "RUSTYTORCH_HOPPER_BWD_DS2" {
                     2
                 } else {
                     1
-                };
+                } + if out_maps { 2 } else { 0 };
                 assert_eq!(src.matches("bar.sync 3, 256").count(), barriers);
             }
             assert_eq!(

@@ -725,6 +725,18 @@ fn fused_grads(
             });
             args.push(at);
         }
+        // Then the maps the kernel writes dK and dV through, over its outputs.
+        if built.out_maps {
+            for (part, name, at) in [(Part::K, "okmap", k), (Part::V, "ovmap", v)] {
+                if let Some(at) = at {
+                    params.push(Param {
+                        map: Some(sp.tensor_map(part, k_rows)),
+                        ..param(name, sp.e, true)
+                    });
+                    args.push(at);
+                }
+            }
+        }
     }
     launches.push(Launch {
         kernel: verbatim(prefix, params, built.threads, built.smem, built.source)?,

@@ -46,6 +46,9 @@ pub(super) struct Built {
     /// Where the kernel reads q, k, v and dO through tensor maps (`qmap`, `kmap`, `vmap`,
     /// `gmap`, parameters after the others): the rows of the query and the key boxes.
     pub maps: Option<[u32; 2]>,
+    /// Whether the kernel also writes `dK` and `dV` through tensor maps (`okmap`, `ovmap`, after
+    /// the four above, for the gradients it computes), with the key box's rows.
+    pub out_maps: bool,
 }
 
 /// Warps per block for `sp`: eight when the `dQ` columns split evenly in two 16-column
@@ -238,6 +241,7 @@ auto load_rows = [&](const unsigned short* src, unsigned base, int r0, int rows,
         keys: bk,
         dq_blocked: None,
         maps: None,
+        out_maps: false,
     }
 }
 

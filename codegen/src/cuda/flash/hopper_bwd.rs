@@ -53,12 +53,16 @@ pub(super) struct Variant {
     /// `dK += dSᵀ·Q` issued after `dQ = dS·K` and left running over the `dQ` reduction and the
     /// next query tile's first products (off with `RUSTYTORCH_HOPPER_BWD_OVERLAP=0`); the query
     /// tiles then take three buffers, since a tile's buffer is still read while the tile after
-    /// the next one is copied.
+    /// the next one is copied. At head size 64 (128-row query tiles) the `dSᵀ` fragments it
+    /// keeps alive over the next tile's `Sᵀ` and `dPᵀ` leave too few registers: ptxas
+    /// (NVRTC 12.8 and 13.0) then serializes every `wgmma` of the kernel (its note C7512);
+    /// without it, it does not.
     pub overlap: bool,
     /// A producer warpgroup copies the tiles and the two computing warpgroups wait on
     /// shared-memory barriers (`mbarrier`) for them, instead of copying them themselves
-    /// between block-wide barriers (implies `overlap`). On with `tma` (the default), or with
-    /// `cp.async` copies where `RUSTYTORCH_HOPPER_BWD_TMA=0 RUSTYTORCH_HOPPER_BWD_WS=1` ask.
+    /// between block-wide barriers (three query buffers, with or without `overlap`). On with
+    /// `tma` (the default), or with `cp.async` copies where
+    /// `RUSTYTORCH_HOPPER_BWD_TMA=0 RUSTYTORCH_HOPPER_BWD_WS=1` ask.
     pub ws: bool,
     /// With `ws`: the producer's one thread copies the key, value, query and `dO` tiles with
     /// the tensor memory accelerator (bulk tensor copies through tensor maps the runtime
@@ -88,6 +92,11 @@ pub(super) struct Variant {
     /// into different query tiles' `dQ` at a time instead of all into the same one
     /// (`RUSTYTORCH_HOPPER_BWD_ROTATE=1`).
     pub rotate: bool,
+    /// With `tma` (and not `early`): `dK` and `dV` rounded into the key and value tiles' shared
+    /// memory (free once the block's last products have read them) and written by bulk tensor
+    /// copies, instead of by each thread's 4-byte stores; the producer reloads the tiles once
+    /// the copies have read them (`RUSTYTORCH_HOPPER_BWD_STORE=bulk`).
+    pub store_bulk: bool,
 }
 
 impl Variant {
@@ -105,6 +114,7 @@ impl Variant {
             ds2: var("RUSTYTORCH_HOPPER_BWD_DS2").as_deref() != Some("0"),
             early: var("RUSTYTORCH_HOPPER_BWD_EARLY").as_deref() == Some("1"),
             rotate: var("RUSTYTORCH_HOPPER_BWD_ROTATE").as_deref() == Some("1"),
+            store_bulk: var("RUSTYTORCH_HOPPER_BWD_STORE").as_deref() == Some("bulk"),
         }
     }
 }
@@ -195,7 +205,7 @@ pub(super) fn build(sp: &Spec, wk: bool, wv: bool, variant: Variant) -> Built {
     let bulk = variant.bulk;
     let ws = variant.ws || variant.tma;
     let tma = variant.tma;
-    let overlap = wk && (variant.overlap || ws);
+    let overlap = wk && variant.overlap;
     let nbuf = if overlap || ws { 3 } else { 2 };
     // Two dSᵀ buffers need the producer's barriers (the computing warpgroups' one named barrier
     // a tile orders them) and the bulk reductions (whose reads of the staged dQ are waited for
@@ -219,6 +229,7 @@ pub(super) fn build(sp: &Spec, wk: bool, wv: bool, variant: Variant) -> Built {
     // The key and value tiles released apart (bulk tensor copies only).
     let early = variant.early && tma;
     let walk = walk(sp, br, variant.rotate && ws);
+    let store_bulk = variant.store_bulk && tma && !early;
     // With a producer: full and empty barriers for each query buffer and for the key and value
     // tiles (for each of them where they are released apart).
     let bars = if ws {
@@ -281,7 +292,18 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
   const int j0 = kb + warp * 16 + g, j1 = j0 + 8;
 {ptrs}  const int it0 = ({first}) / {br};
 {tile_start}"#,
-        roles = roles(sp, br, nbuf, bulk, ws, tma, early, lbytes + stage, &walk),
+        roles = roles(
+            sp,
+            br,
+            nbuf,
+            bulk,
+            ws,
+            tma,
+            early,
+            store_bulk,
+            lbytes + stage,
+            &walk
+        ),
         ptrs = head_pointers(sp),
         tile_start = if ws {
             format!(
@@ -432,18 +454,29 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
             if ws {
                 // Every product of the block's keys is complete: the last query buffer and the
                 // key and value tiles go back to the producer.
-                let kv = if early { "" } else { " mb_arrive(kvempty);" };
+                let kv = if early || store_bulk {
+                    ""
+                } else {
+                    " mb_arrive(kvempty);"
+                };
                 out += &format!("  if (it0 < {qt} && lane == 0) {{ mb_arrive(qempty + 8u * ((qc + {nbuf}u - 1u) % {nbuf}u));{kv} }}\n");
             }
             out
         },
+        // Bytes copied by `cp.async` (the generic proxy) are made visible to the tensor cores
+        // (the async proxy); bulk tensor copies write through the async proxy already, and
+        // the fence (ptxas emits a `MEMBAR.ALL.CTA`) would cost each tile for nothing.
         it_start = if ws {
+            let fence = if tma {
+                ""
+            } else {
+                "    asm volatile(\"fence.proxy.async.shared::cta;\" ::: \"memory\");\n"
+            };
             format!(
-                r#"    // Tile `it` has landed in buffer `buf` (then made visible to the tensor cores).
+                r#"    // Tile `it` has landed in buffer `buf`.
     const unsigned buf = qc % {nbuf}u;
     mb_wait(qfull + 8u * buf, (qc / {nbuf}u) & 1u);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-"#
+{fence}"#
             )
         } else {
             format!(
@@ -508,7 +541,11 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
             ""
         },
     );
-    c += &store_kv(sp, wk.then_some("out_k"), wv.then_some("out_v"));
+    if store_bulk {
+        c += &bulk_store_kv(sp, wk, wv);
+    } else {
+        c += &store_kv(sp, wk.then_some("out_k"), wv.then_some("out_v"));
+    }
     if !ws {
         // The next tile's copies overwrite the key and value tiles.
         c += "  __syncthreads();\n";
@@ -530,7 +567,70 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
         keys: BK,
         dq_blocked: bulk.then(|| dq_index(sp)),
         maps: tma.then_some([br as u32, BK as u32]),
+        out_maps: store_bulk,
     }
+}
+
+/// With [`Variant::store_bulk`]: `dK` (scaled) and `dV` rounded into the key and value tiles'
+/// shared memory, laid out as the bulk tensor copies loaded them (64-column blocks of 128-byte
+/// rows, the 16-byte chunks of row r at chunk c ^ (r mod 8)), once both warpgroups' products
+/// have read the tiles; then one thread copies them out through the tensor maps (which drop
+/// the rows past the keys' end) and gives the tiles back to the producer once the copies have
+/// read them. A key tile that no query sees (the producer copied nothing into the tiles,
+/// which may hold the next key tile already) writes its zeros directly.
+fn bulk_store_kv(sp: &Spec, wk: bool, wv: bool) -> String {
+    let (sq, d) = (sp.sq, sp.d);
+    let qt = sq.div_ceil(query_rows(sp));
+    let mut stage = String::new();
+    let mut copy = String::new();
+    for (on, acc, tile, map, scale) in [
+        (wk, "acck", "k_s", "okmap", sp.scale as f32),
+        (wv, "accv", "v_s", "ovmap", 1.0f32),
+    ] {
+        if !on {
+            continue;
+        }
+        stage += &format!(
+            r#"    #pragma unroll
+    for (int n = 0; n < {d8}; ++n) {{
+      const unsigned at = {tile} + (unsigned)((n >> 3) * {blk} + (warp * 16 + g) * 128 + (((n & 7) ^ g) << 4) + t4 * 4);
+      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at), "r"(pack({acc}[n][0] * {scale:?}f, {acc}[n][1] * {scale:?}f)) : "memory");
+      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at + 1024u), "r"(pack({acc}[n][2] * {scale:?}f, {acc}[n][3] * {scale:?}f)) : "memory");
+    }}
+"#,
+            d8 = d / 8,
+            blk = BK * 128,
+        );
+        copy += &format!(
+            r#"      for (int c = 0; c < {dblk}; ++c) {{
+        asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {{%1, %2, %3, %4}}], [%5];"
+                     :: "l"((unsigned long long)&{map}), "r"(c * 64), "r"(kb), "r"(hh), "r"(bb), "r"({tile} + (unsigned)(c * {blk}))
+                     : "memory");
+      }}
+"#,
+            dblk = d / 64,
+            blk = BK * 128,
+        );
+    }
+    format!(
+        r#"  if (it0 < {qt}) {{
+    // Both warpgroups' products, which read the key and value tiles, are complete.
+    asm volatile("bar.sync 3, 256;" ::: "memory");
+{stage}    // Staged, and visible to the bulk copies.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("bar.sync 3, 256;" ::: "memory");
+    if (tid == 0) {{
+      const int hh = (int)(bh % {heads}LL), bb = (int)(bh / {heads}LL);
+{copy}      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+      mb_arrive(kvempty);
+    }}
+  }} else {{
+{direct}  }}
+"#,
+        heads = sp.heads,
+        direct = store_kv(sp, wk.then_some("out_k"), wv.then_some("out_v")),
+    )
 }
 
 /// The C defining `lp` and `dlp` (the head's log-sum-exp and `D`) and `load_queries(it, buf)`,
@@ -596,6 +696,7 @@ fn roles(
     ws: bool,
     tma: bool,
     early: bool,
+    store_bulk: bool,
     off: usize,
     walk: &str,
 ) -> String {
@@ -705,7 +806,7 @@ fn roles(
     mb_init(qempty + 8u * b, {cwarps}u);
   }}
   mb_init(kvfull, {kv_count}u);
-  mb_init(kvempty, {cwarps}u);
+  mb_init(kvempty, {kv_free}u);
 {v_init}
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }}
@@ -739,6 +840,9 @@ const int tid = threadIdx.x - {PRODUCER}, warp = tid >> 5, wg = tid >> 7;
 "#,
         b8 = 8 * nbuf,
         mbarriers = helpers,
+        // With bulk stores one thread gives the key and value tiles back, once its copies of
+        // dK and dV out of them have read them.
+        kv_free = if store_bulk { 1 } else { cwarps },
         // With `early` kvfull and kvempty stand for the key tile alone.
         v_bars = if early {
             "const unsigned vfull = kvempty + 8u, vempty = vfull + 8u;\n"
@@ -873,7 +977,7 @@ mod tests {
     /// block's keys.
     #[test]
     fn blocks_fit_hopper() {
-        let variants = (0..128).map(|i| super::Variant {
+        let variants = (0..256).map(|i| super::Variant {
             bulk: i & 1 != 0,
             overlap: i & 2 != 0,
             ws: i & 4 != 0,
@@ -881,6 +985,7 @@ mod tests {
             ds2: i & 16 != 0,
             early: i & 32 != 0,
             rotate: i & 64 != 0,
+            store_bulk: i & 128 != 0,
         });
         for variant in variants {
             // Bulk tensor copies imply a producer.
@@ -910,6 +1015,15 @@ mod tests {
                 assert_eq!(b.threads, if ws { 384 } else { 256 });
                 assert_eq!(b.source.contains("setmaxnreg"), ws);
                 // The rotated walk needs the producer, which walks the same steps.
+                // Bulk stores of dK and dV with bulk tensor copies, apart from the early release.
+                let bulk_out = variant.store_bulk && variant.tma && !variant.early;
+                assert_eq!(b.out_maps, bulk_out);
+                assert_eq!(
+                    b.source
+                        .matches("cp.async.bulk.tensor.4d.global.shared::cta")
+                        .count(),
+                    if bulk_out { 2 } else { 0 }
+                );
                 let rotated = b.source.matches("(step - it0 + (int)(tile % ").count();
                 assert_eq!(rotated, if variant.rotate && ws { 2 } else { 0 });
                 assert_eq!(b.source.contains("cp.async.bulk.tensor"), variant.tma);
@@ -924,6 +1038,7 @@ mod tests {
                 assert_eq!(b.dq_blocked.is_some(), variant.bulk);
                 // Two dSᵀ buffers leave one named barrier of both warpgroups a tile.
                 let ds2 = variant.ds2 && ws && variant.bulk;
+                // Bulk stores add two after the walk.
                 let barriers = b.source.matches("bar.sync 3, 256").count();
                 assert_eq!(
                     barriers,
@@ -933,7 +1048,7 @@ mod tests {
                         1
                     } else {
                         2
-                    },
+                    } + if bulk_out { 2 } else { 0 },
                     "{variant:?}"
                 );
                 assert_eq!(b.source.contains("(qc & 1u)"), ds2, "{variant:?}");
