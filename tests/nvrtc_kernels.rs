@@ -25,6 +25,10 @@ fn compilers() -> Option<Vec<KernelCompiler>> {
     }
 }
 
+/// Held by the tests that lower the Hopper backward: one of them sets the process-wide variables
+/// that select its variants.
+static HOPPER_BWD_ENV: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn t(d: DType, dims: &[usize]) -> TensorType {
     TensorType::new(d, Shape::new(dims.to_vec()))
 }
@@ -632,7 +636,8 @@ fn flash_attention_hopper_backward_compiles() {
     }
     // The variants without bulk tensor copies: the producer copying by `cp.async`, and no
     // producer (two warpgroups copying between block-wide barriers), in both layouts. The
-    // variables are process-wide; no other test here lowers this backward.
+    // variables are process-wide: the other test that lowers this backward waits.
+    let _env = HOPPER_BWD_ENV.lock().unwrap_or_else(|e| e.into_inner());
     for (vars, threads) in [
         (
             &[
@@ -765,4 +770,75 @@ fn flash_attention_hopper_backward_compiles() {
         }
     }
     compile_all(&hopper, sources);
+}
+
+/// The Hopper kernels keep their warpgroup MMAs asynchronous: ptxas serializes them (its note
+/// C7512, every `wgmma` then waited for before the next issues) where a kernel's live
+/// registers do not fit, which compiles and computes right but runs far slower. The default
+/// forward at head sizes 64 and 128 and backward at 128, and the backward at 64 without the
+/// overlapped `dK` product (with it, it is serialized: see `hopper_bwd::Variant::overlap`),
+/// full and causal, all three gradients and `dQ` with `dV`.
+#[test]
+fn flash_attention_hopper_wgmma_stays_asynchronous() {
+    let Some(compilers) = compilers() else { return };
+    let hopper = compilers
+        .into_iter()
+        .find(|c| c.arch() == "sm_90a")
+        .expect("the sm_90 device compiles for sm_90a");
+    let _env = HOPPER_BWD_ENV.lock().unwrap_or_else(|e| e.into_inner());
+    let d = DType::BF16;
+    let mut kernels = vec![];
+    for hd in [64, 128] {
+        for causal in [Causal::None, Causal::TopLeft] {
+            let (sq, sk) = (1024, 1024);
+            let ins = [
+                t(d, &[2, 4, sq, hd]),
+                t(d, &[2, 4, sk, hd]),
+                t(d, &[2, 4, sk, hd]),
+                t(d, &[2, 4, sq, hd]),
+            ];
+            let refs: Vec<&TensorType> = ins.iter().collect();
+            let op = Op::Attention {
+                causal,
+                mask: AttnMask::None,
+                scale: F64Bits::new(0.125),
+                layout: AttnLayout::Bhsd,
+            };
+            let out = rustytorch::ops::infer(&op, &refs[..3]).expect("infer");
+            let step =
+                with_target(Target::Hopper, || flash::lower(&op, &refs[..3], &out)).expect("lower");
+            for l in &step.launches {
+                kernels.push((format!("forward d{hd} {causal:?}"), l.kernel.clone()));
+            }
+            if hd == 64 {
+                std::env::set_var("RUSTYTORCH_HOPPER_BWD_OVERLAP", "0");
+            }
+            for wrts in [&[0u8, 1, 2][..], &[0, 2]] {
+                let step = grad_group(
+                    Target::Hopper,
+                    causal,
+                    AttnMask::None,
+                    AttnLayout::Bhsd,
+                    &refs,
+                    wrts,
+                );
+                for l in step.launches {
+                    if l.kernel.name.starts_with("flash_attention_bwd_sm90") {
+                        kernels.push((format!("backward d{hd} {causal:?} {wrts:?}"), l.kernel));
+                    }
+                }
+            }
+            std::env::remove_var("RUSTYTORCH_HOPPER_BWD_OVERLAP");
+        }
+    }
+    assert!(kernels.iter().any(|(w, _)| w.starts_with("backward d64")));
+    for (what, k) in kernels {
+        let report = hopper
+            .assembler_report(&k.name, &source(&k).expect("source"))
+            .expect("compile");
+        assert!(
+            !report.contains("C7512"),
+            "{what}: wgmma serialized\n{report}"
+        );
+    }
 }

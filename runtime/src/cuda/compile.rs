@@ -183,6 +183,24 @@ impl KernelCompiler {
     }
 
     fn nvrtc(&self, name: &str, src: &str) -> Result<Vec<u8>> {
+        // `RUSTYTORCH_NVRTC_VERBOSE=1` prints the assembler's report of each kernel compiled
+        // (registers, spills, serialized warpgroup MMAs) to standard error.
+        let verbose = std::env::var("RUSTYTORCH_NVRTC_VERBOSE").as_deref() == Ok("1");
+        let (cubin, log) = self.compile(name, src, verbose)?;
+        if verbose {
+            eprintln!("nvrtc {name}:\n{log}");
+        }
+        Ok(cubin)
+    }
+
+    /// The assembler's report on `src` (ptxas `-v`: registers, spills, and notes such as
+    /// C7512, warpgroup MMAs serialized for lack of registers), compiled afresh and not cached.
+    pub fn assembler_report(&self, name: &str, src: &str) -> Result<String> {
+        self.compile(name, src, true).map(|(_, log)| log)
+    }
+
+    /// The cubin of `src` and NVRTC's log (with the assembler's report where `report`).
+    fn compile(&self, name: &str, src: &str, report: bool) -> Result<(Vec<u8>, String)> {
         let _span = tracing::debug_span!("nvrtc", kernel = name).entered();
         let csrc = std::ffi::CString::new(src)
             .map_err(|_| RuntimeError::Invalid(format!("kernel {name}: NUL in source")))?;
@@ -190,16 +208,13 @@ impl KernelCompiler {
             .map_err(|_| RuntimeError::Invalid(format!("kernel {name}: bad name")))?;
         let prog = nr::create_program(&csrc, Some(&cname))
             .map_err(|e| RuntimeError::Device(format!("nvrtc create {name}: {e:?}")))?;
-        // `RUSTYTORCH_NVRTC_VERBOSE=1` prints the assembler's report of each kernel compiled
-        // (registers, spills, serialized warpgroup MMAs) to standard error.
-        let verbose = std::env::var("RUSTYTORCH_NVRTC_VERBOSE").as_deref() == Ok("1");
         let mut opts = vec![
             format!("--gpu-architecture={}", self.arch),
             "--std=c++17".to_string(),
             "-default-device".to_string(),
             "-lineinfo".to_string(),
         ];
-        if verbose {
+        if report {
             opts.push("--ptxas-options=-v".to_string());
         }
         // SAFETY: `prog` is a live program; the options are valid C strings.
@@ -218,10 +233,8 @@ impl KernelCompiler {
                 )))
             }
             Ok(()) => {
-                if verbose {
-                    // SAFETY: `prog` is live.
-                    eprintln!("nvrtc {name}:\n{}", unsafe { program_log(prog) });
-                }
+                // SAFETY: `prog` is live.
+                let log = unsafe { program_log(prog) };
                 let mut n = 0usize;
                 // SAFETY: `prog` compiled; writes one usize.
                 unsafe { ns::nvrtcGetCUBINSize(prog, &mut n) }
@@ -235,7 +248,7 @@ impl KernelCompiler {
                             .map_err(|e| {
                                 RuntimeError::Device(format!("nvrtcGetCUBIN {name}: {e:?}"))
                             })?;
-                        Ok(cubin)
+                        Ok((cubin, log))
                     })
             }
         };

@@ -41,8 +41,8 @@ const BK: usize = 128;
 const DQ_PART: usize = 64 * 64;
 
 /// How the kernel orders, feeds and adds its products. The default, `bulk`, `overlap`, `ws`,
-/// `tma` and `ds2`, passed the float64 device test and compute-sanitizer and was the fastest
-/// measured (docs/performance.md); the environment variables select the others, for
+/// `tma`, `ds2` and `fence`, passed the float64 device test and compute-sanitizer and was the
+/// fastest measured (docs/performance.md); the environment variables select the others, for
 /// measurements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Variant {
@@ -51,13 +51,15 @@ pub(super) struct Variant {
     /// `[B·H, Sq, D]` buffer (`RUSTYTORCH_HOPPER_BWD_DQ=vector`).
     pub bulk: bool,
     /// `dK += dSᵀ·Q` issued after `dQ = dS·K` and left running over the `dQ` reduction and the
-    /// next query tile's first products (off with `RUSTYTORCH_HOPPER_BWD_OVERLAP=0`); the query
-    /// tiles then take three buffers, since a tile's buffer is still read while the tile after
-    /// the next one is copied. At head size 64 (128-row query tiles) the `dSᵀ` fragments it
-    /// keeps alive over the next tile's `Sᵀ` and `dPᵀ` leave too few registers: ptxas
-    /// (NVRTC 12.8 and 13.0) then serializes every `wgmma` of the kernel (its note C7512);
-    /// without it, it does not.
-    pub overlap: bool,
+    /// next query tile's first products; the query tiles then take three buffers, since a
+    /// tile's buffer is still read while the tile after the next one is copied. Without it
+    /// `dK` is issued once `dSᵀ` is written and waited for with `dQ`. At head size 64 (128-row
+    /// query tiles) the `dSᵀ` fragments it keeps alive over the next tile's `Sᵀ` and `dPᵀ`
+    /// leave too few registers: ptxas (NVRTC 12.8 and 13.0) then serializes every `wgmma` of
+    /// the kernel (its note C7512), which it does not without. `None` (the default) keeps it
+    /// at both head sizes, as run on the device, until the order without it has run there
+    /// with a producer; `RUSTYTORCH_HOPPER_BWD_OVERLAP=0` or `=1` turn it off or on at both.
+    pub overlap: Option<bool>,
     /// A producer warpgroup copies the tiles and the two computing warpgroups wait on
     /// shared-memory barriers (`mbarrier`) for them, instead of copying them themselves
     /// between block-wide barriers (three query buffers, with or without `overlap`). On with
@@ -97,6 +99,12 @@ pub(super) struct Variant {
     /// copies, instead of by each thread's 4-byte stores; the producer reloads the tiles once
     /// the copies have read them (`RUSTYTORCH_HOPPER_BWD_STORE=bulk`).
     pub store_bulk: bool,
+    /// With `tma`: a proxy fence (`fence.proxy.async`, which ptxas compiles to a
+    /// `MEMBAR.ALL.CTA`) after each query tile's full barrier, as with `cp.async` copies,
+    /// although bulk tensor copies write through the async proxy that the tensor cores read
+    /// (the forward has none there). On, as run on the device, until the kernel without it
+    /// has; `RUSTYTORCH_HOPPER_BWD_FENCE=0` drops it.
+    pub fence: bool,
 }
 
 impl Variant {
@@ -108,13 +116,14 @@ impl Variant {
             var("RUSTYTORCH_HOPPER_BWD_TMA").as_deref() != Some("0") && ws.as_deref() != Some("0");
         Variant {
             bulk: var("RUSTYTORCH_HOPPER_BWD_DQ").as_deref() != Some("vector"),
-            overlap: var("RUSTYTORCH_HOPPER_BWD_OVERLAP").as_deref() != Some("0"),
+            overlap: var("RUSTYTORCH_HOPPER_BWD_OVERLAP").map(|v| v != "0"),
             ws: tma || ws.as_deref() == Some("1"),
             tma,
             ds2: var("RUSTYTORCH_HOPPER_BWD_DS2").as_deref() != Some("0"),
             early: var("RUSTYTORCH_HOPPER_BWD_EARLY").as_deref() == Some("1"),
             rotate: var("RUSTYTORCH_HOPPER_BWD_ROTATE").as_deref() == Some("1"),
             store_bulk: var("RUSTYTORCH_HOPPER_BWD_STORE").as_deref() == Some("bulk"),
+            fence: var("RUSTYTORCH_HOPPER_BWD_FENCE").as_deref() != Some("0"),
         }
     }
 }
@@ -205,7 +214,7 @@ pub(super) fn build(sp: &Spec, wk: bool, wv: bool, variant: Variant) -> Built {
     let bulk = variant.bulk;
     let ws = variant.ws || variant.tma;
     let tma = variant.tma;
-    let overlap = wk && variant.overlap;
+    let overlap = wk && variant.overlap.unwrap_or(true);
     let nbuf = if overlap || ws { 3 } else { 2 };
     // Two dSᵀ buffers need the producer's barriers (the computing warpgroups' one named barrier
     // a tile orders them) and the bulk reductions (whose reads of the staged dQ are waited for
@@ -464,10 +473,10 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
             out
         },
         // Bytes copied by `cp.async` (the generic proxy) are made visible to the tensor cores
-        // (the async proxy); bulk tensor copies write through the async proxy already, and
-        // the fence (ptxas emits a `MEMBAR.ALL.CTA`) would cost each tile for nothing.
+        // (the async proxy); bulk tensor copies write through the async proxy already
+        // ([`Variant::fence`]).
         it_start = if ws {
-            let fence = if tma {
+            let fence = if tma && !variant.fence {
                 ""
             } else {
                 "    asm volatile(\"fence.proxy.async.shared::cta;\" ::: \"memory\");\n"
@@ -977,15 +986,19 @@ mod tests {
     /// block's keys.
     #[test]
     fn blocks_fit_hopper() {
-        let variants = (0..256).map(|i| super::Variant {
-            bulk: i & 1 != 0,
-            overlap: i & 2 != 0,
-            ws: i & 4 != 0,
-            tma: i & 8 != 0,
-            ds2: i & 16 != 0,
-            early: i & 32 != 0,
-            rotate: i & 64 != 0,
-            store_bulk: i & 128 != 0,
+        let variants = (0..128 * 6).map(|j| {
+            let i = j / 6;
+            super::Variant {
+                bulk: i & 1 != 0,
+                overlap: [None, Some(false), Some(true)][j % 3],
+                ws: i & 2 != 0,
+                tma: i & 4 != 0,
+                ds2: i & 8 != 0,
+                early: i & 16 != 0,
+                rotate: i & 32 != 0,
+                store_bulk: i & 64 != 0,
+                fence: (j / 3) % 2 == 0,
+            }
         });
         for variant in variants {
             // Bulk tensor copies imply a producer.
@@ -1010,7 +1023,7 @@ mod tests {
                 );
                 assert!(b.source.contains("RT_WGMMA_V(") && b.source.contains("RT_WGMMA_K("));
                 // Three query buffers when dK is left running or a producer copies them.
-                let three = variant.overlap || ws;
+                let three = variant.overlap.unwrap_or(true) || ws;
                 assert_eq!(b.source.contains("% 3"), three, "{variant:?}");
                 assert_eq!(b.threads, if ws { 384 } else { 256 });
                 assert_eq!(b.source.contains("setmaxnreg"), ws);
@@ -1023,6 +1036,18 @@ mod tests {
                         .matches("cp.async.bulk.tensor.4d.global.shared::cta")
                         .count(),
                     if bulk_out { 2 } else { 0 }
+                );
+                // Proxy fences: after each query tile's copies (unless bulk copies go without),
+                // after dSᵀ is written, after dQ is staged (bulk reductions) and after dK and dV
+                // are (bulk stores).
+                let fences = usize::from(!variant.tma || variant.fence)
+                    + 1
+                    + usize::from(variant.bulk)
+                    + usize::from(bulk_out);
+                assert_eq!(
+                    b.source.matches("fence.proxy.async.shared::cta").count(),
+                    fences,
+                    "{variant:?}"
                 );
                 let rotated = b.source.matches("(step - it0 + (int)(tile % ").count();
                 assert_eq!(rotated, if variant.rotate && ws { 2 } else { 0 });
