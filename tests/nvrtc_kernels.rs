@@ -43,6 +43,16 @@ fn layouts(causal: Causal) -> Vec<AttnLayout> {
     }
 }
 
+/// The attention op of `causal`, `mask` and `layout` (scale 0.125).
+fn attention(causal: Causal, mask: AttnMask, layout: AttnLayout) -> Op {
+    Op::Attention {
+        causal,
+        mask,
+        scale: F64Bits::new(0.125),
+        layout,
+    }
+}
+
 /// A `[B, H, S, D]` tensor type written in `layout`.
 fn heads(d: DType, layout: AttnLayout, bhsd: [usize; 4]) -> TensorType {
     t(d, &layout.from_bhsd(bhsd))
@@ -81,12 +91,7 @@ fn flash_attention_compiles() {
                     ins.extend(mt);
                     let refs: Vec<&TensorType> = ins.iter().collect();
                     assert!(flash::supported(&refs));
-                    let op = Op::Attention {
-                        causal,
-                        mask,
-                        scale: F64Bits::new(0.125),
-                        layout,
-                    };
+                    let op = attention(causal, mask, layout);
                     let out = rustytorch::ops::infer(&op, &refs).expect("infer");
                     let step = lower_step(&op, &refs, &out).expect("lower");
                     let ls = step.launches();
@@ -246,12 +251,7 @@ fn flash_attention_hopper_compiles() {
                     ];
                     ins.extend(mt);
                     let refs: Vec<&TensorType> = ins.iter().collect();
-                    let op = Op::Attention {
-                        causal,
-                        mask,
-                        scale: F64Bits::new(0.125),
-                        layout,
-                    };
+                    let op = attention(causal, mask, layout);
                     let out = rustytorch::ops::infer(&op, &refs).expect("infer");
                     let step = with_target(Target::Hopper, || lower_step(&op, &refs, &out))
                         .expect("lower");
@@ -379,12 +379,7 @@ fn flash_attention_hopper_compiles() {
             t(DType::BF16, &[2, 3, 77, hd]),
         ];
         let refs: Vec<&TensorType> = ins.iter().collect();
-        let op = Op::Attention {
-            causal,
-            mask: AttnMask::None,
-            scale: F64Bits::new(0.125),
-            layout: AttnLayout::Bhsd,
-        };
+        let op = attention(causal, AttnMask::None, AttnLayout::Bhsd);
         let out = rustytorch::ops::infer(&op, &refs).expect("infer");
         let step = with_target(Target::Hopper, || lower_step(&op, &refs, &out)).expect("lower");
         let k = &step.launches()[0].kernel;
@@ -499,12 +494,7 @@ fn flash_attention_saving_compiles() {
                     heads(d, layout, [2, 3, sk, hd]),
                 ];
                 let refs: Vec<&TensorType> = qkv.iter().collect();
-                let op = Op::Attention {
-                    causal: Causal::TopLeft,
-                    mask: AttnMask::None,
-                    scale: F64Bits::new(0.125),
-                    layout,
-                };
+                let op = attention(Causal::TopLeft, AttnMask::None, layout);
                 let out = rustytorch::ops::infer(&op, &refs).expect("infer");
                 let at = rustytorch::compiler::plan::stats_offset(&out);
                 for (target, into) in [
@@ -798,12 +788,7 @@ fn flash_attention_hopper_wgmma_stays_asynchronous() {
                 t(d, &[2, 4, sq, hd]),
             ];
             let refs: Vec<&TensorType> = ins.iter().collect();
-            let op = Op::Attention {
-                causal,
-                mask: AttnMask::None,
-                scale: F64Bits::new(0.125),
-                layout: AttnLayout::Bhsd,
-            };
+            let op = attention(causal, AttnMask::None, AttnLayout::Bhsd);
             let out = rustytorch::ops::infer(&op, &refs[..3]).expect("infer");
             let step =
                 with_target(Target::Hopper, || flash::lower(&op, &refs[..3], &out)).expect("lower");
