@@ -585,6 +585,9 @@ fn grad_group(
 #[test]
 fn flash_attention_hopper_backward_compiles() {
     let Some(compilers) = compilers() else { return };
+    // The variables that select the variants below are process-wide: the other test that
+    // lowers this backward waits for the whole of this one.
+    let _env = HOPPER_BWD_ENV.lock().unwrap_or_else(|e| e.into_inner());
     let hopper: Vec<KernelCompiler> = compilers
         .into_iter()
         .filter(|c| c.arch() == "sm_90a")
@@ -625,9 +628,7 @@ fn flash_attention_hopper_backward_compiles() {
         }
     }
     // The variants without bulk tensor copies: the producer copying by `cp.async`, and no
-    // producer (two warpgroups copying between block-wide barriers), in both layouts. The
-    // variables are process-wide: the other test that lowers this backward waits.
-    let _env = HOPPER_BWD_ENV.lock().unwrap_or_else(|e| e.into_inner());
+    // producer (two warpgroups copying between block-wide barriers), in both layouts.
     for (vars, threads) in [
         (
             &[

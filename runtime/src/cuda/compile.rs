@@ -199,7 +199,7 @@ impl KernelCompiler {
         self.compile(name, src, true).map(|(_, log)| log)
     }
 
-    /// The cubin of `src` and NVRTC's log (with the assembler's report where `report`).
+    /// The cubin of `src` and, where `report`, NVRTC's log with the assembler's report.
     fn compile(&self, name: &str, src: &str, report: bool) -> Result<(Vec<u8>, String)> {
         let _span = tracing::debug_span!("nvrtc", kernel = name).entered();
         let csrc = std::ffi::CString::new(src)
@@ -233,8 +233,12 @@ impl KernelCompiler {
                 )))
             }
             Ok(()) => {
-                // SAFETY: `prog` is live.
-                let log = unsafe { program_log(prog) };
+                let log = if report {
+                    // SAFETY: `prog` is live.
+                    unsafe { program_log(prog) }
+                } else {
+                    String::new()
+                };
                 let mut n = 0usize;
                 // SAFETY: `prog` compiled; writes one usize.
                 unsafe { ns::nvrtcGetCUBINSize(prog, &mut n) }

@@ -394,13 +394,7 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
     }}
 {ds_free}    // dSᵀ as [keys][queries] in 64-query blocks of 128-byte rows, the 16-byte chunks of row r
     // at chunk c ^ (r mod 8); a warp's rows r, r + 8 have r mod 8 = g.
-    #pragma unroll
-    for (int n = 0; n < {br8}; ++n) {{
-      const unsigned at = dsb + (unsigned)((n >> 3) * {blk} + (warp * 16 + g) * 128 + (((n & 7) ^ g) << 4) + t4 * 4);
-      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at), "r"(dsa[n >> 1][(n & 1) * 2]) : "memory");
-      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at + 1024u), "r"(dsa[n >> 1][(n & 1) * 2 + 1]) : "memory");
-    }}
-{k_before}    // Both warpgroups' dSᵀ written and visible to the tensor cores.
+{ds_store}{k_before}    // Both warpgroups' dSᵀ written and visible to the tensor cores.
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 {stage_free}{sync}
     {{
@@ -413,7 +407,11 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
 {k_after}{reduce}{k_free}{it_end}  }}
 {k_last}"#,
         br2 = 2 * br,
-        blk = BK * 128,
+        ds_store = swizzled_rows(
+            "dsb",
+            br8,
+            ["dsa[n >> 1][(n & 1) * 2]", "dsa[n >> 1][(n & 1) * 2 + 1]"]
+        ),
         s_products = kmajor_products(
             ["RT_WGMMA_S0", "RT_WGMMA_S"],
             ("k_s", BK, "wg"),
@@ -599,16 +597,13 @@ fn bulk_store_kv(sp: &Spec, wk: bool, wv: bool) -> String {
         if !on {
             continue;
         }
-        stage += &format!(
-            r#"    #pragma unroll
-    for (int n = 0; n < {d8}; ++n) {{
-      const unsigned at = {tile} + (unsigned)((n >> 3) * {blk} + (warp * 16 + g) * 128 + (((n & 7) ^ g) << 4) + t4 * 4);
-      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at), "r"(pack({acc}[n][0] * {scale:?}f, {acc}[n][1] * {scale:?}f)) : "memory");
-      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at + 1024u), "r"(pack({acc}[n][2] * {scale:?}f, {acc}[n][3] * {scale:?}f)) : "memory");
-    }}
-"#,
-            d8 = d / 8,
-            blk = BK * 128,
+        stage += &swizzled_rows(
+            tile,
+            d / 8,
+            [
+                &format!("pack({acc}[n][0] * {scale:?}f, {acc}[n][1] * {scale:?}f)"),
+                &format!("pack({acc}[n][2] * {scale:?}f, {acc}[n][3] * {scale:?}f)"),
+            ],
         );
         copy += &format!(
             r#"      for (int c = 0; c < {dblk}; ++c) {{
@@ -675,6 +670,25 @@ fn load_queries(sp: &Spec, br: usize, stats_only: bool) -> String {
 "#,
         br2 = 2 * br,
         br4 = br * 4,
+    )
+}
+
+/// The C storing a warpgroup's 32-bit fragments, for `n` below `n8`, into the 128-row tile at
+/// shared address `tile` as the tensor cores and bulk copies read it: 64-column blocks of
+/// 128-byte rows, the 16-byte chunks of row r at chunk c ^ (r mod 8); a warp's rows r, r + 8
+/// (which take `vals[0]` and `vals[1]`) have r mod 8 = g.
+fn swizzled_rows(tile: &str, n8: usize, vals: [&str; 2]) -> String {
+    format!(
+        r#"    #pragma unroll
+    for (int n = 0; n < {n8}; ++n) {{
+      const unsigned at = {tile} + (unsigned)((n >> 3) * {blk} + (warp * 16 + g) * 128 + (((n & 7) ^ g) << 4) + t4 * 4);
+      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at), "r"({lo}) : "memory");
+      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at + 1024u), "r"({hi}) : "memory");
+    }}
+"#,
+        blk = BK * 128,
+        lo = vals[0],
+        hi = vals[1],
     )
 }
 
@@ -1027,7 +1041,6 @@ mod tests {
                 assert_eq!(b.source.contains("% 3"), three, "{variant:?}");
                 assert_eq!(b.threads, if ws { 384 } else { 256 });
                 assert_eq!(b.source.contains("setmaxnreg"), ws);
-                // The rotated walk needs the producer, which walks the same steps.
                 // Bulk stores of dK and dV with bulk tensor copies, apart from the early release.
                 let bulk_out = variant.store_bulk && variant.tma && !variant.early;
                 assert_eq!(b.out_maps, bulk_out);
@@ -1049,6 +1062,7 @@ mod tests {
                     fences,
                     "{variant:?}"
                 );
+                // The rotated walk needs the producer, which walks the same steps.
                 let rotated = b.source.matches("(step - it0 + (int)(tile % ").count();
                 assert_eq!(rotated, if variant.rotate && ws { 2 } else { 0 });
                 assert_eq!(b.source.contains("cp.async.bulk.tensor"), variant.tma);
