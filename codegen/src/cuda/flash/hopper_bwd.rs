@@ -105,6 +105,12 @@ pub(super) struct Variant {
     /// (the forward has none there). On, as run on the device, until the kernel without it
     /// has; `RUSTYTORCH_HOPPER_BWD_FENCE=0` drops it.
     pub fence: bool,
+    /// With `ws`: nanoseconds over which the producers' first copies are spread, block `b` of
+    /// `n` starting `b / n` of them late, so that the blocks of a persistent grid, whose key
+    /// tiles take equal time at full attention, do not all copy their next key and value tiles
+    /// (and store their `dK` and `dV`) at the same moment (`RUSTYTORCH_HOPPER_BWD_STAGGER=ns`;
+    /// 0, the default, starts them together).
+    pub stagger_ns: u32,
 }
 
 impl Variant {
@@ -124,6 +130,9 @@ impl Variant {
             rotate: var("RUSTYTORCH_HOPPER_BWD_ROTATE").as_deref() == Some("1"),
             store_bulk: var("RUSTYTORCH_HOPPER_BWD_STORE").as_deref() == Some("bulk"),
             fence: var("RUSTYTORCH_HOPPER_BWD_FENCE").as_deref() != Some("0"),
+            stagger_ns: var("RUSTYTORCH_HOPPER_BWD_STAGGER")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
         }
     }
 }
@@ -311,7 +320,8 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
             early,
             store_bulk,
             lbytes + stage,
-            &walk
+            &walk,
+            variant.stagger_ns
         ),
         ptrs = head_pointers(sp),
         tile_start = if ws {
@@ -722,6 +732,7 @@ fn roles(
     store_bulk: bool,
     off: usize,
     walk: &str,
+    stagger_ns: u32,
 ) -> String {
     let red2 = if bulk { "" } else { RED2 };
     if !ws {
@@ -836,7 +847,7 @@ fn roles(
 __syncthreads();
 if (tid < {PRODUCER}) {{
   asm volatile("setmaxnreg.dec.sync.aligned.u32 {reg_p};" ::: "memory");
-  // Query buffers and key tiles filled so far (their parities and slots follow).
+{stagger}  // Query buffers and key tiles filled so far (their parities and slots follow).
   unsigned qc = 0, kc = 0;
   for (long long tile = blockIdx.x; tile < {tiles}LL; tile += gridDim.x) {{
     const long long bh = tile / {kt}LL;
@@ -880,6 +891,20 @@ const int tid = threadIdx.x - {PRODUCER}, warp = tid >> 5, wg = tid >> 7;
         first = first_query(sp),
         ptrs = head_pointers(sp),
         loader = load_queries(sp, br, tma),
+        stagger = if stagger_ns > 0 {
+            format!(
+                r#"  {{
+    // This block's start, spread over {stagger_ns} ns across the grid.
+    unsigned long long t0, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    const unsigned long long until = t0 + (unsigned long long)blockIdx.x * {stagger_ns}ull / gridDim.x;
+    do {{ __nanosleep(256); asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); }} while (now < until);
+  }}
+"#
+            )
+        } else {
+            String::new()
+        },
     )
 }
 
@@ -1012,6 +1037,7 @@ mod tests {
                 rotate: i & 32 != 0,
                 store_bulk: i & 64 != 0,
                 fence: (j / 3) % 2 == 0,
+                stagger_ns: if j % 5 == 0 { 20_000 } else { 0 },
             }
         });
         for variant in variants {
