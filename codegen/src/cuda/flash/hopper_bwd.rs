@@ -616,14 +616,8 @@ fn bulk_store_kv(sp: &Spec, wk: bool, wv: bool) -> String {
             ],
         );
         copy += &format!(
-            r#"      for (int c = 0; c < {dblk}; ++c) {{
-        asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {{%1, %2, %3, %4}}], [%5];"
-                     :: "l"((unsigned long long)&{map}), "r"(c * 64), "r"(kb), "r"(hh), "r"(bb), "r"({tile} + (unsigned)(c * {blk}))
-                     : "memory");
-      }}
-"#,
+            "      tma_store_tile(&{map}, {tile}, kb, {dblk}, {BK}, hh, bb);\n",
             dblk = d / 64,
-            blk = BK * 128,
         );
     }
     format!(
@@ -825,7 +819,14 @@ fn roles(
         )
     };
     let heads = sp.heads;
-    let helpers = if tma {
+    let helpers = if tma && store_bulk {
+        [
+            super::hopper_ws::MBARRIERS,
+            super::hopper_ws::BULK_COPIES,
+            super::hopper_ws::BULK_STORE,
+        ]
+        .concat()
+    } else if tma {
         [super::hopper_ws::MBARRIERS, super::hopper_ws::BULK_COPIES].concat()
     } else {
         super::hopper_ws::MBARRIERS.to_string()
@@ -1070,10 +1071,15 @@ mod tests {
                 // Bulk stores of dK and dV with bulk tensor copies, apart from the early release.
                 let bulk_out = variant.store_bulk && variant.tma && !variant.early;
                 assert_eq!(b.out_maps, bulk_out);
+                // One store helper, called for dK and for dV.
                 assert_eq!(
                     b.source
                         .matches("cp.async.bulk.tensor.4d.global.shared::cta")
                         .count(),
+                    usize::from(bulk_out)
+                );
+                assert_eq!(
+                    b.source.matches("tma_store_tile(").count(),
                     if bulk_out { 2 } else { 0 }
                 );
                 // Proxy fences: after each query tile's copies (unless bulk copies go without),

@@ -93,6 +93,19 @@ auto tma_tile = [](const RtTensorMap* map, unsigned dst, unsigned bar, int row, 
 };
 "#;
 
+/// The C helper of bulk tensor stores, [`BULK_COPIES`]'s reverse: `tma_store_tile(map, src,
+/// row, blocks, rows, h, b)` copies the swizzled tile at `src` into rows `row..row + rows` of
+/// head `h` of batch `b` through the tensor map (which drops rows past the tensor's end), one
+/// bulk-group copy per 64-column block; the caller commits and waits for the group.
+pub(super) const BULK_STORE: &str = r#"auto tma_store_tile = [](const RtTensorMap* map, unsigned src, int row, int blocks, int rows, int h, int b) {
+  for (int c = 0; c < blocks; ++c) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];"
+                 :: "l"((unsigned long long)map), "r"(c * 64), "r"(row), "r"(h), "r"(b), "r"(src + (unsigned)(c * rows * 128))
+                 : "memory");
+  }
+};
+"#;
+
 /// Whether the producer copies the tiles with the tensor memory accelerator (one thread's bulk
 /// tensor copies through tensor maps) instead of its 128 threads' `cp.async`s: by default with
 /// two buffers (the kernels measured and checked on the device: 1.1–1.5× the `cp.async`
