@@ -796,25 +796,43 @@ fn flash_attention_hopper_wgmma_stays_asynchronous() {
             for l in &step.launches {
                 kernels.push((format!("forward d{hd} {causal:?}"), l.kernel.clone()));
             }
-            if hd == 64 {
-                std::env::set_var("RUSTYTORCH_HOPPER_BWD_OVERLAP", "0");
-            }
-            for wrts in [&[0u8, 1, 2][..], &[0, 2]] {
-                let step = grad_group(
-                    Target::Hopper,
-                    causal,
-                    AttnMask::None,
-                    AttnLayout::Bhsd,
-                    &refs,
-                    wrts,
-                );
-                for l in step.launches {
-                    if l.kernel.name.starts_with("flash_attention_bwd_sm90") {
-                        kernels.push((format!("backward d{hd} {causal:?} {wrts:?}"), l.kernel));
+            // The backward as it runs (at head size 64 without the overlapped dK), and with
+            // dK and dV stored by bulk tensor copies and no fence after the bulk-copied tiles.
+            let overlap: &[(&str, &str)] = if hd == 64 {
+                &[("RUSTYTORCH_HOPPER_BWD_OVERLAP", "0")]
+            } else {
+                &[]
+            };
+            let bulk = [
+                ("RUSTYTORCH_HOPPER_BWD_STORE", "bulk"),
+                ("RUSTYTORCH_HOPPER_BWD_FENCE", "0"),
+            ];
+            for vars in [overlap.to_vec(), [overlap, &bulk[..]].concat()] {
+                for (k, v) in &vars {
+                    std::env::set_var(k, v);
+                }
+                for wrts in [&[0u8, 1, 2][..], &[0, 2]] {
+                    let step = grad_group(
+                        Target::Hopper,
+                        causal,
+                        AttnMask::None,
+                        AttnLayout::Bhsd,
+                        &refs,
+                        wrts,
+                    );
+                    for l in step.launches {
+                        if l.kernel.name.starts_with("flash_attention_bwd_sm90") {
+                            kernels.push((
+                                format!("backward d{hd} {causal:?} {wrts:?} {vars:?}"),
+                                l.kernel,
+                            ));
+                        }
                     }
                 }
+                for (k, _) in &vars {
+                    std::env::remove_var(k);
+                }
             }
-            std::env::remove_var("RUSTYTORCH_HOPPER_BWD_OVERLAP");
         }
     }
     assert!(kernels.iter().any(|(w, _)| w.starts_with("backward d64")));
