@@ -305,8 +305,9 @@ fn flash_attention_hopper_compiles() {
     // here lowers for Hopper. The producer copying by `cp.async` (bulk tensor copies off), at
     // both head sizes and with two and three consumers; consumers skipping the tiles their rows
     // do not see wherever there are any, and never; tiles taken at run time over a bounded
-    // grid, and at head size 128.
-    let knobs: [&[(&str, &str)]; 16] = [
+    // grid, and at head size 128. The output written by bulk tensor copies, with three and
+    // two consumers and at head size 128.
+    let knobs: [&[(&str, &str)]; 19] = [
         &[
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
             ("RUSTYTORCH_HOPPER_TILE", "2x64"),
@@ -351,6 +352,9 @@ fn flash_attention_hopper_compiles() {
             ("RUSTYTORCH_HOPPER_WS", "3"),
         ],
         &[("RUSTYTORCH_HOPPER_QUEUE", "1")],
+        &[("RUSTYTORCH_HOPPER_STORE", "bulk")],
+        &[("RUSTYTORCH_HOPPER_STORE", "bulk")],
+        &[("RUSTYTORCH_HOPPER_STORE", "bulk")],
     ];
     for (knob, (hd, causal)) in knobs.iter().zip([
         (64, Causal::None),
@@ -369,6 +373,9 @@ fn flash_attention_hopper_compiles() {
         (64, Causal::BottomRight),
         (64, Causal::TopLeft),
         (128, Causal::TopLeft),
+        (64, Causal::None),
+        (64, Causal::TopLeft),
+        (128, Causal::BottomRight),
     ]) {
         for (k, v) in knob.iter() {
             std::env::set_var(k, v);
@@ -421,7 +428,13 @@ fn flash_attention_hopper_compiles() {
                     | ("RUSTYTORCH_HOPPER_KERNEL", _)
             )
         });
-        if tma {
+        // With bulk output stores a fourth map, over the output, which the kernel writes
+        // through.
+        let bulk_out = knob.contains(&("RUSTYTORCH_HOPPER_STORE", "bulk"));
+        if tma && bulk_out {
+            assert_eq!(maps, ["qmap", "kmap", "vmap", "omap"], "{knob:?}");
+            assert!(src.contains("tma_store_tile(&omap"), "{knob:?}");
+        } else if tma {
             assert_eq!(maps, ["qmap", "kmap", "vmap"], "{knob:?}");
         } else {
             assert!(maps.is_empty(), "{knob:?}");

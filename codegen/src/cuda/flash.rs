@@ -332,6 +332,13 @@ impl Spec {
                     extra.push(ArgRef::Input(part as usize));
                 }
             }
+            if let Some(rows) = built.out_map {
+                params.push(Param {
+                    map: Some(self.tensor_map(Part::O, rows)),
+                    ..param("omap", self.e, true)
+                });
+                extra.push(ArgRef::Output);
+            }
             let kernel = verbatim(
                 &format!("{prefix}_sm90"),
                 params,
@@ -855,10 +862,16 @@ fn limit(causal: Causal, sq: usize, sk: usize) -> String {
 
 /// The forward's end: the normalized output rows, or the backward's statistics.
 fn tail(s: &Shape2) -> String {
+    tail_with(s, None)
+}
+
+/// [`tail`], with `store` (where given) writing the normalized output rows instead of each
+/// thread's stores.
+fn tail_with(s: &Shape2, store: Option<String>) -> String {
     let (sq, dv, elem) = (s.sq, s.dv, s.elem);
     let (head, rs) = (&s.heads[3], s.strides[3]);
     let widen = if elem == "bf16" { "rt_bf2f" } else { "rt_h2f" };
-    let out = format!(
+    let out = store.unwrap_or_else(|| format!(
         r#"  unsigned short* op = (unsigned short*)out + {head};
   #pragma unroll
   for (int n = 0; n < {dv8}; ++n) {{
@@ -867,7 +880,7 @@ fn tail(s: &Shape2) -> String {
     if (i1 < {sq}) *(unsigned*)(op + (long long)i1 * {rs} + c) = pack(o[n][2] * inv1, o[n][3] * inv1);
   }}"#,
         dv8 = dv / 8
-    );
+    ));
     match s.tail {
         Tail::Out => return out,
         Tail::Save(at) => {

@@ -124,6 +124,9 @@ pub(super) struct Built {
     /// Where the body reads q, k and v through tensor maps (`qmap`, `kmap`, `vmap`, parameters
     /// after the others): the rows of each map's box.
     pub maps: Option<[u32; 3]>,
+    /// Where the body writes the output through a tensor map (`omap`, a parameter after the
+    /// three above, over the output): the rows of its box.
+    pub out_map: Option<u32>,
 }
 
 /// [`Built`] for `sp` and `s`: the warp-specialized kernel ([`super::hopper_ws`]), faster on
@@ -142,6 +145,7 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
         persistent: false,
         source: source(s, sp, t),
         maps: None,
+        out_map: None,
     }
 }
 

@@ -390,8 +390,56 @@ $SKIP_STEP        }
 $SKIP_LAST      }
 "#;
 
+/// Whether the consumers write the output by bulk tensor copies out of a staging tile in
+/// shared memory instead of each thread's 4-byte stores from the accumulator layout (8 rows ×
+/// 16 bytes a warp instruction), as the backward's `dK` and `dV` can
+/// (`RUSTYTORCH_HOPPER_STORE=bulk`, with bulk tensor copies; not the statistics kernel, which
+/// writes no output). Off until it has run on the device.
+fn store_bulk(s: &Shape2) -> bool {
+    s.tail != super::Tail::Stats
+        && std::env::var("RUSTYTORCH_HOPPER_STORE").as_deref() == Ok("bulk")
+}
+
+/// The C of a consumer's output with [`store_bulk`]: once its previous tile's copy has read its
+/// staging tile (64 rows, 64-column blocks of 128-byte rows, the 16-byte chunks of row r at
+/// chunk c ^ (r mod 8)), the normalized rows into it; then its first thread copies the tile
+/// out through the tensor map `omap`, which drops the rows past the queries' end.
+fn bulk_store_out(sp: &Spec, dv: usize, br: usize) -> String {
+    format!(
+        r#"  {{
+    const unsigned os = o_s + (unsigned)cw * {obytes}u;
+    if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    asm volatile("bar.sync %0, 128;" :: "r"(4 + cw) : "memory");
+    #pragma unroll
+    for (int n = 0; n < {dv8}; ++n) {{
+      const unsigned at = os + (unsigned)((n >> 3) * 8192 + (warp * 16 + g) * 128 + (((n & 7) ^ g) << 4) + t4 * 4);
+      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at), "r"(pack(o[n][0] * inv0, o[n][1] * inv0)) : "memory");
+      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at + 1024u), "r"(pack(o[n][2] * inv1, o[n][3] * inv1)) : "memory");
+    }}
+    // Written, and visible to the bulk copy.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("bar.sync %0, 128;" :: "r"(4 + cw) : "memory");
+    if ((tid & 127) == 0) {{
+      const int hh = (int)(bh % {heads}LL), bb = (int)(bh / {heads}LL);
+      tma_store_tile(&omap, os, qt * {br} + cw * 64, {dblk}, 64, hh, bb);
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }}
+  }}"#,
+        obytes = 64 * dv * 2,
+        dv8 = dv / 8,
+        dblk = dv / 64,
+        heads = sp.heads,
+    )
+}
+
 /// [`Built`] for `sp` and `s`.
 pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
+    build_with(s, sp, store_bulk(s))
+}
+
+/// [`build`], writing the output by bulk copies where `bulk_out` asks and bulk tensor copies
+/// feed the kernel.
+fn build_with(s: &Shape2, sp: &Spec, bulk_out: bool) -> Built {
     let nc = consumers(sp);
     let br = 64 * nc;
     let bc = keys(sp, nc);
@@ -404,6 +452,7 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
     let tma = bulk_copies(st);
     let queued = tma && queued(sp);
     let skip = skips(sp, br, bc, queued);
+    let obulk = tma && bulk_out;
     debug_assert!(registers_balance(
         PRODUCER + 128 * nc as u32,
         PRODUCER,
@@ -411,7 +460,9 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
     ));
     Built {
         threads: PRODUCER + 128 * nc as u32,
-        smem: smem as u32,
+        // With bulk output stores, each consumer's 64-row staging tile past the barriers, at
+        // the next 1024-byte boundary.
+        smem: (smem + if obulk { 1024 + nc * 64 * sp.dv * 2 } else { 0 }) as u32,
         blocks,
         per_sm: 1,
         // Persistent but for causal attention walking fixed shares of the tiles with two
@@ -420,8 +471,17 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
         // SMs as they free up; with three consumers (head size 64) at 0.99–1.08×, and without
         // a causal mask at 1.0–1.14× (docs/performance.md).
         persistent: queued || !(nc == 2 && sp.causal != Causal::None),
-        source: source(s, sp, (nc, bc), st, (pingpong, skip), blocks, (tma, queued)),
+        source: source(
+            s,
+            sp,
+            (nc, bc),
+            st,
+            (pingpong, skip),
+            blocks,
+            (tma, queued, obulk),
+        ),
         maps: tma.then_some([br as u32, bc as u32, bc as u32]),
+        out_map: obulk.then_some(64),
     }
 }
 
@@ -597,7 +657,7 @@ fn source(
     st: usize,
     (pingpong, skip): (bool, bool),
     blocks: usize,
-    (tma, queued): (bool, bool),
+    (tma, queued, obulk): (bool, bool, bool),
 ) -> String {
     let br = 64 * nc;
     let (bc8, bc16, dv8) = (bc / 8, bc / 16, s.dv / 8);
@@ -768,7 +828,7 @@ const unsigned qfull = v_s0 + $STu * $VBYTESu, qempty = qfull + 8u;
 const unsigned kfull = qfull + 16u, kempty = kfull + 8u * $STu, vfull = kempty + 8u * $STu, vempty = vfull + 8u * $STu;
 // The tile the block takes next, where the producer hands tiles out at run time.
 const unsigned tile_s = vempty + 8u * $STu;
-$QUEUEconst int tid = threadIdx.x, lane = tid & 31;
+$O_STAGE$QUEUEconst int tid = threadIdx.x, lane = tid & 31;
 $MBARRIERSif (tid == 0) {
   // Full: the producer's threads (their copies landed) or its one thread's announcement of
   // the bytes to come; empty: the consumers' warps.
@@ -805,7 +865,7 @@ $LIM_FIRST    float o[$DV8][4];
 $OPEN$WAIT_Q$WALK$NO_KEYS    }
 $ROW_SUMS$TAIL
   }
-}"#;
+$O_DRAIN}"#;
     let (walk, lim_first) = if skip {
         (WALK_MINE, MINE)
     } else {
@@ -813,6 +873,33 @@ $ROW_SUMS$TAIL
     };
     let [head, wait_q, no_keys] = consumer_loop(queued);
     let first_subs = vec![
+        // Before the names its text holds.
+        (
+            "$TAIL",
+            if obulk {
+                super::tail_with(s, Some(bulk_store_out(sp, s.dv, br)))
+            } else {
+                super::tail(s)
+            },
+        ),
+        (
+            "$O_STAGE",
+            if obulk {
+                "const unsigned o_s = (tile_s + 8u + 1023u) & ~1023u;\n"
+            } else {
+                ""
+            }
+            .to_string(),
+        ),
+        (
+            "$O_DRAIN",
+            if obulk {
+                "  // The output's bulk copies complete before the block's shared memory goes.\n  if ((tid & 127) == 0) asm volatile(\"cp.async.bulk.wait_group 0;\" ::: \"memory\");\n"
+            } else {
+                ""
+            }
+            .to_string(),
+        ),
         ("$CONSUMER_LOOP", head.to_string()),
         ("$WAIT_Q", wait_q.to_string()),
         ("$NO_KEYS", no_keys.to_string()),
@@ -844,7 +931,9 @@ $ROW_SUMS$TAIL
         ),
         (
             "$MBARRIERS",
-            if tma {
+            if obulk {
+                [MBARRIERS, BULK_COPIES, BULK_STORE].concat()
+            } else if tma {
                 [MBARRIERS, BULK_COPIES].concat()
             } else {
                 MBARRIERS.to_string()
@@ -943,6 +1032,53 @@ mod tests {
         }
         assert!(!super::registers_balance(384, 128, (64, 224)));
         assert!(super::registers_balance(384, 128, (64, 216)));
+    }
+
+    /// With bulk output stores each consumer stages its 64 rows past the barriers at a
+    /// 1024-byte boundary within Hopper's 227 KiB, waits on its own named barrier (clear of
+    /// the turns' 1..=3), copies its tile out once and drains the copies before leaving; the
+    /// statistics kernel and the default write no staging tile.
+    #[test]
+    fn bulk_output_stores_stage_per_consumer() {
+        for (d, causal) in [
+            (64, Causal::None),
+            (64, Causal::TopLeft),
+            (128, Causal::None),
+        ] {
+            let sp = spec(d, 1000, 1000, causal);
+            for tail in [super::super::Tail::Out, super::super::Tail::Save(4096)] {
+                let s = sp.shape2(tail);
+                let plain = super::build_with(&s, &sp, false);
+                let b = super::build_with(&s, &sp, true);
+                let nc = (b.threads as usize - 128) / 128;
+                if plain.maps.is_none() {
+                    // No bulk tensor copies (a measurement knob): no bulk stores either.
+                    assert_eq!(b.out_map, None);
+                    continue;
+                }
+                assert_eq!(b.out_map, Some(64));
+                assert_eq!(plain.out_map, None);
+                assert_eq!(
+                    b.smem as usize,
+                    plain.smem as usize + 1024 + nc * 64 * d * 2
+                );
+                assert!(b.smem as usize <= 227 * 1024, "d {d}: {}", b.smem);
+                assert!(b
+                    .source
+                    .contains("const unsigned o_s = (tile_s + 8u + 1023u) & ~1023u;"));
+                assert_eq!(b.source.matches("tma_store_tile(&omap").count(), 1);
+                assert!(b.source.contains("\"r\"(4 + cw)"));
+                assert!(b.source.contains("cp.async.bulk.wait_group 0;"));
+                assert!(!plain.source.contains("tma_store_tile"));
+                // The statistics saved beside the output stay each thread's.
+                assert_eq!(
+                    b.source.contains("0.6931471805599453f"),
+                    matches!(tail, super::super::Tail::Save(_))
+                );
+            }
+            let stats = sp.shape2(super::super::Tail::Stats);
+            assert_eq!(super::build(&stats, &sp).out_map, None);
+        }
     }
 
     /// Split reductions: every fragment in exactly one chain, the chains combined pairwise.
