@@ -630,10 +630,12 @@ fn flash_attention_hopper_backward_compiles() {
                         let k = &step.launches[2].kernel;
                         assert!(k.name.starts_with("flash_attention_bwd_sm90"), "{}", k.name);
                         // Two computing warpgroups and a producer one, which by default
-                        // copies by bulk tensor copies through four tensor maps.
+                        // copies by bulk tensor copies through four tensor maps; one more
+                        // over each of dK and dV it computes, which the block stores by bulk
+                        // tensor copies.
                         assert_eq!(k.block, 384);
                         let maps = k.params.iter().filter(|p| p.map.is_some()).count();
-                        assert_eq!(maps, 4);
+                        assert_eq!(maps, 4 + wrts.iter().filter(|&&w| w > 0).count());
                         sources.push((k.name.clone(), source(k).expect("source")));
                     }
                 }
@@ -673,10 +675,10 @@ fn flash_attention_hopper_backward_compiles() {
             ],
             384,
         ),
-        // dK and dV written by bulk tensor copies out of the key and value tiles.
+        // dK and dV written by each thread's stores instead of bulk tensor copies.
         (
             &[
-                ("RUSTYTORCH_HOPPER_BWD_STORE", "bulk"),
+                ("RUSTYTORCH_HOPPER_BWD_STORE", "thread"),
                 ("RUSTYTORCH_HOPPER_BWD_TMA", "1"),
             ],
             384,
@@ -725,8 +727,13 @@ fn flash_attention_hopper_backward_compiles() {
             );
             let l = &step.launches[2];
             let maps = l.kernel.params.iter().filter(|p| p.map.is_some()).count();
-            // Two more, over dK and dV, where the kernel writes them by bulk copies.
-            let out_maps = vars[0].0 == "RUSTYTORCH_HOPPER_BWD_STORE";
+            // Two more, over dK and dV, where the kernel writes them by bulk copies (with the
+            // tensor memory accelerator, unless the keys and values are released apart).
+            let out_maps = tma
+                && !matches!(
+                    vars[0].0,
+                    "RUSTYTORCH_HOPPER_BWD_STORE" | "RUSTYTORCH_HOPPER_BWD_EARLY"
+                );
             assert_eq!(
                 maps,
                 if out_maps {
@@ -809,18 +816,14 @@ fn flash_attention_hopper_wgmma_stays_asynchronous() {
             for l in &step.launches {
                 kernels.push((format!("forward d{hd} {causal:?}"), l.kernel.clone()));
             }
-            // The backward as it runs (at head size 64 without the overlapped dK), and with
-            // dK and dV stored by bulk tensor copies and no fence after the bulk-copied tiles.
-            let overlap: &[(&str, &str)] = if hd == 64 {
-                &[("RUSTYTORCH_HOPPER_BWD_OVERLAP", "0")]
-            } else {
-                &[]
-            };
-            let bulk = [
-                ("RUSTYTORCH_HOPPER_BWD_STORE", "bulk"),
-                ("RUSTYTORCH_HOPPER_BWD_FENCE", "0"),
+            // The backward as it runs by default (at head size 64 without the overlapped dK,
+            // dK and dV stored by bulk tensor copies, no fence after the bulk-copied tiles), and
+            // with the threads' stores and the fence.
+            let threads = [
+                ("RUSTYTORCH_HOPPER_BWD_STORE", "thread"),
+                ("RUSTYTORCH_HOPPER_BWD_FENCE", "1"),
             ];
-            for vars in [overlap.to_vec(), [overlap, &bulk[..]].concat()] {
+            for vars in [vec![], threads.to_vec()] {
                 for (k, v) in &vars {
                     std::env::set_var(k, v);
                 }

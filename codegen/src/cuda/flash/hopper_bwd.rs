@@ -40,10 +40,9 @@ const BK: usize = 128;
 /// Floats of one warpgroup's part of a query tile's `dQ` (64 × 64).
 const DQ_PART: usize = 64 * 64;
 
-/// How the kernel orders, feeds and adds its products. The default, `bulk`, `overlap`, `ws`,
-/// `tma`, `ds2` and `fence`, passed the float64 device test and compute-sanitizer and was the
-/// fastest measured (docs/performance.md); the environment variables select the others, for
-/// measurements.
+/// How the kernel orders, feeds and adds its products. The default (`bulk`, `overlap` at head
+/// size 128 only, `ws`, `tma`, `ds2`, `store_bulk`, no `fence`) was the fastest measured
+/// (docs/performance.md); the environment variables select the others, for measurements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Variant {
     /// `dQ` added by bulk reductions from shared memory into a buffer blocked by query tile
@@ -57,9 +56,8 @@ pub(super) struct Variant {
     /// query tiles) the `dSᵀ` fragments it keeps alive over the next tile's `Sᵀ` and `dPᵀ`
     /// leave too few registers: ptxas (NVRTC 12.8 and 13.0) then serializes every `wgmma` of
     /// the kernel (its note C7512), which it does not without; timed on the device, the
-    /// head-size-64 backward without it ran 1.08–1.11× as fast (forward + backward). `None`
-    /// (the default) keeps it at both head sizes until the order without it has passed the
-    /// float64 device test of the fused backward with a producer;
+    /// head-size-64 backward without it ran 1.08–1.11× as fast (forward + backward), while at
+    /// head size 128 it is worth about 1%. `None` (the default) keeps it at head size 128 only;
     /// `RUSTYTORCH_HOPPER_BWD_OVERLAP=0` or `=1` turn it off or on at both.
     pub overlap: Option<bool>,
     /// A producer warpgroup copies the tiles and the two computing warpgroups wait on
@@ -100,15 +98,14 @@ pub(super) struct Variant {
     /// memory (free once the block's last products have read them) and written by bulk tensor
     /// copies, instead of by each thread's 4-byte stores; the producer reloads the tiles once
     /// the copies have read them (`RUSTYTORCH_HOPPER_BWD_STORE=bulk`). Timed on the device:
-    /// forward + backward 1.14× as fast at Sq 512 × Sk 8192, 1.01–1.05× at head size 64; off
-    /// until it has passed the float64 device test of the fused backward.
+    /// forward + backward 1.14× as fast at Sq 512 × Sk 8192, 1.01–1.05× at head size 64. The
+    /// default; `RUSTYTORCH_HOPPER_BWD_STORE=thread` gives the threads' stores.
     pub store_bulk: bool,
     /// With `tma`: a proxy fence (`fence.proxy.async`, which ptxas compiles to a
     /// `MEMBAR.ALL.CTA`) after each query tile's full barrier, as with `cp.async` copies,
     /// although bulk tensor copies write through the async proxy that the tensor cores read
-    /// (the forward has none there). Without it the backward timed 1.01× as fast; on until
-    /// the kernel without it has passed the float64 device test of the fused backward;
-    /// `RUSTYTORCH_HOPPER_BWD_FENCE=0` drops it.
+    /// (the forward has none there). Without it the backward timed 1.01× as fast, so off by
+    /// default; `RUSTYTORCH_HOPPER_BWD_FENCE=1` puts it back.
     pub fence: bool,
     /// With `ws`: nanoseconds over which the producers' first copies are spread, block `b` of
     /// `n` starting `b / n` of them late, so that the blocks of a persistent grid, whose key
@@ -134,8 +131,8 @@ impl Variant {
             ds2: var("RUSTYTORCH_HOPPER_BWD_DS2").as_deref() != Some("0"),
             early: var("RUSTYTORCH_HOPPER_BWD_EARLY").as_deref() == Some("1"),
             rotate: var("RUSTYTORCH_HOPPER_BWD_ROTATE").as_deref() == Some("1"),
-            store_bulk: var("RUSTYTORCH_HOPPER_BWD_STORE").as_deref() == Some("bulk"),
-            fence: var("RUSTYTORCH_HOPPER_BWD_FENCE").as_deref() != Some("0"),
+            store_bulk: var("RUSTYTORCH_HOPPER_BWD_STORE").as_deref() != Some("thread"),
+            fence: var("RUSTYTORCH_HOPPER_BWD_FENCE").as_deref() == Some("1"),
             stagger_ns: var("RUSTYTORCH_HOPPER_BWD_STAGGER")
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(0),
@@ -229,7 +226,7 @@ pub(super) fn build(sp: &Spec, wk: bool, wv: bool, variant: Variant) -> Built {
     let bulk = variant.bulk;
     let ws = variant.ws || variant.tma;
     let tma = variant.tma;
-    let overlap = wk && variant.overlap.unwrap_or(true);
+    let overlap = wk && variant.overlap.unwrap_or(d > 64);
     let nbuf = if overlap || ws { 3 } else { 2 };
     // Two dSᵀ buffers need the producer's barriers (the computing warpgroups' one named barrier
     // a tile orders them) and the bulk reductions (whose reads of the staged dQ are waited for
@@ -1070,7 +1067,7 @@ mod tests {
                 );
                 assert!(b.source.contains("RT_WGMMA_V(") && b.source.contains("RT_WGMMA_K("));
                 // Three query buffers when dK is left running or a producer copies them.
-                let three = variant.overlap.unwrap_or(true) || ws;
+                let three = variant.overlap.unwrap_or(d > 64) || ws;
                 assert_eq!(b.source.contains("% 3"), three, "{variant:?}");
                 assert_eq!(b.threads, if ws { 384 } else { 256 });
                 assert_eq!(b.source.contains("setmaxnreg"), ws);
