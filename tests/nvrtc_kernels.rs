@@ -260,7 +260,8 @@ fn flash_attention_hopper_compiles() {
                     assert!(ls[0].kernel.name.starts_with("flash_attention_sm90"));
                     assert!(ls[0].kernel.smem > 48 * 1024);
                     // By default the producer copies by bulk tensor copies through three
-                    // tensor maps, one argument a parameter.
+                    // tensor maps and the consumers write the output through a fourth, one
+                    // argument a parameter.
                     let maps: Vec<&str> = ls[0]
                         .kernel
                         .params
@@ -268,7 +269,7 @@ fn flash_attention_hopper_compiles() {
                         .filter(|p| p.map.is_some())
                         .map(|p| p.name.as_str())
                         .collect();
-                    assert_eq!(maps, ["qmap", "kmap", "vmap"]);
+                    assert_eq!(maps, ["qmap", "kmap", "vmap", "omap"]);
                     assert_eq!(ls[0].args.len(), ls[0].kernel.params.len());
                     sources.push((
                         ls[0].kernel.name.clone(),
@@ -305,8 +306,8 @@ fn flash_attention_hopper_compiles() {
     // here lowers for Hopper. The producer copying by `cp.async` (bulk tensor copies off), at
     // both head sizes and with two and three consumers; consumers skipping the tiles their rows
     // do not see wherever there are any, and never; tiles taken at run time over a bounded
-    // grid, and at head size 128. The output written by bulk tensor copies, with three and
-    // two consumers and at head size 128.
+    // grid, and at head size 128. The output written by each thread's stores instead of bulk
+    // tensor copies, with three and two consumers and at head size 128.
     let knobs: [&[(&str, &str)]; 19] = [
         &[
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
@@ -352,9 +353,9 @@ fn flash_attention_hopper_compiles() {
             ("RUSTYTORCH_HOPPER_WS", "3"),
         ],
         &[("RUSTYTORCH_HOPPER_QUEUE", "1")],
-        &[("RUSTYTORCH_HOPPER_STORE", "bulk")],
-        &[("RUSTYTORCH_HOPPER_STORE", "bulk")],
-        &[("RUSTYTORCH_HOPPER_STORE", "bulk")],
+        &[("RUSTYTORCH_HOPPER_STORE", "thread")],
+        &[("RUSTYTORCH_HOPPER_STORE", "thread")],
+        &[("RUSTYTORCH_HOPPER_STORE", "thread")],
     ];
     for (knob, (hd, causal)) in knobs.iter().zip([
         (64, Causal::None),
@@ -428,9 +429,9 @@ fn flash_attention_hopper_compiles() {
                     | ("RUSTYTORCH_HOPPER_KERNEL", _)
             )
         });
-        // With bulk output stores a fourth map, over the output, which the kernel writes
-        // through.
-        let bulk_out = knob.contains(&("RUSTYTORCH_HOPPER_STORE", "bulk"));
+        // With bulk output stores (the default) a fourth map, over the output, which the
+        // kernel writes through.
+        let bulk_out = !knob.contains(&("RUSTYTORCH_HOPPER_STORE", "thread"));
         if tma && bulk_out {
             assert_eq!(maps, ["qmap", "kmap", "vmap", "omap"], "{knob:?}");
             assert!(src.contains("tma_store_tile(&omap"), "{knob:?}");

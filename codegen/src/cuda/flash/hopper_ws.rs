@@ -392,12 +392,13 @@ $SKIP_LAST      }
 
 /// Whether the consumers write the output by bulk tensor copies out of a staging tile in
 /// shared memory instead of each thread's 4-byte stores from the accumulator layout (8 rows ×
-/// 16 bytes a warp instruction), as the backward's `dK` and `dV` can
-/// (`RUSTYTORCH_HOPPER_STORE=bulk`, with bulk tensor copies; not the statistics kernel, which
-/// writes no output). Off until it has run on the device.
+/// 16 bytes a warp instruction), as the backward's `dK` and `dV` are (with bulk tensor copies;
+/// not the statistics kernel, which writes no output). The default: timed on the device, the
+/// forward ran 1.02–1.05× as fast with it at every bench shape (docs/performance.md);
+/// `RUSTYTORCH_HOPPER_STORE=thread` gives the threads' stores.
 fn store_bulk(s: &Shape2) -> bool {
     s.tail != super::Tail::Stats
-        && std::env::var("RUSTYTORCH_HOPPER_STORE").as_deref() == Ok("bulk")
+        && std::env::var("RUSTYTORCH_HOPPER_STORE").as_deref() != Ok("thread")
 }
 
 /// The C of a consumer's output with [`store_bulk`]: once its previous tile's copy has read its
@@ -452,7 +453,10 @@ fn build_with(s: &Shape2, sp: &Spec, bulk_out: bool) -> Built {
     let tma = bulk_copies(st);
     let queued = tma && queued(sp);
     let skip = skips(sp, br, bc, queued);
-    let obulk = tma && bulk_out;
+    // The staging tiles where they fit beside the others (they do at the head sizes this
+    // kernel takes: 199 KiB at most, head size 128 with two consumers).
+    let staged = 1024 + nc * 64 * sp.dv * 2;
+    let obulk = tma && bulk_out && smem + staged <= 227 * 1024;
     debug_assert!(registers_balance(
         PRODUCER + 128 * nc as u32,
         PRODUCER,
@@ -462,7 +466,7 @@ fn build_with(s: &Shape2, sp: &Spec, bulk_out: bool) -> Built {
         threads: PRODUCER + 128 * nc as u32,
         // With bulk output stores, each consumer's 64-row staging tile past the barriers, at
         // the next 1024-byte boundary.
-        smem: (smem + if obulk { 1024 + nc * 64 * sp.dv * 2 } else { 0 }) as u32,
+        smem: (smem + if obulk { staged } else { 0 }) as u32,
         blocks,
         per_sm: 1,
         // Persistent but for causal attention walking fixed shares of the tiles with two
