@@ -335,19 +335,36 @@ fn cuda_lowering_of_packed_attention() {
             assert!(src.contains("768LL"), "k's offset in {target:?}");
         } else {
             // The Hopper forward reads q, k and v through tensor maps: the same row stride
-            // and offsets, in bytes.
+            // and offsets, in bytes; it writes the output ([b, s, h, d]) through a fourth.
             assert_eq!(target, Target::Hopper);
-            assert_eq!(maps.len(), 3);
-            for (part, map) in maps.iter().enumerate() {
+            assert_eq!(maps.len(), 4);
+            for (part, map) in maps[..3].iter().enumerate() {
                 assert_eq!(map.strides[0], 2304 * 2, "packed row stride of map {part}");
                 assert_eq!(map.offset, (part * 768 * 2) as u64, "offset of map {part}");
             }
+            assert_eq!(maps[3].strides[0], 768 * 2, "the output's row stride");
+            assert_eq!(maps[3].offset, 0);
         }
         let flash =
             flash_of(with_target(target, || lower_step(&grad, &[&p, &p, &p, &o], &p)).unwrap());
         // Statistics, zeroing the dQ buffer, the fused backward, rounding dQ: every gradient
         // kernel writes the one result (or the step's scratch).
         assert_eq!(flash.launches.len(), 4);
+        if target == Target::Hopper {
+            // The fused backward writes dK and dV by bulk tensor copies through maps over the
+            // packed result: its row stride, k's and v's offsets.
+            let k = &flash.launches[2].kernel;
+            for (name, part) in [("okmap", 1), ("ovmap", 2)] {
+                let map = k
+                    .params
+                    .iter()
+                    .find(|p| p.name == name)
+                    .and_then(|p| p.map.as_ref())
+                    .unwrap_or_else(|| panic!("{name} in {}", k.name));
+                assert_eq!(map.strides[0], 2304 * 2, "{name}");
+                assert_eq!(map.offset, (part * 768 * 2) as u64, "{name}");
+            }
+        }
         for l in &flash.launches[1..] {
             assert!(!l
                 .args
