@@ -394,8 +394,8 @@ $SKIP_LAST      }
 /// shared memory instead of each thread's 4-byte stores from the accumulator layout (8 rows ×
 /// 16 bytes a warp instruction), as the backward's `dK` and `dV` are (with bulk tensor copies;
 /// not the statistics kernel, which writes no output). The default: timed on the device, the
-/// forward ran 1.02–1.05× as fast with it at every bench shape (docs/performance.md);
-/// `RUSTYTORCH_HOPPER_STORE=thread` gives the threads' stores.
+/// forward ran 1.03–1.07× as fast with it at every bench shape but decoding, which has its own
+/// kernel (docs/performance.md); `RUSTYTORCH_HOPPER_STORE=thread` gives the threads' stores.
 fn store_bulk(s: &Shape2) -> bool {
     s.tail != super::Tail::Stats
         && std::env::var("RUSTYTORCH_HOPPER_STORE").as_deref() != Ok("thread")
