@@ -355,6 +355,25 @@ fn softmax() -> String {
     [SOFTMAX_SCORES, RESCALE, EXP_PACK].concat()
 }
 
+/// The C storing a warpgroup's 32-bit fragments, for `n` below `n8`, into the `rows`-row tile
+/// at shared address `tile` as the tensor cores and bulk copies read it: 64-column blocks of
+/// 128-byte rows, the 16-byte chunks of row r at chunk c ^ (r mod 8); a warp's rows r, r + 8
+/// (which take `vals[0]` and `vals[1]`) have r mod 8 = g.
+pub(super) fn swizzled_rows(tile: &str, rows: usize, n8: usize, vals: [&str; 2]) -> String {
+    format!(
+        r#"    #pragma unroll
+    for (int n = 0; n < {n8}; ++n) {{
+      const unsigned at = {tile} + (unsigned)((n >> 3) * {blk} + (warp * 16 + g) * 128 + (((n & 7) ^ g) << 4) + t4 * 4);
+      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at), "r"({lo}) : "memory");
+      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at + 1024u), "r"({hi}) : "memory");
+    }}
+"#,
+        blk = rows * 128,
+        lo = vals[0],
+        hi = vals[1],
+    )
+}
+
 /// The kernel's helpers after the flash kernels' own ([`super::helpers`]), after the thread
 /// indices: the shared-memory matrix descriptor `rt_desc` ([`DESCRIPTOR`]) and `load` ([`LOAD`]).
 pub(super) fn prelude() -> String {

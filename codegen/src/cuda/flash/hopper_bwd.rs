@@ -29,7 +29,9 @@
 //! runs the others (and every shape where `RUSTYTORCH_HOPPER_BWD=0` asks, for measurements).
 
 use super::backward::{Built, RED2};
-use super::hopper::{kmajor_products, pin, register_products, wait, wgmma_macro, OperandA};
+use super::hopper::{
+    kmajor_products, pin, register_products, swizzled_rows, wait, wgmma_macro, OperandA,
+};
 use super::{
     first_query, grad_defs, head_pointers, store_kv, transposed_probabilities, zeros, Part, Spec,
 };
@@ -97,7 +99,7 @@ pub(super) struct Variant {
     /// With `tma` (and not `early`): `dK` and `dV` rounded into the key and value tiles' shared
     /// memory (free once the block's last products have read them) and written by bulk tensor
     /// copies, instead of by each thread's 4-byte stores; the producer reloads the tiles once
-    /// the copies have read them (`RUSTYTORCH_HOPPER_BWD_STORE=bulk`). Timed on the device:
+    /// the copies have read them. Timed on the device:
     /// forward + backward 1.14× as fast at Sq 512 × Sk 8192, 1.01–1.05× at head size 64. The
     /// default; `RUSTYTORCH_HOPPER_BWD_STORE=thread` gives the threads' stores.
     pub store_bulk: bool,
@@ -422,6 +424,7 @@ const float* ls_all = (const float*)(rt_smem + (l_s - sm0));
         br2 = 2 * br,
         ds_store = swizzled_rows(
             "dsb",
+            BK,
             br8,
             ["dsa[n >> 1][(n & 1) * 2]", "dsa[n >> 1][(n & 1) * 2 + 1]"]
         ),
@@ -612,6 +615,7 @@ fn bulk_store_kv(sp: &Spec, wk: bool, wv: bool) -> String {
         }
         stage += &swizzled_rows(
             tile,
+            BK,
             d / 8,
             [
                 &format!("pack({acc}[n][0] * {scale:?}f, {acc}[n][1] * {scale:?}f)"),
@@ -677,25 +681,6 @@ fn load_queries(sp: &Spec, br: usize, stats_only: bool) -> String {
 "#,
         br2 = 2 * br,
         br4 = br * 4,
-    )
-}
-
-/// The C storing a warpgroup's 32-bit fragments, for `n` below `n8`, into the 128-row tile at
-/// shared address `tile` as the tensor cores and bulk copies read it: 64-column blocks of
-/// 128-byte rows, the 16-byte chunks of row r at chunk c ^ (r mod 8); a warp's rows r, r + 8
-/// (which take `vals[0]` and `vals[1]`) have r mod 8 = g.
-fn swizzled_rows(tile: &str, n8: usize, vals: [&str; 2]) -> String {
-    format!(
-        r#"    #pragma unroll
-    for (int n = 0; n < {n8}; ++n) {{
-      const unsigned at = {tile} + (unsigned)((n >> 3) * {blk} + (warp * 16 + g) * 128 + (((n & 7) ^ g) << 4) + t4 * 4);
-      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at), "r"({lo}) : "memory");
-      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at + 1024u), "r"({hi}) : "memory");
-    }}
-"#,
-        blk = BK * 128,
-        lo = vals[0],
-        hi = vals[1],
     )
 }
 

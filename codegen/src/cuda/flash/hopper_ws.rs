@@ -53,7 +53,8 @@
 //! the two-warpgroup kernel's ([`super::hopper`]), shared with it.
 
 use super::hopper::{
-    common_subs, pin, pv_issue, s_issue, substitute, wait, Built, RESCALE, SOFTMAX_SCORES,
+    common_subs, pin, pv_issue, s_issue, substitute, swizzled_rows, wait, Built, RESCALE,
+    SOFTMAX_SCORES,
 };
 use super::{row_maxima, Shape2, Spec};
 use rustytorch_ops::Causal;
@@ -402,8 +403,7 @@ fn store_bulk(s: &Shape2) -> bool {
 }
 
 /// The C of a consumer's output with [`store_bulk`]: once its previous tile's copy has read its
-/// staging tile (64 rows, 64-column blocks of 128-byte rows, the 16-byte chunks of row r at
-/// chunk c ^ (r mod 8)), the normalized rows into it; then its first thread copies the tile
+/// staging tile (64 rows, laid out by [`swizzled_rows`]), the normalized rows into it; then its first thread copies the tile
 /// out through the tensor map `omap`, which drops the rows past the queries' end.
 fn bulk_store_out(sp: &Spec, dv: usize, br: usize) -> String {
     format!(
@@ -411,13 +411,7 @@ fn bulk_store_out(sp: &Spec, dv: usize, br: usize) -> String {
     const unsigned os = o_s + (unsigned)cw * {obytes}u;
     if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
     asm volatile("bar.sync %0, 128;" :: "r"(4 + cw) : "memory");
-    #pragma unroll
-    for (int n = 0; n < {dv8}; ++n) {{
-      const unsigned at = os + (unsigned)((n >> 3) * 8192 + (warp * 16 + g) * 128 + (((n & 7) ^ g) << 4) + t4 * 4);
-      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at), "r"(pack(o[n][0] * inv0, o[n][1] * inv0)) : "memory");
-      asm volatile("st.shared.b32 [%0], %1;" :: "r"(at + 1024u), "r"(pack(o[n][2] * inv1, o[n][3] * inv1)) : "memory");
-    }}
-    // Written, and visible to the bulk copy.
+{stage}    // Written, and visible to the bulk copy.
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     asm volatile("bar.sync %0, 128;" :: "r"(4 + cw) : "memory");
     if ((tid & 127) == 0) {{
@@ -427,7 +421,15 @@ fn bulk_store_out(sp: &Spec, dv: usize, br: usize) -> String {
     }}
   }}"#,
         obytes = 64 * dv * 2,
-        dv8 = dv / 8,
+        stage = swizzled_rows(
+            "os",
+            64,
+            dv / 8,
+            [
+                "pack(o[n][0] * inv0, o[n][1] * inv0)",
+                "pack(o[n][2] * inv1, o[n][3] * inv1)"
+            ]
+        ),
         dblk = dv / 64,
         heads = sp.heads,
     )
