@@ -307,8 +307,9 @@ fn flash_attention_hopper_compiles() {
     // both head sizes and with two and three consumers; consumers skipping the tiles their rows
     // do not see wherever there are any, and never; tiles taken at run time over a bounded
     // grid, and at head size 128. The output written by each thread's stores instead of bulk
-    // tensor copies, with three and two consumers and at head size 128.
-    let knobs: [&[(&str, &str)]; 19] = [
+    // tensor copies, with three and two consumers and at head size 128. A share of the
+    // exponentials by a polynomial, with one chain and with two.
+    let knobs: [&[(&str, &str)]; 21] = [
         &[
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
             ("RUSTYTORCH_HOPPER_TILE", "2x64"),
@@ -356,6 +357,11 @@ fn flash_attention_hopper_compiles() {
         &[("RUSTYTORCH_HOPPER_STORE", "thread")],
         &[("RUSTYTORCH_HOPPER_STORE", "thread")],
         &[("RUSTYTORCH_HOPPER_STORE", "thread")],
+        &[("RUSTYTORCH_HOPPER_EXP_POLY", "4")],
+        &[
+            ("RUSTYTORCH_HOPPER_EXP_POLY", "3"),
+            ("RUSTYTORCH_HOPPER_CHAINS", "2"),
+        ],
     ];
     for (knob, (hd, causal)) in knobs.iter().zip([
         (64, Causal::None),
@@ -377,6 +383,8 @@ fn flash_attention_hopper_compiles() {
         (64, Causal::None),
         (64, Causal::TopLeft),
         (128, Causal::BottomRight),
+        (64, Causal::None),
+        (64, Causal::TopLeft),
     ]) {
         for (k, v) in knob.iter() {
             std::env::set_var(k, v);
@@ -444,6 +452,10 @@ fn flash_attention_hopper_compiles() {
                 "{knob:?}"
             );
         }
+        // A share of the exponentials by the polynomial where asked, else none.
+        let poly = knob.iter().any(|kv| kv.0 == "RUSTYTORCH_HOPPER_EXP_POLY");
+        assert_eq!(src.contains("auto ex2p"), poly, "{knob:?}");
+        assert_eq!(src.contains("= ex2s("), poly, "{knob:?}");
         // Split reductions keep their partials apart; a bounded grid still walks every tile.
         let chains = knob.iter().find(|kv| kv.0 == "RUSTYTORCH_HOPPER_CHAINS");
         assert_eq!(src.contains("ls0_1"), chains.is_some(), "{knob:?}");

@@ -380,12 +380,19 @@ pub(super) fn prelude() -> String {
     [DESCRIPTOR, LOAD].concat()
 }
 
-/// `rt_desc(addr, lbo)`, a shared-memory matrix descriptor.
-pub(super) const DESCRIPTOR: &str = r#"// A shared-memory matrix descriptor: start address, leading byte offset, 1024 bytes between
-// 8-row groups, 128-byte swizzle.
-auto rt_desc = [](unsigned addr, unsigned lbo) -> unsigned long long {
-  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16)
-       | ((unsigned long long)(1024u >> 4) << 32) | (1ull << 62);
+/// `rt_desc(addr, lbo, off)`, the shared-memory matrix descriptor of the tile at `addr + off`.
+///
+/// The start address field is `(addr >> 4) + (off >> 4)`, summed with the leading byte offset's
+/// field in 32 bits rather than masked and or-ed in 64: shared addresses are below 2^18 and
+/// tiles 16-byte aligned, so the fields never carry into each other, and the descriptors of a
+/// tile's steps (the same `addr`, constant `off`) share their base and each cost one integer
+/// add, where masking each sum cost the consumers five or six instructions a `wgmma` (at head
+/// size 64 a sixth of their instructions per key tile, in the assembler's listing).
+pub(super) const DESCRIPTOR: &str = r#"// A shared-memory matrix descriptor of the tile at addr + off: start address, leading byte
+// offset, 1024 bytes between 8-row groups, 128-byte swizzle.
+auto rt_desc = [](unsigned addr, unsigned lbo, unsigned off) -> unsigned long long {
+  const unsigned lo = (addr >> 4) + ((lbo >> 4) << 16) + (off >> 4);
+  return (unsigned long long)lo | ((unsigned long long)(1024u >> 4) << 32) | (1ull << 62);
 };
 "#;
 
@@ -437,7 +444,7 @@ pub(super) fn kmajor_products(
     for kk in 0..k / 16 {
         let (blk, off) = (kk / 4, (kk % 4) * 32);
         out.push_str(&format!(
-            "        {mac}(rt_desc({a} + {qa}u + (unsigned)({rows}) * 8192u, 16u), rt_desc({b} + {kb}u, 16u));\n",
+            "        {mac}(rt_desc({a} + (unsigned)({rows}) * 8192u, 16u, {qa}u), rt_desc({b}, 16u, {kb}u));\n",
             mac = macs[usize::from(kk > 0)],
             qa = blk * a_rows * 128 + off,
             kb = blk * b_rows * 128 + off,
@@ -464,7 +471,7 @@ pub(super) fn register_products(mac: &str, pa: &str, b: &str, k: usize) -> Strin
     let mut out = String::new();
     for kk in 0..k / 16 {
         out.push_str(&format!(
-            "        {mac}({pa}[{kk}][0], {pa}[{kk}][1], {pa}[{kk}][2], {pa}[{kk}][3], rt_desc({b} + {off}u, {lbo}u));\n",
+            "        {mac}({pa}[{kk}][0], {pa}[{kk}][1], {pa}[{kk}][2], {pa}[{kk}][3], rt_desc({b}, {lbo}u, {off}u));\n",
             off = kk * 16 * 128,
             lbo = k * 128,
         ));

@@ -979,7 +979,7 @@ fn q_products() -> String {
     (0..BK / 16)
         .map(|kk| {
             format!(
-                "      {mac}(rt_desc(da + {off}u, {lbo}u), rt_desc(db + {off}u, {lbo}u));\n",
+                "      {mac}(rt_desc(da, {lbo}u, {off}u), rt_desc(db, {lbo}u, {off}u));\n",
                 mac = if kk == 0 { "RT_WGMMA_Q0" } else { "RT_WGMMA_Q" },
                 off = kk * 2048,
                 lbo = BK * 128,

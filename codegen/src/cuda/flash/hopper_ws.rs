@@ -256,6 +256,57 @@ fn split_exps(n8: usize, k: usize) -> String {
     c
 }
 
+/// One exponential in `q` computed by a polynomial on the FMA pipes instead of the special
+/// function unit (`RUSTYTORCH_HOPPER_EXP_POLY=2|3|4|8`; 0, the default, computes all of them
+/// there). At head size 64 a 64 × 128 score tile's 8192 `ex2`s take the four SFU quadrants
+/// (4 lanes a clock each) as long as its two products take the tensor cores, so the two can
+/// only just overlap; moving a share to the FMA pipes (128 lanes a clock, about six FP32 and
+/// three integer instructions an exponential, [`EX2_POLY`]) leaves the SFU slack. Measured on
+/// the H100 it lost: the kernel's consumers are bound by issuing instructions (about 450 a
+/// key tile each, three consumers a quadrant against the tensor cores' 1536 cycles), which the
+/// polynomial adds to — one in 8 made the head-size-64 forwards 0.99–1.03× as fast, one in
+/// 2 0.86–0.90× (docs/performance.md).
+fn exp_poly() -> usize {
+    match std::env::var("RUSTYTORCH_HOPPER_EXP_POLY").as_deref() {
+        Ok("2") => 2,
+        Ok("3") => 3,
+        Ok("4") => 4,
+        Ok("8") => 8,
+        _ => 0,
+    }
+}
+
+/// `ex2p(x)`, 2^x for `x <= 0` on the FMA pipes: `x` clamped to −127, split into `j = ⌊x⌋`
+/// (the low bits of `x + 1.5·2^23` rounded down) and `f = x − j` in [0, 1), 2^f by a cubic
+/// (minimax relative error 8.6e-5, below half a unit in the last place of f16 and bf16, the
+/// types `P` is rounded to; p(0) = 1 exactly), and `j` added to its exponent field. −∞ (masked
+/// scores) gives +0 exactly: f = 0, p = 1.0 = 127 << 23 and j = −127. `ex2s(poly, x)` picks
+/// it or `ex2` (`poly` constant once the loops are unrolled).
+const EX2_POLY: &str = r#"auto ex2p = [](float x) -> float {
+  x = fmaxf(x, -127.f);
+  float t; asm("add.rm.f32 %0, %1, 12582912.0;" : "=f"(t) : "f"(x));
+  const float f = x - (t - 12582912.f);
+  float p = fmaf(fmaf(fmaf(0.0770660192f, f, 0.227646112f), f, 0.69511652f), f, 1.f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+};
+auto ex2s = [&](bool poly, float x) -> float { return poly ? ex2p(x) : ex2(x); };
+"#;
+
+/// `exps` (the exponentials' C, each `s[IDX][e] = ex2(`) with one in `q` of them through
+/// [`EX2_POLY`], chosen by `IDX · 4 + e` (`idx` the C of IDX for each `(pattern index, e)`).
+fn poly_exps(exps: &str, q: usize, idx: &[&str]) -> String {
+    let mut c = exps.to_string();
+    for i in idx {
+        for e in 0..4 {
+            c = c.replace(
+                &format!("s[{i}][{e}] = ex2("),
+                &format!("s[{i}][{e}] = ex2s((({i}) * 4 + {e}) % {q} == {}, ", q - 1),
+            );
+        }
+    }
+    c
+}
+
 /// The C combining partials `{name}{r}_0..k` pairwise (`op` `fmaxf` or `add`).
 fn tree(r: usize, name: &str, k: usize, op: &str) -> String {
     let mut terms: Vec<String> = (0..k).map(|p| format!("{name}{r}_{p}")).collect();
@@ -669,8 +720,13 @@ fn source(
     let (bc8, bc16, dv8) = (bc / 8, bc / 16, s.dv / 8);
     let (reg_p, reg_c) = registers(nc);
     let (turn, pass, pass_last) = turns(nc, pingpong);
-    let k_slot = "        const unsigned ks = k_s0 + (kc % $STu) * $KBYTESu;\n";
-    let v_slot = "        const unsigned vs = v_s0 + (vc % $STu) * $VBYTESu;\n";
+    // The buffers' addresses broadcast from lane 0, which tells the compiler they are
+    // warp-uniform: the descriptors derived from them are then computed in uniform registers
+    // (the loop over tiles taken at run time hides it otherwise).
+    let k_slot =
+        "        const unsigned ks = __shfl_sync(0xffffffffu, k_s0 + (kc % $STu) * $KBYTESu, 0);\n";
+    let v_slot =
+        "        const unsigned vs = __shfl_sync(0xffffffffu, v_s0 + (vc % $STu) * $VBYTESu, 0);\n";
     // The exponentials in place, summed per row.
     let exps = r#"        #pragma unroll
         for (int n = 0; n < $BC8; ++n) {
@@ -706,6 +762,25 @@ fn source(
         (
             SOFTMAX_SCORES.replace("$ROW_MAXIMA", &split_maxima(bc / 8, chains)),
             split_exps(bc / 8, chains),
+        )
+    };
+    let poly = exp_poly();
+    let exps = if poly == 0 {
+        exps
+    } else {
+        let idx: Vec<String> = (0..chains)
+            .map(|p| {
+                if chains == 1 {
+                    "n".into()
+                } else {
+                    format!("n + {p}")
+                }
+            })
+            .collect();
+        poly_exps(
+            &exps,
+            poly,
+            &idx.iter().map(String::as_str).collect::<Vec<_>>(),
         )
     };
     let exps = exps.as_str();
@@ -854,7 +929,9 @@ $PRELUDEif (tid < $PRODUCER) {
 $PRODUCER_LOOP
 } else {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 $REG_C;" ::: "memory");
-  const int cw = (tid >> 7) - 1, warp = (tid >> 5) & 3;
+  // The consumer index broadcast from lane 0, which tells the compiler it is warp-uniform:
+  // the descriptors derived from it are then computed in uniform registers.
+  const int cw = __shfl_sync(0xffffffffu, (tid >> 7) - 1, 0), warp = (tid >> 5) & 3;
   const int g = lane >> 2, t4 = lane & 3;
   unsigned qc = 0, kc = 0, vc = 0;
 $CONSUMER_LOOP$ORDER    const int i0 = qt * $BR + cw * 64 + warp * 16 + g, i1 = i0 + 8;
@@ -953,7 +1030,7 @@ $O_DRAIN}"#;
                 super::helpers() + super::hopper::DESCRIPTOR
             } else {
                 super::helpers() + &super::hopper::prelude()
-            },
+            } + if poly == 0 { "" } else { EX2_POLY },
         ),
         ("$SKIP_FIRST", skip_first),
         ("$ENDING", step_last),
@@ -979,6 +1056,52 @@ $O_DRAIN}"#;
 mod tests {
     use super::super::Spec;
     use rustytorch_ops::{AttnLayout, AttnMask, Causal, DType, F64Bits, Op, TensorType};
+
+    /// [`super::EX2_POLY`]'s steps in f32 as the GPU takes them (the rounded-down add
+    /// emulated), with the coefficients read from its C: within 9e-5 of 2^x relatively over
+    /// the scores' range, +0 at −∞ and far below, tiny and positive near the clamp.
+    #[test]
+    fn polynomial_exponential_is_accurate() {
+        let line = super::EX2_POLY
+            .lines()
+            .find(|l| l.contains("float p ="))
+            .unwrap();
+        let c: Vec<f32> = line
+            .split("fmaf(")
+            .flat_map(|p| p.split([',', ')']))
+            .filter_map(|w| w.trim().strip_suffix('f')?.parse::<f32>().ok())
+            .collect();
+        assert_eq!(c, [0.077_066_02, 0.227_646_11, 0.695_116_5, 1.0]);
+        let ex2p = |x: f32| -> f32 {
+            let x = x.max(-127.0);
+            let sum = x as f64 + 12582912.0;
+            let mut t = sum as f32;
+            if t as f64 > sum {
+                t = f32::from_bits(t.to_bits() - 1);
+            }
+            let f = x - (t - 12582912.0);
+            let p = c[0].mul_add(f, c[1]).mul_add(f, c[2]).mul_add(f, c[3]);
+            f32::from_bits(p.to_bits().wrapping_add(t.to_bits() << 23))
+        };
+        let mut worst = 0f64;
+        for i in 0..=2_000_000 {
+            let x = -(i as f32) * 6e-5;
+            let want = (x as f64).exp2();
+            worst = worst.max((ex2p(x) as f64 / want - 1.0).abs());
+        }
+        assert!(worst < 9e-5, "relative error {worst}");
+        for x in [-0.3f32, -1.0, -7.25, -20.5, -100.0, -126.0] {
+            let r = ex2p(x) as f64 / (x as f64).exp2() - 1.0;
+            assert!(r.abs() < 9e-5, "{x}: {r}");
+        }
+        assert_eq!(ex2p(0.0), 1.0);
+        assert_eq!(ex2p(f32::NEG_INFINITY).to_bits(), 0);
+        assert_eq!(ex2p(-500.0).to_bits(), 0);
+        let tiny = ex2p(-126.5);
+        assert!(tiny > 0.0 && tiny < 1e-37);
+        // Scores a rounding above the row's maximum stay near 1.
+        assert!((ex2p(1e-6) - 1.0).abs() < 1e-5);
+    }
 
     fn spec(d: usize, sq: usize, sk: usize, causal: Causal) -> Spec {
         let t =
