@@ -308,8 +308,9 @@ fn flash_attention_hopper_compiles() {
     // do not see wherever there are any, and never; tiles taken at run time over a bounded
     // grid, and at head size 128. The output written by each thread's stores instead of bulk
     // tensor copies, with three and two consumers and at head size 128. A share of the
-    // exponentials by a polynomial, with one chain and with two.
-    let knobs: [&[(&str, &str)]; 21] = [
+    // exponentials by a polynomial, with one chain and with two. Descriptors as a base plus a
+    // constant per step from warp-uniform values, in both kernels.
+    let knobs: [&[(&str, &str)]; 24] = [
         &[
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
             ("RUSTYTORCH_HOPPER_TILE", "2x64"),
@@ -362,6 +363,12 @@ fn flash_attention_hopper_compiles() {
             ("RUSTYTORCH_HOPPER_EXP_POLY", "3"),
             ("RUSTYTORCH_HOPPER_CHAINS", "2"),
         ],
+        &[("RUSTYTORCH_HOPPER_DESC", "uniform")],
+        &[("RUSTYTORCH_HOPPER_DESC", "uniform")],
+        &[
+            ("RUSTYTORCH_HOPPER_DESC", "uniform"),
+            ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
+        ],
     ];
     for (knob, (hd, causal)) in knobs.iter().zip([
         (64, Causal::None),
@@ -385,6 +392,9 @@ fn flash_attention_hopper_compiles() {
         (128, Causal::BottomRight),
         (64, Causal::None),
         (64, Causal::TopLeft),
+        (64, Causal::None),
+        (128, Causal::TopLeft),
+        (128, Causal::BottomRight),
     ]) {
         for (k, v) in knob.iter() {
             std::env::set_var(k, v);
@@ -402,7 +412,7 @@ fn flash_attention_hopper_compiles() {
         let src = source(k).expect("source");
         // Threads: two warpgroups, or a producer and two consumers (three at head size 64 but
         // for causal rows this short, unless told).
-        let threads = if knob[0].0 == "RUSTYTORCH_HOPPER_KERNEL" {
+        let threads = if knob.iter().any(|kv| kv.0 == "RUSTYTORCH_HOPPER_KERNEL") {
             256
         } else if hd == 64
             && !knob.contains(&("RUSTYTORCH_HOPPER_WS", "2"))
@@ -452,6 +462,19 @@ fn flash_attention_hopper_compiles() {
                 "{knob:?}"
             );
         }
+        // Descriptors as a base plus a constant where asked (the warp-specialized kernel's
+        // consumer index broadcast), else each in full.
+        let uniform = knob.contains(&("RUSTYTORCH_HOPPER_DESC", "uniform"));
+        assert_eq!(
+            src.contains("unsigned lbo, unsigned off"),
+            uniform,
+            "{knob:?}"
+        );
+        assert_eq!(
+            src.contains("const int cw = __shfl_sync("),
+            uniform && threads != 256,
+            "{knob:?}"
+        );
         // A share of the exponentials by the polynomial where asked, else none.
         let poly = knob.iter().any(|kv| kv.0 == "RUSTYTORCH_HOPPER_EXP_POLY");
         assert_eq!(src.contains("auto ex2p"), poly, "{knob:?}");
@@ -711,6 +734,21 @@ fn flash_attention_hopper_backward_compiles() {
                 ("RUSTYTORCH_HOPPER_BWD_TMA", "1"),
             ],
             384,
+        ),
+        // Descriptors as a base plus a constant per step, with and without a producer.
+        (
+            &[
+                ("RUSTYTORCH_HOPPER_DESC", "uniform"),
+                ("RUSTYTORCH_HOPPER_BWD_TMA", "1"),
+            ],
+            384,
+        ),
+        (
+            &[
+                ("RUSTYTORCH_HOPPER_DESC", "uniform"),
+                ("RUSTYTORCH_HOPPER_BWD_WS", "0"),
+            ],
+            256,
         ),
     ] {
         let bounded = vars[0].0 == "RUSTYTORCH_HOPPER_GRID";

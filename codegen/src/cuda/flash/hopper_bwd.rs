@@ -728,7 +728,7 @@ fn roles(
     let (reg_p, reg_c) = registers(tma);
     // Bulk tensor copies leave the producer no tile to copy itself.
     let prelude = if tma {
-        super::hopper::DESCRIPTOR.to_string()
+        super::hopper::descriptor().to_string()
     } else {
         super::hopper::prelude().replace("$THREADS", &PRODUCER.to_string())
     };
@@ -979,10 +979,10 @@ fn q_products() -> String {
     (0..BK / 16)
         .map(|kk| {
             format!(
-                "      {mac}(rt_desc(da, {lbo}u, {off}u), rt_desc(db, {lbo}u, {off}u));\n",
+                "      {mac}({}, {});\n",
+                super::hopper::desc_call("da", BK * 128, kk * 2048),
+                super::hopper::desc_call("db", BK * 128, kk * 2048),
                 mac = if kk == 0 { "RT_WGMMA_Q0" } else { "RT_WGMMA_Q" },
-                off = kk * 2048,
-                lbo = BK * 128,
             )
         })
         .collect()

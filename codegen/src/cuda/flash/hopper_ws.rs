@@ -720,13 +720,20 @@ fn source(
     let (bc8, bc16, dv8) = (bc / 8, bc / 16, s.dv / 8);
     let (reg_p, reg_c) = registers(nc);
     let (turn, pass, pass_last) = turns(nc, pingpong);
-    // The buffers' addresses broadcast from lane 0, which tells the compiler they are
-    // warp-uniform: the descriptors derived from them are then computed in uniform registers
-    // (the loop over tiles taken at run time hides it otherwise).
-    let k_slot =
-        "        const unsigned ks = __shfl_sync(0xffffffffu, k_s0 + (kc % $STu) * $KBYTESu, 0);\n";
-    let v_slot =
-        "        const unsigned vs = __shfl_sync(0xffffffffu, v_s0 + (vc % $STu) * $VBYTESu, 0);\n";
+    // With uniform descriptors, the buffers' addresses broadcast from lane 0, which tells the
+    // compiler they are warp-uniform: the descriptors derived from them are then computed in
+    // uniform registers (the loop over tiles taken at run time hides it otherwise).
+    let (k_slot, v_slot) = if super::hopper::uniform_descriptors() {
+        (
+            "        const unsigned ks = __shfl_sync(0xffffffffu, k_s0 + (kc % $STu) * $KBYTESu, 0);\n",
+            "        const unsigned vs = __shfl_sync(0xffffffffu, v_s0 + (vc % $STu) * $VBYTESu, 0);\n",
+        )
+    } else {
+        (
+            "        const unsigned ks = k_s0 + (kc % $STu) * $KBYTESu;\n",
+            "        const unsigned vs = v_s0 + (vc % $STu) * $VBYTESu;\n",
+        )
+    };
     // The exponentials in place, summed per row.
     let exps = r#"        #pragma unroll
         for (int n = 0; n < $BC8; ++n) {
@@ -929,9 +936,7 @@ $PRELUDEif (tid < $PRODUCER) {
 $PRODUCER_LOOP
 } else {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 $REG_C;" ::: "memory");
-  // The consumer index broadcast from lane 0, which tells the compiler it is warp-uniform:
-  // the descriptors derived from it are then computed in uniform registers.
-  const int cw = __shfl_sync(0xffffffffu, (tid >> 7) - 1, 0), warp = (tid >> 5) & 3;
+$CONSUMER_INDEX
   const int g = lane >> 2, t4 = lane & 3;
   unsigned qc = 0, kc = 0, vc = 0;
 $CONSUMER_LOOP$ORDER    const int i0 = qt * $BR + cw * 64 + warp * 16 + g, i1 = i0 + 8;
@@ -1027,7 +1032,7 @@ $O_DRAIN}"#;
         (
             "$PRELUDE",
             if tma {
-                super::helpers() + super::hopper::DESCRIPTOR
+                super::helpers() + super::hopper::descriptor()
             } else {
                 super::helpers() + &super::hopper::prelude()
             } + if poly == 0 { "" } else { EX2_POLY },
@@ -1037,6 +1042,17 @@ $O_DRAIN}"#;
         ("$SKIP_STEP", skip_step),
         ("$SKIP_LAST", skip_last),
         ("$LIM_FIRST", lim_first.to_string()),
+        (
+            "$CONSUMER_INDEX",
+            if super::hopper::uniform_descriptors() {
+                // Broadcast from lane 0, which tells the compiler it is warp-uniform: the
+                // descriptors derived from it are then computed in uniform registers.
+                "  const int cw = __shfl_sync(0xffffffffu, (tid >> 7) - 1, 0), warp = (tid >> 5) & 3;"
+            } else {
+                "  const int cw = (tid >> 7) - 1, warp = (tid >> 5) & 3;"
+            }
+            .to_string(),
+        ),
         ("$HEADS", sp.heads.to_string()),
         ("$NC", nc.to_string()),
         ("$ST", st.to_string()),
