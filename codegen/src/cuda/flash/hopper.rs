@@ -730,6 +730,38 @@ $ROW_SUMS$TAIL
 
 #[cfg(test)]
 mod tests {
+    /// The two descriptor helpers' arithmetic in Rust (as their C spells it): the uniform one
+    /// gives the full one's descriptor for every 16-byte-aligned tile and step offset whose sum
+    /// stays below the 2^18 bytes of the shared window, at every leading byte offset the
+    /// products use; and both helpers' C still spells that arithmetic.
+    #[test]
+    fn uniform_descriptors_match_the_full_ones() {
+        let full = |addr: u32, lbo: u32| -> u64 {
+            (((addr & 0x3FFFF) >> 4) as u64)
+                | (((lbo >> 4) as u64) << 16)
+                | ((1024u64 >> 4) << 32)
+                | (1u64 << 62)
+        };
+        let uniform = |addr: u32, lbo: u32, off: u32| -> u64 {
+            let lo = (addr >> 4)
+                .wrapping_add((lbo >> 4) << 16)
+                .wrapping_add(off >> 4);
+            lo as u64 | ((1024u64 >> 4) << 32) | (1u64 << 62)
+        };
+        for lbo in [16u32, 8192, 16384, 32768] {
+            for off in [0u32, 32, 96, 2048, 16384, 16480, 30720] {
+                for addr in (0..(1u32 << 18)).step_by(16) {
+                    if addr + off < 1 << 18 {
+                        assert_eq!(uniform(addr, lbo, off), full(addr + off, lbo));
+                    }
+                }
+            }
+        }
+        assert!(super::DESCRIPTOR.contains("((addr & 0x3FFFFu) >> 4)"));
+        assert!(super::DESCRIPTOR_UNIFORM
+            .contains("const unsigned lo = (addr >> 4) + ((lbo >> 4) << 16) + (off >> 4);"));
+    }
+
     /// [`super::ORDER`] in Rust: the (batch·head, query tile) of `tile`.
     fn order(tile: i64, hs: i64, qt: i64, bh: i64) -> (i64, i64) {
         let sec = tile / (hs * qt);
