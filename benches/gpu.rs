@@ -66,6 +66,21 @@ fn time_graph_with(
     (s.time_steps(iters).expect("timing"), plan.kernel_count())
 }
 
+/// [`time_graph_with`], and the device pool's peaks over it (started over before: its
+/// parameters, activations, inputs and workspaces, what the graph needs on the device, as
+/// `torch.cuda.max_memory_allocated` counts it).
+fn time_graph_peak(
+    graph: &Graph,
+    iters: usize,
+    replay: bool,
+    opts: passes::Options,
+) -> ((f64, usize), rustytorch::runtime::MemoryStats) {
+    let backend = CudaBackend::new(0).expect("cuda:0");
+    backend.reset_peak_memory_stats();
+    let t = time_graph_with(graph, iters, replay, opts);
+    (t, backend.memory_stats())
+}
+
 /// A cuda:0 session of `plan` (lowered from `graph`) with every parameter initialized and
 /// resident, and random inputs for it.
 fn session(
@@ -706,8 +721,14 @@ fn gpt2_rows(push: &mut dyn FnMut(&str, (f64, usize), &str, f64)) {
             arena as f64 / (1 << 20) as f64
         );
         with_bgrad(bgrad, || {
-            let t = time_graph_with(&graph, 10, true, opts);
+            let (t, mem) = time_graph_peak(&graph, 10, true, opts);
             push(&format!("gpt2-small {label} b8 s1024"), t, "ms", t.0);
+            let mib = |b: u64| b as f64 / (1 << 20) as f64;
+            println!(
+                "gpt2-small {label}: device pool peak {:.1} MiB allocated, {:.1} MiB reserved",
+                mib(mem.allocated_bytes.peak),
+                mib(mem.reserved_bytes.peak)
+            );
         });
         if train && typed && bgrad.is_none() {
             for line in rustytorch::runtime::cuda::attention_choices() {

@@ -515,6 +515,22 @@ impl<A: SegmentAllocator> Pool<A> {
         self.release_free_segments(false);
     }
 
+    /// Starts the peaks of the byte and segment statistics over from their current values (like
+    /// `torch.cuda.reset_peak_memory_stats()`), so that a later [`Pool::stats`] reports the
+    /// high-water mark of what ran since, such as one model's forward.
+    pub fn reset_peak_stats(&mut self) {
+        let s = &mut self.stats;
+        for stat in [
+            &mut s.allocated_bytes,
+            &mut s.requested_bytes,
+            &mut s.active_bytes,
+            &mut s.reserved_bytes,
+            &mut s.segment,
+        ] {
+            stat.peak = stat.current;
+        }
+    }
+
     /// The pool's statistics now.
     pub fn stats(&self) -> MemoryStats {
         let mut s = self.stats.clone();

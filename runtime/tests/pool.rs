@@ -484,3 +484,32 @@ fn random_workload_keeps_invariants() {
     assert_eq!(p.allocator().in_use, 0);
     assert_eq!(p.stats().free_cached_bytes, 0);
 }
+
+#[test]
+fn peaks_start_over_from_the_current_values() {
+    let mut p = pool(1 << 30);
+    let big = p.alloc(8 * MIB, 0).unwrap();
+    let small = p.alloc(4 * KIB, 0).unwrap();
+    p.free(big);
+    let before = p.stats();
+    assert_eq!(before.allocated_bytes.peak, (8 * MIB + 4 * KIB) as u64);
+    p.reset_peak_stats();
+    let s = p.stats();
+    assert_eq!(s.allocated_bytes.peak, s.allocated_bytes.current);
+    assert_eq!(s.allocated_bytes.current, (4 * KIB) as u64);
+    assert_eq!(s.requested_bytes.peak, (4 * KIB) as u64);
+    assert_eq!(s.reserved_bytes.peak, s.reserved_bytes.current);
+    assert_eq!(s.segment.peak, s.segment.current);
+    // Totals are not peaks: they keep counting.
+    assert_eq!(
+        s.allocated_bytes.allocated,
+        before.allocated_bytes.allocated
+    );
+    assert_eq!(s.num_allocs, before.num_allocs);
+    // A later allocation sets the new peak, below the old one.
+    let mid = p.alloc(2 * MIB, 0).unwrap();
+    assert_eq!(p.stats().allocated_bytes.peak, (2 * MIB + 4 * KIB) as u64);
+    p.free(mid);
+    p.free(small);
+    assert_eq!(p.stats().allocated_bytes.peak, (2 * MIB + 4 * KIB) as u64);
+}

@@ -403,6 +403,12 @@ impl CudaBackend {
     pub fn memory_stats(&self) -> crate::MemoryStats {
         self.dev.pool.lock().expect("pool lock").stats()
     }
+
+    /// Starts the device pool's peaks over from their current values
+    /// ([`crate::pool::Pool::reset_peak_stats`]).
+    pub fn reset_peak_memory_stats(&self) {
+        self.dev.pool.lock().expect("pool lock").reset_peak_stats();
+    }
 }
 
 impl Backend for CudaBackend {
