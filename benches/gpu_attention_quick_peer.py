@@ -2,6 +2,8 @@
 # `bench-gpu attention-flash-bwd` but the decoding one, bf16, forward and forward+backward
 # (all three gradients), timed with CUDA events, 50 calls each:
 #   python3 benches/gpu_attention_quick_peer.py
+# RUSTYTORCH_BENCH_ROWS=TEXT|TEXT... keeps the rows whose name contains one TEXT, as the bench
+# binary does (for example "D64").
 import os
 import sys
 
@@ -15,7 +17,11 @@ SHAPES = [(4, 32, 4096, 4096, 128, False), (4, 32, 4096, 4096, 128, True),
           (16, 16, 1024, 1024, 64, False), (16, 16, 1024, 1024, 64, True),
           (4, 32, 4096, 4096, 64, True), (2, 16, 8192, 8192, 128, True),
           (8, 32, 512, 8192, 128, False)]
+ROWS = [r for r in os.environ.get("RUSTYTORCH_BENCH_ROWS", "").split("|") if r]
 for (B, H, Sq, Sk, D, causal) in SHAPES:
+    name = f"B{B} H{H} Sq{Sq} Sk{Sk} D{D} {'causal' if causal else 'full'}"
+    if ROWS and not any(r in name for r in ROWS):
+        continue
     q = torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(B, H, Sk, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     g = torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16)
@@ -29,4 +35,4 @@ for (B, H, Sq, Sk, D, causal) in SHAPES:
     with torch.no_grad():
         a = bench(f, 50)
     b = bench(fb, 50)
-    print(f"sdpa B{B} H{H} Sq{Sq} Sk{Sk} D{D} {'causal' if causal else 'full'}: fwd {a:.4f} ms fwd+bwd {b:.4f} ms", flush=True)
+    print(f"sdpa {name}: fwd {a:.4f} ms fwd+bwd {b:.4f} ms", flush=True)
