@@ -902,6 +902,38 @@ fn flash_attention_hopper_wgmma_stays_asynchronous() {
             }
         }
     }
+    // With descriptors as a base plus a constant per step (uniform registers), at head size 64
+    // where the forward is bound by its instructions: the forward and all three gradients.
+    std::env::set_var("RUSTYTORCH_HOPPER_DESC", "uniform");
+    let ins = [
+        t(d, &[2, 4, 1024, 64]),
+        t(d, &[2, 4, 1024, 64]),
+        t(d, &[2, 4, 1024, 64]),
+        t(d, &[2, 4, 1024, 64]),
+    ];
+    let refs: Vec<&TensorType> = ins.iter().collect();
+    let op = attention(Causal::None, AttnMask::None, AttnLayout::Bhsd);
+    let out = rustytorch::ops::infer(&op, &refs[..3]).expect("infer");
+    let step = with_target(Target::Hopper, || flash::lower(&op, &refs[..3], &out)).expect("lower");
+    let grads = grad_group(
+        Target::Hopper,
+        Causal::None,
+        AttnMask::None,
+        AttnLayout::Bhsd,
+        &refs,
+        &[0, 1, 2],
+    );
+    std::env::remove_var("RUSTYTORCH_HOPPER_DESC");
+    for l in step.launches.into_iter().chain(grads.launches) {
+        if l.kernel.name.starts_with("flash_attention_sm90")
+            || l.kernel.name.starts_with("flash_attention_bwd_sm90")
+        {
+            assert!(source(&l.kernel)
+                .expect("source")
+                .contains("unsigned lbo, unsigned off"));
+            kernels.push(("uniform descriptors d64".to_string(), l.kernel));
+        }
+    }
     assert!(kernels.iter().any(|(w, _)| w.starts_with("backward d64")));
     for (what, k) in kernels {
         let report = hopper
