@@ -264,8 +264,8 @@ fn split_exps(n8: usize, k: usize) -> String {
 /// three integer instructions an exponential, [`EX2_POLY`]) leaves the SFU slack. Measured on
 /// the H100 it lost: the kernel's consumers are bound by issuing instructions (about 450 a
 /// key tile each, three consumers a quadrant against the tensor cores' 1536 cycles), which the
-/// polynomial adds to — one in 8 made the head-size-64 forwards 0.99–1.03× as fast, one in
-/// 2 0.86–0.90× (docs/performance.md).
+/// polynomial adds to — one in 8 made the head-size-64 forwards 0.97–1.04× as fast, one in
+/// 2 0.85–0.95× (docs/performance.md).
 fn exp_poly() -> usize {
     match std::env::var("RUSTYTORCH_HOPPER_EXP_POLY").as_deref() {
         Ok("2") => 2,
