@@ -427,6 +427,17 @@ pub(super) fn descriptor() -> &'static str {
     }
 }
 
+/// The C of the warp-uniform value `expr`: with [`uniform_descriptors`] broadcast from lane 0
+/// (`__shfl_sync`, which tells the compiler it is warp-uniform, so that the descriptors derived
+/// from it are computed in uniform registers), else `expr` itself.
+pub(super) fn warp_uniform(expr: &str) -> String {
+    if uniform_descriptors() {
+        format!("__shfl_sync(0xffffffffu, {expr}, 0)")
+    } else {
+        expr.to_string()
+    }
+}
+
 /// The C of the descriptor of the tile at `addr + off` with leading byte offset `lbo`, in the
 /// form [`descriptor`] defines.
 pub(super) fn desc_call(addr: &str, lbo: usize, off: usize) -> String {
@@ -487,6 +498,8 @@ pub(super) fn kmajor_products(
         let qa = blk * a_rows * 128 + off;
         out.push_str(&format!(
             "        {mac}({}, {});\n",
+            // The full form spells the A tile's offset before its warpgroup's rows, as the
+            // kernels checked on the device do.
             if uniform_descriptors() {
                 desc_call(&format!("{a} + (unsigned)({rows}) * 8192u"), 16, qa)
             } else {

@@ -53,8 +53,8 @@
 //! the two-warpgroup kernel's ([`super::hopper`]), shared with it.
 
 use super::hopper::{
-    common_subs, pin, pv_issue, s_issue, substitute, swizzled_rows, wait, Built, RESCALE,
-    SOFTMAX_SCORES,
+    common_subs, pin, pv_issue, s_issue, substitute, swizzled_rows, wait, warp_uniform, Built,
+    RESCALE, SOFTMAX_SCORES,
 };
 use super::{row_maxima, Shape2, Spec};
 use rustytorch_ops::Causal;
@@ -292,11 +292,17 @@ const EX2_POLY: &str = r#"auto ex2p = [](float x) -> float {
 auto ex2s = [&](bool poly, float x) -> float { return poly ? ex2p(x) : ex2(x); };
 "#;
 
-/// `exps` (the exponentials' C, each `s[IDX][e] = ex2(`) with one in `q` of them through
-/// [`EX2_POLY`], chosen by `IDX · 4 + e` (`idx` the C of IDX for each `(pattern index, e)`).
-fn poly_exps(exps: &str, q: usize, idx: &[&str]) -> String {
+/// `exps` (the exponentials' C over `chains` chains, each `s[IDX][e] = ex2(` with IDX `n`, or
+/// `n + p` for chain `p` of several) with one in `q` of them through [`EX2_POLY`], chosen by
+/// `IDX · 4 + e`.
+fn poly_exps(exps: &str, q: usize, chains: usize) -> String {
+    let idx: Vec<String> = if chains == 1 {
+        vec!["n".into()]
+    } else {
+        (0..chains).map(|p| format!("n + {p}")).collect()
+    };
     let mut c = exps.to_string();
-    for i in idx {
+    for i in &idx {
         for e in 0..4 {
             c = c.replace(
                 &format!("s[{i}][{e}] = ex2("),
@@ -454,8 +460,9 @@ fn store_bulk(s: &Shape2) -> bool {
 }
 
 /// The C of a consumer's output with [`store_bulk`]: once its previous tile's copy has read its
-/// staging tile (64 rows, laid out by [`swizzled_rows`]), the normalized rows into it; then its first thread copies the tile
-/// out through the tensor map `omap`, which drops the rows past the queries' end.
+/// staging tile (64 rows, laid out by [`swizzled_rows`]), the normalized rows into it; then its
+/// first thread copies the tile out through the tensor map `omap`, which drops the rows past
+/// the queries' end.
 fn bulk_store_out(sp: &Spec, dv: usize, br: usize) -> String {
     format!(
         r#"  {{
@@ -720,20 +727,17 @@ fn source(
     let (bc8, bc16, dv8) = (bc / 8, bc / 16, s.dv / 8);
     let (reg_p, reg_c) = registers(nc);
     let (turn, pass, pass_last) = turns(nc, pingpong);
-    // With uniform descriptors, the buffers' addresses broadcast from lane 0, which tells the
-    // compiler they are warp-uniform: the descriptors derived from them are then computed in
-    // uniform registers (the loop over tiles taken at run time hides it otherwise).
-    let (k_slot, v_slot) = if super::hopper::uniform_descriptors() {
-        (
-            "        const unsigned ks = __shfl_sync(0xffffffffu, k_s0 + (kc % $STu) * $KBYTESu, 0);\n",
-            "        const unsigned vs = __shfl_sync(0xffffffffu, v_s0 + (vc % $STu) * $VBYTESu, 0);\n",
-        )
-    } else {
-        (
-            "        const unsigned ks = k_s0 + (kc % $STu) * $KBYTESu;\n",
-            "        const unsigned vs = v_s0 + (vc % $STu) * $VBYTESu;\n",
-        )
-    };
+    // The buffers' addresses, warp-uniform (the loop over tiles taken at run time hides it
+    // from the compiler otherwise).
+    let k_slot = format!(
+        "        const unsigned ks = {};\n",
+        warp_uniform("k_s0 + (kc % $STu) * $KBYTESu")
+    );
+    let v_slot = format!(
+        "        const unsigned vs = {};\n",
+        warp_uniform("v_s0 + (vc % $STu) * $VBYTESu")
+    );
+    let (k_slot, v_slot) = (k_slot.as_str(), v_slot.as_str());
     // The exponentials in place, summed per row.
     let exps = r#"        #pragma unroll
         for (int n = 0; n < $BC8; ++n) {
@@ -775,20 +779,7 @@ fn source(
     let exps = if poly == 0 {
         exps
     } else {
-        let idx: Vec<String> = (0..chains)
-            .map(|p| {
-                if chains == 1 {
-                    "n".into()
-                } else {
-                    format!("n + {p}")
-                }
-            })
-            .collect();
-        poly_exps(
-            &exps,
-            poly,
-            &idx.iter().map(String::as_str).collect::<Vec<_>>(),
-        )
+        poly_exps(&exps, poly, chains)
     };
     let exps = exps.as_str();
     let full_k = "        mb_wait(kfull + 8u * (kc % $STu), (kc / $STu) & 1u);\n";
@@ -1044,14 +1035,10 @@ $O_DRAIN}"#;
         ("$LIM_FIRST", lim_first.to_string()),
         (
             "$CONSUMER_INDEX",
-            if super::hopper::uniform_descriptors() {
-                // Broadcast from lane 0, which tells the compiler it is warp-uniform: the
-                // descriptors derived from it are then computed in uniform registers.
-                "  const int cw = __shfl_sync(0xffffffffu, (tid >> 7) - 1, 0), warp = (tid >> 5) & 3;"
-            } else {
-                "  const int cw = (tid >> 7) - 1, warp = (tid >> 5) & 3;"
-            }
-            .to_string(),
+            format!(
+                "  const int cw = {}, warp = (tid >> 5) & 3;",
+                warp_uniform("(tid >> 7) - 1")
+            ),
         ),
         ("$HEADS", sp.heads.to_string()),
         ("$NC", nc.to_string()),
