@@ -99,9 +99,9 @@ pub(super) struct Variant {
     /// With `tma` (and not `early`): `dK` and `dV` rounded into the key and value tiles' shared
     /// memory (free once the block's last products have read them) and written by bulk tensor
     /// copies, instead of by each thread's 4-byte stores; the producer reloads the tiles once
-    /// the copies have read them. Timed on the device:
-    /// forward + backward 1.14× as fast at Sq 512 × Sk 8192, 1.01–1.05× at head size 64. The
-    /// default; `RUSTYTORCH_HOPPER_BWD_STORE=thread` gives the threads' stores.
+    /// the copies have read them. Timed on the device: forward + backward 1.14× as fast at
+    /// Sq 512 × Sk 8192, 1.01–1.05× at head size 64. The default;
+    /// `RUSTYTORCH_HOPPER_BWD_STORE=thread` gives the threads' stores.
     pub store_bulk: bool,
     /// With `tma`: a proxy fence (`fence.proxy.async`, which ptxas compiles to a
     /// `MEMBAR.ALL.CTA`) after each query tile's full barrier, as with `cp.async` copies,
