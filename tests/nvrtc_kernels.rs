@@ -310,7 +310,7 @@ fn flash_attention_hopper_compiles() {
     // tensor copies, with three and two consumers and at head size 128. A share of the
     // exponentials by a polynomial, with one chain and with two. Descriptors as a base plus a
     // constant per step from warp-uniform values, in both kernels.
-    let knobs: [&[(&str, &str)]; 24] = [
+    let knobs: [&[(&str, &str)]; 27] = [
         &[
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
             ("RUSTYTORCH_HOPPER_TILE", "2x64"),
@@ -369,6 +369,12 @@ fn flash_attention_hopper_compiles() {
             ("RUSTYTORCH_HOPPER_DESC", "uniform"),
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
         ],
+        &[("RUSTYTORCH_HOPPER_ROWSUM", "mma")],
+        &[
+            ("RUSTYTORCH_HOPPER_ROWSUM", "mma"),
+            ("RUSTYTORCH_HOPPER_DESC", "uniform"),
+        ],
+        &[("RUSTYTORCH_HOPPER_ROWSUM", "mma")],
     ];
     for (knob, (hd, causal)) in knobs.iter().zip([
         (64, Causal::None),
@@ -394,6 +400,9 @@ fn flash_attention_hopper_compiles() {
         (64, Causal::TopLeft),
         (64, Causal::None),
         (128, Causal::TopLeft),
+        (128, Causal::BottomRight),
+        (64, Causal::None),
+        (64, Causal::TopLeft),
         (128, Causal::BottomRight),
     ]) {
         for (k, v) in knob.iter() {
@@ -479,6 +488,14 @@ fn flash_attention_hopper_compiles() {
         let poly = knob.iter().any(|kv| kv.0 == "RUSTYTORCH_HOPPER_EXP_POLY");
         assert_eq!(src.contains("auto ex2p"), poly, "{knob:?}");
         assert_eq!(src.contains("= ex2s("), poly, "{knob:?}");
+        // The rows' sums on the tensor cores where asked (their adds and shuffles gone).
+        let mma_sums = knob.contains(&("RUSTYTORCH_HOPPER_ROWSUM", "mma"));
+        assert_eq!(src.contains("RT_WGMMA_L(pa[0][0]"), mma_sums, "{knob:?}");
+        assert_eq!(
+            src.contains("__shfl_xor_sync(0xffffffffu, l0, 1)"),
+            !mma_sums,
+            "{knob:?}"
+        );
         // Split reductions keep their partials apart; a bounded grid still walks every tile.
         let chains = knob.iter().find(|kv| kv.0 == "RUSTYTORCH_HOPPER_CHAINS");
         assert_eq!(src.contains("ls0_1"), chains.is_some(), "{knob:?}");
@@ -932,6 +949,34 @@ fn flash_attention_hopper_wgmma_stays_asynchronous() {
                 .expect("source")
                 .contains("unsigned lbo, unsigned off"));
             kernels.push(("uniform descriptors d64".to_string(), l.kernel));
+        }
+    }
+    // With the rows' sums on the tensor cores (the forward only), alone and with the uniform
+    // descriptors.
+    for vars in [
+        &[("RUSTYTORCH_HOPPER_ROWSUM", "mma")][..],
+        &[
+            ("RUSTYTORCH_HOPPER_ROWSUM", "mma"),
+            ("RUSTYTORCH_HOPPER_DESC", "uniform"),
+        ],
+    ] {
+        for (k, v) in vars {
+            std::env::set_var(k, v);
+        }
+        for causal in [Causal::None, Causal::TopLeft] {
+            let op = attention(causal, AttnMask::None, AttnLayout::Bhsd);
+            let step =
+                with_target(Target::Hopper, || flash::lower(&op, &refs[..3], &out)).expect("lower");
+            for l in step.launches {
+                assert!(source(&l.kernel).expect("source").contains("RT_WGMMA_L("));
+                kernels.push((
+                    format!("sums on the tensor cores {causal:?} {vars:?}"),
+                    l.kernel,
+                ));
+            }
+        }
+        for (k, _) in vars {
+            std::env::remove_var(k);
         }
     }
     assert!(kernels.iter().any(|(w, _)| w.starts_with("backward d64")));

@@ -515,10 +515,26 @@ pub(super) fn kmajor_products(
 /// `O += P·V` of the value tile at shared address `vs` (C, defined before), `P` from the
 /// registers `pa`, issued and committed, not waited for ([`register_products`]).
 pub(super) fn pv_issue(bc: usize, dv: usize) -> String {
+    pv_issue_with(bc, dv, false)
+}
+
+/// [`pv_issue`], with `sums` also the rows' sums of `P` into `lacc` on the tensor cores
+/// (`RT_WGMMA_L`, one `m64n8k16` a 16-key step against a tile of ones at descriptor `ones_d`).
+pub(super) fn pv_issue_with(bc: usize, dv: usize, sums: bool) -> String {
     let mut out = pin("pa", bc / 16, 'r');
     out.push_str(&pin("o", dv / 8, 'f'));
+    if sums {
+        out.push_str(&pin("lacc", 1, 'f'));
+    }
     out.push_str("        asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\");\n");
     out.push_str(&register_products("RT_WGMMA_O", "pa", "vs", bc));
+    if sums {
+        for kk in 0..bc / 16 {
+            out.push_str(&format!(
+                "        RT_WGMMA_L(pa[{kk}][0], pa[{kk}][1], pa[{kk}][2], pa[{kk}][3], ones_d);\n"
+            ));
+        }
+    }
     out.push_str("        asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\");\n");
     out
 }

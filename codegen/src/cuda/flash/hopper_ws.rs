@@ -53,8 +53,8 @@
 //! the two-warpgroup kernel's ([`super::hopper`]), shared with it.
 
 use super::hopper::{
-    common_subs, pin, pv_issue, s_issue, substitute, swizzled_rows, wait, warp_uniform, Built,
-    RESCALE, SOFTMAX_SCORES,
+    common_subs, pin, pv_issue_with, s_issue, substitute, swizzled_rows, wait, warp_uniform,
+    wgmma_macro, Built, OperandA, RESCALE, SOFTMAX_SCORES,
 };
 use super::{row_maxima, Shape2, Spec};
 use rustytorch_ops::Causal;
@@ -275,6 +275,22 @@ fn exp_poly() -> usize {
         _ => 0,
     }
 }
+
+/// Whether the rows' sums of `P` come from the tensor cores instead of the FP32 pipes
+/// (`RUSTYTORCH_HOPPER_ROWSUM=mma`): each 16-key step of `P·V` gets a `wgmma.m64n8k16` of the
+/// same `P` fragments against a tile of ones, which accumulates the sums beside the output
+/// (`lacc`, rescaled with it), so the consumers issue eight `wgmma`s a 128-key tile instead of
+/// 64 adds and the final shuffles. The sums are then those of `P` as rounded for `P·V`, the
+/// normalizer of exactly the weights the output summed. At head size 64 the consumers are
+/// bound by issuing instructions ([`exp_poly`]), which this relieves, at the price of an
+/// eighth more tensor-core work on `P·V`.
+fn mma_rowsums() -> bool {
+    std::env::var("RUSTYTORCH_HOPPER_ROWSUM").as_deref() == Ok("mma")
+}
+
+/// Bytes of the tile of ones that [`mma_rowsums`]' products read (any layout reads ones), and
+/// of the alignment before it.
+const ONES_BYTES: usize = 512 + 128;
 
 /// `ex2p(x)`, 2^x for `x <= 0` on the FMA pipes: `x` clamped to −127, split into `j = ⌊x⌋`
 /// (the low bits of `x + 1.5·2^23` rounded down) and `f = x − j` in [0, 1), 2^f by a cubic
@@ -506,8 +522,12 @@ fn build_with(s: &Shape2, sp: &Spec, bulk_out: bool) -> Built {
     let bc = keys(sp, nc);
     let st = stages();
     // The tiles, then full and empty barriers for the query tile and each buffer, and the
-    // next tile's slot.
-    let smem = 1024 + br * sp.d * 2 + st * bc * (sp.d + sp.dv) * 2 + (3 + 4 * st) * 8;
+    // next tile's slot (and the tile of ones of the sums on the tensor cores).
+    let smem = 1024
+        + br * sp.d * 2
+        + st * bc * (sp.d + sp.dv) * 2
+        + (3 + 4 * st) * 8
+        + if mma_rowsums() { ONES_BYTES } else { 0 };
     let blocks = sp.bsz * sp.heads * sp.sq.div_ceil(br);
     let pingpong = std::env::var("RUSTYTORCH_HOPPER_PINGPONG").as_deref() != Ok("0");
     let tma = bulk_copies(st);
@@ -801,8 +821,17 @@ fn source(
             free_q.trim_start()
         )
     };
-    let (s_gemm, pv_gemm) = (s_issue(s.d, br, bc, "cw"), pv_issue(bc, s.dv));
-    let (wait_o, pin_pa) = (wait(0, "o", dv8), pin("pa", bc16, 'r'));
+    let sums = mma_rowsums();
+    let (s_gemm, pv_gemm) = (s_issue(s.d, br, bc, "cw"), pv_issue_with(bc, s.dv, sums));
+    let (mut wait_o, pin_pa) = (wait(0, "o", dv8), pin("pa", bc16, 'r'));
+    let mut rescale = RESCALE.to_string();
+    if sums {
+        wait_o += &pin("lacc", 1, 'f');
+        rescale = rescale.replace(
+            "o[n][3] *= a1; }\n",
+            "o[n][3] *= a1; }\n          lacc[0][0] *= a0; lacc[0][1] *= a0; lacc[0][2] *= a1; lacc[0][3] *= a1;\n",
+        );
+    }
 
     // The first key tile: S_0, its softmax (the output is still zero: no rescale) and P_0.
     let first = [
@@ -843,7 +872,7 @@ fn source(
         &wait_o,
         &pin_pa,
         free_v,
-        RESCALE,
+        &rescale,
         pack,
     ]
     .concat();
@@ -907,8 +936,8 @@ const unsigned qfull = v_s0 + $STu * $VBYTESu, qempty = qfull + 8u;
 const unsigned kfull = qfull + 16u, kempty = kfull + 8u * $STu, vfull = kempty + 8u * $STu, vempty = vfull + 8u * $STu;
 // The tile the block takes next, where the producer hands tiles out at run time.
 const unsigned tile_s = vempty + 8u * $STu;
-$O_STAGE$QUEUEconst int tid = threadIdx.x, lane = tid & 31;
-$MBARRIERSif (tid == 0) {
+$ONES_AT$O_STAGE$QUEUEconst int tid = threadIdx.x, lane = tid & 31;
+$MBARRIERS$ONES_FILLif (tid == 0) {
   // Full: the producer's threads (their copies landed) or its one thread's announcement of
   // the bytes to come; empty: the consumers' warps.
   mb_init(qfull, $FULLu);
@@ -938,7 +967,7 @@ $LIM_FIRST    float o[$DV8][4];
     #pragma unroll
     for (int n = 0; n < $DV8; ++n) { o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f; }
     float m0 = RT_NEG_INF, m1 = RT_NEG_INF, l0 = 0.f, l1 = 0.f;
-    if (ntiles > 0) {
+$LACC    if (ntiles > 0) {
       float s[$BC8][4];
       unsigned pa[$BC16][4];
 $OPEN$WAIT_Q$WALK$NO_KEYS    }
@@ -951,7 +980,61 @@ $O_DRAIN}"#;
         (WALK, "    const int lim_first = lim_of(qt * $BR);\n")
     };
     let [head, wait_q, no_keys] = consumer_loop(queued);
+    let one = if s.elem == "f16" {
+        "0x3C003C00u"
+    } else {
+        "0x3F803F80u"
+    };
     let first_subs = vec![
+        (
+            "$WGMMA",
+            if sums {
+                // Before the common names' `$WGMMA`, which it holds.
+                format!(
+                    "$WGMMA{}",
+                    wgmma_macro("RT_WGMMA_L", s.elem, 8, "lacc", "+f", 1, OperandA::Registers)
+                )
+            } else {
+                "$WGMMA".into()
+            },
+        ),
+        (
+            "$ONES_AT",
+            if sums {
+                "// The tile of ones whose products with P are the rows' sums.\nconst unsigned ones_s = (tile_s + 8u + 127u) & ~127u;\n"
+            } else {
+                ""
+            }
+            .to_string(),
+        ),
+        (
+            "$ONES_FILL",
+            if sums {
+                format!(
+                    "if (tid < 128) asm volatile(\"st.shared.b32 [%0], %1;\" :: \"r\"(ones_s + 4u * (unsigned)tid), \"r\"({one}) : \"memory\");\nasm volatile(\"fence.proxy.async.shared::cta;\" ::: \"memory\");\n"
+                )
+            } else {
+                String::new()
+            },
+        ),
+        (
+            "$LACC",
+            if sums {
+                "    // The rows' sums as the tensor cores accumulate them (columns alike), and the\n    // descriptor of the ones (no swizzle; 128 bytes between core matrices either way).\n    float lacc[1][4] = {{0.f, 0.f, 0.f, 0.f}};\n    const unsigned long long ones_d = (unsigned long long)(ones_s >> 4) | (8ull << 16) | (8ull << 32);\n"
+            } else {
+                ""
+            }
+            .to_string(),
+        ),
+        (
+            "$ROW_SUMS",
+            if sums {
+                "    l0 = lacc[0][0]; l1 = lacc[0][2];\n    const float inv0 = l0 == 0.f ? 0.f : 1.f / l0, inv1 = l1 == 0.f ? 0.f : 1.f / l1;\n"
+            } else {
+                "$ROW_SUMS"
+            }
+            .to_string(),
+        ),
         // Before the names its text holds.
         (
             "$TAIL",
@@ -964,7 +1047,11 @@ $O_DRAIN}"#;
         (
             "$O_STAGE",
             if obulk {
-                "const unsigned o_s = (tile_s + 8u + 1023u) & ~1023u;\n"
+                if sums {
+                    "const unsigned o_s = (ones_s + 512u + 1023u) & ~1023u;\n"
+                } else {
+                    "const unsigned o_s = (tile_s + 8u + 1023u) & ~1023u;\n"
+                }
             } else {
                 ""
             }
