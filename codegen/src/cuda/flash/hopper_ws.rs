@@ -517,6 +517,11 @@ pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
 /// [`build`], writing the output by bulk copies where `bulk_out` asks and bulk tensor copies
 /// feed the kernel.
 fn build_with(s: &Shape2, sp: &Spec, bulk_out: bool) -> Built {
+    build_sums(s, sp, bulk_out, mma_rowsums())
+}
+
+/// [`build_with`], the rows' sums on the tensor cores where `sums` asks ([`mma_rowsums`]).
+fn build_sums(s: &Shape2, sp: &Spec, bulk_out: bool, sums: bool) -> Built {
     let nc = consumers(sp);
     let br = 64 * nc;
     let bc = keys(sp, nc);
@@ -527,7 +532,7 @@ fn build_with(s: &Shape2, sp: &Spec, bulk_out: bool) -> Built {
         + br * sp.d * 2
         + st * bc * (sp.d + sp.dv) * 2
         + (3 + 4 * st) * 8
-        + if mma_rowsums() { ONES_BYTES } else { 0 };
+        + if sums { ONES_BYTES } else { 0 };
     let blocks = sp.bsz * sp.heads * sp.sq.div_ceil(br);
     let pingpong = std::env::var("RUSTYTORCH_HOPPER_PINGPONG").as_deref() != Ok("0");
     let tma = bulk_copies(st);
@@ -562,7 +567,7 @@ fn build_with(s: &Shape2, sp: &Spec, bulk_out: bool) -> Built {
             st,
             (pingpong, skip),
             blocks,
-            (tma, queued, obulk),
+            (tma, queued, obulk, sums),
         ),
         maps: tma.then_some([br as u32, bc as u32, bc as u32]),
         out_map: obulk.then_some(64),
@@ -741,7 +746,7 @@ fn source(
     st: usize,
     (pingpong, skip): (bool, bool),
     blocks: usize,
-    (tma, queued, obulk): (bool, bool, bool),
+    (tma, queued, obulk, sums): (bool, bool, bool, bool),
 ) -> String {
     let br = 64 * nc;
     let (bc8, bc16, dv8) = (bc / 8, bc / 16, s.dv / 8);
@@ -821,7 +826,6 @@ fn source(
             free_q.trim_start()
         )
     };
-    let sums = mma_rowsums();
     let (s_gemm, pv_gemm) = (s_issue(s.d, br, bc, "cw"), pv_issue_with(bc, s.dv, sums));
     let (mut wait_o, pin_pa) = (wait(0, "o", dv8), pin("pa", bc16, 'r'));
     let mut rescale = RESCALE.to_string();
@@ -1251,6 +1255,45 @@ mod tests {
         }
         assert!(!super::registers_balance(384, 128, (64, 224)));
         assert!(super::registers_balance(384, 128, (64, 216)));
+    }
+
+    /// With the rows' sums on the tensor cores: the tile of ones (1.0 in the element type) in
+    /// 640 more bytes of shared memory, before the output's staging tiles; its descriptor
+    /// unswizzled; one `m64n8k16` a 16-key step of each `P·V`, its sums rescaled with the
+    /// output; no adds' shuffles at the end.
+    #[test]
+    fn sums_on_the_tensor_cores() {
+        for (d, causal, nc) in [(64, Causal::None, 3), (128, Causal::TopLeft, 2)] {
+            let sp = spec(d, 1000, 1000, causal);
+            let s = sp.shape2(super::super::Tail::Out);
+            let plain = super::build_sums(&s, &sp, true, false);
+            let b = super::build_sums(&s, &sp, true, true);
+            assert_eq!(b.smem, plain.smem + super::ONES_BYTES as u32);
+            assert!(b.smem as usize <= 227 * 1024, "d {d}: {}", b.smem);
+            let src = &b.source;
+            assert!(src.contains("m64n8k16.f32.bf16.bf16"));
+            assert!(src.contains("\"r\"(0x3F803F80u)"));
+            assert!(src.contains("const unsigned o_s = (ones_s + 512u + 1023u) & ~1023u;"));
+            // 128 threads fill 512 bytes; the descriptor's layout bits (62–63) are clear.
+            assert!(src.contains("if (tid < 128) asm volatile(\"st.shared.b32"));
+            assert!(src.contains("(ones_s >> 4) | (8ull << 16) | (8ull << 32);"));
+            // Two `P·V` sites a query tile (in the walk, and the last value tile) or more.
+            let sums = src.matches("RT_WGMMA_L(pa[7][0]").count();
+            assert!(sums >= 2, "{sums}");
+            assert_eq!(src.matches("RT_WGMMA_L(pa[8][0]").count(), 0);
+            assert!(src.contains("lacc[0][0] *= a0; lacc[0][1] *= a0; lacc[0][2] *= a1;"));
+            assert!(src.contains("l0 = lacc[0][0]; l1 = lacc[0][2];"));
+            assert!(!src.contains("__shfl_xor_sync(0xffffffffu, l0, 1)"));
+            assert!(plain.source.contains("__shfl_xor_sync(0xffffffffu, l0, 1)"));
+            assert!(!plain.source.contains("RT_WGMMA_L"));
+            assert_eq!(b.threads as usize, 128 + 128 * nc, "d {d}");
+        }
+        // f16 tiles hold f16 ones.
+        let sp = spec(64, 300, 300, Causal::None);
+        let mut s = sp.shape2(super::super::Tail::Out);
+        s.elem = "f16";
+        let b = super::build_sums(&s, &sp, true, true);
+        assert!(b.source.contains("\"r\"(0x3C003C00u)"));
     }
 
     /// With bulk output stores each consumer stages its 64 rows past the barriers at a
