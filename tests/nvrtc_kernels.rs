@@ -308,8 +308,8 @@ fn flash_attention_hopper_compiles() {
     // do not see wherever there are any, and never; tiles taken at run time over a bounded
     // grid, and at head size 128. The output written by each thread's stores instead of bulk
     // tensor copies, with three and two consumers and at head size 128. A share of the
-    // exponentials by a polynomial, with one chain and with two. Descriptors as a base plus a
-    // constant per step from warp-uniform values, in both kernels.
+    // exponentials by a polynomial, with one chain and with two. Each descriptor computed in
+    // full (the default builds them as a base plus a constant per step), in both kernels.
     let knobs: [&[(&str, &str)]; 27] = [
         &[
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
@@ -363,16 +363,16 @@ fn flash_attention_hopper_compiles() {
             ("RUSTYTORCH_HOPPER_EXP_POLY", "3"),
             ("RUSTYTORCH_HOPPER_CHAINS", "2"),
         ],
-        &[("RUSTYTORCH_HOPPER_DESC", "uniform")],
-        &[("RUSTYTORCH_HOPPER_DESC", "uniform")],
+        &[("RUSTYTORCH_HOPPER_DESC", "full")],
+        &[("RUSTYTORCH_HOPPER_DESC", "full")],
         &[
-            ("RUSTYTORCH_HOPPER_DESC", "uniform"),
+            ("RUSTYTORCH_HOPPER_DESC", "full"),
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
         ],
         &[("RUSTYTORCH_HOPPER_ROWSUM", "mma")],
         &[
             ("RUSTYTORCH_HOPPER_ROWSUM", "mma"),
-            ("RUSTYTORCH_HOPPER_DESC", "uniform"),
+            ("RUSTYTORCH_HOPPER_DESC", "full"),
         ],
         &[("RUSTYTORCH_HOPPER_ROWSUM", "mma")],
     ];
@@ -473,7 +473,7 @@ fn flash_attention_hopper_compiles() {
         }
         // Descriptors as a base plus a constant where asked (the warp-specialized kernel's
         // consumer index broadcast), else each in full.
-        let uniform = knob.contains(&("RUSTYTORCH_HOPPER_DESC", "uniform"));
+        let uniform = !knob.contains(&("RUSTYTORCH_HOPPER_DESC", "full"));
         assert_eq!(
             src.contains("unsigned lbo, unsigned off"),
             uniform,
@@ -752,17 +752,17 @@ fn flash_attention_hopper_backward_compiles() {
             ],
             384,
         ),
-        // Descriptors as a base plus a constant per step, with and without a producer.
+        // Each descriptor computed in full, with and without a producer.
         (
             &[
-                ("RUSTYTORCH_HOPPER_DESC", "uniform"),
+                ("RUSTYTORCH_HOPPER_DESC", "full"),
                 ("RUSTYTORCH_HOPPER_BWD_TMA", "1"),
             ],
             384,
         ),
         (
             &[
-                ("RUSTYTORCH_HOPPER_DESC", "uniform"),
+                ("RUSTYTORCH_HOPPER_DESC", "full"),
                 ("RUSTYTORCH_HOPPER_BWD_WS", "0"),
             ],
             256,
@@ -919,9 +919,10 @@ fn flash_attention_hopper_wgmma_stays_asynchronous() {
             }
         }
     }
-    // With descriptors as a base plus a constant per step (uniform registers), at head size 64
-    // where the forward is bound by its instructions: the forward and all three gradients.
-    std::env::set_var("RUSTYTORCH_HOPPER_DESC", "uniform");
+    // With each descriptor computed in full (the default builds them as a base plus a constant
+    // per step, in uniform registers), at head size 64 where the forward is bound by its
+    // instructions: the forward and all three gradients.
+    std::env::set_var("RUSTYTORCH_HOPPER_DESC", "full");
     let ins = [
         t(d, &[2, 4, 1024, 64]),
         t(d, &[2, 4, 1024, 64]),
@@ -945,19 +946,19 @@ fn flash_attention_hopper_wgmma_stays_asynchronous() {
         if l.kernel.name.starts_with("flash_attention_sm90")
             || l.kernel.name.starts_with("flash_attention_bwd_sm90")
         {
-            assert!(source(&l.kernel)
+            assert!(!source(&l.kernel)
                 .expect("source")
                 .contains("unsigned lbo, unsigned off"));
-            kernels.push(("uniform descriptors d64".to_string(), l.kernel));
+            kernels.push(("full descriptors d64".to_string(), l.kernel));
         }
     }
-    // With the rows' sums on the tensor cores (the forward only), alone and with the uniform
-    // descriptors.
+    // With the rows' sums on the tensor cores (the forward only), alone and with each
+    // descriptor in full.
     for vars in [
         &[("RUSTYTORCH_HOPPER_ROWSUM", "mma")][..],
         &[
             ("RUSTYTORCH_HOPPER_ROWSUM", "mma"),
-            ("RUSTYTORCH_HOPPER_DESC", "uniform"),
+            ("RUSTYTORCH_HOPPER_DESC", "full"),
         ],
     ] {
         for (k, v) in vars {

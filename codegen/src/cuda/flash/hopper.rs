@@ -409,13 +409,14 @@ auto rt_desc = [](unsigned addr, unsigned lbo, unsigned off) -> unsigned long lo
 /// Whether the Hopper kernels build their matrix descriptors as a base plus a constant per
 /// step ([`DESCRIPTOR_UNIFORM`]) from values broadcast from lane 0 (`__shfl_sync`, which tells
 /// the compiler they are warp-uniform, so that it computes the descriptors in uniform
-/// registers): `RUSTYTORCH_HOPPER_DESC=uniform`. It takes the head-size-64 forward from about
-/// 507 to 441 instructions a key tile and the backward's listings 4–6% shorter, and every
-/// variant compiles for sm_90a; it stays behind the variable until its kernels have run
-/// against float64 on a device (docs/performance.md). Otherwise each `wgmma`'s descriptors
-/// are computed in full ([`DESCRIPTOR`]).
+/// registers): the default. It takes the head-size-64 forward's key-tile loop from 654 to 588
+/// instructions in the assembler's listing and the backward's 4–6% shorter; measured on the
+/// H200, the head-size-64 forward runs 1.03× as fast at S = 1024 without a mask and at
+/// S = 4096 causal, and its forward+backward 1.01–1.03× (docs/performance.md).
+/// `RUSTYTORCH_HOPPER_DESC=full` computes each `wgmma`'s descriptors in full instead
+/// ([`DESCRIPTOR`]), as the kernels did before.
 pub(super) fn uniform_descriptors() -> bool {
-    std::env::var("RUSTYTORCH_HOPPER_DESC").as_deref() == Ok("uniform")
+    std::env::var("RUSTYTORCH_HOPPER_DESC").as_deref() != Ok("full")
 }
 
 /// The descriptor helper the products call ([`uniform_descriptors`]).
