@@ -282,8 +282,10 @@ fn exp_poly() -> usize {
 /// (`lacc`, rescaled with it), so the consumers issue eight `wgmma`s a 128-key tile instead of
 /// 64 adds and the final shuffles. The sums are then those of `P` as rounded for `P·V`, the
 /// normalizer of exactly the weights the output summed. At head size 64 the consumers are
-/// bound by issuing instructions ([`exp_poly`]), which this relieves, at the price of an
-/// eighth more tensor-core work on `P·V`.
+/// bound by issuing instructions ([`exp_poly`]), which this was to relieve: the compiler
+/// drops all 64 adds, but measured on the H200 the forward ran 0.97–0.98× as fast (0.99× with
+/// the uniform descriptors, 0.98× at head size 128), the narrow products costing the tensor
+/// cores more than the adds cost the issue slots (docs/performance.md). Off by default.
 fn mma_rowsums() -> bool {
     std::env::var("RUSTYTORCH_HOPPER_ROWSUM").as_deref() == Ok("mma")
 }
