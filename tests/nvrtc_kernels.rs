@@ -471,9 +471,10 @@ fn flash_attention_hopper_compiles() {
                 "{knob:?}"
             );
         }
-        // Descriptors as a base plus a constant where asked (the warp-specialized kernel's
-        // consumer index broadcast), else each in full.
-        let uniform = !knob.contains(&("RUSTYTORCH_HOPPER_DESC", "full"));
+        // Descriptors as a base plus a constant (the warp-specialized kernel's consumer index
+        // broadcast) by default at head size 64, else each in full: above 64 the forward keeps
+        // the full form, and where asked.
+        let uniform = !knob.contains(&("RUSTYTORCH_HOPPER_DESC", "full")) && hd <= 64;
         assert_eq!(
             src.contains("unsigned lbo, unsigned off"),
             uniform,

@@ -133,6 +133,11 @@ pub(super) struct Built {
 /// every measured shape (docs/performance.md), unless `RUSTYTORCH_HOPPER_KERNEL=skew` asks for
 /// this module's.
 pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
+    forward_descriptors(sp.d.max(sp.dv), || build_kernel(s, sp))
+}
+
+/// [`build`] within its descriptors' default ([`forward_descriptors`]).
+fn build_kernel(s: &Shape2, sp: &Spec) -> Built {
     if std::env::var("RUSTYTORCH_HOPPER_KERNEL").as_deref() != Ok("skew") {
         return super::hopper_ws::build(s, sp);
     }
@@ -409,14 +414,43 @@ auto rt_desc = [](unsigned addr, unsigned lbo, unsigned off) -> unsigned long lo
 /// Whether the Hopper kernels build their matrix descriptors as a base plus a constant per
 /// step ([`DESCRIPTOR_UNIFORM`]) from values broadcast from lane 0 (`__shfl_sync`, which tells
 /// the compiler they are warp-uniform, so that it computes the descriptors in uniform
-/// registers): the default. It takes the head-size-64 forward's key-tile loop from 654 to 588
-/// instructions in the assembler's listing and the backward's 4–6% shorter; measured on the
-/// H200, the head-size-64 forward runs 1.03× as fast at S = 1024 without a mask and at
-/// S = 4096 causal, and its forward+backward 1.01–1.03× (docs/performance.md).
-/// `RUSTYTORCH_HOPPER_DESC=full` computes each `wgmma`'s descriptors in full instead
-/// ([`DESCRIPTOR`]), as the kernels did before.
+/// registers): the default but for the forward at head sizes above 64
+/// ([`forward_descriptors`]). It takes the head-size-64 forward's key-tile loop from 654 to
+/// 588 instructions in the assembler's listing and the backward's 4–6% shorter; measured on
+/// the H200, the head-size-64 forward runs 1.03× as fast at S = 1024 without a mask and at
+/// S = 4096 causal, and forward+backward gains at both head sizes (docs/performance.md).
+/// `RUSTYTORCH_HOPPER_DESC=full` computes each `wgmma`'s descriptors in full everywhere
+/// ([`DESCRIPTOR`]), `=uniform` builds every kernel's as a base plus a constant.
 pub(super) fn uniform_descriptors() -> bool {
-    std::env::var("RUSTYTORCH_HOPPER_DESC").as_deref() != Ok("full")
+    match std::env::var("RUSTYTORCH_HOPPER_DESC").as_deref() {
+        Ok("full") => false,
+        Ok("uniform") => true,
+        _ => !FULL_DESCRIPTORS.with(std::cell::Cell::get),
+    }
+}
+
+thread_local! {
+    /// Set while a forward wider than head size 64 is built: its descriptors default to the
+    /// full form ([`forward_descriptors`]).
+    static FULL_DESCRIPTORS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// `f` run as the builder of a forward of head size `d`: above 64 its descriptors default to
+/// the full form. The head-size-128 forward's uniform form has only been timed together with
+/// the rows' sums on the tensor cores (0.98×, most of it theirs), and the full form is what
+/// was measured at 1.00–1.08× SDPA's speed there, so it stays until the uniform one is timed
+/// alone; at head size 64 the uniform form is measured faster, and the backward's gains come
+/// at both head sizes.
+pub(super) fn forward_descriptors<T>(d: usize, f: impl FnOnce() -> T) -> T {
+    /// Puts the flag back as it was, also where `f` panics.
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            FULL_DESCRIPTORS.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(FULL_DESCRIPTORS.with(|c| c.replace(d > 64)));
+    f()
 }
 
 /// The descriptor helper the products call ([`uniform_descriptors`]).

@@ -1259,6 +1259,23 @@ mod tests {
         assert!(super::registers_balance(384, 128, (64, 216)));
     }
 
+    /// The forward's descriptors: a base plus a constant per step at head size 64, in full
+    /// above it; the builders after it keep the uniform default.
+    #[test]
+    fn forward_descriptors_by_head_size() {
+        for (d, uniform) in [(64, true), (128, false), (80, false), (32, true)] {
+            let sp = spec(d, 300, 300, Causal::None);
+            let b = super::super::hopper::build(&sp.shape2(super::super::Tail::Out), &sp);
+            assert_eq!(
+                b.source
+                    .contains("unsigned addr, unsigned lbo, unsigned off"),
+                uniform,
+                "d {d}"
+            );
+            assert!(super::super::hopper::uniform_descriptors(), "d {d}");
+        }
+    }
+
     /// With the rows' sums on the tensor cores: the tile of ones (1.0 in the element type) in
     /// 640 more bytes of shared memory, before the output's staging tiles; its descriptor
     /// unswizzled; one `m64n8k16` a 16-key step of each `P·V`, its sums rescaled with the
