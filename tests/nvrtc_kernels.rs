@@ -310,7 +310,7 @@ fn flash_attention_hopper_compiles() {
     // tensor copies, with three and two consumers and at head size 128. A share of the
     // exponentials by a polynomial, with one chain and with two. Each descriptor computed in
     // full (the default builds them as a base plus a constant per step), in both kernels.
-    let knobs: [&[(&str, &str)]; 27] = [
+    let knobs: [&[(&str, &str)]; 29] = [
         &[
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
             ("RUSTYTORCH_HOPPER_TILE", "2x64"),
@@ -375,6 +375,8 @@ fn flash_attention_hopper_compiles() {
             ("RUSTYTORCH_HOPPER_DESC", "full"),
         ],
         &[("RUSTYTORCH_HOPPER_ROWSUM", "mma")],
+        &[("RUSTYTORCH_HOPPER_EDGE", "lean")],
+        &[("RUSTYTORCH_HOPPER_EDGE", "lean")],
     ];
     for (knob, (hd, causal)) in knobs.iter().zip([
         (64, Causal::None),
@@ -402,6 +404,8 @@ fn flash_attention_hopper_compiles() {
         (128, Causal::TopLeft),
         (128, Causal::BottomRight),
         (64, Causal::None),
+        (64, Causal::TopLeft),
+        (128, Causal::BottomRight),
         (64, Causal::TopLeft),
         (128, Causal::BottomRight),
     ]) {
@@ -497,6 +501,14 @@ fn flash_attention_hopper_compiles() {
             !mma_sums,
             "{knob:?}"
         );
+        // The lean edge where asked (no mask here, a positive scale), else the scaled one.
+        let lean = knob.contains(&("RUSTYTORCH_HOPPER_EDGE", "lean"));
+        assert_eq!(
+            src.contains("const int d0 = (i0 < 300 ? lim0 : 0)"),
+            lean,
+            "{knob:?}"
+        );
+        assert_eq!(src.contains("float x = s[n][e] * "), !lean, "{knob:?}");
         // Split reductions keep their partials apart; a bounded grid still walks every tile.
         let chains = knob.iter().find(|kv| kv.0 == "RUSTYTORCH_HOPPER_CHAINS");
         assert_eq!(src.contains("ls0_1"), chains.is_some(), "{knob:?}");
@@ -954,13 +966,14 @@ fn flash_attention_hopper_wgmma_stays_asynchronous() {
         }
     }
     // With the rows' sums on the tensor cores (the forward only), alone and with each
-    // descriptor in full.
+    // descriptor in full, and with the lean edge.
     for vars in [
         &[("RUSTYTORCH_HOPPER_ROWSUM", "mma")][..],
         &[
             ("RUSTYTORCH_HOPPER_ROWSUM", "mma"),
             ("RUSTYTORCH_HOPPER_DESC", "full"),
         ],
+        &[("RUSTYTORCH_HOPPER_EDGE", "lean")],
     ] {
         for (k, v) in vars {
             std::env::set_var(k, v);
@@ -970,11 +983,14 @@ fn flash_attention_hopper_wgmma_stays_asynchronous() {
             let step =
                 with_target(Target::Hopper, || flash::lower(&op, &refs[..3], &out)).expect("lower");
             for l in step.launches {
-                assert!(source(&l.kernel).expect("source").contains("RT_WGMMA_L("));
-                kernels.push((
-                    format!("sums on the tensor cores {causal:?} {vars:?}"),
-                    l.kernel,
-                ));
+                let src = source(&l.kernel).expect("source");
+                let lean = vars[0].0 == "RUSTYTORCH_HOPPER_EDGE";
+                assert!(src.contains(if lean {
+                    "const int d0 = "
+                } else {
+                    "RT_WGMMA_L("
+                }));
+                kernels.push((format!("forward variant {causal:?} {vars:?}"), l.kernel));
             }
         }
         for (k, _) in vars {

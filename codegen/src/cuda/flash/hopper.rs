@@ -295,10 +295,12 @@ pub(super) fn pin(arr: &str, rows: usize, c: char) -> String {
 /// masked, the running maxima moved, the sums rescaled, and `c`, `r0`, `r1` (the exponent's
 /// scale and references) and `a0`, `a1` (the rows' rescaling factors) defined. Off the edges (no
 /// mask, every key visible to every row of the block) the scale is folded into the exponent's
-/// multiply-add; on them the scores are scaled and masked first.
+/// multiply-add; on them the scores are scaled and masked first (everywhere where a mask adds
+/// to them or the scale is not positive, `$SCALED`: the raw scores' maximum times the scale is
+/// the scaled scores' maximum only for a positive scale).
 pub(super) const SOFTMAX_SCORES: &str = r#"        const int kb = t * $BC;
         float c = $SCALEf;
-        if ($HAS_MASK || kb + $BC > lim_first) {
+        if ($SCALED || kb + $BC > lim_first) {
           c = 1.f;
           #pragma unroll
           for (int n = 0; n < $BC8; ++n) {
@@ -324,6 +326,50 @@ $ROW_MAXIMA        const float mn0 = fmaxf(m0, mx0 * c), mn1 = fmaxf(m1, mx1 * c
         m0 = mn0; m1 = mn1;
         l0 *= a0; l1 *= a1;
 "#;
+
+/// [`SOFTMAX_SCORES`]'s edge without a mask and with a positive scale, as
+/// `RUSTYTORCH_HOPPER_EDGE=lean` builds it ([`softmax_scores`]): the masked scores set to −∞
+/// and the others left raw (the scale, positive, stays in the exponent's multiply-add and
+/// takes −∞ to −∞), each row's limit taken relative to the lane's first key once (a row past
+/// the end sees no key), so that each score costs a compare with a constant and a select
+/// where the full edge multiplies, adds the key's index and compares it (about 3.5
+/// instructions a score, 224 a 64 × 128 tile, in the assembler's listing).
+const LEAN_EDGE: &str = r#"        const int kb = t * $BC;
+        const float c = $SCALEf;
+        if (kb + $BC > lim_first) {
+          const int d0 = (i0 < $SQ ? lim0 : 0) - kb - t4 * 2;
+          const int d1 = (i1 < $SQ ? lim1 : 0) - kb - t4 * 2;
+          #pragma unroll
+          for (int n = 0; n < $BC8; ++n) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              if (n * 8 + (e & 1) >= (e < 2 ? d0 : d1)) s[n][e] = RT_NEG_INF;
+            }
+          }
+        }
+"#;
+
+/// [`SOFTMAX_SCORES`], with `lean` its edge [`LEAN_EDGE`] (which only a kernel without a mask
+/// and with a positive scale may take).
+pub(super) fn softmax_scores(lean: bool) -> String {
+    if !lean {
+        return SOFTMAX_SCORES.to_string();
+    }
+    let rest = SOFTMAX_SCORES
+        .find("        // The rows' maxima")
+        .expect("the maxima follow the edge");
+    [LEAN_EDGE, &SOFTMAX_SCORES[rest..]].concat()
+}
+
+/// Whether the forward's edge tiles take [`LEAN_EDGE`] where they may
+/// (`RUSTYTORCH_HOPPER_EDGE=lean`; off until its kernels have run against float64 on a
+/// device). At head size 64 the consumers are bound by issuing instructions, and under a
+/// causal mask at S = 1024 one key tile in four or five is on the diagonal.
+pub(super) fn lean_edges(s: &Shape2) -> bool {
+    std::env::var("RUSTYTORCH_HOPPER_EDGE").as_deref() == Ok("lean")
+        && s.mask.is_none()
+        && s.scale_log2 > 0.0
+}
 
 /// The output rows rescaled by `a0`, `a1` when a maximum moved.
 pub(super) const RESCALE: &str = r#"        if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
@@ -660,7 +706,12 @@ pub(super) fn common_subs(
         ("$VBYTES", (bc * dv * 2).to_string()),
         ("$THREADS", loaders.to_string()),
         ("$TILES", blocks.to_string()),
-        ("$HAS_MASK", s.mask.is_some().to_string()),
+        (
+            "$SCALED",
+            (s.mask.is_some()
+                || s.scale_log2.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater))
+            .to_string(),
+        ),
         ("$SCALE", format!("{:?}", s.scale_log2 as f32)),
         ("$MASK", s.mask.clone().unwrap_or_default()),
         ("$TAIL", tail(s)),

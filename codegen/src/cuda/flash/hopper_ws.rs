@@ -53,8 +53,8 @@
 //! the two-warpgroup kernel's ([`super::hopper`]), shared with it.
 
 use super::hopper::{
-    common_subs, pin, pv_issue_with, s_issue, substitute, swizzled_rows, wait, warp_uniform,
-    wgmma_macro, Built, OperandA, RESCALE, SOFTMAX_SCORES,
+    common_subs, lean_edges, pin, pv_issue_with, s_issue, softmax_scores, substitute,
+    swizzled_rows, wait, warp_uniform, wgmma_macro, Built, OperandA, RESCALE,
 };
 use super::{row_maxima, Shape2, Spec};
 use rustytorch_ops::Causal;
@@ -793,12 +793,12 @@ fn source(
     }
     let (scores, exps) = if chains == 1 {
         (
-            SOFTMAX_SCORES.replace("$ROW_MAXIMA", &row_maxima("$BC8", "        ")),
+            softmax_scores(lean_edges(s)).replace("$ROW_MAXIMA", &row_maxima("$BC8", "        ")),
             exps.to_string(),
         )
     } else {
         (
-            SOFTMAX_SCORES.replace("$ROW_MAXIMA", &split_maxima(bc / 8, chains)),
+            softmax_scores(lean_edges(s)).replace("$ROW_MAXIMA", &split_maxima(bc / 8, chains)),
             split_exps(bc / 8, chains),
         )
     };
@@ -1257,6 +1257,43 @@ mod tests {
         }
         assert!(!super::registers_balance(384, 128, (64, 224)));
         assert!(super::registers_balance(384, 128, (64, 216)));
+    }
+
+    /// The scores are scaled before their maxima on every tile where the scale is not
+    /// positive (the raw maximum times a negative scale is the scaled minimum), only on the
+    /// edges otherwise; the lean edge leaves them raw and compares each key with a constant.
+    #[test]
+    fn edges_scale_first_unless_the_scale_is_positive() {
+        for (scale, always) in [(0.125, false), (-0.125, true), (0.0, true)] {
+            let t = |s: usize| {
+                TensorType::new(DType::BF16, rustytorch_ops::Shape::new(vec![2, 3, s, 64]))
+            };
+            let ins = [t(300), t(300), t(300)];
+            let refs: Vec<&TensorType> = ins.iter().collect();
+            let op = Op::Attention {
+                causal: Causal::TopLeft,
+                mask: AttnMask::None,
+                scale: F64Bits::new(scale),
+                layout: AttnLayout::Bhsd,
+            };
+            let out = rustytorch_ops::infer(&op, &refs).unwrap();
+            let sp = Spec::new(&op, &refs, &out).unwrap().unwrap();
+            let b = super::super::hopper::build(&sp.shape2(super::super::Tail::Out), &sp);
+            assert!(
+                b.source
+                    .contains(&format!("if ({always} || kb + 128 > lim_first)")),
+                "scale {scale}"
+            );
+        }
+        let lean = super::super::hopper::softmax_scores(true);
+        assert!(lean.contains("const int d0 = (i0 < $SQ ? lim0 : 0) - kb - t4 * 2;"));
+        assert!(lean.contains("if (n * 8 + (e & 1) >= (e < 2 ? d0 : d1)) s[n][e] = RT_NEG_INF;"));
+        assert!(!lean.contains("float x = s[n][e] * $SCALEf;"));
+        assert!(lean.contains("$ROW_MAXIMA"));
+        assert_eq!(
+            super::super::hopper::softmax_scores(false),
+            super::super::hopper::SOFTMAX_SCORES
+        );
     }
 
     /// The forward's descriptors: a base plus a constant per step at head size 64, in full
