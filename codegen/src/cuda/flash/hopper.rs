@@ -366,9 +366,14 @@ pub(super) fn softmax_scores(lean: bool) -> String {
 /// device). At head size 64 the consumers are bound by issuing instructions, and under a
 /// causal mask at S = 1024 one key tile in four or five is on the diagonal.
 pub(super) fn lean_edges(s: &Shape2) -> bool {
-    std::env::var("RUSTYTORCH_HOPPER_EDGE").as_deref() == Ok("lean")
-        && s.mask.is_none()
-        && s.scale_log2 > 0.0
+    std::env::var("RUSTYTORCH_HOPPER_EDGE").as_deref() == Ok("lean") && !scaled_first(s)
+}
+
+/// Whether every tile's scores are scaled before their maxima (`$SCALED`): where a mask adds
+/// to them, or the scale is not positive (NaN included), for which the raw scores' maximum
+/// times the scale is not the scaled scores' maximum.
+fn scaled_first(s: &Shape2) -> bool {
+    s.mask.is_some() || s.scale_log2.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
 }
 
 /// The output rows rescaled by `a0`, `a1` when a maximum moved.
@@ -706,12 +711,7 @@ pub(super) fn common_subs(
         ("$VBYTES", (bc * dv * 2).to_string()),
         ("$THREADS", loaders.to_string()),
         ("$TILES", blocks.to_string()),
-        (
-            "$SCALED",
-            (s.mask.is_some()
-                || s.scale_log2.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater))
-            .to_string(),
-        ),
+        ("$SCALED", scaled_first(s).to_string()),
         ("$SCALE", format!("{:?}", s.scale_log2 as f32)),
         ("$MASK", s.mask.clone().unwrap_or_default()),
         ("$TAIL", tail(s)),

@@ -791,14 +791,15 @@ fn source(
     while bc8 % chains != 0 {
         chains /= 2;
     }
+    let scores = softmax_scores(lean_edges(s));
     let (scores, exps) = if chains == 1 {
         (
-            softmax_scores(lean_edges(s)).replace("$ROW_MAXIMA", &row_maxima("$BC8", "        ")),
+            scores.replace("$ROW_MAXIMA", &row_maxima("$BC8", "        ")),
             exps.to_string(),
         )
     } else {
         (
-            softmax_scores(lean_edges(s)).replace("$ROW_MAXIMA", &split_maxima(bc / 8, chains)),
+            scores.replace("$ROW_MAXIMA", &split_maxima(bc / 8, chains)),
             split_exps(bc / 8, chains),
         )
     };
@@ -1200,6 +1201,10 @@ mod tests {
     }
 
     fn spec(d: usize, sq: usize, sk: usize, causal: Causal) -> Spec {
+        spec_scaled(d, sq, sk, causal, 0.125)
+    }
+
+    fn spec_scaled(d: usize, sq: usize, sk: usize, causal: Causal, scale: f64) -> Spec {
         let t =
             |s: usize| TensorType::new(DType::BF16, rustytorch_ops::Shape::new(vec![2, 3, s, d]));
         let ins = [t(sq), t(sk), t(sk)];
@@ -1207,7 +1212,7 @@ mod tests {
         let op = Op::Attention {
             causal,
             mask: AttnMask::None,
-            scale: F64Bits::new(0.125),
+            scale: F64Bits::new(scale),
             layout: AttnLayout::Bhsd,
         };
         let out = rustytorch_ops::infer(&op, &refs).unwrap();
@@ -1265,19 +1270,7 @@ mod tests {
     #[test]
     fn edges_scale_first_unless_the_scale_is_positive() {
         for (scale, always) in [(0.125, false), (-0.125, true), (0.0, true)] {
-            let t = |s: usize| {
-                TensorType::new(DType::BF16, rustytorch_ops::Shape::new(vec![2, 3, s, 64]))
-            };
-            let ins = [t(300), t(300), t(300)];
-            let refs: Vec<&TensorType> = ins.iter().collect();
-            let op = Op::Attention {
-                causal: Causal::TopLeft,
-                mask: AttnMask::None,
-                scale: F64Bits::new(scale),
-                layout: AttnLayout::Bhsd,
-            };
-            let out = rustytorch_ops::infer(&op, &refs).unwrap();
-            let sp = Spec::new(&op, &refs, &out).unwrap().unwrap();
+            let sp = spec_scaled(64, 300, 300, Causal::TopLeft, scale);
             let b = super::super::hopper::build(&sp.shape2(super::super::Tail::Out), &sp);
             assert!(
                 b.source
