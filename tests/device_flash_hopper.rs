@@ -266,4 +266,24 @@ fn hopper_flash_forward_and_gradients_match_float64() {
             }
         }
     }
+    // Scales that are not positive: the scores' maxima are taken after scaling on every tile
+    // (a negative scale turns the raw maximum into the scaled minimum).
+    for (n, scale) in [(0usize, -0.125), (2, -0.3), (0, 0.0)] {
+        let shape = SHAPES[n];
+        let (b, h, sq, sk, hd, hv) = shape;
+        let all = cases(DType::BF16, AttnLayout::Bhsd, shape, 900 + n as u64);
+        for causal in [Causal::None, Causal::TopLeft] {
+            let op = Op::Attention {
+                causal,
+                mask: AttnMask::None,
+                scale: F64Bits::new(scale),
+                layout: AttnLayout::Bhsd,
+            };
+            check(
+                &format!("BF16 scale {scale} {causal:?} [{b},{h},{sq},{sk},{hd},{hv}]"),
+                &op,
+                &all[0].1,
+            );
+        }
+    }
 }

@@ -567,7 +567,7 @@ fn build_sums(s: &Shape2, sp: &Spec, bulk_out: bool, sums: bool) -> Built {
             sp,
             (nc, bc),
             st,
-            (pingpong, skip),
+            (pingpong, skip, carried_turns()),
             blocks,
             (tma, queued, obulk, sums),
         ),
@@ -576,9 +576,21 @@ fn build_sums(s: &Shape2, sp: &Spec, bulk_out: bool, sums: bool) -> Built {
     }
 }
 
-/// The C of a consumer's turn: waiting for it, and passing it on (`last` the C condition under
-/// which the last consumer keeps it, at its last turn of a query tile).
-fn turns(nc: usize, pingpong: bool) -> (String, String, String) {
+/// Whether the consumers' turns run on across query tiles ([`turns`]): the last consumer passes
+/// its last turn of a tile on, which opens the first consumer's first turn of its next tile,
+/// and the first turn of all is opened once before the walk. With the turns opened afresh at
+/// every tile (`RUSTYTORCH_HOPPER_TURNS=tile`, the default until measured), the first
+/// consumer's first product of a tile waits until the last consumer has finished the previous
+/// tile: its last `P·V`, its output and its statistics, while the tensor cores idle; on
+/// short causal rows (four or five key tiles a query tile) that wait is a large share of a
+/// tile. `RUSTYTORCH_HOPPER_TURNS=carry` carries them on.
+pub(super) fn carried_turns() -> bool {
+    std::env::var("RUSTYTORCH_HOPPER_TURNS").as_deref() == Ok("carry")
+}
+
+/// The C of a consumer's turn: waiting for it, passing it on, and passing its last of a query
+/// tile on (which the last consumer keeps unless the turns are [`carried_turns`]).
+fn turns(nc: usize, pingpong: bool, carried: bool) -> (String, String, String) {
     if !pingpong {
         return (String::new(), String::new(), String::new());
     }
@@ -589,6 +601,9 @@ fn turns(nc: usize, pingpong: bool) -> (String, String, String) {
     let pass = format!(
         "        asm volatile(\"bar.arrive %0, {threads};\" :: \"r\"(1 + (cw + 1) % {nc}) : \"memory\");\n"
     );
+    if carried {
+        return (sync, pass.clone(), pass);
+    }
     let pass_unless_last = format!(
         "        if (cw != {last}) {{\n  {pass}        }}\n",
         last = nc - 1,
@@ -746,14 +761,14 @@ fn source(
     sp: &Spec,
     (nc, bc): (usize, usize),
     st: usize,
-    (pingpong, skip): (bool, bool),
+    (pingpong, skip, carried): (bool, bool, bool),
     blocks: usize,
     (tma, queued, obulk, sums): (bool, bool, bool, bool),
 ) -> String {
     let br = 64 * nc;
     let (bc8, bc16, dv8) = (bc / 8, bc / 16, s.dv / 8);
     let (reg_p, reg_c) = registers(nc);
-    let (turn, pass, pass_last) = turns(nc, pingpong);
+    let (turn, pass, pass_last) = turns(nc, pingpong, carried);
     // The buffers' addresses, warp-uniform (the loop over tiles taken at run time hides it
     // from the compiler otherwise).
     let k_slot = format!(
@@ -921,13 +936,20 @@ fn source(
     .concat();
     let skip_last = [full_v, &turn, &pass_last, free_v].concat();
 
-    let open = if pingpong {
+    // The first consumer's first turn: opened by the last consumer at every query tile, or
+    // once before the walk where the turns run on across tiles.
+    let open_turn = if pingpong {
         format!(
             "    if (cw == {}) asm volatile(\"bar.arrive 1, 256;\" ::: \"memory\");\n",
             nc - 1
         )
     } else {
         String::new()
+    };
+    let (open, initial_turn) = if carried {
+        (String::new(), open_turn.replacen("    ", "  ", 1))
+    } else {
+        (open_turn, String::new())
     };
 
     let body = r#"// Flash attention forward for sm_90a, warp-specialized: a producer warpgroup and $NC consumer warpgroups of 64 query rows, key tiles of $BC, wgmma ($E).
@@ -966,7 +988,7 @@ $PRODUCER_LOOP
 $CONSUMER_INDEX
   const int g = lane >> 2, t4 = lane & 3;
   unsigned qc = 0, kc = 0, vc = 0;
-$CONSUMER_LOOP$ORDER    const int i0 = qt * $BR + cw * 64 + warp * 16 + g, i1 = i0 + 8;
+$INITIAL_TURN$CONSUMER_LOOP$ORDER    const int i0 = qt * $BR + cw * 64 + warp * 16 + g, i1 = i0 + 8;
     const int lim0 = lim_of(i0), lim1 = lim_of(i1);
     const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
     const int ntiles = (kend + $BC - 1) / $BC;
@@ -1090,6 +1112,7 @@ $O_DRAIN}"#;
         ("$STEP", step),
         ("$LAST", last),
         ("$OPEN", open),
+        ("$INITIAL_TURN", initial_turn),
         (
             "$PRODUCER_LOOP",
             (if queued {
@@ -1343,6 +1366,30 @@ mod tests {
         s.elem = "f16";
         let b = super::build_sums(&s, &sp, true, true);
         assert!(b.source.contains("\"r\"(0x3C003C00u)"));
+    }
+
+    /// Turns opened at every query tile by the last consumer, which keeps its last; or, carried
+    /// on across tiles, opened once before the walk and every last turn passed on.
+    #[test]
+    fn turns_per_tile_or_carried() {
+        let (sync, pass, last) = super::turns(3, true, false);
+        assert!(sync.contains("bar.sync %0, 256;\" :: \"r\"(1 + cw)"));
+        assert!(pass.contains("bar.arrive %0, 256;\" :: \"r\"(1 + (cw + 1) % 3)"));
+        assert!(last.starts_with("        if (cw != 2) {"));
+        assert!(last.contains(pass.trim()));
+        let (_, carried_pass, carried_last) = super::turns(2, true, true);
+        assert_eq!(carried_pass, carried_last);
+        assert!(carried_last.contains("(1 + (cw + 1) % 2)"));
+        assert_eq!(super::turns(2, false, true), Default::default());
+        let sp = spec(64, 1000, 1000, Causal::TopLeft);
+        let b = super::build(&sp.shape2(super::super::Tail::Out), &sp);
+        let open = "    if (cw == 1) asm volatile(\"bar.arrive 1, 256;\" ::: \"memory\");";
+        let at = b.source.find(open).expect("the first turn opened");
+        let tile = b
+            .source
+            .find("    mb_wait(qfull, qc & 1u);")
+            .expect("the tile loop");
+        assert!(at > tile, "opened at every tile by default");
     }
 
     /// With bulk output stores each consumer stages its 64 rows past the barriers at a
