@@ -966,14 +966,26 @@ fn flash_attention_hopper_wgmma_stays_asynchronous() {
         }
     }
     // With the rows' sums on the tensor cores (the forward only), alone and with each
-    // descriptor in full, and with the lean edge.
-    for vars in [
-        &[("RUSTYTORCH_HOPPER_ROWSUM", "mma")][..],
-        &[
-            ("RUSTYTORCH_HOPPER_ROWSUM", "mma"),
-            ("RUSTYTORCH_HOPPER_DESC", "full"),
-        ],
-        &[("RUSTYTORCH_HOPPER_EDGE", "lean")],
+    // descriptor in full; with the lean edge, whole and in chunks; with the turns carried on
+    // across query tiles. Each with a line of source only it has.
+    for (vars, mark) in [
+        (&[("RUSTYTORCH_HOPPER_ROWSUM", "mma")][..], "RT_WGMMA_L("),
+        (
+            &[
+                ("RUSTYTORCH_HOPPER_ROWSUM", "mma"),
+                ("RUSTYTORCH_HOPPER_DESC", "full"),
+            ],
+            "RT_WGMMA_L(",
+        ),
+        (&[("RUSTYTORCH_HOPPER_EDGE", "lean")], "const int d0 = "),
+        (
+            &[("RUSTYTORCH_HOPPER_EDGE", "chunks")],
+            "nch = __shfl_sync(0xffffffffu, min(max(wlim - kb + 31, 0) / 32, 4), 0);",
+        ),
+        (
+            &[("RUSTYTORCH_HOPPER_TURNS", "carry")],
+            "asm volatile(\"bar.arrive 1, 256;\" ::: \"memory\");\n    for (;;) {",
+        ),
     ] {
         for (k, v) in vars {
             std::env::set_var(k, v);
@@ -984,12 +996,7 @@ fn flash_attention_hopper_wgmma_stays_asynchronous() {
                 with_target(Target::Hopper, || flash::lower(&op, &refs[..3], &out)).expect("lower");
             for l in step.launches {
                 let src = source(&l.kernel).expect("source");
-                let lean = vars[0].0 == "RUSTYTORCH_HOPPER_EDGE";
-                assert!(src.contains(if lean {
-                    "const int d0 = "
-                } else {
-                    "RT_WGMMA_L("
-                }));
+                assert!(src.contains(mark), "{vars:?} {causal:?}");
                 kernels.push((format!("forward variant {causal:?} {vars:?}"), l.kernel));
             }
         }

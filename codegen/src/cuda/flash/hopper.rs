@@ -369,6 +369,13 @@ pub(super) fn lean_edges(s: &Shape2) -> bool {
     std::env::var("RUSTYTORCH_HOPPER_EDGE").as_deref() == Ok("lean") && !scaled_first(s)
 }
 
+/// Whether the forward's edge tiles take the lean edge in 32-key chunks where they may
+/// (`RUSTYTORCH_HOPPER_EDGE=chunks`; the warp-specialized kernel's [`super::hopper_ws`]
+/// `CHUNKED_EDGE`), which also skips the chunks no row of a warp sees.
+pub(super) fn chunked_edges(s: &Shape2) -> bool {
+    std::env::var("RUSTYTORCH_HOPPER_EDGE").as_deref() == Ok("chunks") && !scaled_first(s)
+}
+
 /// Whether every tile's scores are scaled before their maxima (`$SCALED`): where a mask adds
 /// to them, or the scale is not positive (NaN included), for which the raw scores' maximum
 /// times the scale is not the scaled scores' maximum.

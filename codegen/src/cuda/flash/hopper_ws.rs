@@ -53,8 +53,8 @@
 //! the two-warpgroup kernel's ([`super::hopper`]), shared with it.
 
 use super::hopper::{
-    common_subs, lean_edges, pin, pv_issue_with, s_issue, softmax_scores, substitute,
-    swizzled_rows, wait, warp_uniform, wgmma_macro, Built, OperandA, RESCALE,
+    chunked_edges, common_subs, lean_edges, pin, pv_issue_with, s_issue, softmax_scores,
+    substitute, swizzled_rows, wait, warp_uniform, wgmma_macro, Built, OperandA, RESCALE,
 };
 use super::{row_maxima, Shape2, Spec};
 use rustytorch_ops::Causal;
@@ -430,6 +430,82 @@ pub(super) fn skipped_share(sp: &Spec, br: usize, bc: usize) -> f64 {
         skipped as f64 / all as f64
     }
 }
+
+/// A consumer's softmax of a score tile (the scores, maxima, references, rescaling factors and
+/// exponentials of [`super::hopper::SOFTMAX_SCORES`] and the walk's exponentials) whose edge
+/// tiles, where there is no mask and the scale is positive, work in chunks of 32 keys
+/// (`$NCH` a tile): a warp computes only the chunks its last row sees (none for rows past
+/// the end), compares its keys there with each row's limit (relative to the lane's first key,
+/// as the lean edge does) and leaves the others' probabilities zero. On the causal diagonal
+/// at head size 64 with two consumers of 64 rows and key tiles of 128 the warps need 2 to 16
+/// of the tile's 16 eight-key groups, 9 on average, so the diagonal's softmax costs about
+/// half its instructions; off the edges the tile's softmax is the plain one, branch-free.
+pub(super) const CHUNKED_EDGE: &str = r#"        const int kb = t * $BC;
+        const float c = $SCALEf;
+        const bool edge = kb + $BC > lim_first;
+        int nch = $NCH;
+        float mx0 = RT_NEG_INF, mx1 = RT_NEG_INF;
+        if (edge) {
+          // The chunks the warp's last row sees (its rows' limits grow with the row).
+          const int wrow = i0 - g;
+          const int wlim = wrow >= $SQ ? 0 : lim_of(min(wrow + 15, $SQ - 1));
+          nch = __shfl_sync(0xffffffffu, min(max(wlim - kb + 31, 0) / 32, $NCH), 0);
+          const int d0 = (i0 < $SQ ? lim0 : 0) - kb - t4 * 2;
+          const int d1 = (i1 < $SQ ? lim1 : 0) - kb - t4 * 2;
+          #pragma unroll
+          for (int ch = 0; ch < $NCH; ++ch) {
+            if (ch < nch) {
+              #pragma unroll
+              for (int n = 4 * ch; n < 4 * ch + 4; ++n) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                  if (n * 8 + (e & 1) >= (e < 2 ? d0 : d1)) s[n][e] = RT_NEG_INF;
+                }
+                mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+              }
+            }
+          }
+        } else {
+          #pragma unroll
+          for (int n = 0; n < $BC8; ++n) {
+            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+          }
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m0, mx0 * c), mn1 = fmaxf(m1, mx1 * c);
+        // A row with nothing visible yet keeps a finite reference so that 2^(−∞ − ref) is 0.
+        const float r0 = mn0 == RT_NEG_INF ? 0.f : mn0, r1 = mn1 == RT_NEG_INF ? 0.f : mn1;
+        const float a0 = ex2(m0 - r0), a1 = ex2(m1 - r1);
+        m0 = mn0; m1 = mn1;
+        l0 *= a0; l1 *= a1;
+        if (edge) {
+          #pragma unroll
+          for (int ch = 0; ch < $NCH; ++ch) {
+            if (ch < nch) {
+              #pragma unroll
+              for (int n = 4 * ch; n < 4 * ch + 4; ++n) {
+                s[n][0] = ex2(fmaf(s[n][0], c, -r0));
+                s[n][1] = ex2(fmaf(s[n][1], c, -r0));
+                s[n][2] = ex2(fmaf(s[n][2], c, -r1));
+                s[n][3] = ex2(fmaf(s[n][3], c, -r1));
+                l0 += s[n][0] + s[n][1];
+                l1 += s[n][2] + s[n][3];
+              }
+            } else {
+              #pragma unroll
+              for (int n = 4 * ch; n < 4 * ch + 4; ++n) {
+                s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f;
+              }
+            }
+          }
+        } else {
+$EXPS        }
+"#;
 
 /// The C of a consumer's `lim_first` (the keys its first row sees: tiles below it need no
 /// mask) and `mine` (the key tiles its rows see, none where they are past the end).
@@ -823,6 +899,17 @@ fn source(
         exps
     } else {
         poly_exps(&exps, poly, chains)
+    };
+    // The chunked edge holds the plain exponentials for the tiles off the edges.
+    let (scores, exps) = if chains == 1 && poly == 0 && bc % 32 == 0 && chunked_edges(s) {
+        (
+            CHUNKED_EDGE
+                .replace("$NCH", &(bc / 32).to_string())
+                .replace("$EXPS", &exps),
+            String::new(),
+        )
+    } else {
+        (scores, exps)
     };
     let exps = exps.as_str();
     let full_k = "        mb_wait(kfull + 8u * (kc % $STu), (kc / $STu) & 1u);\n";
