@@ -437,9 +437,10 @@ pub(super) fn skipped_share(sp: &Spec, br: usize, bc: usize) -> f64 {
 /// (`$NCH` a tile): a warp computes only the chunks its last row sees (none for rows past
 /// the end), compares its keys there with each row's limit (relative to the lane's first key,
 /// as the lean edge does) and leaves the others' probabilities zero. On the causal diagonal
-/// at head size 64 with two consumers of 64 rows and key tiles of 128 the warps need 2 to 16
-/// of the tile's 16 eight-key groups, 9 on average, so the diagonal's softmax costs about
-/// half its instructions; off the edges the tile's softmax is the plain one, branch-free.
+/// at head size 64 with two consumers of 64 rows and key tiles of 128 the warps need 4 to 16
+/// of the tile's 16 eight-key groups (in chunks of four), 10 on average, so the diagonal's
+/// softmax costs about five eighths of its instructions; off the edges the tile's softmax is
+/// the plain one, branch-free.
 pub(super) const CHUNKED_EDGE: &str = r#"        const int kb = t * $BC;
         const float c = $SCALEf;
         const bool edge = kb + $BC > lim_first;
@@ -1453,6 +1454,80 @@ mod tests {
         s.elem = "f16";
         let b = super::build_sums(&s, &sp, true, true);
         assert!(b.source.contains("\"r\"(0x3C003C00u)"));
+    }
+
+    /// The chunked edge's chunks, as its C counts them (`nch` from the warp's last row), hold
+    /// every key each row of the warp sees on every edge tile, in every causal kind, with two
+    /// and three consumers and query lengths that leave rows past the end; on the causal
+    /// diagonal of two consumers at S = 1024 the warps compute 10 of a tile's 16 eight-key
+    /// groups on average.
+    #[test]
+    fn chunked_edges_hold_every_visible_key() {
+        let src = super::CHUNKED_EDGE;
+        assert!(src.contains("const int wlim = wrow >= $SQ ? 0 : lim_of(min(wrow + 15, $SQ - 1));"));
+        assert!(src.contains(
+            "nch = __shfl_sync(0xffffffffu, min(max(wlim - kb + 31, 0) / 32, $NCH), 0);"
+        ));
+        assert!(src.contains("const bool edge = kb + $BC > lim_first;"));
+        let bc = 128usize;
+        for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+            for (sq, sk) in [
+                (1024usize, 1024usize),
+                (1000, 1000),
+                (300, 777),
+                (777, 300),
+                (65, 7),
+            ] {
+                let lim = |i: usize| -> usize {
+                    match causal {
+                        Causal::None => sk,
+                        Causal::TopLeft => (i + 1).min(sk),
+                        Causal::BottomRight => {
+                            (i as i64 + 1 + sk as i64 - sq as i64).clamp(0, sk as i64) as usize
+                        }
+                    }
+                };
+                for nc in [2usize, 3] {
+                    let br = 64 * nc;
+                    let (mut groups, mut tiles) = (0usize, 0usize);
+                    for qt in 0..sq.div_ceil(br) {
+                        let ntiles = lim((qt * br + br - 1).min(sq - 1)).div_ceil(bc);
+                        for cw in 0..nc {
+                            let lim_first = lim(qt * br + cw * 64);
+                            for t in 0..ntiles {
+                                let kb = t * bc;
+                                if kb + bc <= lim_first {
+                                    continue;
+                                }
+                                for warp in 0..4 {
+                                    let wrow = qt * br + cw * 64 + warp * 16;
+                                    let wlim = if wrow >= sq {
+                                        0
+                                    } else {
+                                        lim((wrow + 15).min(sq - 1))
+                                    };
+                                    let nch = ((wlim as i64 - kb as i64 + 31).max(0) / 32)
+                                        .min(bc as i64 / 32)
+                                        as usize;
+                                    groups += 4 * nch;
+                                    tiles += 1;
+                                    for row in wrow..(wrow + 16).min(sq) {
+                                        let seen = lim(row).saturating_sub(kb).min(bc);
+                                        assert!(
+                                            seen <= 32 * nch,
+                                            "{causal:?} {sq}x{sk} nc {nc} qt {qt} cw {cw} t {t} row {row}"
+                                        );
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    if (causal, sq, sk, nc) == (Causal::TopLeft, 1024, 1024, 2) {
+                        assert_eq!((groups, tiles), (10 * 64, 64));
+                    }
+                }
+            }
+        }
     }
 
     /// Turns opened at every query tile by the last consumer, which keeps its last; or, carried
