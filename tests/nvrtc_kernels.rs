@@ -476,9 +476,8 @@ fn flash_attention_hopper_compiles() {
             );
         }
         // Descriptors as a base plus a constant (the warp-specialized kernel's consumer index
-        // broadcast) by default at head size 64, else each in full: above 64 the forward keeps
-        // the full form, and where asked.
-        let uniform = !knob.contains(&("RUSTYTORCH_HOPPER_DESC", "full")) && hd <= 64;
+        // broadcast) by default, each in full where asked.
+        let uniform = !knob.contains(&("RUSTYTORCH_HOPPER_DESC", "full"));
         assert_eq!(
             src.contains("unsigned lbo, unsigned off"),
             uniform,
@@ -966,8 +965,9 @@ fn flash_attention_hopper_wgmma_stays_asynchronous() {
         }
     }
     // With the rows' sums on the tensor cores (the forward only), alone and with each
-    // descriptor in full; with the lean edge, whole and in chunks; with the turns carried on
-    // across query tiles. Each with a line of source only it has.
+    // descriptor in full; with the lean edge, whole and in chunks (the default with two
+    // consumers, forced with three), and scaled; with the turns opened at every query tile.
+    // Each with a line of source only it has.
     for (vars, mark) in [
         (&[("RUSTYTORCH_HOPPER_ROWSUM", "mma")][..], "RT_WGMMA_L("),
         (
@@ -983,9 +983,10 @@ fn flash_attention_hopper_wgmma_stays_asynchronous() {
             "nch = __shfl_sync(0xffffffffu, min(max(wlim - kb + 31, 0) / 32, 4), 0);",
         ),
         (
-            &[("RUSTYTORCH_HOPPER_TURNS", "carry")],
-            "asm volatile(\"bar.arrive 1, 256;\" ::: \"memory\");\n    for (;;) {",
+            &[("RUSTYTORCH_HOPPER_EDGE", "scaled")],
+            "float x = s[n][e] * ",
         ),
+        (&[("RUSTYTORCH_HOPPER_TURNS", "tile")], "        if (cw != "),
     ] {
         for (k, v) in vars {
             std::env::set_var(k, v);

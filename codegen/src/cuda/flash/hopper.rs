@@ -133,11 +133,6 @@ pub(super) struct Built {
 /// every measured shape (docs/performance.md), unless `RUSTYTORCH_HOPPER_KERNEL=skew` asks for
 /// this module's.
 pub(super) fn build(s: &Shape2, sp: &Spec) -> Built {
-    forward_descriptors(sp.d.max(sp.dv), || build_kernel(s, sp))
-}
-
-/// [`build`] within its descriptors' default ([`forward_descriptors`]).
-fn build_kernel(s: &Shape2, sp: &Spec) -> Built {
     if std::env::var("RUSTYTORCH_HOPPER_KERNEL").as_deref() != Ok("skew") {
         return super::hopper_ws::build(s, sp);
     }
@@ -361,19 +356,37 @@ pub(super) fn softmax_scores(lean: bool) -> String {
     [LEAN_EDGE, &SOFTMAX_SCORES[rest..]].concat()
 }
 
-/// Whether the forward's edge tiles take [`LEAN_EDGE`] where they may
-/// (`RUSTYTORCH_HOPPER_EDGE=lean`; off until its kernels have run against float64 on a
-/// device). At head size 64 the consumers are bound by issuing instructions, and under a
-/// causal mask at S = 1024 one key tile in four or five is on the diagonal.
-pub(super) fn lean_edges(s: &Shape2) -> bool {
-    std::env::var("RUSTYTORCH_HOPPER_EDGE").as_deref() == Ok("lean") && !scaled_first(s)
+/// The edge tiles' form of the forward's softmax ([`edge`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Edge {
+    /// Every score scaled, its key's index computed and compared ([`SOFTMAX_SCORES`]).
+    Scaled,
+    /// Raw scores, each compared with a constant ([`LEAN_EDGE`]).
+    Lean,
+    /// [`Edge::Lean`] in 32-key chunks, those no row of a warp sees skipped (the
+    /// warp-specialized kernel's [`super::hopper_ws`] `CHUNKED_EDGE`).
+    Chunks,
 }
 
-/// Whether the forward's edge tiles take the lean edge in 32-key chunks where they may
-/// (`RUSTYTORCH_HOPPER_EDGE=chunks`; the warp-specialized kernel's [`super::hopper_ws`]
-/// `CHUNKED_EDGE`), which also skips the chunks no row of a warp sees.
-pub(super) fn chunked_edges(s: &Shape2) -> bool {
-    std::env::var("RUSTYTORCH_HOPPER_EDGE").as_deref() == Ok("chunks") && !scaled_first(s)
+/// The forward's edge tiles for `nc` consumer warpgroups: where there is no mask and the scale
+/// is positive, in chunks with two consumers, scaled with three. Measured on the H100 with the
+/// turns carried on across tiles: the chunked edge made the short causal head-size-64 row
+/// (two consumers) 1.02–1.03× as fast, but the three-consumer kernels (head size 64, no mask
+/// or long causal) 0.97–0.98× as fast, whose listing it lengthens for edges they meet rarely;
+/// at head size 128 (two consumers) the chunked edge and the carried turns together ran
+/// 1.02–1.04× as fast as neither (docs/performance.md).
+/// `RUSTYTORCH_HOPPER_EDGE=scaled|lean|chunks` forces one form where it may be taken.
+pub(super) fn edge(s: &Shape2, nc: usize) -> Edge {
+    if scaled_first(s) {
+        return Edge::Scaled;
+    }
+    match std::env::var("RUSTYTORCH_HOPPER_EDGE").as_deref() {
+        Ok("scaled") => Edge::Scaled,
+        Ok("lean") => Edge::Lean,
+        Ok("chunks") => Edge::Chunks,
+        _ if nc == 2 => Edge::Chunks,
+        _ => Edge::Scaled,
+    }
 }
 
 /// Whether every tile's scores are scaled before their maxima (`$SCALED`): where a mask adds
@@ -472,43 +485,14 @@ auto rt_desc = [](unsigned addr, unsigned lbo, unsigned off) -> unsigned long lo
 /// Whether the Hopper kernels build their matrix descriptors as a base plus a constant per
 /// step ([`DESCRIPTOR_UNIFORM`]) from values broadcast from lane 0 (`__shfl_sync`, which tells
 /// the compiler they are warp-uniform, so that it computes the descriptors in uniform
-/// registers): the default but for the forward at head sizes above 64
-/// ([`forward_descriptors`]). It takes the head-size-64 forward's key-tile loop from 654 to
-/// 588 instructions in the assembler's listing and the backward's 4–6% shorter; measured on
-/// the H200, the head-size-64 forward runs 1.03× as fast at S = 1024 without a mask and at
-/// S = 4096 causal, and forward+backward gains at both head sizes (docs/performance.md).
-/// `RUSTYTORCH_HOPPER_DESC=full` computes each `wgmma`'s descriptors in full everywhere
-/// ([`DESCRIPTOR`]), `=uniform` builds every kernel's as a base plus a constant.
+/// registers): the default. It takes the head-size-64 forward's key-tile loop from 654 to 588
+/// instructions in the assembler's listing and the backward's 4–6% shorter; measured on the
+/// H200 the head-size-64 forward ran 1.03× as fast at S = 1024 without a mask and at S = 4096
+/// causal, forward+backward gained at both head sizes, and on the H100 the head-size-128
+/// forward ran 1.00–1.015× as fast (docs/performance.md). `RUSTYTORCH_HOPPER_DESC=full`
+/// computes each `wgmma`'s descriptors in full ([`DESCRIPTOR`]).
 pub(super) fn uniform_descriptors() -> bool {
-    match std::env::var("RUSTYTORCH_HOPPER_DESC").as_deref() {
-        Ok("full") => false,
-        Ok("uniform") => true,
-        _ => !FULL_DESCRIPTORS.with(std::cell::Cell::get),
-    }
-}
-
-thread_local! {
-    /// Set while a forward wider than head size 64 is built: its descriptors default to the
-    /// full form ([`forward_descriptors`]).
-    static FULL_DESCRIPTORS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// `f` run as the builder of a forward of head size `d`: above 64 its descriptors default to
-/// the full form. The head-size-128 forward's uniform form has only been timed together with
-/// the rows' sums on the tensor cores (0.98×, most of it theirs), and the full form is what
-/// was measured at 1.00–1.08× SDPA's speed there, so it stays until the uniform one is timed
-/// alone; at head size 64 the uniform form is measured faster, and the backward's gains come
-/// at both head sizes.
-pub(super) fn forward_descriptors<T>(d: usize, f: impl FnOnce() -> T) -> T {
-    /// Puts the flag back as it was, also where `f` panics.
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            FULL_DESCRIPTORS.with(|c| c.set(self.0));
-        }
-    }
-    let _restore = Restore(FULL_DESCRIPTORS.with(|c| c.replace(d > 64)));
-    f()
+    std::env::var("RUSTYTORCH_HOPPER_DESC").as_deref() != Ok("full")
 }
 
 /// The descriptor helper the products call ([`uniform_descriptors`]).

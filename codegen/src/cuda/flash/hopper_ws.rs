@@ -53,8 +53,8 @@
 //! the two-warpgroup kernel's ([`super::hopper`]), shared with it.
 
 use super::hopper::{
-    chunked_edges, common_subs, lean_edges, pin, pv_issue_with, s_issue, softmax_scores,
-    substitute, swizzled_rows, wait, warp_uniform, wgmma_macro, Built, OperandA, RESCALE,
+    common_subs, edge, pin, pv_issue_with, s_issue, softmax_scores, substitute, swizzled_rows,
+    wait, warp_uniform, wgmma_macro, Built, Edge, OperandA, RESCALE,
 };
 use super::{row_maxima, Shape2, Spec};
 use rustytorch_ops::Causal;
@@ -655,14 +655,14 @@ fn build_sums(s: &Shape2, sp: &Spec, bulk_out: bool, sums: bool) -> Built {
 
 /// Whether the consumers' turns run on across query tiles ([`turns`]): the last consumer passes
 /// its last turn of a tile on, which opens the first consumer's first turn of its next tile,
-/// and the first turn of all is opened once before the walk. With the turns opened afresh at
-/// every tile (`RUSTYTORCH_HOPPER_TURNS=tile`, the default until measured), the first
-/// consumer's first product of a tile waits until the last consumer has finished the previous
-/// tile: its last `P·V`, its output and its statistics, while the tensor cores idle; on
-/// short causal rows (four or five key tiles a query tile) that wait is a large share of a
-/// tile. `RUSTYTORCH_HOPPER_TURNS=carry` carries them on.
+/// and the first turn of all is opened once before the walk. Opened afresh at every tile
+/// instead (`RUSTYTORCH_HOPPER_TURNS=tile`), the first consumer's first product of a tile
+/// waits until the last consumer has finished the previous tile (its last `P·V`, its output
+/// and its statistics) while the tensor cores idle. Carried on, the forward ran 1.01–1.05×
+/// as fast on every row measured on the H100 (most on the short causal rows, four or five key
+/// tiles a query tile; docs/performance.md).
 pub(super) fn carried_turns() -> bool {
-    std::env::var("RUSTYTORCH_HOPPER_TURNS").as_deref() == Ok("carry")
+    std::env::var("RUSTYTORCH_HOPPER_TURNS").as_deref() != Ok("tile")
 }
 
 /// The C of a consumer's turn: waiting for it, passing it on, and passing its last of a query
@@ -883,7 +883,8 @@ fn source(
     while bc8 % chains != 0 {
         chains /= 2;
     }
-    let scores = softmax_scores(lean_edges(s));
+    let edge = edge(s, nc);
+    let scores = softmax_scores(edge == Edge::Lean);
     let (scores, exps) = if chains == 1 {
         (
             scores.replace("$ROW_MAXIMA", &row_maxima("$BC8", "        ")),
@@ -902,7 +903,7 @@ fn source(
         poly_exps(&exps, poly, chains)
     };
     // The chunked edge holds the plain exponentials for the tiles off the edges.
-    let (scores, exps) = if chains == 1 && poly == 0 && bc % 32 == 0 && chunked_edges(s) {
+    let (scores, exps) = if chains == 1 && poly == 0 && bc % 32 == 0 && edge == Edge::Chunks {
         (
             CHUNKED_EDGE
                 .replace("$NCH", &(bc / 32).to_string())
@@ -1376,18 +1377,22 @@ mod tests {
     }
 
     /// The scores are scaled before their maxima on every tile where the scale is not
-    /// positive (the raw maximum times a negative scale is the scaled minimum), only on the
-    /// edges otherwise; the lean edge leaves them raw and compares each key with a constant.
+    /// positive (the raw maximum times a negative scale is the scaled minimum); with a
+    /// positive one, three consumers scale them on the edges only and two take the chunked
+    /// edge; the lean edge leaves them raw and compares each key with a constant.
     #[test]
     fn edges_scale_first_unless_the_scale_is_positive() {
-        for (scale, always) in [(0.125, false), (-0.125, true), (0.0, true)] {
-            let sp = spec_scaled(64, 300, 300, Causal::TopLeft, scale);
-            let b = super::super::hopper::build(&sp.shape2(super::super::Tail::Out), &sp);
-            assert!(
-                b.source
-                    .contains(&format!("if ({always} || kb + 128 > lim_first)")),
-                "scale {scale}"
-            );
+        for causal in [Causal::None, Causal::TopLeft] {
+            for scale in [0.125, -0.125, 0.0] {
+                let sp = spec_scaled(64, 300, 300, causal, scale);
+                let b = super::super::hopper::build(&sp.shape2(super::super::Tail::Out), &sp);
+                let want = match (scale > 0.0, causal) {
+                    (false, _) => "if (true || kb + 128 > lim_first)",
+                    (true, Causal::None) => "if (false || kb + 128 > lim_first)",
+                    (true, _) => "const bool edge = kb + 128 > lim_first;",
+                };
+                assert!(b.source.contains(want), "{causal:?} scale {scale}");
+            }
         }
         let lean = super::super::hopper::softmax_scores(true);
         assert!(lean.contains("const int d0 = (i0 < $SQ ? lim0 : 0) - kb - t4 * 2;"));
@@ -1400,20 +1405,17 @@ mod tests {
         );
     }
 
-    /// The forward's descriptors: a base plus a constant per step at head size 64, in full
-    /// above it; the builders after it keep the uniform default.
+    /// The forward's descriptors: a base plus a constant per step at every head size.
     #[test]
-    fn forward_descriptors_by_head_size() {
-        for (d, uniform) in [(64, true), (128, false), (80, false), (32, true)] {
+    fn forward_descriptors_are_uniform() {
+        for d in [64, 128, 80, 32] {
             let sp = spec(d, 300, 300, Causal::None);
             let b = super::super::hopper::build(&sp.shape2(super::super::Tail::Out), &sp);
-            assert_eq!(
+            assert!(
                 b.source
                     .contains("unsigned addr, unsigned lbo, unsigned off"),
-                uniform,
                 "d {d}"
             );
-            assert!(super::super::hopper::uniform_descriptors(), "d {d}");
         }
     }
 
@@ -1545,13 +1547,14 @@ mod tests {
         assert_eq!(super::turns(2, false, true), Default::default());
         let sp = spec(64, 1000, 1000, Causal::TopLeft);
         let b = super::build(&sp.shape2(super::super::Tail::Out), &sp);
-        let open = "    if (cw == 1) asm volatile(\"bar.arrive 1, 256;\" ::: \"memory\");";
+        let open = "if (cw == 1) asm volatile(\"bar.arrive 1, 256;\" ::: \"memory\");";
         let at = b.source.find(open).expect("the first turn opened");
         let tile = b
             .source
-            .find("    mb_wait(qfull, qc & 1u);")
+            .find("mb_wait(qfull, qc & 1u);")
             .expect("the tile loop");
-        assert!(at > tile, "opened at every tile by default");
+        assert!(at < tile, "opened once before the walk by default");
+        assert!(!b.source.contains("if (cw != 1) {"));
     }
 
     /// With bulk output stores each consumer stages its 64 rows past the barriers at a
