@@ -490,13 +490,7 @@ pub(super) const CHUNKED_EDGE: &str = r#"        const int kb = t * $BC;
             if (ch < nch) {
               #pragma unroll
               for (int n = 4 * ch; n < 4 * ch + 4; ++n) {
-                s[n][0] = ex2(fmaf(s[n][0], c, -r0));
-                s[n][1] = ex2(fmaf(s[n][1], c, -r0));
-                s[n][2] = ex2(fmaf(s[n][2], c, -r1));
-                s[n][3] = ex2(fmaf(s[n][3], c, -r1));
-                l0 += s[n][0] + s[n][1];
-                l1 += s[n][2] + s[n][3];
-              }
+$EXP_ROWS              }
             } else {
               #pragma unroll
               for (int n = 4 * ch; n < 4 * ch + 4; ++n) {
@@ -507,6 +501,22 @@ pub(super) const CHUNKED_EDGE: &str = r#"        const int kb = t * $BC;
         } else {
 $EXPS        }
 "#;
+
+/// The C of the exponentials of the scores of 8-key group `n` in place, summed into the rows'
+/// sums, at `indent` spaces.
+fn exp_rows(indent: usize) -> String {
+    [
+        "s[n][0] = ex2(fmaf(s[n][0], c, -r0));",
+        "s[n][1] = ex2(fmaf(s[n][1], c, -r0));",
+        "s[n][2] = ex2(fmaf(s[n][2], c, -r1));",
+        "s[n][3] = ex2(fmaf(s[n][3], c, -r1));",
+        "l0 += s[n][0] + s[n][1];",
+        "l1 += s[n][2] + s[n][3];",
+    ]
+    .iter()
+    .map(|l| format!("{:indent$}{l}\n", ""))
+    .collect()
+}
 
 /// The C of a consumer's `lim_first` (the keys its first row sees: tiles below it need no
 /// mask) and `mine` (the key tiles its rows see, none where they are past the end).
@@ -858,16 +868,10 @@ fn source(
     );
     let (k_slot, v_slot) = (k_slot.as_str(), v_slot.as_str());
     // The exponentials in place, summed per row.
-    let exps = r#"        #pragma unroll
-        for (int n = 0; n < $BC8; ++n) {
-          s[n][0] = ex2(fmaf(s[n][0], c, -r0));
-          s[n][1] = ex2(fmaf(s[n][1], c, -r0));
-          s[n][2] = ex2(fmaf(s[n][2], c, -r1));
-          s[n][3] = ex2(fmaf(s[n][3], c, -r1));
-          l0 += s[n][0] + s[n][1];
-          l1 += s[n][2] + s[n][3];
-        }
-"#;
+    let exps = format!(
+        "        #pragma unroll\n        for (int n = 0; n < $BC8; ++n) {{\n{}        }}\n",
+        exp_rows(10)
+    );
     // P rounded into A fragments (8-key groups 2kk and 2kk + 1 are the fragment of keys
     // 16kk..16kk + 15).
     let pack = r#"        #pragma unroll
@@ -907,6 +911,7 @@ fn source(
         (
             CHUNKED_EDGE
                 .replace("$NCH", &(bc / 32).to_string())
+                .replace("$EXP_ROWS", &exp_rows(16))
                 .replace("$EXPS", &exps),
             String::new(),
         )
