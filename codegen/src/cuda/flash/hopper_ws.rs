@@ -394,6 +394,16 @@ fn skips(sp: &Spec, br: usize, bc: usize, queued: bool) -> bool {
     }
 }
 
+/// The keys query row `i` sees under `causal` with `sq` queries and `sk` keys (the kernel's
+/// `lim_of`).
+fn keys_seen(causal: Causal, sq: usize, sk: usize, i: usize) -> usize {
+    match causal {
+        Causal::None => sk,
+        Causal::TopLeft => (i + 1).min(sk),
+        Causal::BottomRight => (i as i64 + 1 + sk as i64 - sq as i64).clamp(0, sk as i64) as usize,
+    }
+}
+
 /// The share of a block's consumer products (64 query rows of its `br` against a key tile of
 /// `bc`) on key tiles that the consumer's own rows do not see: with three consumers and key
 /// tiles of 128, the causal diagonal's tiles of the block's first consumers (a quarter at
@@ -401,15 +411,7 @@ fn skips(sp: &Spec, br: usize, bc: usize, queued: bool) -> bool {
 /// multiple of `br` (a ninth of the full products at S = 1024).
 pub(super) fn skipped_share(sp: &Spec, br: usize, bc: usize) -> f64 {
     // The keys row `i` sees (the kernel's `lim_of`).
-    let lim = |i: usize| -> usize {
-        match sp.causal {
-            Causal::None => sp.sk,
-            Causal::TopLeft => (i + 1).min(sp.sk),
-            Causal::BottomRight => {
-                (i as i64 + 1 + sp.sk as i64 - sp.sq as i64).clamp(0, sp.sk as i64) as usize
-            }
-        }
-    };
+    let lim = |i: usize| keys_seen(sp.causal, sp.sq, sp.sk, i);
     let (mut all, mut skipped) = (0usize, 0usize);
     for qt in 0..sp.sq.div_ceil(br) {
         let ntiles = lim((qt * br + br - 1).min(sp.sq - 1)).div_ceil(bc);
@@ -474,17 +476,7 @@ pub(super) const CHUNKED_EDGE: &str = r#"        const int kb = t * $BC;
             mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
           }
         }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float mn0 = fmaxf(m0, mx0 * c), mn1 = fmaxf(m1, mx1 * c);
-        // A row with nothing visible yet keeps a finite reference so that 2^(−∞ − ref) is 0.
-        const float r0 = mn0 == RT_NEG_INF ? 0.f : mn0, r1 = mn1 == RT_NEG_INF ? 0.f : mn1;
-        const float a0 = ex2(m0 - r0), a1 = ex2(m1 - r1);
-        m0 = mn0; m1 = mn1;
-        l0 *= a0; l1 *= a1;
-        if (edge) {
+$REFERENCES        if (edge) {
           #pragma unroll
           for (int ch = 0; ch < $NCH; ++ch) {
             if (ch < nch) {
@@ -501,6 +493,24 @@ $EXP_ROWS              }
         } else {
 $EXPS        }
 "#;
+
+/// [`CHUNKED_EDGE`] for key tiles of `bc`, the plain walk's exponentials `exps` off the edges:
+/// the rows' maxima reduced over their lanes ([`row_maxima`]'s shuffles) and the references,
+/// rescaling factors and sums after them ([`super::hopper::SOFTMAX_SCORES`]'s) as every edge
+/// form takes them.
+fn chunked_edge(bc: usize, exps: &str) -> String {
+    let maxima = row_maxima("$BC8", "        ");
+    let shuffles = &maxima[maxima
+        .find("        mx0 = fmaxf(mx0, __shfl")
+        .expect("shuffles")..];
+    let refs = super::hopper::SOFTMAX_SCORES;
+    let refs = &refs[refs.find("        const float mn0").expect("references")..];
+    CHUNKED_EDGE
+        .replace("$REFERENCES", &[shuffles, refs].concat())
+        .replace("$NCH", &(bc / 32).to_string())
+        .replace("$EXP_ROWS", &exp_rows(16))
+        .replace("$EXPS", exps)
+}
 
 /// The C of the exponentials of the scores of 8-key group `n` in place, summed into the rows'
 /// sums, at `indent` spaces.
@@ -908,13 +918,7 @@ fn source(
     };
     // The chunked edge holds the plain exponentials for the tiles off the edges.
     let (scores, exps) = if chains == 1 && poly == 0 && bc % 32 == 0 && edge == Edge::Chunks {
-        (
-            CHUNKED_EDGE
-                .replace("$NCH", &(bc / 32).to_string())
-                .replace("$EXP_ROWS", &exp_rows(16))
-                .replace("$EXPS", &exps),
-            String::new(),
-        )
+        (chunked_edge(bc, &exps), String::new())
     } else {
         (scores, exps)
     };
@@ -1485,15 +1489,7 @@ mod tests {
                 (777, 300),
                 (65, 7),
             ] {
-                let lim = |i: usize| -> usize {
-                    match causal {
-                        Causal::None => sk,
-                        Causal::TopLeft => (i + 1).min(sk),
-                        Causal::BottomRight => {
-                            (i as i64 + 1 + sk as i64 - sq as i64).clamp(0, sk as i64) as usize
-                        }
-                    }
-                };
+                let lim = |i: usize| super::keys_seen(causal, sq, sk, i);
                 for nc in [2usize, 3] {
                     let br = 64 * nc;
                     let (mut groups, mut tiles) = (0usize, 0usize);
