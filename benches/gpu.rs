@@ -49,12 +49,20 @@ fn cuda_opts() -> passes::Options {
 }
 
 /// [`time_graph`] compiled with `opts` (the conv rows turn the CUDA channels-last pass on).
+/// `RUSTYTORCH_BENCH_ITERS=N` times N steps instead of the row's own count, and
+/// `RUSTYTORCH_CUDA_GRAPH=0` launches each step's kernels instead of replaying its graph, so
+/// that a row can be timed as a peer is.
 fn time_graph_with(
     graph: &Graph,
     iters: usize,
     replay: bool,
     opts: passes::Options,
 ) -> (f64, usize) {
+    let iters = std::env::var("RUSTYTORCH_BENCH_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(iters);
+    let replay = replay && std::env::var("RUSTYTORCH_CUDA_GRAPH").as_deref() != Ok("0");
     let compiled = passes::run(graph, &opts).expect("compile");
     let memory = compiled.report.memory.expect("memory plan");
     let plan = Arc::new(lower(&compiled.graph, &memory).expect("lower"));

@@ -309,8 +309,9 @@ fn flash_attention_hopper_compiles() {
     // grid, and at head size 128. The output written by each thread's stores instead of bulk
     // tensor copies, with three and two consumers and at head size 128. A share of the
     // exponentials by a polynomial, with one chain and with two. Each descriptor computed in
-    // full (the default builds them as a base plus a constant per step), in both kernels.
-    let knobs: [&[(&str, &str)]; 29] = [
+    // full (the default builds them as a base plus a constant per step), in both kernels. Two
+    // query-tile buffers, with two and three consumers.
+    let knobs: [&[(&str, &str)]; 31] = [
         &[
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
             ("RUSTYTORCH_HOPPER_TILE", "2x64"),
@@ -377,6 +378,8 @@ fn flash_attention_hopper_compiles() {
         &[("RUSTYTORCH_HOPPER_ROWSUM", "mma")],
         &[("RUSTYTORCH_HOPPER_EDGE", "lean")],
         &[("RUSTYTORCH_HOPPER_EDGE", "lean")],
+        &[("RUSTYTORCH_HOPPER_QSTAGES", "2")],
+        &[("RUSTYTORCH_HOPPER_QSTAGES", "2")],
     ];
     for (knob, (hd, causal)) in knobs.iter().zip([
         (64, Causal::None),
@@ -408,6 +411,8 @@ fn flash_attention_hopper_compiles() {
         (128, Causal::BottomRight),
         (64, Causal::TopLeft),
         (128, Causal::BottomRight),
+        (64, Causal::TopLeft),
+        (64, Causal::None),
     ]) {
         for (k, v) in knob.iter() {
             std::env::set_var(k, v);

@@ -357,6 +357,19 @@ fn stages() -> usize {
     }
 }
 
+/// Query-tile buffers: two where the blocks take their tiles at run time ([`queued`]), so that
+/// the producer copies a block's next query tile while the consumers still multiply by the
+/// current one, one otherwise. With one buffer the next tile's query and first key copies wait
+/// until both consumers' last `Q·Kᵀ` of the current tile is done, and on short query tiles
+/// (one to eight key tiles) the first product of the next tile then waits for memory.
+/// `RUSTYTORCH_HOPPER_QSTAGES=1|2` asks for one or two (two only with tiles taken at run time).
+fn query_stages(queued: bool) -> usize {
+    match std::env::var("RUSTYTORCH_HOPPER_QSTAGES").as_deref() {
+        Ok("2") if queued => 2,
+        _ => 1,
+    }
+}
+
 /// Whether the blocks take their tiles from a counter at run time, each the next free one as
 /// its last is done (the producer fetching and publishing them, [`QUEUE_LOOP`]), instead of
 /// walking a fixed share of them: by default at head size 64 with bulk tensor copies, where
@@ -625,17 +638,18 @@ fn build_sums(s: &Shape2, sp: &Spec, bulk_out: bool, sums: bool) -> Built {
     let br = 64 * nc;
     let bc = keys(sp, nc);
     let st = stages();
-    // The tiles, then full and empty barriers for the query tile and each buffer, and the
-    // next tile's slot (and the tile of ones of the sums on the tensor cores).
-    let smem = 1024
-        + br * sp.d * 2
-        + st * bc * (sp.d + sp.dv) * 2
-        + (3 + 4 * st) * 8
-        + if sums { ONES_BYTES } else { 0 };
     let blocks = sp.bsz * sp.heads * sp.sq.div_ceil(br);
     let pingpong = std::env::var("RUSTYTORCH_HOPPER_PINGPONG").as_deref() != Ok("0");
     let tma = bulk_copies(st);
     let queued = tma && queued(sp);
+    let qst = query_stages(queued);
+    // The tiles, then full and empty barriers for each query and key or value buffer, and the
+    // next tiles' slots (and the tile of ones of the sums on the tensor cores).
+    let smem = 1024
+        + qst * br * sp.d * 2
+        + st * bc * (sp.d + sp.dv) * 2
+        + (3 * qst + 4 * st) * 8
+        + if sums { ONES_BYTES } else { 0 };
     let skip = skips(sp, br, bc, queued);
     // The staging tiles where they fit beside the others (they do at the head sizes this
     // kernel takes: 199 KiB at most, head size 128 with two consumers).
@@ -663,7 +677,7 @@ fn build_sums(s: &Shape2, sp: &Spec, bulk_out: bool, sums: bool) -> Built {
             s,
             sp,
             (nc, bc),
-            st,
+            (st, qst),
             (pingpong, skip, carried_turns()),
             blocks,
             (tma, queued, obulk, sums),
@@ -721,9 +735,10 @@ $ORDER    const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
     const unsigned short* qp = (const unsigned short*)q + $QH;
     const unsigned short* kp = (const unsigned short*)k + $KH;
     const unsigned short* vp = (const unsigned short*)v + $VH;
-    mb_wait(qempty, (qc & 1u) ^ 1u);
-    load(qp, (long long)qt * $BR, $SQLL, $BR, $D, $QRSLL, q_s);
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(qfull) : "memory");
+    const unsigned qslot = qc % $QSTu;
+    mb_wait(qempty + 8u * qslot, ((qc / $QSTu) & 1u) ^ 1u);
+    load(qp, (long long)qt * $BR, $SQLL, $BR, $D, $QRSLL, q_s0 + qslot * $QBYTESu);
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(qfull + 8u * qslot) : "memory");
     ++qc;
     for (int j = 0; j <= ntiles; ++j) {
       if (j < ntiles) {
@@ -758,8 +773,8 @@ const BULK_START: &str = r#"  if (tid == 0) {
 /// free): the query tile, then key tile `j` and value tile `j − 1` for each `j`, each after
 /// its buffer's empty barrier, announcing its bytes on the buffer's full barrier.
 const BULK_TILE: &str = r#"      const int hh = (int)(bh % $HEADSLL), bb = (int)(bh / $HEADSLL);
-      mb_expect(qfull, $QBYTESu);
-      tma_tile(&qmap, q_s, qfull, qt * $BR, $D / 64, $BR, hh, bb);
+      mb_expect(qfull + 8u * qslot, $QBYTESu);
+      tma_tile(&qmap, q_s0 + qslot * $QBYTESu, qfull + 8u * qslot, qt * $BR, $D / 64, $BR, hh, bb);
       for (int j = 0; j <= ntiles; ++j) {
         if (j < ntiles) {
           const unsigned slot = kc % $STu, bar = kfull + 8u * slot;
@@ -786,7 +801,8 @@ const BULK_LOOP: &str = r#"$BULK_START    for (long long tile = blockIdx.x; tile
 $ORDER      const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
       const int ntiles = (kend + $BC - 1) / $BC;
       if (ntiles == 0) continue;
-      mb_wait(qempty, (qc & 1u) ^ 1u);
+      const unsigned qslot = qc % $QSTu;
+      mb_wait(qempty + 8u * qslot, ((qc / $QSTu) & 1u) ^ 1u);
       ++qc;
 $BULK_TILE    }
   }"#;
@@ -800,10 +816,11 @@ $BULK_TILE    }
 /// a kernel are ordered on the device's one stream.
 const QUEUE_LOOP: &str = r#"$BULK_START    long long tile = blockIdx.x;
     for (;;) {
-      mb_wait(qempty, (qc & 1u) ^ 1u);
-      asm volatile("st.shared.b64 [%0], %1;" :: "r"(tile_s), "l"(tile) : "memory");
+      const unsigned qslot = qc % $QSTu;
+      mb_wait(qempty + 8u * qslot, ((qc / $QSTu) & 1u) ^ 1u);
+      asm volatile("st.shared.b64 [%0], %1;" :: "r"(tile_s + 8u * qslot), "l"(tile) : "memory");
       if (tile >= $TILESLL) {
-        mb_arrive(qfull);
+        mb_arrive(qfull + 8u * qslot);
         break;
       }
       ++qc;
@@ -811,7 +828,7 @@ const QUEUE_LOOP: &str = r#"$BULK_START    long long tile = blockIdx.x;
 $ORDER      const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
       const int ntiles = (kend + $BC - 1) / $BC;
       if (ntiles == 0) {
-        mb_arrive(qfull);
+        mb_arrive(qfull + 8u * qslot);
         tile = next;
         continue;
       }
@@ -831,22 +848,23 @@ fn consumer_loop(queued: bool) -> [&'static str; 3] {
     if queued {
         [
             r#"  for (;;) {
-    mb_wait(qfull, qc & 1u);
+    const unsigned qslot = qc % $QSTu;
+    mb_wait(qfull + 8u * qslot, (qc / $QSTu) & 1u);
     ++qc;
     long long tile;
-    asm volatile("ld.shared.b64 %0, [%1];" : "=l"(tile) : "r"(tile_s) : "memory");
+    asm volatile("ld.shared.b64 %0, [%1];" : "=l"(tile) : "r"(tile_s + 8u * qslot) : "memory");
     if (tile >= $TILESLL) break;
-"#,
+$Q_SLOT"#,
             "",
             r#"    } else {
       __syncwarp();
-      if (lane == 0) mb_arrive(qempty);
+      if (lane == 0) mb_arrive(qempty + 8u * qslot);
 "#,
         ]
     } else {
         [
             "  for (long long tile = blockIdx.x; tile < $TILESLL; tile += gridDim.x) {\n",
-            "      mb_wait(qfull, qc & 1u);\n      ++qc;\n",
+            "      const unsigned qslot = qc % $QSTu;\n      mb_wait(qfull + 8u * qslot, (qc / $QSTu) & 1u);\n      ++qc;\n$Q_SLOT",
             "",
         ]
     }
@@ -857,7 +875,7 @@ fn source(
     s: &Shape2,
     sp: &Spec,
     (nc, bc): (usize, usize),
-    st: usize,
+    (st, qst): (usize, usize),
     (pingpong, skip, carried): (bool, bool, bool),
     blocks: usize,
     (tma, queued, obulk, sums): (bool, bool, bool, bool),
@@ -934,7 +952,7 @@ fn source(
     };
     let free_k = "        if (lane == 0) mb_arrive(kempty + 8u * (kc % $STu));\n        ++kc;\n";
     let free_v = "        if (lane == 0) mb_arrive(vempty + 8u * (vc % $STu));\n        ++vc;\n";
-    let free_q = "        if (lane == 0) mb_arrive(qempty);\n";
+    let free_q = "        if (lane == 0) mb_arrive(qempty + 8u * qslot);\n";
 
     let release_q = |cond: &str| {
         format!(
@@ -1054,21 +1072,24 @@ fn source(
 #define RT_NEG_INF __int_as_float(0xff800000)
 #define RT_LOG2E 1.4426950408889634f
 $WGMMAextern __shared__ __align__(1024) unsigned char rt_smem[];
-// The query tile, two key and two value buffers (each a set of 64-column blocks of 128-byte
-// rows, 128-byte swizzled), then the barriers.
-const unsigned q_s = ((unsigned)__cvta_generic_to_shared(rt_smem) + 1023u) & ~1023u;
-const unsigned k_s0 = q_s + $QBYTESu;
+// The query tile buffers, the key and value buffers (each a set of 64-column blocks of
+// 128-byte rows, 128-byte swizzled), then the barriers.
+const unsigned q_s0 = ((unsigned)__cvta_generic_to_shared(rt_smem) + 1023u) & ~1023u;
+const unsigned k_s0 = q_s0 + $QSTu * $QBYTESu;
 const unsigned v_s0 = k_s0 + $STu * $KBYTESu;
-const unsigned qfull = v_s0 + $STu * $VBYTESu, qempty = qfull + 8u;
-const unsigned kfull = qfull + 16u, kempty = kfull + 8u * $STu, vfull = kempty + 8u * $STu, vempty = vfull + 8u * $STu;
-// The tile the block takes next, where the producer hands tiles out at run time.
+const unsigned qfull = v_s0 + $STu * $VBYTESu, qempty = qfull + 8u * $QSTu;
+const unsigned kfull = qempty + 8u * $QSTu, kempty = kfull + 8u * $STu, vfull = kempty + 8u * $STu, vempty = vfull + 8u * $STu;
+// The tiles the block takes next (one a query buffer), where the producer hands tiles out at
+// run time.
 const unsigned tile_s = vempty + 8u * $STu;
 $ONES_AT$O_STAGE$QUEUEconst int tid = threadIdx.x, lane = tid & 31;
 $MBARRIERS$ONES_FILLif (tid == 0) {
   // Full: the producer's threads (their copies landed) or its one thread's announcement of
   // the bytes to come; empty: the consumers' warps.
-  mb_init(qfull, $FULLu);
-  mb_init(qempty, $CWARPSu);
+  for (unsigned b = 0; b < $QSTu; ++b) {
+    mb_init(qfull + 8u * b, $FULLu);
+    mb_init(qempty + 8u * b, $CWARPSu);
+  }
   for (unsigned b = 0; b < $STu; ++b) {
     mb_init(kfull + 8u * b, $FULLu);
     mb_init(vfull + 8u * b, $FULLu);
@@ -1128,7 +1149,7 @@ $O_DRAIN}"#;
         (
             "$ONES_AT",
             if sums {
-                "// The tile of ones whose products with P are the rows' sums.\nconst unsigned ones_s = (tile_s + 8u + 127u) & ~127u;\n"
+                "// The tile of ones whose products with P are the rows' sums.\nconst unsigned ones_s = (tile_s + 8u * $QSTu + 127u) & ~127u;\n"
             } else {
                 ""
             }
@@ -1177,7 +1198,7 @@ $O_DRAIN}"#;
                 if sums {
                     "const unsigned o_s = (ones_s + 512u + 1023u) & ~1023u;\n"
                 } else {
-                    "const unsigned o_s = (tile_s + 8u + 1023u) & ~1023u;\n"
+                    "const unsigned o_s = (tile_s + 8u * $QSTu + 1023u) & ~1023u;\n"
                 }
             } else {
                 ""
@@ -1257,6 +1278,19 @@ $O_DRAIN}"#;
         ),
         ("$HEADS", sp.heads.to_string()),
         ("$NC", nc.to_string()),
+        // After the loops whose text holds them.
+        (
+            "$Q_SLOT",
+            if qst == 1 {
+                "    const unsigned q_s = q_s0;\n".to_string()
+            } else {
+                format!(
+                    "    const unsigned q_s = {};\n",
+                    warp_uniform("q_s0 + qslot * $QBYTESu")
+                )
+            },
+        ),
+        ("$QST", qst.to_string()),
         ("$ST", st.to_string()),
         ("$CWARPS", (4 * nc).to_string()),
         ("$PRODUCER", PRODUCER.to_string()),
@@ -1552,7 +1586,7 @@ mod tests {
         let at = b.source.find(open).expect("the first turn opened");
         let tile = b
             .source
-            .find("mb_wait(qfull, qc & 1u);")
+            .find("mb_wait(qfull + 8u * qslot, (qc / 1u) & 1u);")
             .expect("the tile loop");
         assert!(at < tile, "opened once before the walk by default");
         assert!(!b.source.contains("if (cw != 1) {"));
@@ -1589,7 +1623,7 @@ mod tests {
                 assert!(b.smem as usize <= 227 * 1024, "d {d}: {}", b.smem);
                 assert!(b
                     .source
-                    .contains("const unsigned o_s = (tile_s + 8u + 1023u) & ~1023u;"));
+                    .contains("const unsigned o_s = (tile_s + 8u * 1u + 1023u) & ~1023u;"));
                 assert_eq!(b.source.matches("tma_store_tile(&omap").count(), 1);
                 assert!(b.source.contains("\"r\"(4 + cw)"));
                 assert!(b.source.contains("cp.async.bulk.wait_group 0;"));
