@@ -357,15 +357,20 @@ fn stages() -> usize {
     }
 }
 
-/// Query-tile buffers: two where the blocks take their tiles at run time ([`queued`]), so that
-/// the producer copies a block's next query tile while the consumers still multiply by the
-/// current one, one otherwise. With one buffer the next tile's query and first key copies wait
-/// until both consumers' last `Q·Kᵀ` of the current tile is done, and on short query tiles
-/// (one to eight key tiles) the first product of the next tile then waits for memory.
-/// `RUSTYTORCH_HOPPER_QSTAGES=1|2` asks for one or two (two only with tiles taken at run time).
-fn query_stages(queued: bool) -> usize {
+/// Query-tile buffers: two where the blocks take their tiles at run time ([`queued`]) with three
+/// consumers, so that the producer copies a block's next query tile while the consumers still
+/// multiply by the current one; one otherwise. With one buffer the next tile's query and first
+/// key copies wait until every consumer's last `Q·Kᵀ` of the current tile is done. Measured on
+/// the H100 (docs/performance.md): two buffers made the three-consumer full row (S = 1024, head
+/// size 64) 1.04–1.05× as fast and left the long causal one level, but made the two-consumer
+/// short causal row 0.97–0.98× as fast, whose consumers start a tile's products no sooner for
+/// it. `RUSTYTORCH_HOPPER_QSTAGES=1|2` asks for one or two (two only with tiles taken at run
+/// time).
+fn query_stages(queued: bool, nc: usize) -> usize {
     match std::env::var("RUSTYTORCH_HOPPER_QSTAGES").as_deref() {
+        Ok("1") => 1,
         Ok("2") if queued => 2,
+        _ if queued && nc == 3 => 2,
         _ => 1,
     }
 }
@@ -642,7 +647,7 @@ fn build_sums(s: &Shape2, sp: &Spec, bulk_out: bool, sums: bool) -> Built {
     let pingpong = std::env::var("RUSTYTORCH_HOPPER_PINGPONG").as_deref() != Ok("0");
     let tma = bulk_copies(st);
     let queued = tma && queued(sp);
-    let qst = query_stages(queued);
+    let qst = query_stages(queued, nc);
     // The tiles, then full and empty barriers for each query and key or value buffer, and the
     // next tiles' slots (and the tile of ones of the sums on the tensor cores).
     let smem = 1024
@@ -1621,9 +1626,11 @@ mod tests {
                     plain.smem as usize + 1024 + nc * 64 * d * 2
                 );
                 assert!(b.smem as usize <= 227 * 1024, "d {d}: {}", b.smem);
-                assert!(b
-                    .source
-                    .contains("const unsigned o_s = (tile_s + 8u * 1u + 1023u) & ~1023u;"));
+                // Past the next tiles' slots: two with three consumers (two query buffers).
+                let slots = if nc == 3 { "2u" } else { "1u" };
+                assert!(b.source.contains(&format!(
+                    "const unsigned o_s = (tile_s + 8u * {slots} + 1023u) & ~1023u;"
+                )));
                 assert_eq!(b.source.matches("tma_store_tile(&omap").count(), 1);
                 assert!(b.source.contains("\"r\"(4 + cw)"));
                 assert!(b.source.contains("cp.async.bulk.wait_group 0;"));
