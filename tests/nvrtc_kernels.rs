@@ -310,8 +310,9 @@ fn flash_attention_hopper_compiles() {
     // tensor copies, with three and two consumers and at head size 128. A share of the
     // exponentials by a polynomial, with one chain and with two. Each descriptor computed in
     // full (the default builds them as a base plus a constant per step), in both kernels. Two
-    // query-tile buffers, with two and three consumers.
-    let knobs: [&[(&str, &str)]; 31] = [
+    // query-tile buffers, with two and three consumers. Consumers running on from tile to
+    // tile, with two and three.
+    let knobs: [&[(&str, &str)]; 33] = [
         &[
             ("RUSTYTORCH_HOPPER_KERNEL", "skew"),
             ("RUSTYTORCH_HOPPER_TILE", "2x64"),
@@ -380,6 +381,8 @@ fn flash_attention_hopper_compiles() {
         &[("RUSTYTORCH_HOPPER_EDGE", "lean")],
         &[("RUSTYTORCH_HOPPER_QSTAGES", "2")],
         &[("RUSTYTORCH_HOPPER_QSTAGES", "2")],
+        &[("RUSTYTORCH_HOPPER_FUSE", "1")],
+        &[("RUSTYTORCH_HOPPER_FUSE", "1")],
     ];
     for (knob, (hd, causal)) in knobs.iter().zip([
         (64, Causal::None),
@@ -411,6 +414,8 @@ fn flash_attention_hopper_compiles() {
         (128, Causal::BottomRight),
         (64, Causal::TopLeft),
         (128, Causal::BottomRight),
+        (64, Causal::TopLeft),
+        (64, Causal::None),
         (64, Causal::TopLeft),
         (64, Causal::None),
     ]) {
@@ -548,12 +553,19 @@ fn flash_attention_hopper_compiles() {
         // A warp-specialized consumer computes only the key tiles its rows see where that
         // skips at least a fifth of the products: 300 queries against 77 keys bottom-right
         // (half), not top-left or full (a sixth, the consumer past the end), unless told or
-        // the tiles are taken at run time (then wherever it can).
+        // the tiles are taken at run time (then wherever it can), and never where the
+        // consumers run on from tile to tile.
         if threads != 256 {
-            let skip = knob.contains(&("RUSTYTORCH_HOPPER_SKIP", "1"))
-                || ((causal == Causal::BottomRight || queued)
-                    && !knob.contains(&("RUSTYTORCH_HOPPER_SKIP", "0")));
+            let skip = !knob.contains(&("RUSTYTORCH_HOPPER_FUSE", "1"))
+                && (knob.contains(&("RUSTYTORCH_HOPPER_SKIP", "1"))
+                    || ((causal == Causal::BottomRight || queued)
+                        && !knob.contains(&("RUSTYTORCH_HOPPER_SKIP", "0"))));
             assert_eq!(src.contains("row_c >= 300"), skip, "{knob:?}");
+            assert_eq!(
+                src.contains("if (pending) {"),
+                knob.contains(&("RUSTYTORCH_HOPPER_FUSE", "1")),
+                "{knob:?}"
+            );
         }
         if knob.contains(&("RUSTYTORCH_HOPPER_GRID", "4")) {
             assert_eq!(step.launches()[0].grid, 4, "{knob:?}");

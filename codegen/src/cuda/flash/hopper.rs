@@ -673,7 +673,7 @@ pub(super) const ORDER: &str = r#"    const long long sec = tile / ($HSLL * $QTL
 
 /// The end of the key walk: each row's sum over its four lanes and its inverse (`inv0`,
 /// `inv1`), before [`super::tail`]; a row that saw nothing is zero, a NaN row stays NaN.
-const ROW_SUMS: &str = r#"    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+pub(super) const ROW_SUMS: &str = r#"    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);

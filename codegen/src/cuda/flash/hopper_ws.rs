@@ -375,6 +375,43 @@ fn query_stages(queued: bool, nc: usize) -> usize {
     }
 }
 
+/// Whether a consumer runs on from one query tile into the next ([`WALK_FUSED`]): its last
+/// `P·V` of a tile is issued in the same turn as the next tile's first `Q·Kᵀ`, the next tile's
+/// first softmax runs while that `P·V` is on the tensor cores, and the tile's output is
+/// written after it. Split, a tile's first turn issues `Q·Kᵀ` alone and its last `P·V` alone,
+/// and a consumer's softmax of the first key tile and its output overlap nothing of its own;
+/// on short causal rows (one to eight key tiles a query tile) those two turns are a large share
+/// of a tile. It takes tiles handed out at run time with two query-tile buffers, carried turns,
+/// bulk output stores and no statistics, and skips no tiles; `RUSTYTORCH_HOPPER_FUSE=1` asks
+/// for it (for measurements).
+fn fused_tiles() -> bool {
+    std::env::var("RUSTYTORCH_HOPPER_FUSE").as_deref() == Ok("1")
+}
+
+/// The consumer's walk over a query tile's key tiles where it runs on from tile to tile
+/// ([`fused_tiles`]): a tile whose predecessor is still pending (its last `P·V` not yet issued)
+/// starts with `$FUSED`, which issues that `P·V` beside its own first `Q·Kᵀ` and writes the
+/// predecessor's output; its own last `P·V` and output wait for the next tile (or `$FLUSH`).
+const WALK_FUSED: &str = r#"      if (pending) {
+$FUSED      } else {
+$ZERO_O$FIRST      }
+      for (int j = 1; j < ntiles; ++j) {
+$STEP      }
+$INVERSES      bh_p = bh;
+      qt_p = qt;
+      pending = true;
+"#;
+
+/// The state a consumer carries from tile to tile where it runs on ([`WALK_FUSED`]): the
+/// output and `P` of the pending tile, its rows' inverse sums, its head and query tile.
+const FUSED_STATE: &str = r#"  float o[$DV8][4];
+  unsigned pa[$BC16][4];
+  float inv0 = 0.f, inv1 = 0.f;
+  long long bh_p = 0;
+  int qt_p = 0;
+  bool pending = false;
+"#;
+
 /// Whether the blocks take their tiles from a counter at run time, each the next free one as
 /// its last is done (the producer fetching and publishing them, [`QUEUE_LOOP`]), instead of
 /// walking a fixed share of them: by default at head size 64 with bulk tensor copies, where
@@ -639,6 +676,12 @@ fn build_with(s: &Shape2, sp: &Spec, bulk_out: bool) -> Built {
 
 /// [`build_with`], the rows' sums on the tensor cores where `sums` asks ([`mma_rowsums`]).
 fn build_sums(s: &Shape2, sp: &Spec, bulk_out: bool, sums: bool) -> Built {
+    build_fused(s, sp, (bulk_out, sums), fused_tiles())
+}
+
+/// [`build_sums`], the consumers running on from tile to tile where `fuse` asks and the kernel
+/// allows ([`fused_tiles`]).
+fn build_fused(s: &Shape2, sp: &Spec, (bulk_out, sums): (bool, bool), fuse: bool) -> Built {
     let nc = consumers(sp);
     let br = 64 * nc;
     let bc = keys(sp, nc);
@@ -647,7 +690,18 @@ fn build_sums(s: &Shape2, sp: &Spec, bulk_out: bool, sums: bool) -> Built {
     let pingpong = std::env::var("RUSTYTORCH_HOPPER_PINGPONG").as_deref() != Ok("0");
     let tma = bulk_copies(st);
     let queued = tma && queued(sp);
-    let qst = query_stages(queued, nc);
+    // Running on from tile to tile wants the next query tile copied during the current one,
+    // and every consumer computing every key tile (rows past the end masked, their output
+    // dropped by the store's tensor map).
+    let fusable = fuse
+        && queued
+        && !sums
+        && pingpong
+        && carried_turns()
+        && bulk_out
+        && s.tail == super::Tail::Out;
+    let skip = !fusable && skips(sp, br, bc, queued);
+    let qst = if fusable { 2 } else { query_stages(queued, nc) };
     // The tiles, then full and empty barriers for each query and key or value buffer, and the
     // next tiles' slots (and the tile of ones of the sums on the tensor cores).
     let smem = 1024
@@ -655,7 +709,6 @@ fn build_sums(s: &Shape2, sp: &Spec, bulk_out: bool, sums: bool) -> Built {
         + st * bc * (sp.d + sp.dv) * 2
         + (3 * qst + 4 * st) * 8
         + if sums { ONES_BYTES } else { 0 };
-    let skip = skips(sp, br, bc, queued);
     // The staging tiles where they fit beside the others (they do at the head sizes this
     // kernel takes: 199 KiB at most, head size 128 with two consumers).
     let staged = 1024 + nc * 64 * sp.dv * 2;
@@ -683,7 +736,7 @@ fn build_sums(s: &Shape2, sp: &Spec, bulk_out: bool, sums: bool) -> Built {
             sp,
             (nc, bc),
             (st, qst),
-            (pingpong, skip, carried_turns()),
+            (pingpong, skip, carried_turns(), fusable && obulk),
             blocks,
             (tma, queued, obulk, sums),
         ),
@@ -881,7 +934,7 @@ fn source(
     sp: &Spec,
     (nc, bc): (usize, usize),
     (st, qst): (usize, usize),
-    (pingpong, skip, carried): (bool, bool, bool),
+    (pingpong, skip, carried, fused): (bool, bool, bool, bool),
     blocks: usize,
     (tma, queued, obulk, sums): (bool, bool, bool, bool),
 ) -> String {
@@ -1026,6 +1079,48 @@ fn source(
     ]
     .concat();
 
+    // The end of a query tile: the normalized output (or the statistics).
+    let tail = if obulk {
+        super::tail_with(s, Some(bulk_store_out(sp, s.dv, br)))
+    } else {
+        super::tail(s)
+    };
+    let zero_o = "        #pragma unroll\n        for (int n = 0; n < $DV8; ++n) { o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f; }\n";
+    // Running on from tile to tile: the pending tile's output (its row and head in the names
+    // the end of a tile reads), written once its last P·V is complete.
+    let pending_out = format!(
+        "        {{\n        const long long bh = bh_p;\n        const int qt = qt_p;\n{tail}\n        }}\n"
+    );
+    // The pending tile's last P·V issued beside this tile's S_0, this tile's first softmax
+    // while it runs, then the pending output, and P_0.
+    let fused_turn = [
+        full_k,
+        full_v,
+        fence,
+        &turn,
+        k_slot,
+        &s_gemm,
+        v_slot,
+        &pv_gemm,
+        &pass,
+        &wait(1, "s", bc8),
+        free_k,
+        &release_q("ntiles == 1"),
+        "        {\n        const int t = 0;\n",
+        &scores,
+        exps,
+        "        }\n",
+        &wait_o,
+        &pin_pa,
+        free_v,
+        &pending_out,
+        zero_o,
+        pack,
+    ]
+    .concat();
+    // The pending tile finished on its own: before a tile without keys, and at the end.
+    let flush = [last.as_str(), &pending_out].concat();
+
     // Key tiles past the last this consumer's rows see (causal attention's diagonal, or rows
     // past the end): the consumer takes its turns and frees the buffers without computing.
     // Key tile `mine`, the first of them: only the last P·V of the consumer's own.
@@ -1116,17 +1211,13 @@ $INITIAL_TURN$CONSUMER_LOOP$ORDER    const int i0 = qt * $BR + cw * 64 + warp * 
     const int lim0 = lim_of(i0), lim1 = lim_of(i1);
     const int kend = lim_of(min(qt * $BR + $BR - 1, $SQ - 1));
     const int ntiles = (kend + $BC - 1) / $BC;
-$LIM_FIRST    float o[$DV8][4];
-    #pragma unroll
-    for (int n = 0; n < $DV8; ++n) { o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f; }
-    float m0 = RT_NEG_INF, m1 = RT_NEG_INF, l0 = 0.f, l1 = 0.f;
+$LIM_FIRST$O_DECL    float m0 = RT_NEG_INF, m1 = RT_NEG_INF, l0 = 0.f, l1 = 0.f;
 $LACC    if (ntiles > 0) {
       float s[$BC8][4];
-      unsigned pa[$BC16][4];
-$OPEN$WAIT_Q$WALK$NO_KEYS    }
+$PA_DECL$OPEN$WAIT_Q$WALK$NO_KEYS    }
 $ROW_SUMS$TAIL
   }
-$O_DRAIN}"#;
+$END_FLUSH$O_DRAIN}"#;
     let (walk, lim_first) = if skip {
         (WALK_MINE, MINE)
     } else {
@@ -1181,7 +1272,9 @@ $O_DRAIN}"#;
         ),
         (
             "$ROW_SUMS",
-            if sums {
+            if fused {
+                ""
+            } else if sums {
                 "    l0 = lacc[0][0]; l1 = lacc[0][2];\n    const float inv0 = l0 == 0.f ? 0.f : 1.f / l0, inv1 = l1 == 0.f ? 0.f : 1.f / l1;\n"
             } else {
                 "$ROW_SUMS"
@@ -1189,12 +1282,25 @@ $O_DRAIN}"#;
             .to_string(),
         ),
         // Before the names its text holds.
+        ("$TAIL", if fused { String::new() } else { tail.clone() }),
         (
-            "$TAIL",
-            if obulk {
-                super::tail_with(s, Some(bulk_store_out(sp, s.dv, br)))
+            "$O_DECL",
+            if fused {
+                String::new()
             } else {
-                super::tail(s)
+                ["    float o[$DV8][4];\n", &zero_o[4..].replace("\n        ", "\n    ")].concat()
+            },
+        ),
+        (
+            "$PA_DECL",
+            if fused { "" } else { "      unsigned pa[$BC16][4];\n" }.to_string(),
+        ),
+        (
+            "$END_FLUSH",
+            if fused {
+                format!("  if (pending) {{\n{flush}  }}\n")
+            } else {
+                String::new()
             },
         ),
         (
@@ -1219,9 +1325,25 @@ $O_DRAIN}"#;
             }
             .to_string(),
         ),
-        ("$CONSUMER_LOOP", head.to_string()),
+        (
+            "$CONSUMER_LOOP",
+            if fused {
+                [FUSED_STATE, head].concat()
+            } else {
+                head.to_string()
+            },
+        ),
         ("$WAIT_Q", wait_q.to_string()),
-        ("$NO_KEYS", no_keys.to_string()),
+        (
+            "$NO_KEYS",
+            if fused {
+                format!(
+                    "{no_keys}      if (pending) {{\n{flush}        pending = false;\n      }}\n{zero_o}      inv0 = 0.f;\n      inv1 = 0.f;\n{tail}\n"
+                )
+            } else {
+                no_keys.to_string()
+            },
+        ),
         (
             "$QUEUE",
             if queued {
@@ -1231,7 +1353,15 @@ $O_DRAIN}"#;
             }
             .to_string(),
         ),
-        ("$WALK", walk.to_string()),
+        ("$WALK", if fused { WALK_FUSED } else { walk }.to_string()),
+        ("$FUSED", fused_turn),
+        ("$ZERO_O", zero_o.to_string()),
+        (
+            "$INVERSES",
+            super::hopper::ROW_SUMS
+                .replace("const float inv0 = ", "inv0 = ")
+                .replace(", inv1 = ", ";\n    inv1 = "),
+        ),
         ("$FIRST", first),
         ("$STEP", step),
         ("$LAST", last),
@@ -1595,6 +1725,54 @@ mod tests {
             .expect("the tile loop");
         assert!(at < tile, "opened once before the walk by default");
         assert!(!b.source.contains("if (cw != 1) {"));
+    }
+
+    /// Consumers running on from tile to tile: two query buffers, no skipped tiles, a tile's
+    /// first turn either the pending tile's last `P·V` beside its own first `Q·Kᵀ` or the
+    /// plain first one, the pending tile finished alone before a tile without keys and at the
+    /// end (so five turns in the listing, and four output stores with the keyless tile's
+    /// own), with two and three
+    /// consumers; without the statistics, and never where not asked.
+    #[test]
+    fn fused_tiles_carry_the_pending_tile() {
+        for (causal, nc) in [(Causal::TopLeft, 2), (Causal::None, 3)] {
+            let sp = spec(64, 1000, 1000, causal);
+            let s = sp.shape2(super::super::Tail::Out);
+            let b = super::build_fused(&s, &sp, (true, false), true);
+            assert_eq!(b.threads as usize, 128 + 128 * nc);
+            let src = &b.source;
+            assert!(src.contains("mb_wait(qfull + 8u * qslot, (qc / 2u) & 1u);"));
+            assert!(src.contains("if (pending) {"));
+            assert!(src.contains("bh_p = bh;") && src.contains("pending = true;"));
+            assert!(!src.contains("mine"), "no skipped tiles");
+            assert_eq!(src.matches("asm volatile(\"bar.sync %0, 256;\"").count(), 5);
+            assert_eq!(src.matches("tma_store_tile(&omap").count(), 4);
+            assert_eq!(src.matches("const long long bh = bh_p;").count(), 3);
+            // The pending tile's P·V follows the next tile's S_0 in the same turn, and its
+            // output is written after the next tile's first softmax.
+            let fused = &src[src.find("if (pending) {").unwrap()..];
+            let (s0, pv) = (
+                fused.find("RT_WGMMA_S0(").unwrap(),
+                fused.find("RT_WGMMA_O(").unwrap(),
+            );
+            let (maxima, out) = (
+                fused.find("float mx0 = RT_NEG_INF").unwrap(),
+                fused.find("const long long bh = bh_p;").unwrap(),
+            );
+            assert!(s0 < pv && pv < maxima && maxima < out);
+            // The plain kernel where not asked, or where the statistics are saved.
+            for b in [
+                super::build_fused(&s, &sp, (true, false), false),
+                super::build_fused(
+                    &sp.shape2(super::super::Tail::Save(4096)),
+                    &sp,
+                    (true, false),
+                    true,
+                ),
+            ] {
+                assert!(!b.source.contains("pending"));
+            }
+        }
     }
 
     /// With bulk output stores each consumer stages its 64 rows past the barriers at a
