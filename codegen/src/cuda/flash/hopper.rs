@@ -332,17 +332,29 @@ $ROW_MAXIMA        const float mn0 = fmaxf(m0, mx0 * c), mn1 = fmaxf(m1, mx1 * c
 const LEAN_EDGE: &str = r#"        const int kb = t * $BC;
         const float c = $SCALEf;
         if (kb + $BC > lim_first) {
-          const int d0 = (i0 < $SQ ? lim0 : 0) - kb - t4 * 2;
-          const int d1 = (i1 < $SQ ? lim1 : 0) - kb - t4 * 2;
-          #pragma unroll
+$EDGE_LIMITS          #pragma unroll
           for (int n = 0; n < $BC8; ++n) {
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              if (n * 8 + (e & 1) >= (e < 2 ? d0 : d1)) s[n][e] = RT_NEG_INF;
-            }
+$EDGE_COMPARE            }
           }
         }
 "#;
+
+/// The edge's limits relative to a lane's first key in the tile (`d0`, `d1`: a row past the
+/// end sees none), as [`LEAN_EDGE`] and the warp-specialized kernel's chunked edge take them.
+pub(super) const EDGE_LIMITS: &str = r#"          const int d0 = (i0 < $SQ ? lim0 : 0) - kb - t4 * 2;
+          const int d1 = (i1 < $SQ ? lim1 : 0) - kb - t4 * 2;
+"#;
+
+/// The edge's one compare and select of score `s[n][e]` against its row's limit, at `indent`
+/// spaces.
+pub(super) fn edge_compare(indent: usize) -> String {
+    format!(
+        "{:indent$}if (n * 8 + (e & 1) >= (e < 2 ? d0 : d1)) s[n][e] = RT_NEG_INF;\n",
+        ""
+    )
+}
 
 /// [`SOFTMAX_SCORES`], with `lean` its edge [`LEAN_EDGE`] (which only a kernel without a mask
 /// and with a positive scale may take).
@@ -353,7 +365,10 @@ pub(super) fn softmax_scores(lean: bool) -> String {
     let rest = SOFTMAX_SCORES
         .find("        // The rows' maxima")
         .expect("the maxima follow the edge");
-    [LEAN_EDGE, &SOFTMAX_SCORES[rest..]].concat()
+    let lean = LEAN_EDGE
+        .replace("$EDGE_LIMITS", EDGE_LIMITS)
+        .replace("$EDGE_COMPARE", &edge_compare(14));
+    [lean.as_str(), &SOFTMAX_SCORES[rest..]].concat()
 }
 
 /// The edge tiles' form of the forward's softmax ([`edge`]).

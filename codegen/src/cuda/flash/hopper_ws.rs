@@ -508,17 +508,14 @@ pub(super) const CHUNKED_EDGE: &str = r#"        const int kb = t * $BC;
           const int wrow = i0 - g;
           const int wlim = wrow >= $SQ ? 0 : lim_of(min(wrow + 15, $SQ - 1));
           nch = __shfl_sync(0xffffffffu, min(max(wlim - kb + 31, 0) / 32, $NCH), 0);
-          const int d0 = (i0 < $SQ ? lim0 : 0) - kb - t4 * 2;
-          const int d1 = (i1 < $SQ ? lim1 : 0) - kb - t4 * 2;
-          #pragma unroll
+$EDGE_LIMITS          #pragma unroll
           for (int ch = 0; ch < $NCH; ++ch) {
             if (ch < nch) {
               #pragma unroll
               for (int n = 4 * ch; n < 4 * ch + 4; ++n) {
                 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                  if (n * 8 + (e & 1) >= (e < 2 ? d0 : d1)) s[n][e] = RT_NEG_INF;
-                }
+$EDGE_COMPARE                }
                 mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
                 mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
               }
@@ -562,6 +559,8 @@ fn chunked_edge(bc: usize, exps: &str) -> String {
     let refs = &refs[refs.find("        const float mn0").expect("references")..];
     CHUNKED_EDGE
         .replace("$REFERENCES", &[shuffles, refs].concat())
+        .replace("$EDGE_LIMITS", super::hopper::EDGE_LIMITS)
+        .replace("$EDGE_COMPARE", &super::hopper::edge_compare(18))
         .replace("$NCH", &(bc / 32).to_string())
         .replace("$EXP_ROWS", &exp_rows(16))
         .replace("$EXPS", exps)
