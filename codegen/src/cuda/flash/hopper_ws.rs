@@ -973,28 +973,30 @@ fn source(
         chains /= 2;
     }
     let edge = edge(s, nc);
-    let scores = softmax_scores(edge == Edge::Lean);
-    let (scores, exps) = if chains == 1 {
-        (
-            scores.replace("$ROW_MAXIMA", &row_maxima("$BC8", "        ")),
-            exps.to_string(),
-        )
-    } else {
-        (
-            scores.replace("$ROW_MAXIMA", &split_maxima(bc / 8, chains)),
-            split_exps(bc / 8, chains),
-        )
-    };
     let poly = exp_poly();
-    let exps = if poly == 0 {
-        exps
-    } else {
-        poly_exps(&exps, poly, chains)
-    };
-    // The chunked edge holds the plain exponentials for the tiles off the edges.
+    // The scores' code: the chunked edge (which holds the plain exponentials for the tiles off
+    // the edges), or the scaled or lean edge with the maxima and exponentials after it, in
+    // one chain a row or split, by the SFU or partly by the polynomial.
     let (scores, exps) = if chains == 1 && poly == 0 && bc % 32 == 0 && edge == Edge::Chunks {
         (chunked_edge(bc, &exps), String::new())
     } else {
+        let scores = softmax_scores(edge == Edge::Lean);
+        let (scores, exps) = if chains == 1 {
+            (
+                scores.replace("$ROW_MAXIMA", &row_maxima("$BC8", "        ")),
+                exps.to_string(),
+            )
+        } else {
+            (
+                scores.replace("$ROW_MAXIMA", &split_maxima(bc / 8, chains)),
+                split_exps(bc / 8, chains),
+            )
+        };
+        let exps = if poly == 0 {
+            exps
+        } else {
+            poly_exps(&exps, poly, chains)
+        };
         (scores, exps)
     };
     let exps = exps.as_str();
