@@ -25,9 +25,10 @@ fn compilers() -> Option<Vec<KernelCompiler>> {
     }
 }
 
-/// Held by the tests that lower the Hopper backward: one of them sets the process-wide variables
-/// that select its variants.
-static HOPPER_BWD_ENV: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// Held by every test that lowers for Hopper: they set the process-wide variables that select
+/// the kernels' variants, and a kernel lowered while another test changes one could mix two
+/// forms (a descriptor helper of one form called in the other's).
+static HOPPER_ENV: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn t(d: DType, dims: &[usize]) -> TensorType {
     TensorType::new(d, Shape::new(dims.to_vec()))
@@ -224,6 +225,7 @@ fn flash_attention_group_gradients_compile() {
 #[test]
 fn flash_attention_hopper_compiles() {
     let Some(compilers) = compilers() else { return };
+    let _env = HOPPER_ENV.lock().unwrap_or_else(|e| e.into_inner());
     let hopper: Vec<KernelCompiler> = compilers
         .into_iter()
         .filter(|c| c.arch() == "sm_90a")
@@ -596,6 +598,7 @@ fn flash_attention_hopper_compiles() {
 #[test]
 fn flash_attention_saving_compiles() {
     let Some(compilers) = compilers() else { return };
+    let _env = HOPPER_ENV.lock().unwrap_or_else(|e| e.into_inner());
     let mut portable = vec![];
     let mut hopper = vec![];
     for d in [DType::F16, DType::BF16] {
@@ -698,9 +701,9 @@ fn grad_group(
 #[test]
 fn flash_attention_hopper_backward_compiles() {
     let Some(compilers) = compilers() else { return };
-    // The variables that select the variants below are process-wide: the other test that
-    // lowers this backward waits for the whole of this one.
-    let _env = HOPPER_BWD_ENV.lock().unwrap_or_else(|e| e.into_inner());
+    // The variables that select the variants below are process-wide: the other tests that
+    // lower for Hopper wait for the whole of this one.
+    let _env = HOPPER_ENV.lock().unwrap_or_else(|e| e.into_inner());
     let hopper: Vec<KernelCompiler> = compilers
         .into_iter()
         .filter(|c| c.arch() == "sm_90a")
@@ -912,7 +915,7 @@ fn flash_attention_hopper_wgmma_stays_asynchronous() {
         .into_iter()
         .find(|c| c.arch() == "sm_90a")
         .expect("the sm_90 device compiles for sm_90a");
-    let _env = HOPPER_BWD_ENV.lock().unwrap_or_else(|e| e.into_inner());
+    let _env = HOPPER_ENV.lock().unwrap_or_else(|e| e.into_inner());
     let d = DType::BF16;
     let mut kernels = vec![];
     for hd in [64, 128] {
