@@ -1049,8 +1049,9 @@ fn source(
     ]
     .concat();
 
-    // Key tile j: S_j and P_{j-1}·V_{j-1} issued together, the softmax of S_j while P·V runs.
-    let step = [
+    // S and the previous tile's P·V issued together in one turn, S waited for and its key
+    // tile freed (the previous P·V still running).
+    let issue_both = [
         full_k,
         full_v,
         fence,
@@ -1062,6 +1063,12 @@ fn source(
         &pass,
         &wait(1, "s", bc8),
         free_k,
+    ]
+    .concat();
+
+    // Key tile j: S_j and P_{j-1}·V_{j-1} issued together, the softmax of S_j while P·V runs.
+    let step = [
+        &issue_both,
         &release_q("j == ntiles - 1"),
         "        const int t = j;\n",
         &scores,
@@ -1095,17 +1102,7 @@ fn source(
     // The pending tile's last P·V issued beside this tile's S_0, this tile's first softmax
     // while it runs, then the pending output, and P_0.
     let fused_turn = [
-        full_k,
-        full_v,
-        fence,
-        &turn,
-        k_slot,
-        &s_gemm,
-        v_slot,
-        &pv_gemm,
-        &pass,
-        &wait(1, "s", bc8),
-        free_k,
+        &issue_both,
         &release_q("ntiles == 1"),
         "        {\n        const int t = 0;\n",
         &scores,
