@@ -10,11 +10,13 @@
 //!   the scores, `P` and the output of a 64 × 128 tile in registers without spilling.
 //! - **The producer** walks the same query tiles as the consumers and copies, in the order the
 //!   consumers read them, the query tile, key tile 0, then key tile `j` and value tile `j − 1`
-//!   for each `j`, then the last value tile, into two key and two value buffers (`cp.async`,
+//!   for each `j`, then the last value tile, into two key and two value buffers and one query
+//!   buffer (two with three consumers and tiles taken at run time, [`query_stages`]; `cp.async`,
 //!   rows past the end zero-filled). Before it writes a buffer it waits on that buffer's *empty*
 //!   barrier; `cp.async.mbarrier.arrive.noinc` makes the buffer's *full* barrier complete when
-//!   the copies have landed. The next query tile's copies start as soon as the consumers' last
-//!   `Q·Kᵀ` of the current one is done.
+//!   the copies have landed. With one query buffer the next query tile's copies start as soon
+//!   as the consumers' last `Q·Kᵀ` of the current one is done; with two, as soon as the
+//!   producer has handed out the current tile's last copies.
 //! - **Bulk tensor copies** (the default; `RUSTYTORCH_HOPPER_TMA=0` turns them off): instead of
 //!   its 128 threads' 16-byte `cp.async`s, one producer thread moves each tile with the tensor
 //!   memory accelerator (`cp.async.bulk.tensor.4d`, one copy per 64-column block, swizzled by
@@ -47,6 +49,10 @@
 //!   barriers, takes and passes its turns and frees the buffers, so the producer's walk and
 //!   the barriers' phases are the same for every consumer, but it issues no product. Its
 //!   `lim_first` (below which no tile needs the mask) is its own first row's too.
+//!
+//! - **Running on from tile to tile** (a variable, [`fused_tiles`]): a consumer issues a tile's
+//!   last `P·V` in the same turn as the next tile's first `Q·Kᵀ` and writes the tile's output
+//!   after the next tile's first softmax ([`WALK_FUSED`]).
 //!
 //! The products (descriptors, swizzle, `wgmma` shapes), the softmax (masks, causal limits,
 //! maxima, rescaling) and the end of the kernel (the output or the backward's statistics) are
