@@ -397,7 +397,8 @@ fn fused_tiles() -> bool {
 /// The consumer's walk over a query tile's key tiles where it runs on from tile to tile
 /// ([`fused_tiles`]): a tile whose predecessor is still pending (its last `P·V` not yet issued)
 /// starts with `$FUSED`, which issues that `P·V` beside its own first `Q·Kᵀ` and writes the
-/// predecessor's output; its own last `P·V` and output wait for the next tile (or `$FLUSH`).
+/// predecessor's output; its own last `P·V` and output wait for the next tile (or, before a
+/// tile without keys and at the end, for the pending tile finished on its own).
 const WALK_FUSED: &str = r#"      if (pending) {
 $FUSED      } else {
 $ZERO_O$FIRST      }
